@@ -1,0 +1,73 @@
+"""Run a grid of vlmdoctor configurations, one fresh process each, and tabulate them.
+
+    python bench/grid.py bench/grids/issue2_0.5b.yaml --out results/           # all rows, all stages
+    python bench/grid.py bench/grids/issue2_0.5b.yaml --stage 2 --only 0,1     # a subset
+
+Writes OUT/results.jsonl (one report per line, written as each run ends, so a cut-off grid
+keeps what it measured) and prints a Markdown table at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from vlmdoctor.config import RunConfig  # noqa: E402
+from vlmdoctor.runner import run_isolated  # noqa: E402
+
+
+def row(name: str, r: dict) -> str:
+    cfg = r.get("config", {})
+    if r.get("status") != "ok":
+        msg = (r.get("error") or {}).get("message", "")[:80]
+        return f"| {cfg.get('stage')} | {name} | {r.get('status')}: {msg} | | | | | | |"
+    m = r["metrics"]
+    mfu = f"{m['mfu'] * 100:.1f}" if m.get("mfu") is not None else "n/a"
+    mem = f"{m['peak_mem_gb']:.1f}" if m.get("peak_mem_gb") is not None else "n/a"
+    return (f"| {cfg['stage']} | {name} | {m['real_tokens_per_s']:,.0f} | {m['loss_tokens_per_s']:,.0f} | "
+            f"{m['pad_fraction'] * 100:.1f} | {m['step_ms']:.1f} ({m['step_ms_p10']:.1f}-{m['step_ms_p90']:.1f}) | "
+            f"{mfu} | {mem} | {m['final_loss']:.3f} |")
+
+
+HEADER = ("| stage | configuration | real tok/s | loss tok/s | pad % | ms/step median (p10-p90) | MFU % | peak GiB | loss |\n"
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("grid")
+    ap.add_argument("--out", default="bench-results")
+    ap.add_argument("--stage", type=int, action="append", help="only these stages")
+    ap.add_argument("--only", help="comma-separated row indexes")
+    ap.add_argument("--set", action="append", default=[], help="knob=value applied to every row (YAML value)")
+    args = ap.parse_args()
+    grid = yaml.safe_load(Path(args.grid).read_text())
+    extra = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)}
+    rows = list(enumerate(grid["runs"]))
+    if args.only:
+        keep = {int(i) for i in args.only.split(",")}
+        rows = [(i, r) for i, r in rows if i in keep]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = []
+    with open(out / "results.jsonl", "a") as f:
+        for stage in args.stage or grid.get("stages", [2]):
+            for i, r in rows:
+                cfg = RunConfig.from_dict({**grid.get("defaults", {}), **r["set"], **extra, "stage": stage})
+                t0 = time.time()
+                rep = run_isolated(cfg, timeout=900)
+                rep["bench"] = {"grid": args.grid, "row": i, "name": r["name"], "wall_s": time.time() - t0}
+                f.write(json.dumps(rep) + "\n")
+                f.flush()
+                lines.append(row(r["name"], rep))
+                print(lines[-1], f"[{time.time() - t0:.0f}s]", flush=True)
+    print("\n" + HEADER + "\n" + "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""The `vlmdoctor` command line: thin over the Python API (config, runner, report)."""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from .config import RunConfig
+from .errors import EXIT_USAGE, VlmdoctorError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Profiler-driven diagnosis of vision-language-model training.")
+err = Console(stderr=True)
+out = Console()
+
+P0, P1, P2, P3, P4, P5 = ("experiment", "1 precision", "2 batching", "3 data layout", "4 kernel fusion", "5 system tuning")
+
+
+def _opt(help: str, panel: str, *names: str):
+    return typer.Option(None, *names, help=help, rich_help_panel=panel, show_default=False)
+
+
+@app.command()
+def profile(
+    model: Optional[str] = _opt("model preset: 0.5b, 1.5b, tiny, llava-1.5-7b [default: 0.5b]", P0, "--model"),
+    stage: Optional[int] = _opt("1: projector only; 2: LLM + projector [default: 2]", P0, "--stage"),
+    device: Optional[str] = _opt("auto, cuda or cpu [default: auto]", P0, "--device"),
+    vision: Optional[str] = _opt("vision tower, overrides the preset's", P0, "--vision"),
+    llm: Optional[str] = _opt("LLM, overrides the preset's", P0, "--llm"),
+    projector: Optional[str] = _opt("linear or mlp2x_gelu, overrides the preset's", P0, "--projector"),
+    pixel_shuffle: Optional[int] = _opt("pixel-shuffle factor, overrides the preset's", P0, "--pixel-shuffle"),
+    weights: Optional[str] = _opt("random (default) or pretrained (needs the hub or a local cache)", P0, "--weights"),
+    steps: Optional[int] = _opt("timed steps per repeat [default: 20]", P0, "--steps"),
+    warmup: Optional[int] = _opt("warm-up steps [default: 5]", P0, "--warmup"),
+    repeats: Optional[int] = _opt("timed windows; metrics are medians over them [default: 1]", P0, "--repeats"),
+    seed: Optional[int] = _opt("random seed", P0, "--seed"),
+    data: Optional[str] = _opt("'synthetic' (default) or a LLaVA-format JSON/JSONL file", P0, "--data"),
+    tokenizer: Optional[str] = _opt("local tokenizer folder, for --data FILE", P0, "--tokenizer"),
+    bad_records: Optional[str] = _opt("stop (default) or skip malformed --data records", P0, "--bad-records"),
+    weight_dtype: Optional[str] = _opt("fp32 (default, as loaded) or bf16", P1, "--weight-dtype"),
+    autocast: Optional[str] = _opt("bf16 (default) or off", P1, "--autocast"),
+    vision_no_grad: Optional[bool] = _opt("frozen tower under torch.no_grad()", P1, "--vision-no-grad/--no-vision-no-grad"),
+    allow_tf32: Optional[bool] = _opt("TF32 for FP32 matmuls", P1, "--allow-tf32/--no-allow-tf32"),
+    batch_size: Optional[int] = _opt("samples per micro-batch [default: 4]", P2, "--batch-size"),
+    grad_accum: Optional[int] = _opt("micro-batches per optimizer step [default: 1]", P2, "--grad-accum"),
+    sampler: Optional[str] = _opt("random (default) or length_bucketed", P3, "--sampler"),
+    pad_to_multiple_of: Optional[int] = _opt("pad batch length to a multiple [default: 1]", P3, "--pad-to-multiple-of"),
+    packing: Optional[bool] = _opt("pack samples into rows", P3, "--packing/--no-packing"),
+    pack_length: Optional[int] = _opt("tokens per packed row [default: 2048]", P3, "--pack-length"),
+    attention: Optional[str] = _opt("sdpa (default), flash, efficient, cudnn, math, eager", P4, "--attention"),
+    liger_rope: Optional[bool] = _opt("Liger RoPE", P4, "--liger-rope/--no-liger-rope"),
+    liger_rms_norm: Optional[bool] = _opt("Liger RMSNorm", P4, "--liger-rms-norm/--no-liger-rms-norm"),
+    liger_swiglu: Optional[bool] = _opt("Liger SwiGLU", P4, "--liger-swiglu/--no-liger-swiglu"),
+    liger_fused_linear_cross_entropy: Optional[bool] = _opt(
+        "Liger fused linear cross entropy (FusedCE)", P4, "--liger-fused-ce/--no-liger-fused-ce"),
+    liger: Optional[bool] = _opt("shorthand: Liger rope + rms_norm + swiglu (FusedCE stays as set)", P4, "--liger"),
+    compile: Optional[str] = _opt("off (default), default, reduce-overhead, max-autotune", P4, "--compile"),
+    gradient_checkpointing: Optional[bool] = _opt(
+        "recompute LLM activations [default: on]", P5, "--gradient-checkpointing/--no-gradient-checkpointing"),
+    checkpoint_use_reentrant: Optional[bool] = _opt(
+        "reentrant checkpoint implementation", P5, "--checkpoint-reentrant/--no-checkpoint-reentrant"),
+    num_workers: Optional[int] = _opt("data-loader workers [default: 0]", P5, "--num-workers"),
+    pin_memory: Optional[bool] = _opt("pinned host memory", P5, "--pin-memory/--no-pin-memory"),
+    cache_vision_features: Optional[bool] = _opt(
+        "precompute frozen vision features", P5, "--cache-vision-features/--no-cache-vision-features"),
+    fused_optimizer: Optional[bool] = _opt("AdamW(fused=True)", P5, "--fused-optimizer/--no-fused-optimizer"),
+    config: Optional[str] = typer.Option(None, "--config", help="run config YAML/JSON (or a report JSON); flags override it"),
+    json_path: Optional[str] = typer.Option(None, "--json", help="write the report JSON here ('-' for stdout)"),
+    save_config: Optional[str] = typer.Option(None, "--save-config", help="write the resolved run config (YAML/JSON)"),
+    force: bool = typer.Option(False, "--force", help="overwrite existing output files"),
+    quiet: bool = typer.Option(False, "--quiet", help="no progress and no table"),
+) -> None:
+    """Run real training steps of a VLM and measure them.
+
+    Runs on the GPU when there is one; `--model tiny --device cpu` runs anywhere.
+    """
+    overrides = {k: v for k, v in locals().items()
+                 if v is not None and k not in ("config", "json_path", "save_config", "force", "quiet", "liger")}
+    if liger is not None:
+        for k in ("liger_rope", "liger_rms_norm", "liger_swiglu"):
+            overrides.setdefault(k, liger)
+    with _user_errors():
+        _profile(overrides, config, json_path, save_config, force, quiet)
+
+
+def _profile(overrides: dict[str, Any], config: str | None, json_path: str | None, save_config: str | None,
+             force: bool, quiet: bool) -> None:
+    from .report import check_writable, render, write_json
+    from .runner import exit_code, run_profile
+
+    base = RunConfig.load(config) if config else RunConfig()
+    cfg = base.replace(**overrides)
+    check_writable(json_path, force)
+    check_writable(save_config, force)
+    if save_config:
+        cfg.dump(save_config)
+    if quiet:
+        report = run_profile(cfg)
+    else:
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=err, transient=True) as bar:
+            tasks: dict[str, Any] = {}
+
+            def progress(phase: str, done: int, total: int) -> None:
+                if phase not in tasks:
+                    tasks[phase] = bar.add_task(phase, total=total)
+                bar.update(tasks[phase], completed=done)
+
+            report = run_profile(cfg, progress)
+    if json_path:
+        write_json(report, json_path)
+    if not quiet and json_path != "-":
+        render(report, out)
+    raise typer.Exit(exit_code(report))
+
+
+@app.command()
+def models(as_json: bool = typer.Option(False, "--json", help="machine output")) -> None:
+    """List presets, vision towers and LLMs with parameter counts and head dims."""
+    from .model import catalogue
+    from .report import render_models
+
+    rows = catalogue()
+    if as_json:
+        print(json.dumps(rows, indent=2))
+    else:
+        render_models(rows, out)
+
+
+class _user_errors:
+    """Turns user-caused errors into one line on stderr and their exit code."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is None or isinstance(exc, (typer.Exit, SystemExit)):
+            return False
+        if isinstance(exc, VlmdoctorError):
+            err.print(f"[bold red]error:[/bold red] {exc.message}", highlight=False)
+            raise typer.Exit(exc.exit_code)
+        if isinstance(exc, KeyboardInterrupt):
+            err.print("interrupted")
+            raise typer.Exit(130)
+        return False
+
+
+def main() -> None:
+    try:
+        app()
+    except VlmdoctorError as e:  # raised outside a command body
+        err.print(f"error: {e.message}")
+        sys.exit(EXIT_USAGE)

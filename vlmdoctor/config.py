@@ -1,0 +1,177 @@
+"""The run config: every knob of a training run in one serializable object.
+
+Each knob carries the layer of the five-layer recipe it belongs to (1 precision, 2 batching,
+3 data layout, 4 kernel fusion, 5 system tuning; 0 for what defines the experiment itself:
+model, stage, measurement window). Rules in later stages patch these knobs by name, so the
+names are the public interface of a prescription.
+
+The defaults are what a typical first training script does: weights as loaded (fp32) with
+bf16 autocast, batch 4, random order, no packing, default SDPA, no fusion, gradient
+checkpointing on, no data-loader workers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import UsageError
+
+LAYER_NAMES = {
+    0: "experiment",
+    1: "precision",
+    2: "batching",
+    3: "data layout",
+    4: "kernel fusion",
+    5: "system tuning",
+}
+
+
+def knob(default: Any, layer: int, help: str, choices: tuple | None = None, minimum: int | None = None):
+    """A config field with its layer, help text and allowed values."""
+    return field(default=default, metadata={"layer": layer, "help": help, "choices": choices, "minimum": minimum})
+
+
+@dataclass
+class RunConfig:
+    # --- layer 0: what is measured -------------------------------------------------------
+    model: str = knob("0.5b", 0, "model preset (see `vlmdoctor models`)")
+    vision: str | None = knob(None, 0, "vision tower name, overrides the preset's")
+    llm: str | None = knob(None, 0, "LLM name, overrides the preset's")
+    projector: str | None = knob(None, 0, "projector type, overrides the preset's", ("linear", "mlp2x_gelu"))
+    pixel_shuffle: int | None = knob(None, 0, "pixel-shuffle factor, overrides the preset's (1 = none)", minimum=1)
+    weights: str = knob("random", 0, "random init from shipped configs, or the real checkpoints", ("random", "pretrained"))
+    stage: int = knob(2, 0, "1: projector only; 2: LLM + projector", (1, 2))
+    device: str = knob("auto", 0, "where to run", ("auto", "cuda", "cpu"))
+    steps: int = knob(20, 0, "timed steps per repeat", minimum=1)
+    warmup: int = knob(5, 0, "warm-up steps before timing", minimum=0)
+    repeats: int = knob(1, 0, "timed windows; numbers are the median over them", minimum=1)
+    seed: int = knob(0, 0, "random seed for weights and data")
+    lr: float = knob(1e-5, 0, "AdamW learning rate")
+    data: str = knob("synthetic", 0, "'synthetic' or a LLaVA-format JSON/JSONL file")
+    tokenizer: str | None = knob(None, 0, "local tokenizer folder for --data FILE")
+    bad_records: str = knob("stop", 0, "malformed records in --data: stop the run or skip them (counted)", ("stop", "skip"))
+    num_samples: int = knob(4096, 0, "synthetic samples in the data set", minimum=1)
+    # --- layer 1: precision --------------------------------------------------------------
+    weight_dtype: str = knob("fp32", 1, "dtype the weights are stored in", ("fp32", "bf16"))
+    autocast: str = knob("bf16", 1, "autocast around forward and loss", ("bf16", "off"))
+    vision_no_grad: bool = knob(False, 1, "run the frozen vision tower under torch.no_grad()")
+    allow_tf32: bool = knob(False, 1, "let FP32 matmuls use TF32 tensor cores")
+    # --- layer 2: batching ---------------------------------------------------------------
+    batch_size: int = knob(4, 2, "samples per micro-batch", minimum=1)
+    grad_accum: int = knob(1, 2, "micro-batches per optimizer step", minimum=1)
+    # --- layer 3: data layout ------------------------------------------------------------
+    sampler: str = knob("random", 3, "sample order", ("random", "length_bucketed"))
+    pad_to_multiple_of: int = knob(1, 3, "pad each batch's length up to a multiple of this (1 = none)", minimum=1)
+    packing: bool = knob(False, 3, "pack samples into rows (position ids reset, no cross-sample attention)")
+    pack_length: int = knob(2048, 3, "tokens per packed row", minimum=16)
+    # --- layer 4: kernel fusion ----------------------------------------------------------
+    attention: str = knob("sdpa", 4, "attention backend", ("sdpa", "flash", "efficient", "cudnn", "math", "eager"))
+    liger_rope: bool = knob(False, 4, "Liger Triton RoPE")
+    liger_rms_norm: bool = knob(False, 4, "Liger Triton RMSNorm")
+    liger_swiglu: bool = knob(False, 4, "Liger Triton SwiGLU")
+    liger_fused_linear_cross_entropy: bool = knob(False, 4, "Liger fused LM head + cross entropy (FusedCE)")
+    compile: str = knob("off", 4, "torch.compile mode for the model", ("off", "default", "reduce-overhead", "max-autotune"))
+    # --- layer 5: system tuning ----------------------------------------------------------
+    gradient_checkpointing: bool = knob(True, 5, "recompute LLM activations in backward")
+    checkpoint_use_reentrant: bool = knob(False, 5, "use the reentrant checkpoint implementation")
+    num_workers: int = knob(0, 5, "data-loader worker processes", minimum=0)
+    pin_memory: bool = knob(False, 5, "pinned host memory for batches (async H2D copies)")
+    cache_vision_features: bool = knob(False, 5, "precompute frozen vision features once, copy them H2D each step")
+    fused_optimizer: bool = knob(False, 5, "AdamW(fused=True) instead of the default foreach implementation")
+
+    # ------------------------------------------------------------------------------------
+    @property
+    def uses_liger(self) -> bool:
+        return self.liger_rope or self.liger_rms_norm or self.liger_swiglu or self.liger_fused_linear_cross_entropy
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "config") -> "RunConfig":
+        """Build and validate; unknown keys and bad values are user errors naming the valid ones."""
+        if not isinstance(data, dict):
+            raise UsageError(f"{source}: expected a mapping of knob names to values, got {type(data).__name__}")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise UsageError(f"{source}: unknown knob(s) {', '.join(unknown)}; valid knobs: {', '.join(sorted(names))}")
+        cfg = cls(**data)
+        cfg.validate(source)
+        return cfg
+
+    def replace(self, **changes: Any) -> "RunConfig":
+        """A validated copy with some knobs changed (the shape of a prescription's config patch)."""
+        return RunConfig.from_dict({**self.to_dict(), **changes}, source="config patch")
+
+    def validate(self, source: str = "config") -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            meta = f.metadata
+            if value is None:
+                continue
+            expected = _base_type(f.type)
+            if expected is bool and not isinstance(value, bool):
+                raise UsageError(f"{source}: {f.name} must be true or false, got {value!r}")
+            if expected is int and (isinstance(value, bool) or not isinstance(value, int)):
+                raise UsageError(f"{source}: {f.name} must be an integer, got {value!r}")
+            if expected is float and not isinstance(value, (int, float)):
+                raise UsageError(f"{source}: {f.name} must be a number, got {value!r}")
+            if meta["choices"] is not None and value not in meta["choices"]:
+                valid = ", ".join(str(c) for c in meta["choices"])
+                raise UsageError(f"{source}: {f.name}={value!r} is not valid; choose one of: {valid}")
+            if meta["minimum"] is not None and value < meta["minimum"]:
+                raise UsageError(f"{source}: {f.name}={value!r} must be at least {meta['minimum']}")
+
+    # --- files -----------------------------------------------------------------------------
+    @classmethod
+    def load(cls, path: str | Path) -> "RunConfig":
+        """Read YAML or JSON; a report JSON works too (its `config` section is used)."""
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as e:
+            raise UsageError(f"cannot read config {p}: {e.strerror}") from None
+        try:
+            data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+        except (json.JSONDecodeError, yaml.YAMLError) as e:
+            raise UsageError(f"config {p} does not parse: {str(e).splitlines()[0]}") from None
+        if isinstance(data, dict) and "schema_version" in data and "config" in data:
+            data = data["config"]
+        return cls.from_dict(data or {}, source=str(p))
+
+    def dump(self, path: str | Path) -> None:
+        p = Path(path)
+        data = self.to_dict()
+        p.write_text(json.dumps(data, indent=2) + "\n" if p.suffix == ".json" else yaml.safe_dump(data, sort_keys=False))
+
+
+def _base_type(annotation: Any) -> type:
+    text = str(annotation)
+    for t in (bool, int, float, str):
+        if text.startswith(t.__name__):
+            return t
+    return object
+
+
+def knob_table() -> list[dict[str, Any]]:
+    """Every knob with its layer, default, choices and help (for docs and `--help`)."""
+    rows = []
+    for f in fields(RunConfig):
+        m = f.metadata
+        rows.append(
+            {
+                "name": f.name,
+                "layer": m["layer"],
+                "layer_name": LAYER_NAMES[m["layer"]],
+                "default": f.default,
+                "choices": list(m["choices"]) if m["choices"] else None,
+                "help": m["help"],
+            }
+        )
+    return rows

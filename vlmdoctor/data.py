@@ -1,0 +1,377 @@
+"""Training data: synthetic ShareGPT4V-COCO-shaped samples or a user's LLaVA-format file.
+
+Every sample uses the SiQ-VL chat format on the Qwen2.5 template
+    <|im_start|>system\\n SYS <|im_end|>\\n
+    <|im_start|>user\\n <|vision_start|> IMG*n <|vision_end|>\\n QUESTION <|im_end|>\\n
+    <|im_start|>assistant\\n ANSWER <|im_end|>\\n
+with labels -100 everywhere but the answer (its closing <|im_end|> included).
+Lengths vary from sample to sample, so padding in unbucketed batches is real.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Sampler
+
+from .errors import UsageError
+from .zoo import ModelSpec
+
+IGNORE = -100
+SYSTEM_PROMPT = "You are a helpful assistant."
+IMAGE_POOL = 64  # distinct synthetic images; samples cycle through them like epochs over a small set
+
+
+def length_model(name: str = "sharegpt4v_coco") -> dict[str, Any]:
+    """The shipped length distribution (also under fixtures/lengths/)."""
+    return json.loads((resources.files("vlmdoctor") / "configs" / "lengths" / f"{name}.json").read_text())
+
+
+def sample_text_lengths(lm: dict[str, Any], n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Question and answer token counts for n samples."""
+    rng = np.random.default_rng(seed)
+    q = lm["question_tokens"]
+    a = lm["answer_tokens"]
+    questions = rng.integers(q["low"], q["high"] + 1, n)
+    answers = np.round(a["low"] + (a["high"] - a["low"]) * rng.beta(a["alpha"], a["beta"], n)).astype(np.int64)
+    return questions, answers
+
+
+@dataclass
+class Template:
+    """Token ids of the chat template for one LLM."""
+
+    ids: dict[str, int]
+    role_system: int
+    role_user: int
+    role_assistant: int
+    newline: int
+
+    @classmethod
+    def for_llm(cls, llm_spec: dict[str, Any]) -> "Template":
+        lo, _ = llm_spec["text_token_range"]
+        # fixed stand-ins for the role words and newline inside the text range
+        return cls(ids=llm_spec["special_tokens"], role_system=lo, role_user=lo + 1, role_assistant=lo + 2, newline=lo + 3)
+
+    def build(self, system: list[int], n_image: int, question: list[int], answer: list[int]) -> tuple[list[int], list[int]]:
+        t = self.ids
+        prompt = (
+            [t["im_start"], self.role_system, self.newline, *system, t["im_end"], self.newline]
+            + [t["im_start"], self.role_user, self.newline, t["vision_start"], *([t["image_pad"]] * n_image)]
+            + [t["vision_end"], self.newline, *question, t["im_end"], self.newline]
+            + [t["im_start"], self.role_assistant, self.newline]
+        )
+        reply = [*answer, t["im_end"]]
+        ids = prompt + reply + [self.newline]
+        labels = [IGNORE] * len(prompt) + reply + [IGNORE]
+        return ids, labels
+
+
+def normalize_image(img: np.ndarray) -> torch.Tensor:
+    """uint8 HWC -> float CHW in [-1, 1], what the SigLIP processor does after resizing."""
+    return torch.from_numpy(img).permute(2, 0, 1).float().div_(127.5).sub_(1.0)
+
+
+class SyntheticVQA(Dataset):
+    """ShareGPT4V-COCO-shaped VQA samples with random token ids and random images."""
+
+    def __init__(self, spec: ModelSpec, num_samples: int, seed: int = 0) -> None:
+        self.spec = spec
+        self.template = Template.for_llm(spec.llm)
+        self.lm = length_model()
+        self.questions, self.answers = sample_text_lengths(self.lm, num_samples, seed)
+        self.seed = seed
+        lo, hi = spec.llm["text_token_range"]
+        self.text_range = (lo + 4, hi)  # the first four ids are the template stand-ins
+        rng = np.random.default_rng(seed + 1)
+        self.system = rng.integers(*self.text_range, self.lm["system_prompt_tokens"]).tolist()
+        s = spec.vision["input_size"]
+        self.images = rng.integers(0, 256, (IMAGE_POOL, s, s, 3), dtype=np.uint8)
+        fixed = self.lm["template_tokens"] + self.lm["system_prompt_tokens"] + spec.image_tokens + 2
+        self.lengths = (fixed + self.questions + self.answers).tolist()
+        self.with_pixels = True  # False when vision features are cached
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        rng = np.random.default_rng((self.seed, i))
+        question = rng.integers(*self.text_range, int(self.questions[i])).tolist()
+        answer = rng.integers(*self.text_range, int(self.answers[i]) - 1).tolist()
+        ids, labels = self.template.build(self.system, self.spec.image_tokens, question, answer)
+        sample = {"input_ids": ids, "labels": labels, "image_id": i % IMAGE_POOL}
+        if self.with_pixels:
+            sample["pixel_values"] = self.raw_image(sample["image_id"])
+        return sample
+
+    def raw_image(self, image_id: int) -> torch.Tensor:
+        return normalize_image(self.images[image_id])
+
+
+@dataclass
+class FileStats:
+    records: int = 0
+    skipped: int = 0
+    problems: list[str] = field(default_factory=list)
+
+
+class LlavaFile(Dataset):
+    """LLaVA-format JSON or JSONL (`image` path + `conversations`), local images, local tokenizer.
+
+    Malformed records are reported with their line (JSONL) or index (JSON list); `bad_records`
+    decides whether the run stops or skips them. Skips are counted in the report, so the
+    numbers never change silently.
+    """
+
+    def __init__(self, path: str, tokenizer_dir: str | None, spec: ModelSpec, bad_records: str = "stop") -> None:
+        self.spec = spec
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise UsageError(f"--data {path}: no such file")
+        if tokenizer_dir is None:
+            raise UsageError("--data FILE needs --tokenizer DIR (a local tokenizer folder); nothing is downloaded")
+        self.tokenizer = _load_tokenizer(tokenizer_dir)
+        self.ids = _tokenizer_special_ids(self.tokenizer, tokenizer_dir)
+        self.stats = FileStats()
+        self.samples: list[dict[str, Any]] = []
+        for where, record, parse_error in _read_records(self.path):
+            self.stats.records += 1
+            try:
+                if parse_error:
+                    raise ValueError(parse_error)
+                self.samples.append(self._encode(record))
+            except ValueError as e:
+                msg = f"{self.path}:{where}: {e}"
+                if bad_records == "stop":
+                    raise UsageError(f"{msg} (use --bad-records skip to skip such records)") from None
+                self.stats.skipped += 1
+                self.stats.problems.append(msg)
+        if not self.samples:
+            raise UsageError(f"--data {path}: no usable records ({self.stats.skipped} skipped)")
+        self.lengths = [len(s["input_ids"]) for s in self.samples]
+        self.with_pixels = True  # False when vision features are cached
+
+    def _encode(self, record: Any) -> dict[str, Any]:
+        if not isinstance(record, dict):
+            raise ValueError("record is not an object")
+        image, convs = record.get("image"), record.get("conversations")
+        if not isinstance(image, str) or not image:
+            raise ValueError("missing 'image' path")
+        img_path = Path(image) if Path(image).is_absolute() else self.path.parent / image
+        if not img_path.is_file():
+            raise ValueError(f"image not found: {img_path}")
+        if not isinstance(convs, list) or len(convs) < 2:
+            raise ValueError("'conversations' must be a list of at least two turns")
+        t, tok = self.ids, self.tokenizer
+        ids = _encode_text(tok, f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n")
+        labels = [IGNORE] * len(ids)
+        for k, turn in enumerate(convs):
+            if not isinstance(turn, dict) or turn.get("from") not in ("human", "gpt") or not isinstance(turn.get("value"), str):
+                raise ValueError(f"turn {k} needs 'from' (human|gpt) and a string 'value'")
+            text = turn["value"]
+            if turn["from"] == "human":
+                part = _encode_text(tok, "<|im_start|>user\n")
+                if "<image>" in text:
+                    part += [t["vision_start"]] + [t["image_pad"]] * self.spec.image_tokens + [t["vision_end"]]
+                    text = text.replace("<image>", "").lstrip("\n")
+                part += _encode_text(tok, f"{text}<|im_end|>\n<|im_start|>assistant\n")
+                ids += part
+                labels += [IGNORE] * len(part)
+            else:
+                reply = _encode_text(tok, f"{text}<|im_end|>")
+                ids += reply + _encode_text(tok, "\n")
+                labels += reply + [IGNORE] * (len(ids) - len(labels) - len(reply))
+        n_img = sum(1 for x in ids if x == t["image_pad"])
+        if n_img != self.spec.image_tokens:
+            raise ValueError(f"expected one <image> in the human turns, found {n_img // max(1, self.spec.image_tokens)}")
+        return {"input_ids": ids, "labels": labels, "image_path": str(img_path)}
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        sample = {**self.samples[i], "image_id": i}
+        if self.with_pixels:
+            sample["pixel_values"] = self.raw_image(i)
+        return sample
+
+    def raw_image(self, image_id: int) -> torch.Tensor:
+        from PIL import Image
+
+        size = self.spec.vision["input_size"]
+        path = self.samples[image_id]["image_path"]
+        try:
+            with Image.open(path) as im:
+                arr = np.asarray(im.convert("RGB").resize((size, size), Image.BICUBIC))
+        except OSError as e:
+            raise UsageError(f"cannot decode image {path}: {e}") from None
+        return normalize_image(arr.copy())
+
+
+def _read_records(path: Path) -> Iterator[tuple[str, Any, str | None]]:
+    """(where, record, parse error) for each record; JSONL lines that do not parse are records too."""
+    text = path.read_text()
+    if path.suffix == ".jsonl":
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                yield f"line {n}", json.loads(line), None
+            except json.JSONDecodeError as e:
+                yield f"line {n}", None, f"not valid JSON ({e.msg})"
+        return
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{path}: not valid JSON at line {e.lineno}: {e.msg}") from None
+    if not isinstance(data, list):
+        raise UsageError(f"{path}: expected a JSON list of LLaVA records (or a .jsonl file)")
+    for n, rec in enumerate(data):
+        yield f"record {n}", rec, None
+
+
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:
+        raise UsageError(f"--tokenizer {path}: cannot load a local tokenizer ({type(e).__name__})") from None
+
+
+def _tokenizer_special_ids(tok, where: str) -> dict[str, int]:
+    ids = {}
+    for key, token in [("im_start", "<|im_start|>"), ("im_end", "<|im_end|>"), ("vision_start", "<|vision_start|>"),
+                       ("vision_end", "<|vision_end|>"), ("image_pad", "<|image_pad|>")]:
+        i = tok.convert_tokens_to_ids(token)
+        if i is None or i == tok.unk_token_id:
+            raise UsageError(f"--tokenizer {where}: the tokenizer has no {token} token (a Qwen2.5-style tokenizer is expected)")
+        ids[key] = i
+    ids["pad"] = tok.pad_token_id if tok.pad_token_id is not None else ids["im_end"]
+    return ids
+
+
+def _encode_text(tok, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+# --- samplers --------------------------------------------------------------------------------------
+
+class BatchSampler(Sampler[list[int]]):
+    """Random order, or length-bucketed: sort within mega-batches of 50 batches, shuffle the batches.
+
+    The mega-batch scheme is the one HF's `group_by_length` uses; it keeps randomness across
+    the epoch while batches hold samples of similar length.
+    """
+
+    MEGA = 50
+
+    def __init__(self, lengths: list[int], batch_size: int, bucketed: bool, seed: int = 0) -> None:
+        self.lengths = lengths
+        self.batch_size = batch_size
+        self.bucketed = bucketed
+        self.seed = seed
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return len(self.lengths) // self.batch_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        rng = random.Random(self.seed * 1_000_003 + self.epoch)
+        self.epoch += 1
+        order = list(range(len(self.lengths)))
+        rng.shuffle(order)
+        b = self.batch_size
+        if self.bucketed:
+            mega = b * self.MEGA
+            chunks = [sorted(order[i : i + mega], key=lambda j: -self.lengths[j]) for i in range(0, len(order), mega)]
+            order = [j for c in chunks for j in c]
+        batches = [order[i : i + b] for i in range(0, len(order) - b + 1, b)]
+        if self.bucketed:
+            rng.shuffle(batches)
+        return iter(batches)
+
+
+# --- collation -------------------------------------------------------------------------------------
+
+class Collator:
+    """Pads (optionally to a multiple) or packs a list of samples into one micro-batch.
+
+    Token counts are computed here on the host, so counting them costs no device sync.
+    """
+
+    def __init__(self, pad_id: int, pad_to_multiple_of: int = 1, packing: bool = False, pack_length: int = 2048,
+                 vision_features: torch.Tensor | None = None) -> None:
+        self.pad_id = pad_id
+        self.multiple = pad_to_multiple_of
+        self.packing = packing
+        self.pack_length = pack_length
+        self.vision_features = vision_features
+
+    def _round(self, n: int) -> int:
+        return int(math.ceil(n / self.multiple) * self.multiple)
+
+    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
+        rows = self._pack(samples) if self.packing else [[s] for s in samples]
+        width = self._round(max(sum(len(s["input_ids"]) for s in row) for row in rows))
+        n = len(rows)
+        input_ids = torch.full((n, width), self.pad_id, dtype=torch.long)
+        labels = torch.full((n, width), IGNORE, dtype=torch.long)
+        attention_mask = torch.zeros((n, width), dtype=torch.long)
+        position_ids = torch.zeros((n, width), dtype=torch.long)
+        for r, row in enumerate(rows):
+            at = 0
+            for s in row:
+                k = len(s["input_ids"])
+                input_ids[r, at : at + k] = torch.tensor(s["input_ids"])
+                labels[r, at : at + k] = torch.tensor(s["labels"])
+                attention_mask[r, at : at + k] = 1
+                position_ids[r, at : at + k] = torch.arange(k)
+                at += k
+            position_ids[r, at:] = torch.arange(width - at)  # padding forms its own "sequence"
+        real = int(attention_mask.sum())
+        batch: dict[str, Any] = {
+            "input_ids": input_ids,
+            "labels": labels,
+            "position_ids": position_ids,
+            # packing: no 2D mask, so transformers builds the block-diagonal causal mask from position ids
+            "attention_mask": None if self.packing else attention_mask,
+        }
+        ordered = [s for row in rows for s in row]  # image order must match <|image_pad|> order
+        if self.vision_features is not None:
+            batch["vision_features"] = self.vision_features[[s["image_id"] for s in ordered]]
+        else:
+            batch["pixel_values"] = torch.stack([s["pixel_values"] for s in ordered])
+        batch["counts"] = {
+            "real_tokens": real,
+            "loss_tokens": int((labels != IGNORE).sum()),
+            "padded_tokens": n * width,
+            "samples": len(samples),
+            "lengths": [len(s["input_ids"]) for s in samples],
+            "rows": n,
+            "width": width,
+        }
+        return batch
+
+    def _pack(self, samples: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+        """First-fit decreasing into rows of at most pack_length tokens (a longer sample gets its own row)."""
+        rows: list[list[dict[str, Any]]] = []
+        room: list[int] = []
+        for s in sorted(samples, key=lambda s: -len(s["input_ids"])):
+            k = len(s["input_ids"])
+            for r, free in enumerate(room):
+                if k <= free:
+                    rows[r].append(s)
+                    room[r] -= k
+                    break
+            else:
+                rows.append([s])
+                room.append(max(self.pack_length - k, 0))
+        return rows

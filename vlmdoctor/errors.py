@@ -1,0 +1,22 @@
+"""Errors a user can cause. The CLI turns each into one line and an exit code, never a traceback."""
+from __future__ import annotations
+
+#: exit codes shared by every command
+EXIT_OK = 0
+EXIT_FAILED_RUN = 1  # the run itself failed (crash inside a training step)
+EXIT_USAGE = 2  # bad input: unknown preset, bad knob value, missing GPU, existing output file
+EXIT_OOM = 3  # CUDA out of memory; the report records it
+EXIT_NAN = 4  # the loss was NaN or inf; the report records it
+
+
+class VlmdoctorError(Exception):
+    """A problem the user can fix; carries the exit code the CLI should use."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_USAGE) -> None:
+        super().__init__(message)
+        self.message = message
+        self.exit_code = exit_code
+
+
+class UsageError(VlmdoctorError):
+    """Unknown preset, knob value, missing device or package: exit 2."""

@@ -1,0 +1,117 @@
+"""Model FLOPs of one training step, and the device's peak, for MFU.
+
+MFU = model FLOPs per second / peak dense bf16 FLOP/s of the device.
+
+Model FLOPs count the useful work of what the stage really computes, on real (non-padding)
+tokens only, so padding, recompute and casts are waste that lowers MFU:
+
+  LLM, per sample of L real tokens (P = weights of all linear layers of the decoder and the
+  LM head, d_att = heads x head_dim, n = layers):
+    forward  F_llm = 2 * P * L  +  4 * n * d_att * L (L + 1) / 2        (causal attention)
+    stage 2: forward + full backward      = 3 * F_llm            (activation + weight grads)
+    stage 1: forward + activation grads   = 2 * F_lin + 3 * F_att  (no weight grads, but the
+             attention backward still needs dQ, dK, dV to reach the projector)
+  Vision tower (frozen, forward only), per image of N patches (P_v = linear weights, the patch
+  convolution included as a linear map):
+    F_vis = 2 * P_v * N + 4 * n_v * d_v * N^2                        (bidirectional attention)
+    zero when vision features are cached (the tower does not run)
+  Projector, per image of T output tokens (P_p weights): forward + weight grad = 2 * 2 * P_p * T
+    (no input gradient: the tower is frozen)
+
+Gradient-checkpoint recompute is not model work and is not counted (that is the usual MFU
+convention, as opposed to hardware FLOPs). Embedding lookups, norms, activations, the
+softmax and the optimizer are left out: they are a few percent of the matmul FLOPs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .zoo import ModelSpec
+
+#: dense bf16 tensor-core peak (no sparsity), from NVIDIA's data sheets; first match wins
+PEAK_BF16_FLOPS = [
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989.4e12),  # SXM5 / HBM3
+    ("H200", 989.4e12),
+    ("GH200", 989.4e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("A10G", 70e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+]
+
+
+def peak_flops(device_name: str | None) -> tuple[float | None, str]:
+    """(peak FLOP/s, where it came from); None for CPUs and unknown GPUs."""
+    if not device_name:
+        return None, "no GPU: MFU is not defined for CPU runs"
+    for key, value in PEAK_BF16_FLOPS:
+        if key.lower() in device_name.lower():
+            return value, f"dense bf16 peak of {key} ({value / 1e12:.1f} TFLOP/s, data sheet)"
+    return None, f"peak of {device_name!r} unknown: MFU left out"
+
+
+@dataclass(frozen=True)
+class FlopModel:
+    """Per-token and per-image FLOP coefficients of a composed VLM."""
+
+    llm_linear_params: int
+    llm_layers: int
+    llm_attn_dim: int
+    vision_linear_params: int
+    vision_layers: int
+    vision_dim: int
+    vision_patches: int
+    projector_params: int
+    image_tokens: int
+
+    @classmethod
+    def from_spec(cls, spec: ModelSpec) -> "FlopModel":
+        lc, vc = spec.llm["config"], spec.vision["config"]
+        h, inter, layers = lc["hidden_size"], lc["intermediate_size"], lc["num_hidden_layers"]
+        hd = spec.llm_head_dim
+        q, kv = lc["num_attention_heads"] * hd, lc["num_key_value_heads"] * hd
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter  # q,k,v,o + gate,up,down
+        llm_linear = layers * per_layer + h * lc["vocab_size"]  # + LM head
+        vh = vc["hidden_size"]
+        vinter = vc.get("intermediate_size") or vh * vc.get("mlp_ratio", 4)
+        patch = vc["patch_size"]
+        vision_linear = vc["num_hidden_layers"] * (4 * vh * vh + 2 * vh * vinter) + 3 * patch * patch * vh
+        grid = spec.patch_grid
+        patches = grid * grid + (1 if spec.vision["family"] in ("clip", "dinov2") else 0)
+        d_in = spec.projector_in
+        proj = d_in * spec.projector_out + (spec.projector_out**2 if spec.projector == "mlp2x_gelu" else 0)
+        return cls(llm_linear, layers, q, vision_linear, vc["num_hidden_layers"], vh, patches, proj, spec.image_tokens)
+
+    def llm_forward(self, lengths: list[int]) -> tuple[float, float]:
+        """(linear, attention) forward FLOPs for samples with these real lengths."""
+        lin = 2.0 * self.llm_linear_params * sum(lengths)
+        att = 4.0 * self.llm_layers * self.llm_attn_dim * sum(L * (L + 1) / 2 for L in lengths)
+        return lin, att
+
+    def vision_forward(self, images: int) -> float:
+        n = self.vision_patches
+        return images * (2.0 * self.vision_linear_params * n + 4.0 * self.vision_layers * self.vision_dim * n * n)
+
+    def step(self, lengths: list[int], stage: int, vision_cached: bool = False) -> dict[str, float]:
+        """Model FLOPs of one optimizer step over samples of these real lengths (one image each)."""
+        lin, att = self.llm_forward(lengths)
+        llm = 3.0 * (lin + att) if stage == 2 else 2.0 * lin + 3.0 * att
+        vision = 0.0 if vision_cached else self.vision_forward(len(lengths))
+        projector = 4.0 * self.projector_params * self.image_tokens * len(lengths)
+        return {"llm": llm, "vision": vision, "projector": projector, "total": llm + vision + projector}
+
+
+def describe() -> dict[str, Any]:
+    """The formula as text, for the report."""
+    return {
+        "llm_stage2": "3 * (2*P_llm*L + 2*n*d_att*L*(L+1))",
+        "llm_stage1": "2 * 2*P_llm*L + 3 * 2*n*d_att*L*(L+1)",
+        "vision": "2*P_vis*N + 4*n_vis*d_vis*N^2 per image, forward only; 0 when features are cached",
+        "projector": "4*P_proj*T per image",
+        "counted_on": "real tokens only; recompute, padding and casts are not model FLOPs",
+        "peak": "dense bf16 tensor-core peak of the device (data sheet)",
+    }

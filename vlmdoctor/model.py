@@ -1,0 +1,208 @@
+"""The patient: a LLaVA-style VLM (vision tower -> projector -> LLM) built from the zoo.
+
+Each part runs inside a `record_function` range (`vlmdoctor::vision`, `::projector`, `::llm`)
+so that trace analysis can attribute GPU time to model parts through the ops that launched it.
+"""
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+from torch.profiler import record_function
+
+from .errors import UsageError
+from .zoo import ModelSpec
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class Projector(nn.Module):
+    """Pixel shuffle (space-to-depth over the patch grid), then a linear or 2-layer MLP map."""
+
+    def __init__(self, in_dim: int, out_dim: int, factor: int, kind: str) -> None:
+        super().__init__()
+        self.factor = factor
+        d = in_dim * factor * factor
+        if kind == "linear":
+            self.proj = nn.Linear(d, out_dim)
+        elif kind == "mlp2x_gelu":  # LLaVA-1.5
+            self.proj = nn.Sequential(nn.Linear(d, out_dim), nn.GELU(), nn.Linear(out_dim, out_dim))
+        else:
+            raise UsageError(f"unknown projector {kind!r}; valid projectors: linear, mlp2x_gelu")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, tokens, c = x.shape
+        r = self.factor
+        if r > 1:
+            g = math.isqrt(tokens)
+            x = x.view(n, g // r, r, g // r, r, c).permute(0, 1, 3, 2, 4, 5).reshape(n, (g // r) ** 2, r * r * c)
+        return self.proj(x)
+
+
+class VLM(nn.Module):
+    """Vision tower + projector + causal LM; image features replace the `<|image_pad|>` embeddings."""
+
+    def __init__(self, spec: ModelSpec, vision: nn.Module, projector: Projector, llm: nn.Module) -> None:
+        super().__init__()
+        self.spec = spec
+        self.vision = vision
+        self.projector = projector
+        self.llm = llm
+        self.image_pad_id = spec.llm["special_tokens"]["image_pad"]
+        self.drop_cls = spec.vision["family"] in ("clip", "dinov2")
+        self.vision_no_grad = False
+
+    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Frozen tower forward; under no_grad only when the run config asks for it."""
+        ctx = torch.no_grad() if self.vision_no_grad else nullcontext()
+        with record_function("vlmdoctor::vision"), ctx:
+            feats = self.vision(pixel_values=pixel_values).last_hidden_state
+        return feats[:, 1:] if self.drop_cls else feats
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        vision_features: torch.Tensor | None = None,
+    ) -> Any:
+        feats = self.encode_images(pixel_values) if vision_features is None else vision_features
+        with record_function("vlmdoctor::projector"):
+            image_embeds = self.projector(feats.to(self.projector.dtype))
+        with record_function("vlmdoctor::llm"):
+            embeds = self.llm.get_input_embeddings()(input_ids)
+            mask = (input_ids == self.image_pad_id).unsqueeze(-1)
+            embeds = embeds.masked_scatter(mask, image_embeds.to(embeds.dtype))
+            return self.llm(
+                inputs_embeds=embeds,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                labels=labels,
+                use_cache=False,
+            )
+
+
+def _vision_class(family: str):
+    from transformers import CLIPVisionConfig, CLIPVisionModel, Dinov2Config, Dinov2Model, SiglipVisionConfig, SiglipVisionModel
+
+    return {
+        "siglip": (SiglipVisionModel, SiglipVisionConfig),
+        "clip": (CLIPVisionModel, CLIPVisionConfig),
+        "dinov2": (Dinov2Model, Dinov2Config),
+    }[family]
+
+
+def _llm_config(family: str, values: dict[str, Any]):
+    from transformers import LlamaConfig, Qwen2Config
+
+    return {"qwen2": Qwen2Config, "llama": LlamaConfig}[family](**values)
+
+
+def build_model(
+    spec: ModelSpec,
+    weight_dtype: str = "fp32",
+    attention: str = "sdpa",
+    weights: str = "random",
+    device: str | torch.device = "cpu",
+) -> VLM:
+    """Random weights from the shipped configs, or `from_pretrained` when asked and reachable."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = DTYPES[weight_dtype]
+    attn = "eager" if attention == "eager" else "sdpa"
+    vcls, vcfg_cls = _vision_class(spec.vision["family"])
+    with torch.device(device):
+        if weights == "pretrained":
+            vision, llm = _load_pretrained(spec, vcls, attn, dtype, device)
+        else:
+            vcfg = vcfg_cls(**spec.vision["config"])
+            vision = vcls._from_config(vcfg, attn_implementation=attn, dtype=dtype)
+            lcfg = _llm_config(spec.llm["family"], spec.llm["config"])
+            llm = AutoModelForCausalLM.from_config(lcfg, attn_implementation=attn, dtype=dtype)
+        projector = Projector(spec.vision["config"]["hidden_size"], spec.projector_out, spec.pixel_shuffle, spec.projector)
+        projector.to(dtype)
+    llm.config.use_cache = False
+    return VLM(spec, vision, projector, llm)
+
+
+def _load_pretrained(spec: ModelSpec, vcls, attn: str, dtype: torch.dtype, device) -> tuple[nn.Module, nn.Module]:
+    from transformers import AutoModelForCausalLM
+
+    for part in (spec.vision, spec.llm):
+        if not part.get("hub_id"):
+            raise UsageError(f"{part['name']} has no published checkpoint; use --weights random")
+    extra = {"vision_use_head": False} if spec.vision["family"] == "siglip" else {}
+    try:
+        vision = vcls.from_pretrained(spec.vision["hub_id"], attn_implementation=attn, dtype=dtype, **extra)
+        llm = AutoModelForCausalLM.from_pretrained(spec.llm["hub_id"], attn_implementation=attn, dtype=dtype)
+    except Exception as e:  # the hub raises many types; all mean "not reachable / not cached"
+        raise UsageError(
+            f"could not load pretrained weights ({spec.vision['hub_id']}, {spec.llm['hub_id']}): "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. The hub is not reachable and the "
+            "checkpoints are not in the local Hugging Face cache; run with --weights random (the default)."
+        ) from None
+    return vision.to(device), llm.to(device)
+
+
+def apply_stage(model: VLM, stage: int) -> None:
+    """Stage 1: projector trains; stage 2: LLM + projector train. The vision tower is always frozen."""
+    model.vision.requires_grad_(False)
+    model.vision.eval()
+    model.projector.requires_grad_(True)
+    model.llm.requires_grad_(stage == 2)
+    model.llm.train()
+
+
+def enable_gradient_checkpointing(model: VLM, use_reentrant: bool) -> None:
+    llm = model.llm
+    enable = getattr(llm, "activation_checkpointing_enable", None) or llm.gradient_checkpointing_enable
+    enable({"use_reentrant": use_reentrant})
+
+
+def param_counts(model: VLM) -> dict[str, int]:
+    def count(m: nn.Module, trainable: bool = False) -> int:
+        return sum(p.numel() for p in m.parameters() if p.requires_grad or not trainable)
+
+    return {
+        "vision": count(model.vision),
+        "projector": count(model.projector),
+        "llm": count(model.llm),
+        "total": count(model),
+        "trainable": count(model, trainable=True),
+    }
+
+
+def catalogue() -> list[dict[str, Any]]:
+    """Rows for `vlmdoctor models`: presets, towers and LLMs with parameter counts (built on the meta device)."""
+    from .zoo import llm_specs, presets, resolve, vision_specs
+
+    rows = []
+    for name, p in presets().items():
+        spec = resolve(name)
+        counts = param_counts(build_model(spec, device="meta"))
+        rows.append({"kind": "preset", "name": name, "params": counts["total"], "image_tokens": spec.image_tokens,
+                     "head_dim": f"{spec.vision_head_dim}/{spec.llm_head_dim}", "notes": p["about"], "counts": counts})
+    tiny = resolve("tiny")
+    for name, v in vision_specs().items():
+        spec = ModelSpec("-", v, tiny.llm, "linear", 1)
+        c = v["config"]
+        rows.append({"kind": "vision", "name": name, "params": param_counts(build_model(spec, device="meta"))["vision"],
+                     "layers": c["num_hidden_layers"], "hidden": c["hidden_size"], "heads": c["num_attention_heads"],
+                     "head_dim": spec.vision_head_dim, "notes": f"{v['input_size']}px, {spec.patch_grid}x{spec.patch_grid} patches"})
+    for name, lspec in llm_specs().items():
+        spec = ModelSpec("-", tiny.vision, lspec, "linear", 1)
+        c = lspec["config"]
+        rows.append({"kind": "llm", "name": name, "params": param_counts(build_model(spec, device="meta"))["llm"],
+                     "layers": c["num_hidden_layers"], "hidden": c["hidden_size"],
+                     "heads": f"{c['num_attention_heads']}/{c['num_key_value_heads']}", "head_dim": spec.llm_head_dim,
+                     "notes": f"vocab {c['vocab_size']}" + (", tied" if c.get("tie_word_embeddings") else "")})
+    return rows

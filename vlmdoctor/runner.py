@@ -1,0 +1,394 @@
+"""Runs real training steps of the VLM described by a run config and measures them.
+
+One configuration per process: Liger patches transformers classes globally and cannot be
+undone, so a second configuration in the same process would measure a mix. `run_isolated`
+starts a fresh interpreter for each configuration.
+
+Every timed step is a full optimizer step: data fetch, host-to-device copy, forward, backward
+and a real AdamW update (the seed's benchmark left the optimizer out), followed by a device
+synchronize so that wall time is what the GPU really took.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from . import SCHEMA_VERSION, __version__, envinfo, flops
+from .config import RunConfig
+from .data import BatchSampler, Collator, LlavaFile, SyntheticVQA
+from .errors import EXIT_FAILED_RUN, EXIT_NAN, EXIT_OK, EXIT_OOM, UsageError
+from .model import VLM, apply_stage, build_model, enable_gradient_checkpointing, param_counts
+from .zoo import ModelSpec, resolve
+
+Progress = Callable[[str, int, int], None]
+
+GPU_ONLY_ATTENTION = ("efficient", "cudnn")
+
+
+def _quiet(*_: Any) -> None:
+    pass
+
+
+def resolve_device(cfg: RunConfig) -> torch.device:
+    """auto -> the GPU when there is one; a GPU preset without a GPU is a user error with a hint."""
+    has_gpu = torch.cuda.is_available()
+    if cfg.device == "cuda" and not has_gpu:
+        raise UsageError("--device cuda asked for, but no CUDA GPU is visible; run on CPU with: "
+                         "vlmdoctor profile --model tiny --device cpu")
+    if cfg.device == "auto" and not has_gpu:
+        if cfg.model != "tiny":
+            raise UsageError(f"no CUDA GPU found for the {cfg.model!r} preset; to run on CPU use: "
+                             "vlmdoctor profile --model tiny --device cpu (or pass --device cpu to force this preset)")
+        return torch.device("cpu")
+    return torch.device("cuda" if cfg.device in ("auto", "cuda") else "cpu")
+
+
+def preflight(cfg: RunConfig, spec: ModelSpec, device: torch.device) -> None:
+    """Combinations that cannot run here fail before anything is built."""
+    if cfg.uses_liger:
+        if device.type != "cuda":
+            raise UsageError("Liger kernels are Triton GPU kernels and cannot run on the CPU; drop the --liger-* flags "
+                             "or run on a CUDA GPU")
+        if spec.llm["family"] not in ("qwen2", "llama"):
+            raise UsageError(f"Liger patches exist for qwen2 and llama LLMs, not {spec.llm['family']}")
+        try:
+            import liger_kernel.transformers  # noqa: F401
+        except Exception as e:
+            raise UsageError(f"Liger asked for but liger-kernel cannot be imported ({type(e).__name__}: {e}); "
+                             "install it with: pip install liger-kernel") from None
+    if cfg.attention in GPU_ONLY_ATTENTION and device.type != "cuda":
+        raise UsageError(f"the {cfg.attention!r} SDPA backend exists only on CUDA; use sdpa, math or eager on CPU")
+    if cfg.packing and cfg.attention == "eager":
+        raise UsageError("packing needs an SDPA attention backend (the packed block mask is built for SDPA); "
+                         "use --attention sdpa")
+    if cfg.data == "synthetic" and cfg.num_samples < cfg.batch_size * cfg.grad_accum:
+        raise UsageError("--num-samples must hold at least one optimizer step of samples")
+
+
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class Patient:
+    """Everything a timed step needs, built from one run config."""
+
+    cfg: RunConfig
+    spec: ModelSpec
+    device: torch.device
+    model: torch.nn.Module
+    vlm: VLM
+    optimizer: torch.optim.Optimizer
+    batches: Iterator[dict[str, Any]]
+    flop_model: flops.FlopModel
+    data_info: dict[str, Any] = field(default_factory=dict)
+
+
+def _attention_context(backend: str):
+    if backend in ("sdpa", "eager"):
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(
+        {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+         "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}[backend]
+    )
+
+
+def _apply_liger(vlm: VLM, cfg: RunConfig) -> None:
+    from liger_kernel.transformers import apply_liger_kernel_to_llama, apply_liger_kernel_to_qwen2
+
+    fn = {"qwen2": apply_liger_kernel_to_qwen2, "llama": apply_liger_kernel_to_llama}[vlm.spec.llm["family"]]
+    fn(rope=cfg.liger_rope, rms_norm=cfg.liger_rms_norm, swiglu=cfg.liger_swiglu, cross_entropy=False,
+       fused_linear_cross_entropy=cfg.liger_fused_linear_cross_entropy, model=vlm.llm)
+
+
+def _cycle(loader) -> Iterator[dict[str, Any]]:
+    while True:
+        yield from loader
+
+
+def build_patient(cfg: RunConfig, device: torch.device, progress: Progress = _quiet) -> Patient:
+    spec = resolve(cfg.model, cfg.vision, cfg.llm, cfg.projector, cfg.pixel_shuffle)
+    preflight(cfg, spec, device)
+    torch.manual_seed(cfg.seed)
+    torch.set_float32_matmul_precision("high" if cfg.allow_tf32 else "highest")
+    progress("building model", 0, 1)
+    vlm = build_model(spec, cfg.weight_dtype, cfg.attention, cfg.weights, device)
+    apply_stage(vlm, cfg.stage)
+    vlm.vision_no_grad = cfg.vision_no_grad
+    if cfg.uses_liger:
+        _apply_liger(vlm, cfg)
+    if cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(vlm, cfg.checkpoint_use_reentrant)
+
+    if cfg.data == "synthetic":
+        dataset: SyntheticVQA | LlavaFile = SyntheticVQA(spec, cfg.num_samples, cfg.seed)
+        pad_id = spec.llm["special_tokens"]["pad"]
+        data_info = {"source": "synthetic", "length_model": dataset.lm["name"], "samples": len(dataset)}
+    else:
+        dataset = LlavaFile(cfg.data, cfg.tokenizer, spec, cfg.bad_records)
+        pad_id = dataset.ids["pad"]
+        vlm.image_pad_id = dataset.ids["image_pad"]
+        data_info = {"source": cfg.data, "records": dataset.stats.records, "skipped": dataset.stats.skipped,
+                     "problems": dataset.stats.problems[:20], "samples": len(dataset)}
+    if len(dataset) < cfg.batch_size:
+        raise UsageError(f"the data holds {len(dataset)} usable samples, fewer than one batch of {cfg.batch_size}")
+
+    features = None
+    if cfg.cache_vision_features:
+        progress("caching vision features", 0, 1)
+        features = _cache_features(vlm, dataset, cfg, device)
+        dataset.with_pixels = False
+    collator = Collator(pad_id, cfg.pad_to_multiple_of, cfg.packing, cfg.pack_length, features)
+    sampler = BatchSampler(dataset.lengths, cfg.batch_size, cfg.sampler == "length_bucketed", cfg.seed)
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_sampler=sampler, collate_fn=collator, num_workers=cfg.num_workers,
+        pin_memory=cfg.pin_memory and device.type == "cuda", persistent_workers=cfg.num_workers > 0,
+    )
+    params = [p for p in vlm.parameters() if p.requires_grad]
+    opt_kwargs = {"fused": True} if cfg.fused_optimizer else {}
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, **opt_kwargs)
+    model: torch.nn.Module = vlm
+    if cfg.compile != "off":
+        model = torch.compile(vlm, mode=None if cfg.compile == "default" else cfg.compile)
+    return Patient(cfg, spec, device, model, vlm, optimizer, _cycle(loader), flops.FlopModel.from_spec(spec), data_info)
+
+
+@torch.no_grad()
+def _cache_features(vlm: VLM, dataset, cfg: RunConfig, device: torch.device) -> torch.Tensor:
+    """Frozen-tower features for every distinct image, kept in host memory (pinned if asked)."""
+    n = getattr(dataset, "images", None)
+    count = len(n) if n is not None else len(dataset)
+    out = []
+    ac = _autocast(cfg, device)
+    for start in range(0, count, 16):
+        pixels = torch.stack([dataset.raw_image(i) for i in range(start, min(start + 16, count))]).to(device)
+        with ac:
+            out.append(vlm.encode_images(pixels.to(vlm.projector.dtype)).cpu())
+    feats = torch.cat(out)
+    return feats.pin_memory() if cfg.pin_memory and device.type == "cuda" else feats
+
+
+def _autocast(cfg: RunConfig, device: torch.device):
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast == "bf16")
+
+
+def _to_device(batch: dict[str, Any], device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    out = {}
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor):
+            v = v.to(device, non_blocking=True)
+            if v.is_floating_point():
+                v = v.to(dtype)
+        out[k] = v
+    return out
+
+
+def train_step(p: Patient) -> tuple[torch.Tensor, dict[str, Any]]:
+    """One optimizer step over grad_accum micro-batches; returns the (device) loss and host counts."""
+    cfg = p.cfg
+    dtype = p.vlm.projector.dtype
+    total = {"real_tokens": 0, "loss_tokens": 0, "padded_tokens": 0, "samples": 0, "lengths": []}
+    loss_sum = None
+    for _ in range(cfg.grad_accum):
+        batch = next(p.batches)
+        counts = batch.pop("counts")
+        for k in ("real_tokens", "loss_tokens", "padded_tokens", "samples"):
+            total[k] += counts[k]
+        total["lengths"] += counts["lengths"]
+        batch = _to_device(batch, p.device, dtype)
+        with _attention_context(cfg.attention):
+            with _autocast(cfg, p.device):
+                loss = p.model(**batch).loss / cfg.grad_accum
+            loss.backward()
+        loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+    p.optimizer.step()
+    p.optimizer.zero_grad(set_to_none=True)
+    return loss_sum, total
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ------------------------------------------------------------------------------------------------
+def _window(p: Patient, steps: int, peak: float | None, progress: Progress, label: str) -> dict[str, Any]:
+    """Timed steps; every step ends with a device synchronize."""
+    if p.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(p.device)
+    step_s, losses, real, loss_tok, padded, model_flops = [], [], 0, 0, 0, 0.0
+    for i in range(steps):
+        t0 = time.perf_counter()
+        loss, c = train_step(p)
+        _sync(p.device)
+        step_s.append(time.perf_counter() - t0)
+        losses.append(loss)
+        real += c["real_tokens"]
+        loss_tok += c["loss_tokens"]
+        padded += c["padded_tokens"]
+        model_flops += p.flop_model.step(c["lengths"], p.cfg.stage, p.cfg.cache_vision_features)["total"]
+        progress(label, i + 1, steps)
+    wall = sum(step_s)
+    loss_values = torch.stack(losses).float().cpu().tolist()
+    w = {
+        "steps": steps,
+        "wall_s": wall,
+        "real_tokens_per_s": real / wall,
+        "loss_tokens_per_s": loss_tok / wall,
+        "pad_fraction": 1.0 - real / padded,
+        "step_ms": [s * 1e3 for s in step_s],
+        "model_tflops_per_s": model_flops / wall / 1e12,
+        "mfu": (model_flops / wall / peak) if peak else None,
+        "losses": loss_values,
+    }
+    if p.device.type == "cuda":
+        w["peak_mem_gb"] = torch.cuda.max_memory_allocated(p.device) / 2**30
+        w["peak_mem_reserved_gb"] = torch.cuda.max_memory_reserved(p.device) / 2**30
+    return w
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def _percentile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def summarize(windows: list[dict[str, Any]], device_total_gb: float | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Per-window numbers -> metrics (medians over repeats) and their spread."""
+    keys = ["real_tokens_per_s", "loss_tokens_per_s", "pad_fraction", "model_tflops_per_s"]
+    if windows[0]["mfu"] is not None:
+        keys.append("mfu")
+    stats = {k: _spread([w[k] for w in windows]) for k in keys}
+    all_steps = [s for w in windows for s in w["step_ms"]]
+    stats["step_ms"] = {**_spread(all_steps), "p10": _percentile(all_steps, 0.1), "p90": _percentile(all_steps, 0.9),
+                        "n_repeats": len(windows)}
+    final_losses = [w["losses"][-1] for w in windows]
+    metrics: dict[str, Any] = {k: stats[k]["median"] for k in keys}
+    metrics.setdefault("mfu", None)
+    metrics["step_ms"] = stats["step_ms"]["median"]
+    metrics["step_ms_p10"] = stats["step_ms"]["p10"]
+    metrics["step_ms_p90"] = stats["step_ms"]["p90"]
+    if "peak_mem_gb" in windows[0]:
+        metrics["peak_mem_gb"] = max(w["peak_mem_gb"] for w in windows)
+        metrics["peak_mem_reserved_gb"] = max(w["peak_mem_reserved_gb"] for w in windows)
+    else:
+        metrics["peak_mem_gb"] = None
+        metrics["peak_mem_reserved_gb"] = None
+    metrics["device_mem_total_gb"] = device_total_gb
+    metrics["host_peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    metrics["final_loss"] = final_losses[-1]
+    metrics["loss_finite"] = all(math.isfinite(x) for w in windows for x in w["losses"])
+    metrics["repeats"] = len(windows)
+    metrics["steps_per_repeat"] = windows[0]["steps"]
+    return metrics, stats
+
+
+def run_profile(cfg: RunConfig, progress: Progress = _quiet) -> dict[str, Any]:
+    """Build, warm up, time; returns the report (also on OOM, NaN loss or a crash in a step)."""
+    device = resolve_device(cfg)
+    spec = resolve(cfg.model, cfg.vision, cfg.llm, cfg.projector, cfg.pixel_shuffle)
+    env = envinfo.collect(device)
+    peak, peak_source = flops.peak_flops(env.get("gpu"))
+    report: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
+        "tool": {"name": "vlmdoctor", "version": __version__},
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "status": "ok",
+        "config": cfg.to_dict(),
+        "model": spec.describe(),
+        "env": env,
+        "flops": {"formula": flops.describe(), "peak_flops": peak, "peak_source": peak_source},
+    }
+    try:
+        patient = build_patient(cfg, device, progress)
+        report["model"]["params"] = param_counts(patient.vlm)
+        report["data"] = patient.data_info
+        for i in range(cfg.warmup):
+            train_step(patient)
+            _sync(device)
+            progress("warm-up", i + 1, cfg.warmup)
+        windows = [_window(patient, cfg.steps, peak, progress, f"timed {r + 1}/{cfg.repeats}") for r in range(cfg.repeats)]
+    except torch.OutOfMemoryError as e:
+        _release(device)
+        report.update(status="oom", error=_oom_details(e, device))
+        return report
+    except UsageError:
+        raise
+    except Exception as e:  # a crash inside a step (illegal memory access, no SDPA kernel, compile failure)
+        _release(device)
+        report.update(status="error", error={"type": type(e).__name__, "message": _first_line(e),
+                                             "traceback": traceback.format_exc(limit=8)[-4000:]})
+        return report
+    total = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
+    metrics, stats = summarize(windows, total)
+    report["metrics"] = metrics
+    report["stats"] = stats
+    report["repeats"] = [{k: v for k, v in w.items() if k != "losses"} | {"final_loss": w["losses"][-1]} for w in windows]
+    if not metrics["loss_finite"]:
+        report["status"] = "nan_loss"
+        report["error"] = {"type": "NonFiniteLoss", "message": "the loss was NaN or inf in a timed step"}
+    return report
+
+
+def _release(device: torch.device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:500] if text else type(e).__name__
+
+
+def _oom_details(e: BaseException, device: torch.device) -> dict[str, Any]:
+    msg = str(e)
+    m = re.search(r"Tried to allocate ([\d.]+) (GiB|MiB|KiB)", msg)
+    requested = None
+    if m:
+        requested = float(m.group(1)) * {"GiB": 1, "MiB": 1 / 1024, "KiB": 1 / 2**20}[m.group(2)]
+    info = {"type": "OutOfMemoryError", "message": _first_line(e), "requested_gb": requested}
+    if device.type == "cuda":
+        info["peak_mem_gb_before_failure"] = torch.cuda.max_memory_allocated(device) / 2**30
+        info["device_mem_total_gb"] = torch.cuda.get_device_properties(device).total_memory / 2**30
+    return info
+
+
+def exit_code(report: dict[str, Any]) -> int:
+    return {"ok": EXIT_OK, "oom": EXIT_OOM, "nan_loss": EXIT_NAN}.get(report["status"], EXIT_FAILED_RUN)
+
+
+def run_isolated(cfg: RunConfig, timeout: float | None = None) -> dict[str, Any]:
+    """Run one configuration in a fresh Python process and return its report."""
+    with tempfile.TemporaryDirectory(prefix="vlmdoctor-") as tmp:
+        cfg_path, out_path = Path(tmp) / "config.json", Path(tmp) / "report.json"
+        cfg.dump(cfg_path)
+        proc = subprocess.run(
+            [sys.executable, "-m", "vlmdoctor", "profile", "--config", str(cfg_path), "--json", str(out_path), "--quiet"],
+            capture_output=True, text=True, timeout=timeout,
+        )
+        if out_path.exists():
+            return json.loads(out_path.read_text())
+        return {"schema_version": SCHEMA_VERSION, "status": "error", "config": cfg.to_dict(),
+                "error": {"type": "ProcessFailed", "message": (proc.stderr or proc.stdout).strip()[-2000:],
+                          "exit_code": proc.returncode}}

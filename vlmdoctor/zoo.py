@@ -1,0 +1,121 @@
+"""Model zoo: vision towers and LLMs built from configs shipped in the package.
+
+The JSON files under `vlmdoctor/configs/` hold the public config values of each checkpoint,
+so architectures are exact and nothing needs the network. Random weights are the default;
+`weights="pretrained"` calls `from_pretrained` on the hub id and says clearly when the hub or
+the local cache cannot provide it.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+from .errors import UsageError
+
+CONFIG_DIR = resources.files("vlmdoctor") / "configs"
+
+
+@lru_cache(maxsize=None)
+def _load_dir(kind: str) -> dict[str, dict[str, Any]]:
+    out = {}
+    for entry in sorted((CONFIG_DIR / kind).iterdir(), key=lambda p: p.name):
+        if entry.name.endswith(".json"):
+            spec = json.loads(entry.read_text())
+            out[spec["name"]] = spec
+    return out
+
+
+def vision_specs() -> dict[str, dict[str, Any]]:
+    return _load_dir("vision")
+
+
+def llm_specs() -> dict[str, dict[str, Any]]:
+    return _load_dir("llm")
+
+
+@lru_cache(maxsize=None)
+def presets() -> dict[str, dict[str, Any]]:
+    return json.loads((CONFIG_DIR / "presets.json").read_text())
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A composed VLM: which tower, which LLM, which projector."""
+
+    preset: str
+    vision: dict[str, Any]
+    llm: dict[str, Any]
+    projector: str
+    pixel_shuffle: int
+
+    @property
+    def patch_grid(self) -> int:
+        return self.vision["input_size"] // self.vision["config"]["patch_size"]
+
+    @property
+    def image_tokens(self) -> int:
+        return (self.patch_grid // self.pixel_shuffle) ** 2
+
+    @property
+    def vision_head_dim(self) -> int:
+        c = self.vision["config"]
+        return c["hidden_size"] // c["num_attention_heads"]
+
+    @property
+    def llm_head_dim(self) -> int:
+        c = self.llm["config"]
+        return c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+
+    @property
+    def projector_in(self) -> int:
+        return self.vision["config"]["hidden_size"] * self.pixel_shuffle**2
+
+    @property
+    def projector_out(self) -> int:
+        return self.llm["config"]["hidden_size"]
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "preset": self.preset,
+            "vision": self.vision["name"],
+            "llm": self.llm["name"],
+            "projector": f"pixel shuffle x{self.pixel_shuffle} then {self.projector} {self.projector_in}->{self.projector_out}",
+            "image_tokens": self.image_tokens,
+            "vision_head_dim": self.vision_head_dim,
+            "llm_head_dim": self.llm_head_dim,
+        }
+
+
+def resolve(
+    model: str,
+    vision: str | None = None,
+    llm: str | None = None,
+    projector: str | None = None,
+    pixel_shuffle: int | None = None,
+) -> ModelSpec:
+    """Preset plus overrides -> spec; unknown names are user errors that list the valid ones."""
+    table = presets()
+    if model not in table:
+        raise UsageError(f"unknown model preset {model!r}; valid presets: {', '.join(table)}")
+    p = table[model]
+    vname, lname = vision or p["vision"], llm or p["llm"]
+    if vname not in vision_specs():
+        raise UsageError(f"unknown vision tower {vname!r}; valid towers: {', '.join(vision_specs())}")
+    if lname not in llm_specs():
+        raise UsageError(f"unknown LLM {lname!r}; valid LLMs: {', '.join(llm_specs())}")
+    spec = ModelSpec(
+        preset=model,
+        vision=vision_specs()[vname],
+        llm=llm_specs()[lname],
+        projector=projector or p["projector"],
+        pixel_shuffle=pixel_shuffle or p["pixel_shuffle"],
+    )
+    if spec.patch_grid % spec.pixel_shuffle:
+        raise UsageError(
+            f"pixel shuffle x{spec.pixel_shuffle} does not divide the {spec.patch_grid}x{spec.patch_grid} patch grid "
+            f"of {vname}; choose a factor that divides {spec.patch_grid}"
+        )
+    return spec
