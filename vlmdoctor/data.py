@@ -75,8 +75,8 @@ class Template:
 
 
 def normalize_image(img: np.ndarray) -> torch.Tensor:
-    """uint8 HWC -> float CHW in [-1, 1], what the SigLIP processor does after resizing."""
-    return torch.from_numpy(img).permute(2, 0, 1).float().div_(127.5).sub_(1.0)
+    """uint8 CHW -> float CHW in [-1, 1], what the SigLIP processor does after resizing."""
+    return torch.from_numpy(img).to(torch.float32).mul_(1 / 127.5).sub_(1.0)
 
 
 class SyntheticVQA(Dataset):
@@ -93,7 +93,7 @@ class SyntheticVQA(Dataset):
         rng = np.random.default_rng(seed + 1)
         self.system = rng.integers(*self.text_range, self.lm["system_prompt_tokens"]).tolist()
         s = spec.vision["input_size"]
-        self.images = rng.integers(0, 256, (IMAGE_POOL, s, s, 3), dtype=np.uint8)
+        self.images = rng.integers(0, 256, (IMAGE_POOL, 3, s, s), dtype=np.uint8)  # decoded, resized, CHW
         fixed = self.lm["template_tokens"] + self.lm["system_prompt_tokens"] + spec.image_tokens + 2
         self.lengths = (fixed + self.questions + self.answers).tolist()
         self.with_pixels = True  # False when vision features are cached
@@ -209,10 +209,10 @@ class LlavaFile(Dataset):
         path = self.samples[image_id]["image_path"]
         try:
             with Image.open(path) as im:
-                arr = np.asarray(im.convert("RGB").resize((size, size), Image.BICUBIC))
+                arr = np.asarray(im.convert("RGB").resize((size, size), Image.BICUBIC)).transpose(2, 0, 1)
         except OSError as e:
             raise UsageError(f"cannot decode image {path}: {e}") from None
-        return normalize_image(arr.copy())
+        return normalize_image(np.ascontiguousarray(arr))
 
 
 def _read_records(path: Path) -> Iterator[tuple[str, Any, str | None]]:
