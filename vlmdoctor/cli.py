@@ -14,7 +14,7 @@ from .errors import EXIT_USAGE, VlmdoctorError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Profiler-driven diagnosis of vision-language-model training.")
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # soft wrap: an error stays one line
 out = Console()
 
 P0, P1, P2, P3, P4, P5 = ("experiment", "1 precision", "2 batching", "3 data layout", "4 kernel fusion", "5 system tuning")
@@ -38,6 +38,8 @@ def profile(
     warmup: Optional[int] = _opt("warm-up steps [default: 5]", P0, "--warmup"),
     repeats: Optional[int] = _opt("timed windows; metrics are medians over them [default: 1]", P0, "--repeats"),
     seed: Optional[int] = _opt("random seed", P0, "--seed"),
+    lr: Optional[float] = _opt("AdamW learning rate [default: 1e-5]", P0, "--lr"),
+    num_samples: Optional[int] = _opt("synthetic samples in the data set [default: 4096]", P0, "--num-samples"),
     data: Optional[str] = _opt("'synthetic' (default) or a LLaVA-format JSON/JSONL file", P0, "--data"),
     tokenizer: Optional[str] = _opt("local tokenizer folder, for --data FILE", P0, "--tokenizer"),
     bad_records: Optional[str] = _opt("stop (default) or skip malformed --data records", P0, "--bad-records"),
@@ -90,12 +92,13 @@ def profile(
 def _profile(overrides: dict[str, Any], config: str | None, json_path: str | None, save_config: str | None,
              force: bool, quiet: bool) -> None:
     from .report import check_writable, render, write_json
-    from .runner import exit_code, run_profile
+    from .runner import check, exit_code, run_profile
 
     base = RunConfig.load(config) if config else RunConfig()
-    cfg = base.replace(**overrides)
+    cfg = base.replace(source="command line", **overrides)
     check_writable(json_path, force)
     check_writable(save_config, force)
+    check(cfg)  # refuse before any progress display opens
     if save_config:
         cfg.dump(save_config)
     if quiet:
@@ -141,7 +144,7 @@ class _user_errors:
         if exc is None or isinstance(exc, (typer.Exit, SystemExit)):
             return False
         if isinstance(exc, VlmdoctorError):
-            err.print(f"[bold red]error:[/bold red] {exc.message}", highlight=False)
+            err.print(f"[bold red]error:[/bold red] {exc.message}", highlight=False, markup=True)
             raise typer.Exit(exc.exit_code)
         if isinstance(exc, KeyboardInterrupt):
             err.print("interrupted")

@@ -101,20 +101,30 @@ class RunConfig:
         unknown = sorted(set(data) - names)
         if unknown:
             raise UsageError(f"{source}: unknown knob(s) {', '.join(unknown)}; valid knobs: {', '.join(sorted(names))}")
+        data = dict(data)
+        for f in fields(cls):  # YAML 1.1 reads 2e-5 as a string; accept any spelling of a number
+            v = data.get(f.name)
+            if _base_type(f.type) is float and isinstance(v, str):
+                try:
+                    data[f.name] = float(v)
+                except ValueError:
+                    pass
         cfg = cls(**data)
         cfg.validate(source)
         return cfg
 
-    def replace(self, **changes: Any) -> "RunConfig":
+    def replace(self, source: str = "config patch", **changes: Any) -> "RunConfig":
         """A validated copy with some knobs changed (the shape of a prescription's config patch)."""
-        return RunConfig.from_dict({**self.to_dict(), **changes}, source="config patch")
+        return RunConfig.from_dict({**self.to_dict(), **changes}, source=source)
 
     def validate(self, source: str = "config") -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             meta = f.metadata
             if value is None:
-                continue
+                if "None" in str(f.type):
+                    continue
+                raise UsageError(f"{source}: {f.name} needs a value (default: {f.default!r})")
             expected = _base_type(f.type)
             if expected is bool and not isinstance(value, bool):
                 raise UsageError(f"{source}: {f.name} must be true or false, got {value!r}")

@@ -361,17 +361,20 @@ class Collator:
         return batch
 
     def _pack(self, samples: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-        """First-fit decreasing into rows of at most pack_length tokens (a longer sample gets its own row)."""
-        rows: list[list[dict[str, Any]]] = []
-        room: list[int] = []
-        for s in sorted(samples, key=lambda s: -len(s["input_ids"])):
-            k = len(s["input_ids"])
-            for r, free in enumerate(room):
-                if k <= free:
-                    rows[r].append(s)
-                    room[r] -= k
-                    break
-            else:
-                rows.append([s])
-                room.append(max(self.pack_length - k, 0))
-        return rows
+        """Fewest rows of at most pack_length tokens, balanced so the longest row (the padded width) is short.
+
+        Longest-first into the least-filled row; a sample longer than pack_length gets a row of its own.
+        """
+        lengths = [len(s["input_ids"]) for s in samples]
+        order = sorted(range(len(samples)), key=lambda i: -lengths[i])
+        k = max(1, math.ceil(sum(lengths) / self.pack_length))
+        while True:
+            rows: list[list[int]] = [[] for _ in range(k)]
+            load = [0] * k
+            for i in order:
+                r = min(range(k), key=load.__getitem__)
+                rows[r].append(i)
+                load[r] += lengths[i]
+            if max(load) <= max(self.pack_length, max(lengths)) or k >= len(samples):
+                return [[samples[i] for i in row] for row in rows if row]
+            k += 1

@@ -24,6 +24,7 @@ softmax and the optimizer are left out: they are a few percent of the matmul FLO
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,7 @@ PEAK_BF16_FLOPS = [
     ("A100", 312e12),
     ("A10G", 70e12),
     ("L40S", 362e12),
+    ("L40", 181.05e12),
     ("L4", 121e12),
 ]
 
@@ -49,7 +51,8 @@ def peak_flops(device_name: str | None) -> tuple[float | None, str]:
     if not device_name:
         return None, "no GPU: MFU is not defined for CPU runs"
     for key, value in PEAK_BF16_FLOPS:
-        if key.lower() in device_name.lower():
+        # whole words only: "L4" must not match "L40"
+        if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", device_name, re.IGNORECASE):
             return value, f"dense bf16 peak of {key} ({value / 1e12:.1f} TFLOP/s, data sheet)"
     return None, f"peak of {device_name!r} unknown: MFU left out"
 

@@ -79,6 +79,14 @@ def preflight(cfg: RunConfig, spec: ModelSpec, device: torch.device) -> None:
         raise UsageError("--num-samples must hold at least one optimizer step of samples")
 
 
+def check(cfg: RunConfig) -> tuple[ModelSpec, torch.device]:
+    """Everything that can be refused without building anything: names, then hardware, then combinations."""
+    spec = resolve(cfg.model, cfg.vision, cfg.llm, cfg.projector, cfg.pixel_shuffle)
+    device = resolve_device(cfg)
+    preflight(cfg, spec, device)
+    return spec, device
+
+
 # ------------------------------------------------------------------------------------------------
 @dataclass
 class Patient:
@@ -303,8 +311,7 @@ def summarize(windows: list[dict[str, Any]], device_total_gb: float | None) -> t
 
 def run_profile(cfg: RunConfig, progress: Progress = _quiet) -> dict[str, Any]:
     """Build, warm up, time; returns the report (also on OOM, NaN loss or a crash in a step)."""
-    device = resolve_device(cfg)
-    spec = resolve(cfg.model, cfg.vision, cfg.llm, cfg.projector, cfg.pixel_shuffle)
+    spec, device = check(cfg)
     env = envinfo.collect(device)
     peak, peak_source = flops.peak_flops(env.get("gpu"))
     report: dict[str, Any] = {
