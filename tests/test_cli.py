@@ -220,3 +220,24 @@ def test_python_m_vlmdoctor_end_to_end(tmp_path):
                          capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert bad.returncode == 2
     assert "Traceback" not in bad.stderr and "unknown model preset" in bad.stderr
+
+
+def test_pretrained_without_checkpoint_is_user_error(cli_runner):
+    result = _invoke(cli_runner, ["profile", *FAST, "--weights", "pretrained"])
+    _assert_user_error(result, "no published checkpoint", "--weights random")
+
+
+def test_pretrained_unreachable_hub_says_so(tmp_path):
+    """No network and an empty cache: one message naming the checkpoints, exit 2, no traceback.
+
+    A subprocess, because huggingface_hub reads HF_HUB_OFFLINE when it is imported.
+    """
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    proc = subprocess.run([sys.executable, "-m", "vlmdoctor", "profile", "--model", "0.5b", "--device", "cpu",
+                           "--steps", "1", "--warmup", "0", "--weights", "pretrained", "--quiet"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    flat = " ".join(proc.stderr.split())
+    for needle in ("Qwen/Qwen2.5-0.5B-Instruct", "not reachable", "--weights random"):
+        assert needle in flat, proc.stderr

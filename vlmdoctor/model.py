@@ -141,6 +141,11 @@ def _load_pretrained(spec: ModelSpec, vcls, attn: str, dtype: torch.dtype, devic
         if not part.get("hub_id"):
             raise UsageError(f"{part['name']} has no published checkpoint; use --weights random")
     extra = {"vision_use_head": False} if spec.vision["family"] == "siglip" else {}
+    from huggingface_hub.utils import logging as hub_logging
+    from transformers.utils import logging as tf_logging
+
+    hub_logging.set_verbosity_error()  # one clear message below instead of a retry warning per attempt
+    tf_logging.set_verbosity_error()
     try:
         vision = vcls.from_pretrained(spec.vision["hub_id"], attn_implementation=attn, dtype=dtype, **extra)
         llm = AutoModelForCausalLM.from_pretrained(spec.llm["hub_id"], attn_implementation=attn, dtype=dtype)
