@@ -70,6 +70,12 @@ def profile(
     cache_vision_features: Optional[bool] = _opt(
         "precompute frozen vision features", P5, "--cache-vision-features/--no-cache-vision-features"),
     fused_optimizer: Optional[bool] = _opt("AdamW(fused=True)", P5, "--fused-optimizer/--no-fused-optimizer"),
+    trace_dir: Optional[str] = typer.Option(None, "--trace-dir", help="after the timed steps, trace a separate window "
+                                            "with torch.profiler and write gzipped Chrome JSON here", rich_help_panel="trace"),
+    trace_steps: int = typer.Option(2, "--trace-steps", help="active steps in the traced window", rich_help_panel="trace"),
+    trace_shapes: bool = typer.Option(False, "--trace-shapes", help="record input shapes (bigger trace)", rich_help_panel="trace"),
+    trace_stack: bool = typer.Option(False, "--trace-stack", help="record Python stacks (much bigger)", rich_help_panel="trace"),
+    trace_memory: bool = typer.Option(False, "--trace-memory", help="record allocations", rich_help_panel="trace"),
     config: Optional[str] = typer.Option(None, "--config", help="run config YAML/JSON (or a report JSON); flags override it"),
     json_path: Optional[str] = typer.Option(None, "--json", help="write the report JSON here ('-' for stdout)"),
     save_config: Optional[str] = typer.Option(None, "--save-config", help="write the resolved run config (YAML/JSON)"),
@@ -80,17 +86,20 @@ def profile(
 
     Runs on the GPU when there is one; `--model tiny --device cpu` runs anywhere.
     """
+    from .capture import TraceOptions
+
+    trace = TraceOptions(trace_dir, trace_steps, trace_shapes, trace_stack, trace_memory) if trace_dir else None
     overrides = {k: v for k, v in locals().items()
-                 if v is not None and k not in ("config", "json_path", "save_config", "force", "quiet", "liger")}
+                 if v is not None and k in RunConfig.__dataclass_fields__}
     if liger is not None:
         for k in ("liger_rope", "liger_rms_norm", "liger_swiglu"):
             overrides.setdefault(k, liger)
     with _user_errors():
-        _profile(overrides, config, json_path, save_config, force, quiet)
+        _profile(overrides, config, json_path, save_config, force, quiet, trace)
 
 
 def _profile(overrides: dict[str, Any], config: str | None, json_path: str | None, save_config: str | None,
-             force: bool, quiet: bool) -> None:
+             force: bool, quiet: bool, trace: Any = None) -> None:
     from .report import check_writable, render, write_json
     from .runner import check, exit_code, run_profile
 
@@ -102,7 +111,7 @@ def _profile(overrides: dict[str, Any], config: str | None, json_path: str | Non
     if save_config:
         cfg.dump(save_config)
     if quiet:
-        report = run_profile(cfg)
+        report = run_profile(cfg, trace=trace)
     else:
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=err, transient=True) as bar:
@@ -113,7 +122,7 @@ def _profile(overrides: dict[str, Any], config: str | None, json_path: str | Non
                     tasks[phase] = bar.add_task(phase, total=total)
                 bar.update(tasks[phase], completed=done)
 
-            report = run_profile(cfg, progress)
+            report = run_profile(cfg, progress, trace)
     if json_path:
         write_json(report, json_path)
     if not quiet and json_path != "-":

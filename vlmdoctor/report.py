@@ -31,6 +31,7 @@ def write_json(report: dict[str, Any], path: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     with os.fdopen(fd, "w") as f:
         f.write(text)
+    os.chmod(tmp, 0o644)  # mkstemp makes it private; a report is an ordinary file
     os.replace(tmp, target)
 
 
@@ -96,6 +97,11 @@ def render(report: dict[str, Any], console: Console) -> None:
     console.print(t)
     versions = ", ".join(f"{k} {env.get(k)}" for k in ("torch", "transformers", "liger_kernel") if env.get(k))
     console.print(f"[dim]{versions}; driver {env.get('driver') or 'n/a'}[/dim]")
+    tr = report.get("trace")
+    if tr:
+        traced = sorted(tr["traced_step_ms"])[len(tr["traced_step_ms"]) // 2]
+        console.print(f"trace: {tr['path']} ({(tr['bytes'] or 0) / 2**20:.1f} MiB, {tr['steps']} steps; "
+                      f"traced step {traced:.1f} ms vs untraced median {m['step_ms']:.1f} ms)")
     if report["status"] == "nan_loss":
         console.print("[bold red]the loss was NaN or inf in a timed step[/bold red]")
 

@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from . import SCHEMA_VERSION, __version__, envinfo, flops
+from .capture import TraceOptions, capture, trace_path
 from .config import RunConfig
 from .data import BatchSampler, Collator, LlavaFile, SyntheticVQA
 from .errors import EXIT_FAILED_RUN, EXIT_NAN, EXIT_OK, EXIT_OOM, UsageError
@@ -309,8 +310,11 @@ def summarize(windows: list[dict[str, Any]], device_total_gb: float | None) -> t
     return metrics, stats
 
 
-def run_profile(cfg: RunConfig, progress: Progress = _quiet) -> dict[str, Any]:
-    """Build, warm up, time; returns the report (also on OOM, NaN loss or a crash in a step)."""
+def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions | None = None) -> dict[str, Any]:
+    """Build, warm up, time, then (if asked) trace a separate window.
+
+    Returns the report, also on OOM, NaN loss or a crash in a step.
+    """
     spec, device = check(cfg)
     env = envinfo.collect(device)
     peak, peak_source = flops.peak_flops(env.get("gpu"))
@@ -333,6 +337,14 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet) -> dict[str, Any]:
             _sync(device)
             progress("warm-up", i + 1, cfg.warmup)
         windows = [_window(patient, cfg.steps, peak, progress, f"timed {r + 1}/{cfg.repeats}") for r in range(cfg.repeats)]
+        if trace is not None:
+            def step() -> None:
+                train_step(patient)
+                _sync(device)
+
+            meta = {"schema_version": SCHEMA_VERSION, "tool_version": __version__, "config": cfg.to_dict(),
+                    "model": report["model"]}
+            report["trace"] = capture(step, trace, device, trace_path(trace, cfg.model, cfg.stage), meta, progress)
     except torch.OutOfMemoryError as e:
         _release(device)
         report.update(status="oom", error=_oom_details(e, device))
@@ -348,6 +360,8 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet) -> dict[str, Any]:
     metrics, stats = summarize(windows, total)
     report["metrics"] = metrics
     report["stats"] = stats
+    if "trace" in report:  # profiler overhead, visible next to the untraced numbers it stayed out of
+        report["trace"]["untraced_step_ms_median"] = metrics["step_ms"]
     report["repeats"] = [{k: v for k, v in w.items() if k != "losses"} | {"final_loss": w["losses"][-1]} for w in windows]
     if not metrics["loss_finite"]:
         report["status"] = "nan_loss"

@@ -1,0 +1,77 @@
+"""Trace capture: a separate, profiled window after the timed ones.
+
+Throughput comes from untraced windows, so profiler overhead stays out of the numbers. The traced
+window uses a torch.profiler schedule (wait 1, warm-up 1, active N steps), so the trace holds
+`ProfilerStep#N` markers. It is written as gzipped Chrome JSON, which Perfetto and Holistic Trace
+Analysis read. The run config travels inside the trace as metadata (`vlmdoctor`), so later
+analysis knows the stage and model without guessing.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch.profiler import ProfilerActivity, profile, schedule
+
+
+@dataclass
+class TraceOptions:
+    """What the traced window records. Shapes, stacks and memory cost much and are off by default."""
+
+    trace_dir: str
+    steps: int = 2
+    shapes: bool = False
+    stack: bool = False
+    memory: bool = False
+
+
+def trace_path(opts: TraceOptions, model: str, stage: int) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path(opts.trace_dir) / f"vlmdoctor_{model}_s{stage}_{stamp}.pt.trace.json.gz"
+
+
+def capture(
+    step: Callable[[], None],
+    opts: TraceOptions,
+    device: torch.device,
+    path: Path,
+    metadata: dict[str, Any],
+    progress: Callable[[str, int, int], None],
+) -> dict[str, Any]:
+    """Run wait + warm-up + active steps under the profiler; returns where the trace went and its step times."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    wait, warmup = 1, 1
+    total = wait + warmup + opts.steps
+    path.parent.mkdir(parents=True, exist_ok=True)
+    active_ms: list[float] = []
+    with profile(
+        activities=activities,
+        schedule=schedule(wait=wait, warmup=warmup, active=opts.steps, repeat=1),
+        on_trace_ready=lambda p: p.export_chrome_trace(str(path)),
+        record_shapes=opts.shapes,
+        with_stack=opts.stack,
+        profile_memory=opts.memory,
+    ) as prof:
+        for i in range(total):
+            if i == wait + warmup:  # the first recorded step: metadata lands in this trace
+                prof.add_metadata_json("vlmdoctor", json.dumps(metadata))
+            t0 = time.perf_counter()
+            step()
+            if i >= wait + warmup:
+                active_ms.append((time.perf_counter() - t0) * 1e3)
+            prof.step()
+            progress("traced steps", i + 1, total)
+    return {
+        "path": str(path),
+        "bytes": path.stat().st_size if path.exists() else None,
+        "steps": opts.steps,
+        "schedule": {"wait": wait, "warmup": warmup, "active": opts.steps},
+        "record_shapes": opts.shapes,
+        "with_stack": opts.stack,
+        "profile_memory": opts.memory,
+        "traced_step_ms": active_ms,
+    }
