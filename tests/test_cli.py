@@ -241,3 +241,24 @@ def test_pretrained_unreachable_hub_says_so(tmp_path):
     flat = " ".join(proc.stderr.split())
     for needle in ("Qwen/Qwen2.5-0.5B-Instruct", "not reachable", "--weights random"):
         assert needle in flat, proc.stderr
+
+
+def test_trace_dir_writes_profiled_window(cli_runner, tmp_path):
+    """--trace-dir: a gzipped Chrome trace with ProfilerStep markers for the active steps and the config inside."""
+    import gzip
+
+    out = tmp_path / "r.json"
+    result = _invoke(cli_runner, ["profile", *FAST, "--trace-dir", str(tmp_path / "tr"), "--trace-steps", "2",
+                                  "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    trace_file = Path(report["trace"]["path"])
+    assert trace_file.parent == tmp_path / "tr" and trace_file.name.endswith(".json.gz")
+    data = json.load(gzip.open(trace_file))
+    steps = {e["name"] for e in data["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#")}
+    assert len(steps) == 2  # wait and warm-up steps are not recorded
+    assert data["vlmdoctor"]["config"]["model"] == "tiny"
+    assert len(report["trace"]["traced_step_ms"]) == 2
+    assert report["trace"]["untraced_step_ms_median"] == report["metrics"]["step_ms"]
+    parts = {e["name"] for e in data["traceEvents"] if e.get("cat") == "user_annotation"}
+    assert {"vlmdoctor::vision", "vlmdoctor::projector", "vlmdoctor::llm"} <= parts
