@@ -131,6 +131,31 @@ def _profile(overrides: dict[str, Any], config: str | None, json_path: str | Non
 
 
 @app.command()
+def analyze(
+    path: str = typer.Argument(..., help="a torch.profiler trace (.json, .json.gz) or a folder of per-rank traces"),
+    stage: Optional[int] = typer.Option(None, "--stage", help="training stage, when the trace does not say (1 or 2)"),
+    model: Optional[str] = typer.Option(None, "--model", help="model preset, when the trace does not say"),
+    json_path: Optional[str] = typer.Option(None, "--json", help="write facts as JSON here ('-' for stdout)"),
+    force: bool = typer.Option(False, "--force", help="overwrite an existing --json file"),
+) -> None:
+    """Read a torch.profiler trace (anyone's) and print what the GPU did and why it waited."""
+    from . import SCHEMA_VERSION
+    from .analysis import analyze as run_analysis
+    from .report import check_writable, render_facts, write_json
+
+    with _user_errors():
+        if stage is not None and stage not in (1, 2):
+            raise VlmdoctorError("--stage must be 1 or 2")
+        check_writable(json_path, force)
+        with err.status("reading the trace"):
+            result = run_analysis(path, stage, model)
+        if json_path:
+            write_json({"schema_version": SCHEMA_VERSION, "kind": "analysis", **result}, json_path)
+        if json_path != "-":
+            render_facts(result, out)
+
+
+@app.command()
 def models(as_json: bool = typer.Option(False, "--json", help="machine output")) -> None:
     """List presets, vision towers and LLMs with parameter counts and head dims."""
     from .model import catalogue

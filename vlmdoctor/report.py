@@ -115,3 +115,66 @@ def render_models(rows: list[dict[str, Any]], console: Console) -> None:
                   str(r.get("heads", "")), str(r.get("head_dim", "")), r.get("notes", ""))
     console.print(t)
 
+
+
+def _ms(v: Any) -> str:
+    return f"{v:,.1f}" if isinstance(v, (int, float)) else "n/a"
+
+
+def render_facts(result: dict[str, Any], console: Console) -> None:
+    """Summary of `vlmdoctor analyze`: what the GPU did per step and why it waited."""
+    for entry in result["files"]:
+        f = entry["facts"]
+        known = ", ".join(f"{k.split('.')[1]} {f[k]}" for k in ("run.model", "run.stage") if k in f) or "model and stage unknown"
+        console.print(f"[bold]{entry['file']}[/bold]: {f['trace.steps']} step(s), {known}"
+                      + ("" if f["trace.written_by_vlmdoctor"] else " (not written by vlmdoctor)"))
+        for w in f.get("trace.warnings", []):
+            console.print(f"[yellow]partial:[/yellow] {w}")
+        line = f"step {_ms(f['step.ms'])} ms"
+        if "gpu.busy_frac" in f:
+            line += f"; GPU busy {f['gpu.busy_frac'] * 100:.0f}% ({_ms(f['gpu.busy_ms'])} ms), idle {_ms(f['gpu.idle_ms'])} ms"
+        console.print(line)
+        if "gpu.busy_frac" not in f:
+            continue
+        causes = [(k.split(".")[1], f[k]) for k in f if k.startswith("idle.") and k.endswith(".ms")]
+        console.print("GPU idle while the host was in: " + ", ".join(f"{c} {_ms(v)} ms" for c, v in causes if v >= 0.05))
+        t = Table(title="host work while the GPU waited (per step)", show_header=True, header_style="bold")
+        t.add_column("innermost host op / runtime call")
+        t.add_column("ms", justify="right")
+        t.add_column("share of idle", justify="right")
+        for row in f["idle.top_host_ops"][:6]:
+            t.add_row(row["op"][:70], _ms(row["ms"]), f"{row['share'] * 100:.0f}%")
+        console.print(t)
+        t = Table(title="kernel classes (per step)", show_header=True, header_style="bold")
+        for col in ("class", "ms", "count", "share of GPU time"):
+            t.add_column(col, justify="left" if col == "class" else "right")
+        classes = sorted({k.split(".")[1] for k in f if k.startswith("kernels.")}, key=lambda c: -f[f"kernels.{c}.ms"])
+        for c in classes[:12]:
+            t.add_row(c, _ms(f[f"kernels.{c}.ms"]), f"{f[f'kernels.{c}.count']:,.0f}", f"{f[f'kernels.{c}.share'] * 100:.1f}%")
+        console.print(t)
+        console.print(f"GEMMs: {_ms(f['gemm.ms'])} ms; FP32 (no tensor cores) {f['gemm.fp32_share'] * 100:.1f}% of GEMM time"
+                      + (f" in {', '.join(f['part.fp32_gemm_parts'])}: {f['gemm.fp32_top_kernels'][0][:60]}"
+                         if f["gemm.fp32_share"] > 0 else ""))
+        parts = sorted({k.split(".")[1] for k in f if k.startswith("part.") and k.endswith(".ms")}, key=lambda p: -f[f"part.{p}.ms"])
+        console.print("GPU time by part: " + ", ".join(f"{p} {_ms(f[f'part.{p}.ms'])} ms" for p in parts))
+        phases = [k.split(".")[1] for k in f if k.startswith("phase.") and k.endswith(".ms")]
+        console.print("by phase: " + ", ".join(f"{p} {_ms(f[f'phase.{p}.ms'])} ms" for p in phases)
+                      + f"; recompute: {f['recompute.kind']} ({f['recompute.share'] * 100:.1f}% of GPU time)")
+        console.print(f"launches: {f['launch.kernels']:,.0f} kernels/step, {f['launch.tiny_kernel_frac'] * 100:.0f}% under "
+                      f"10 µs, launch API {_ms(f['launch.api_ms'])} ms/step, launch-to-start median "
+                      f"{_ms(f.get('launch.delay_us_median'))} µs")
+        extra = []
+        if "shapes.distinct_token_batches" in f:
+            extra.append(f"token batch shapes: {', '.join(f['shapes.token_batches'])}")
+        if "loss.logits_gb" in f:
+            extra.append(f"logits {f['loss.logits_gb']:.2f} GiB ({f['loss.logits_dtype']})")
+        elif f.get("ops.fused_linear_cross_entropy"):
+            extra.append("logits not materialized (fused linear cross entropy)")
+        liger = [f"{k.split('.')[1]} {f[k]:.0f}" for k in f if k.startswith("liger.") and f[k]]
+        if liger:
+            extra.append("Liger launches/step: " + ", ".join(liger))
+        backends = [k.split(".")[2] for k in f if k.startswith("attention.backend.")]
+        if backends:
+            extra.append("SDPA backend: " + ", ".join(backends))
+        if extra:
+            console.print("; ".join(extra))

@@ -362,11 +362,23 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
     report["stats"] = stats
     if "trace" in report:  # profiler overhead, visible next to the untraced numbers it stayed out of
         report["trace"]["untraced_step_ms_median"] = metrics["step_ms"]
+        report["facts"] = _trace_facts(Path(report["trace"]["path"]), cfg)
     report["repeats"] = [{k: v for k, v in w.items() if k != "losses"} | {"final_loss": w["losses"][-1]} for w in windows]
     if not metrics["loss_finite"]:
         report["status"] = "nan_loss"
         report["error"] = {"type": "NonFiniteLoss", "message": "the loss was NaN or inf in a timed step"}
     return report
+
+
+def _trace_facts(path: Path, cfg: RunConfig) -> dict[str, Any]:
+    """The same facts `vlmdoctor analyze` reads from the trace; a failure here does not fail the profile."""
+    from .analysis import analyze
+    from .errors import VlmdoctorError
+
+    try:
+        return analyze(path, cfg.stage, cfg.model)["files"][0]["facts"]
+    except VlmdoctorError as e:
+        return {"trace.error": e.message}
 
 
 def _release(device: torch.device) -> None:

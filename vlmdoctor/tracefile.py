@@ -1,0 +1,89 @@
+"""Reading torch.profiler Chrome traces: a file (.json, .json.gz) or a folder of per-rank traces.
+
+Events are streamed with ijson, never loaded whole, so memory stays bounded on traces of many GB.
+The small top-level metadata (device properties, the `vlmdoctor` block a profile embeds) is read
+from the part of the file before `traceEvents`, where Kineto writes it.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import zlib
+from pathlib import Path
+from typing import IO, Any, Iterator
+
+import ijson
+
+from .errors import UsageError
+
+TRACE_SUFFIXES = (".json", ".json.gz")
+HEAD_LIMIT = 8 * 2**20  # metadata before traceEvents is small; never read more than this looking for it
+
+
+class TraceError(UsageError):
+    """Not a readable torch.profiler trace: the message says what is wrong and what was expected."""
+
+
+def trace_files(path: str | Path) -> list[Path]:
+    """The trace files a path names: the file itself, or every trace file in a folder (one per rank)."""
+    p = Path(path)
+    if not p.exists():
+        raise TraceError(f"{p}: no such file or folder")
+    if p.is_dir():
+        files = sorted(f for f in p.iterdir() if f.is_file() and f.name.endswith(TRACE_SUFFIXES))
+        if not files:
+            raise TraceError(f"{p}: the folder holds no trace files (expected *.json or *.json.gz written by "
+                             "torch.profiler, one per rank)")
+        return files
+    if not p.name.endswith(TRACE_SUFFIXES):
+        raise TraceError(f"{p}: expected a torch.profiler Chrome trace (.json or .json.gz)")
+    return [p]
+
+
+def _open(path: Path) -> IO[bytes]:
+    return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
+
+
+def read_metadata(path: Path) -> dict[str, Any]:
+    """Top-level keys other than traceEvents (Kineto writes them first)."""
+    head = b""
+    try:
+        with _open(path) as f:
+            while len(head) < HEAD_LIMIT:
+                chunk = f.read(1 << 16)
+                if not chunk:
+                    break
+                head += chunk
+                i = head.find(b'"traceEvents"')
+                if i >= 0:
+                    try:
+                        return json.loads(head[:i].decode("utf-8", "replace") + '"traceEvents": []}')
+                    except json.JSONDecodeError:
+                        return {}
+    except (OSError, EOFError, zlib.error) as e:
+        raise TraceError(f"{path}: cannot read ({type(e).__name__}: {e}); expected a torch.profiler trace") from None
+    if b'"traceEvents"' not in head:
+        text = head[:200].decode("utf-8", "replace").strip()
+        if not text.startswith("{"):
+            raise TraceError(f"{path}: not a JSON object (starts with {text[:40]!r}); expected a torch.profiler "
+                             "Chrome trace with a traceEvents list")
+    return {}
+
+
+def iter_events(path: Path) -> Iterator[dict[str, Any]]:
+    """Every element of traceEvents, streamed; truncation and bad JSON become TraceErrors."""
+    count = 0
+    try:
+        with _open(path) as f:
+            for ev in ijson.items(f, "traceEvents.item", use_float=True):
+                count += 1
+                yield ev
+    except ijson.JSONError as e:
+        where = f"after {count} events" if count else "before any event"
+        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise TraceError(f"{path}: the JSON is malformed or truncated {where} ({detail}); expected a complete "
+                         "torch.profiler Chrome trace") from None
+    except (OSError, EOFError, zlib.error) as e:
+        raise TraceError(f"{path}: cannot read ({type(e).__name__}: {e}); a truncated .gz file?") from None
+    if count == 0:
+        raise TraceError(f"{path}: no trace events (expected a top-level 'traceEvents' list, as torch.profiler writes)")
