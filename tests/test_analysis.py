@@ -230,3 +230,79 @@ def test_profile_report_carries_the_trace_facts(tmp_path):
     report = json.loads(out.read_text())
     assert report["facts"]["trace.steps"] == 2 and report["facts"]["run.stage"] == 2
     assert report["facts"]["trace.written_by_vlmdoctor"]
+
+
+# --- the vectorized building blocks, against brute force ----------------------------------------------
+
+def _random_laminar(rng, n=60):
+    """Properly nested intervals: children inside parents, siblings disjoint."""
+    out = []
+
+    def fill(lo, hi, depth):
+        t = lo
+        while t < hi and len(out) < n:
+            a = t + rng.uniform(0, (hi - lo) / 4)
+            b = min(hi, a + (hi - lo) * rng.uniform(0.05, 0.5))
+            if b <= a:
+                break
+            out.append((a, b))
+            if depth < 4 and rng.random() < 0.6:
+                fill(a, b, depth + 1)
+            t = b
+    fill(0.0, 1000.0, 0)
+    return sorted(out, key=lambda x: (x[0], -x[1]))
+
+
+def test_nesting_and_innermost_match_brute_force():
+    import numpy as np
+
+    from vlmdoctor.analysis import innermost, nesting
+
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        iv = _random_laminar(rng)
+        ts, end = np.array([a for a, _ in iv]), np.array([b for _, b in iv])
+        depth, parent = nesting(ts, end)
+        for i, (a, b) in enumerate(iv):
+            anc = [j for j, (c, d) in enumerate(iv) if j != i and c <= a and b <= d and (c, -d) < (a, -b)]
+            assert depth[i] == len(anc)
+            assert parent[i] == (max(anc) if anc else -1)
+        pts = rng.uniform(-10, 1010, 200)
+        got = innermost(ts, end, parent, pts)
+        for p, g in zip(pts, got):
+            inside = [j for j, (c, d) in enumerate(iv) if c <= p < d]
+            assert g == (max(inside) if inside else -1)
+
+
+def test_interval_algebra_matches_a_grid():
+    import numpy as np
+
+    from vlmdoctor.analysis import intersect, subtract, total, union
+
+    rng = np.random.default_rng(1)
+    grid = np.arange(0, 100, 0.25) + 0.125
+    for _ in range(30):
+        s1 = rng.integers(0, 90, 15).astype(float)
+        a = union(s1, s1 + rng.integers(1, 10, 15))
+        s2 = rng.integers(0, 90, 15).astype(float)
+        b = union(s2, s2 + rng.integers(1, 10, 15))
+        inside = lambda iv: np.array([any(s <= x < e for s, e in zip(*iv)) for x in grid])
+        assert np.all(np.diff(a[0]) > 0) and np.all(a[0][1:] > a[1][:-1])  # sorted and disjoint
+        assert np.array_equal(inside(intersect(a, b)), inside(a) & inside(b))
+        assert np.array_equal(inside(subtract(a, b)), inside(a) & ~inside(b))
+        assert total(intersect(a, b)) == pytest.approx(0.25 * (inside(a) & inside(b)).sum())
+
+
+def test_gpu_idle_agrees_with_traceinsight(tmp_path):
+    """Holistic Trace Analysis, an independent implementation, reads the same idle share from the same trace."""
+    import warnings
+
+    from hta.trace_analysis import TraceAnalysis
+
+    (tmp_path / "t.json.gz").write_bytes((TRACES / "default_s2.pt.trace.json.gz").read_bytes())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tb = TraceAnalysis(trace_dir=str(tmp_path), include_last_profiler_step=True).get_temporal_breakdown(visualize=False)
+    hta_idle = float(tb["idle_time_pctg"].iloc[0])
+    ours = 100 * (1 - facts("default_s2")["gpu.busy_frac"])
+    assert abs(hta_idle - ours) < 2.0, (hta_idle, ours)

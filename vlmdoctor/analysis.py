@@ -15,6 +15,7 @@ Facts are one flat dict of named numbers. Which fact comes from where: docs/anal
 from __future__ import annotations
 
 import re
+from array import array
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,7 @@ from .kernels import ATTENTION_CLASSES, GEMM_CLASSES, LIGER_CLASSES, classify, i
 from .tracefile import TraceError, iter_events, read_metadata, trace_files
 
 PART_RANGES = {"vlmdoctor::vision": "vision", "vlmdoctor::projector": "projector", "vlmdoctor::llm": "llm"}
-LOSS_OPS = re.compile(r"^aten::(cross_entropy_loss|nll_loss|nll_loss_nd|nll_loss2d)$|CrossEntropy", re.IGNORECASE)
+LOSS_OPS = re.compile(r"^aten::(?:cross_entropy_loss|nll_loss|nll_loss_nd|nll_loss2d)$|CrossEntropy", re.IGNORECASE)
 LOGITS_OPS = ("aten::cross_entropy_loss", "aten::log_softmax", "aten::_log_softmax")
 SDPA_BACKENDS = {
     "aten::_scaled_dot_product_cudnn_attention": "cudnn",
@@ -45,7 +46,7 @@ SHAPE_OPS = ("aten::embedding",)  # its first input is the token-id batch: (batc
 
 @dataclass
 class Tables:
-    """The trace, reduced to what the facts need."""
+    """The trace, reduced to what the facts need (names as categoricals, numbers as typed arrays)."""
 
     path: Path
     meta: dict[str, Any]
@@ -57,189 +58,268 @@ class Tables:
     types: dict[str, Any] = field(default_factory=dict)
 
 
+class _Column:
+    """Interned names + typed number columns: a few bytes per event instead of Python objects."""
+
+    def __init__(self, numeric: tuple[str, ...]) -> None:
+        self.codes = array("i")
+        self.num = {k: array("d") for k in numeric}
+
+    def frame(self, names: list[str]) -> pd.DataFrame:
+        df = pd.DataFrame({k: np.frombuffer(v, dtype=np.float64) if len(v) else np.zeros(0) for k, v in self.num.items()})
+        df.insert(0, "name", pd.Categorical.from_codes(np.frombuffer(self.codes, dtype=np.int32) if len(self.codes)
+                                                       else np.zeros(0, dtype=np.int32), categories=names))
+        return df
+
+
 def load_tables(path: Path) -> Tables:
     meta = read_metadata(path)  # first: it rejects files that are not JSON objects with a clear message
-    gpu: dict[str, list] = defaultdict(list)
-    ops: dict[str, list] = defaultdict(list)
-    rt: dict[str, list] = defaultdict(list)
-    steps: dict[str, list] = defaultdict(list)
+    names: dict[str, int] = {}
+    intern = names.setdefault
+    gpu = _Column(("ts", "dur", "corr", "bytes", "cat"))
+    ops = _Column(("tid", "ts", "dur", "seq", "fwd_tid"))
+    rt = _Column(("tid", "ts", "dur", "corr"))
+    tids: dict[Any, int] = {}
+    steps: list[tuple[str, float, float]] = []
     shapes: list[tuple[float, str, Any]] = []
     types: dict[str, Any] = {}
+    gpu_cats = {"kernel": 0.0, "gpu_memcpy": 1.0, "gpu_memset": 2.0}
     for ev in iter_events(path):
-        if ev.get("ph") != "X":
-            continue
         cat = ev.get("cat")
-        name = ev.get("name", "")
-        ts = float(ev.get("ts", 0.0))
-        dur = float(ev.get("dur", 0.0))
-        args = ev.get("args") or {}
-        if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
-            gpu["name"].append(name)
-            gpu["cat"].append(cat)
-            gpu["ts"].append(ts)
-            gpu["dur"].append(dur)
-            gpu["corr"].append(args.get("correlation", -1))
-            gpu["bytes"].append(args.get("bytes", 0))
-        elif cat in ("cuda_runtime", "cuda_driver"):
-            rt["name"].append(name)
-            rt["tid"].append(ev.get("tid"))
-            rt["ts"].append(ts)
-            rt["dur"].append(dur)
-            rt["corr"].append(args.get("correlation", -1))
-        elif cat in ("cpu_op", "user_annotation"):
+        if cat is None or ev.get("ph") != "X":
+            continue
+        if cat == "cpu_op" or cat == "user_annotation":
+            name = ev.get("name", "")
+            ts, dur = float(ev.get("ts", 0.0)), float(ev.get("dur", 0.0))
             if name.startswith("ProfilerStep#"):
-                steps["name"].append(name)
-                steps["ts"].append(ts)
-                steps["end"].append(ts + dur)
+                steps.append((name, ts, ts + dur))
                 continue
-            ops["name"].append(name)
-            ops["tid"].append(ev.get("tid"))
-            ops["ts"].append(ts)
-            ops["dur"].append(dur)
-            ops["seq"].append(args.get("Sequence number", -1))
-            ops["fwd_tid"].append(args.get("Fwd thread id", -1))
+            args = ev.get("args") or {}
+            ops.codes.append(intern(name, len(names)))
+            n = ops.num
+            n["tid"].append(tids.setdefault(ev.get("tid"), len(tids)))
+            n["ts"].append(ts)
+            n["dur"].append(dur)
+            n["seq"].append(args.get("Sequence number", -1))
+            n["fwd_tid"].append(args.get("Fwd thread id", -1))
             if (name in SHAPE_OPS or name in LOGITS_OPS) and "Input Dims" in args:
                 shapes.append((ts, name, args["Input Dims"]))
                 types[name] = args.get("Input type")
-    if not steps["ts"]:
-        steps_df = pd.DataFrame({"name": pd.Series(dtype=str), "ts": pd.Series(dtype=float), "end": pd.Series(dtype=float)})
-    else:
-        steps_df = pd.DataFrame(steps).sort_values("ts").reset_index(drop=True)
-    gpu_df = pd.DataFrame(gpu, columns=["name", "cat", "ts", "dur", "corr", "bytes"])
+        elif cat == "cuda_runtime" or cat == "cuda_driver":
+            args = ev.get("args") or {}
+            rt.codes.append(intern(ev.get("name", ""), len(names)))
+            n = rt.num
+            n["tid"].append(tids.setdefault(ev.get("tid"), len(tids)))
+            n["ts"].append(float(ev.get("ts", 0.0)))
+            n["dur"].append(float(ev.get("dur", 0.0)))
+            n["corr"].append(args.get("correlation", -1))
+        elif cat in gpu_cats:
+            args = ev.get("args") or {}
+            gpu.codes.append(intern(ev.get("name", ""), len(names)))
+            n = gpu.num
+            n["ts"].append(float(ev.get("ts", 0.0)))
+            n["dur"].append(float(ev.get("dur", 0.0)))
+            n["corr"].append(args.get("correlation", -1))
+            n["bytes"].append(args.get("bytes", 0) or 0)
+            n["cat"].append(gpu_cats[cat])
+    categories = list(names)
+    steps_df = pd.DataFrame(steps, columns=["name", "ts", "end"]).sort_values("ts").reset_index(drop=True)
+    gpu_df = gpu.frame(categories)
+    gpu_df["cat"] = np.array(["kernel", "gpu_memcpy", "gpu_memset"])[gpu_df["cat"].to_numpy().astype(int)]
     gpu_df["end"] = gpu_df["ts"] + gpu_df["dur"]
-    gpu_df["cls"] = [classify(n, c) for n, c in zip(gpu_df["name"], gpu_df["cat"])]
-    ops_df = pd.DataFrame(ops, columns=["name", "tid", "ts", "dur", "seq", "fwd_tid"])
+    gpu_df["corr"] = gpu_df["corr"].astype(np.int64)
+    pairs = list(zip(gpu_df["name"].cat.codes.to_numpy(), gpu_df["cat"]))
+    cls_of = {(c, k): classify(categories[c], k) for c, k in set(pairs)}
+    gpu_df["cls"] = [cls_of[pk] for pk in pairs]
+    ops_df = ops.frame(categories)
     ops_df["end"] = ops_df["ts"] + ops_df["dur"]
-    rt_df = pd.DataFrame(rt, columns=["name", "tid", "ts", "dur", "corr"])
+    for col in ("tid", "seq", "fwd_tid"):
+        ops_df[col] = ops_df[col].astype(np.int64)
+    rt_df = rt.frame(categories)
     rt_df["end"] = rt_df["ts"] + rt_df["dur"]
+    for col in ("tid", "corr"):
+        rt_df[col] = rt_df[col].astype(np.int64)
     return Tables(path, meta, steps_df, gpu_df, ops_df, rt_df, shapes, types)
 
 
-# --- launch context -----------------------------------------------------------------------------
+# --- nesting of host ops, vectorized --------------------------------------------------------------
+
+def nesting(ts: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Depth and parent of intervals sorted by (start, -end), treated as a laminar family.
+
+    depth = intervals started before this one minus those already ended; parent = the nearest
+    earlier interval one level up.
+    """
+    n = len(ts)
+    depth = np.arange(n) - np.searchsorted(np.sort(end), ts, side="right")
+    depth = np.clip(depth, 0, None)
+    parent = np.full(n, -1, dtype=np.int64)
+    for d in range(1, int(depth.max(initial=0)) + 1):
+        here = np.flatnonzero(depth == d)
+        up = np.flatnonzero(depth == d - 1)
+        if len(up) == 0:
+            continue
+        pos = np.searchsorted(up, here) - 1
+        ok = pos >= 0
+        parent[here[ok]] = up[pos[ok]]
+    return depth, parent
+
+
+def innermost(ts: np.ndarray, end: np.ndarray, parent: np.ndarray, points: np.ndarray) -> np.ndarray:
+    """Index of the innermost interval containing each point (-1 for none)."""
+    j = np.searchsorted(ts, points, side="right") - 1
+    for _ in range(256):
+        bad = (j >= 0) & (end[np.maximum(j, 0)] <= points)
+        if not bad.any():
+            break
+        j[bad] = parent[j[bad]]
+    return j
+
+
+def _sorted_thread(ops: pd.DataFrame, extra: pd.DataFrame | None = None) -> pd.DataFrame:
+    frames = [ops.assign(kind=0, row=np.arange(len(ops)))]
+    if extra is not None:
+        frames.append(extra.assign(kind=1, row=np.arange(len(extra))))
+    items = pd.concat(frames, ignore_index=True)
+    items["neg_end"] = -items["end"]
+    return items.sort_values(["tid", "ts", "neg_end", "kind"], kind="mergesort").reset_index(drop=True)
+
 
 def launch_context(t: Tables) -> pd.DataFrame:
     """For each runtime call: the model part and phase of the op that made it."""
     ops = t.ops
-    names = ops["name"].to_numpy()
-    seqs = ops["seq"].to_numpy()
-    fwd = ops["fwd_tid"].to_numpy()
-    seq_part: dict[int, str] = {}  # forward sequence number -> part ("Fwd thread id" is an internal id, not a tid)
-    seq_alias: dict[int, int] = {}  # recomputed forward op -> the backward node it was recomputed for
-    rt_ctx: dict[int, tuple] = {}  # runtime row -> (part, phase, backward key)
-    # items per thread: ops (kind 0) and runtime calls (kind 1), by start time, outer ops first
-    items = pd.concat([
-        pd.DataFrame({"tid": ops["tid"], "ts": ops["ts"], "end": ops["end"], "kind": 0, "row": np.arange(len(ops))}),
-        pd.DataFrame({"tid": t.runtime["tid"], "ts": t.runtime["ts"], "end": t.runtime["end"], "kind": 1,
-                      "row": np.arange(len(t.runtime))}),
-    ], ignore_index=True)
-    items["neg_end"] = -items["end"]
-    items = items.sort_values(["tid", "ts", "kind", "neg_end"], kind="mergesort")
-    for tid, group in items.groupby("tid", sort=False):
-        stack: list[tuple[float, tuple]] = []  # (end, ctx) ; ctx = (part, loss, opt, in_bwd, recompute, bwd_key)
-        for ts, end, kind, row in zip(group["ts"].to_numpy(), group["end"].to_numpy(), group["kind"].to_numpy(),
-                                      group["row"].to_numpy()):
-            while stack and stack[-1][0] <= ts:
-                stack.pop()
-            parent = stack[-1][1] if stack else (None, False, False, False, False, None)
-            if kind == 1:
-                rt_ctx[row] = parent
-                continue
-            part, loss, opt, in_bwd, recompute, bwd_key = parent
-            name = names[row]
-            if name in PART_RANGES:
-                part = PART_RANGES[name]
-            elif name.startswith("Optimizer.step"):
-                opt = True
-            if LOSS_OPS.search(name):
-                loss = True
-            if name.startswith("autograd::engine::evaluate_function"):
-                in_bwd = True
-            seq, ftid = int(seqs[row]), int(fwd[row])
-            if in_bwd and seq >= 0 and ftid > 0:
-                bwd_key = seq
-            elif in_bwd and seq >= 0 and ftid == 0:
-                recompute = True
-                if bwd_key is not None:  # reentrant: its own backward nodes later point at this new sequence number
-                    seq_alias.setdefault(seq, bwd_key)
-            elif not in_bwd and seq >= 0 and ftid == 0:
-                seq_part.setdefault(seq, "loss" if loss else (part or "other"))
-            ctx = (part, loss, opt, in_bwd, recompute, bwd_key)
-            stack.append((end, ctx))
-    def part_of(key: int | None) -> str | None:
-        for _ in range(8):  # follow recompute aliases a few levels
-            if key is None or key in seq_part:
-                return seq_part.get(key) if key is not None else None
-            key = seq_alias.get(key)
-        return None
+    names = ops["name"].astype(str).to_numpy()
+    own_part = np.zeros(len(ops), dtype=np.int8)
+    part_names = ["", "vision", "projector", "llm"]
+    for i, label in enumerate(part_names[1:], start=1):
+        own_part[names == f"vlmdoctor::{label}"] = i
+    cats = pd.Series(ops["name"].cat.categories)
+    flag = lambda mask_of_cats: ops["name"].cat.codes.isin(np.flatnonzero(mask_of_cats.to_numpy())).to_numpy()
+    own_opt = flag(cats.str.startswith("Optimizer.step"))
+    own_loss = flag(cats.str.contains(LOSS_OPS))
+    own_bwd = flag(cats.str.startswith("autograd::engine::evaluate_function"))
+    seq = ops["seq"].to_numpy()
+    ftid = ops["fwd_tid"].to_numpy()
 
-    parts, phases = [], []
-    for row in range(len(t.runtime)):
-        part, loss, opt, in_bwd, recompute, bwd_key = rt_ctx.get(row, (None, False, False, False, False, None))
-        if opt:
-            parts.append("optimizer")
-            phases.append("optimizer")
-            continue
-        if in_bwd:
-            p = part_of(bwd_key)
-            parts.append(p or ("loss" if loss else part) or "other")
-            phases.append("recompute" if recompute else "backward")
-            continue
-        parts.append("loss" if loss else (part or "other"))
-        phases.append("forward")
-    out = t.runtime[["corr", "ts", "name"]].copy()
+    part = np.zeros(len(ops), dtype=np.int8)
+    opt = np.zeros(len(ops), dtype=bool)
+    loss = np.zeros(len(ops), dtype=bool)
+    in_bwd = np.zeros(len(ops), dtype=bool)
+    recompute = np.zeros(len(ops), dtype=bool)
+    bwd_key = np.full(len(ops), -1, dtype=np.int64)
+    rt_row = np.full(len(t.runtime), -1, dtype=np.int64)
+    rt_t = t.runtime
+    for tid in np.unique(ops["tid"].to_numpy()):
+        sel = np.flatnonzero(ops["tid"].to_numpy() == tid)
+        order = sel[np.lexsort((-ops["end"].to_numpy()[sel], ops["ts"].to_numpy()[sel]))]
+        ts, end = ops["ts"].to_numpy()[order], ops["end"].to_numpy()[order]
+        depth, par = nesting(ts, end)
+        for d in range(int(depth.max(initial=0)) + 1):  # context flows from parents to children, level by level
+            lvl = np.flatnonzero(depth == d)
+            rows = order[lvl]
+            p = par[lvl]
+            has = p >= 0
+            prow = np.where(has, order[np.maximum(p, 0)], 0)
+            inh = lambda arr, default: np.where(has, arr[prow], default)
+            pp, po, pl, pb, pr, pk = inh(part, 0), inh(opt, False), inh(loss, False), inh(in_bwd, False), \
+                inh(recompute, False), inh(bwd_key, -1)
+            part[rows] = np.where(own_part[rows] > 0, own_part[rows], pp)
+            opt[rows] = po | own_opt[rows]
+            loss[rows] = pl | own_loss[rows]
+            b = pb | own_bwd[rows]
+            in_bwd[rows] = b
+            s, f = seq[rows], ftid[rows]
+            is_node = b & (s >= 0) & (f > 0)
+            is_rec = b & (s >= 0) & (f == 0)
+            bwd_key[rows] = np.where(is_node, s, pk)
+            recompute[rows] = pr | is_rec
+        # runtime calls of this thread: the innermost op around each
+        rsel = np.flatnonzero(rt_t["tid"].to_numpy() == tid)
+        if len(rsel):
+            j = innermost(ts, end, par, rt_t["ts"].to_numpy()[rsel])
+            rt_row[rsel] = np.where(j >= 0, order[np.maximum(j, 0)], -1)
+
+    fwd_ops = (~in_bwd) & (seq >= 0) & (ftid == 0)
+    part_label = np.array(part_names, dtype=object)[part]
+    part_label = np.where(loss, "loss", np.where(part_label == "", "other", part_label))
+    seq_part = pd.Series(part_label[fwd_ops], index=seq[fwd_ops])
+    seq_part = seq_part[~seq_part.index.duplicated(keep="first")]
+    rec_ops = in_bwd & (seq >= 0) & (ftid == 0) & (bwd_key >= 0)
+    alias = pd.Series(bwd_key[rec_ops], index=seq[rec_ops])
+    alias = alias[~alias.index.duplicated(keep="first")]
+
+    has_ctx = rt_row >= 0
+    r = np.maximum(rt_row, 0)
+    c_opt = has_ctx & opt[r]
+    c_bwd = has_ctx & in_bwd[r]
+    c_rec = has_ctx & recompute[r]
+    c_loss = has_ctx & loss[r]
+    c_part = np.where(has_ctx, np.array(part_names, dtype=object)[part[r]], "")
+    key = pd.Series(np.where(c_bwd, bwd_key[r], -1))
+    resolved = pd.Series([None] * len(key), dtype=object)
+    for _ in range(8):  # follow recompute aliases a few levels
+        found = key.map(seq_part)
+        resolved = resolved.where(resolved.notna(), found)
+        key = key.map(alias).fillna(-1).astype(np.int64)
+    fallback = np.where(c_loss, "loss", np.where(c_part == "", "other", c_part))
+    parts = np.where(c_opt, "optimizer", np.where(c_bwd & resolved.notna().to_numpy(), resolved.to_numpy(), fallback))
+    phases = np.where(c_opt, "optimizer", np.where(c_bwd, np.where(c_rec, "recompute", "backward"), "forward"))
+    out = t.runtime[["corr", "ts"]].copy()
     out["part"] = parts
     out["phase"] = phases
     return out
 
 
-# --- interval arithmetic on sorted, disjoint intervals ----------------------------------------------
+# --- interval arithmetic on sorted, disjoint intervals, vectorized ----------------------------------
 
-def union(starts: np.ndarray, ends: np.ndarray) -> list[tuple[float, float]]:
-    order = np.argsort(starts, kind="mergesort")
-    out: list[list[float]] = []
-    for s, e in zip(starts[order], ends[order]):
-        if out and s <= out[-1][1]:
-            if e > out[-1][1]:
-                out[-1][1] = e
-        else:
-            out.append([s, e])
-    return [(a, b) for a, b in out]
+Intervals = tuple[np.ndarray, np.ndarray]
 
 
-def intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    i = j = 0
-    out = []
-    while i < len(a) and j < len(b):
-        s, e = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        if s < e:
-            out.append((s, e))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
+def union(starts: np.ndarray, ends: np.ndarray) -> Intervals:
+    if len(starts) == 0:
+        return np.zeros(0), np.zeros(0)
+    o = np.argsort(starts, kind="mergesort")
+    s, e = np.asarray(starts, dtype=float)[o], np.asarray(ends, dtype=float)[o]
+    reach = np.maximum.accumulate(e)
+    new = np.ones(len(s), dtype=bool)
+    new[1:] = s[1:] > reach[:-1]  # a new run starts where nothing before reaches this start
+    return s[new], np.maximum.reduceat(e, np.flatnonzero(new))
 
 
-def subtract(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out = []
-    j = 0
-    for s, e in a:
-        cur = s
-        while j < len(b) and b[j][1] <= cur:
-            j += 1
-        k = j
-        while k < len(b) and b[k][0] < e:
-            if b[k][0] > cur:
-                out.append((cur, b[k][0]))
-            cur = max(cur, b[k][1])
-            k += 1
-        if cur < e:
-            out.append((cur, e))
-    return out
+def _member(iv: Intervals, x: np.ndarray) -> np.ndarray:
+    k = np.searchsorted(iv[0], x, side="right") - 1
+    return (k >= 0) & (x < iv[1][np.maximum(k, 0)])
 
 
-def total(iv: list[tuple[float, float]]) -> float:
-    return float(sum(e - s for s, e in iv))
+def _combine(a: Intervals, b: Intervals, keep) -> Intervals:
+    pts = np.unique(np.concatenate([a[0], a[1], b[0], b[1]]))
+    if len(pts) < 2:
+        return np.zeros(0), np.zeros(0)
+    lo, hi = pts[:-1], pts[1:]
+    mid = (lo + hi) / 2
+    m = keep(_member(a, mid), _member(b, mid))
+    return union(lo[m], hi[m])
+
+
+def intersect(a: Intervals, b: Intervals) -> Intervals:
+    return _combine(a, b, lambda x, y: x & y)
+
+
+def subtract(a: Intervals, b: Intervals) -> Intervals:
+    return _combine(a, b, lambda x, y: x & ~y)
+
+
+def total(iv: Intervals) -> float:
+    return float(np.sum(iv[1] - iv[0]))
+
+
+def _measure(iv: Intervals, x: np.ndarray) -> np.ndarray:
+    """Length of iv inside (-inf, x], for many x at once."""
+    s, e = iv
+    cum = np.concatenate([[0.0], np.cumsum(e - s)])
+    k = np.searchsorted(s, x, side="right")
+    over = np.where(k > 0, np.maximum(e[np.maximum(k - 1, 0)] - x, 0.0), 0.0)
+    return cum[k] - over
 
 
 # --- facts ------------------------------------------------------------------------------------------
@@ -317,7 +397,8 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
     rt = t.runtime
     launches = rt[rt["name"].str.match(LAUNCH_CALLS)]
     facts["launch.api_ms"] = float(launches["dur"].sum()) / 1e3 / n
-    joined = kern.merge(rt[["corr", "ts"]].rename(columns={"ts": "rt_ts"}), on="corr", how="inner")
+    rtc = rt.loc[rt["corr"] >= 0, ["corr", "ts"]].drop_duplicates("corr")
+    joined = kern[kern["corr"] >= 0].merge(rtc.rename(columns={"ts": "rt_ts"}), on="corr", how="inner")
     delay = (joined["ts"] - joined["rt_ts"]).to_numpy()
     if len(delay):
         facts["launch.delay_us_median"] = float(np.median(delay))
@@ -325,6 +406,7 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
 
     # parts and phases
     ctx = launch_context(t)
+    ctx = ctx.loc[ctx["corr"] >= 0].drop_duplicates("corr")
     g2 = g.merge(ctx[["corr", "part", "phase"]], on="corr", how="left")
     g2["part"] = g2["part"].fillna("unattributed")
     g2["phase"] = g2["phase"].fillna("unattributed")
@@ -336,7 +418,7 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
     rec = float(g2.loc[g2["phase"] == "recompute", "dur"].sum())
     facts["recompute.ms"] = rec / 1e3 / n
     facts["recompute.share"] = rec / gpu_time
-    names = set(t.ops["name"].unique())
+    names = set(t.ops["name"].astype(str).unique())
     if rec > 0:
         facts["recompute.kind"] = "reentrant" if any("CheckpointFunction" in x for x in names) else "non_reentrant"
     else:
@@ -358,8 +440,8 @@ def _idle_causes(t: Tables, idle: list[tuple[float, float]], facts: dict[str, An
     """GPU idle time, attributed to what the host was doing meanwhile, in priority order."""
     ops, rt = t.ops, t.runtime
 
-    def spans(df: pd.DataFrame) -> list[tuple[float, float]]:
-        return union(df["ts"].to_numpy(), df["end"].to_numpy()) if len(df) else []
+    def spans(df: pd.DataFrame) -> Intervals:
+        return union(df["ts"].to_numpy(), df["end"].to_numpy())
 
     causes = [
         ("data_loader", spans(ops[ops["name"].str.contains("DataLoader", regex=False)])),
@@ -377,48 +459,44 @@ def _idle_causes(t: Tables, idle: list[tuple[float, float]], facts: dict[str, An
     facts["idle.other_host.ms"] = total(left) / 1e3 / n
     facts["idle.other_host.share"] = total(left) / idle_total
     # the host work running while the GPU waited: the innermost op or runtime call at each moment, any thread
-    per_name: Counter = Counter()
-    for name, segs in _exclusive_segments(t).items():
-        per_name[name] = total(intersect(idle, union(segs[0], segs[1])))
+    per_code = _idle_by_innermost(t, idle)
+    cats = t.ops["name"].cat.categories
+    top = np.argsort(-per_code)[:8]
     facts["idle.top_host_ops"] = [
-        {"op": k, "ms": v / 1e3 / n, "share": v / idle_total} for k, v in per_name.most_common(8) if v > 0
+        {"op": str(cats[k]), "ms": per_code[k] / 1e3 / n, "share": per_code[k] / idle_total} for k in top if per_code[k] > 0
     ]
 
 
-def _exclusive_segments(t: Tables) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Each op's and runtime call's own time on its thread, children excluded: (starts, ends) per name."""
+def _idle_by_innermost(t: Tables, idle: Intervals) -> np.ndarray:
+    """Idle time under each name: between consecutive boundaries the innermost op of a thread is fixed."""
+    cats = t.ops["name"].cat.categories
+    out = np.zeros(len(cats))
+    if len(idle[0]) == 0:
+        return out
     items = pd.concat([t.ops[["name", "tid", "ts", "end"]], t.runtime[["name", "tid", "ts", "end"]]], ignore_index=True)
-    items = items.sort_values(["tid", "ts", "end"], ascending=[True, True, False], kind="mergesort")
-    out: dict[str, tuple[list, list]] = defaultdict(lambda: ([], []))
-    for _, grp in items.groupby("tid", sort=False):
-        stack: list[list] = []  # [name, end]
-        cursor = -np.inf
-        for name, ts, end in zip(grp["name"].to_numpy(), grp["ts"].to_numpy(), grp["end"].to_numpy()):
-            while stack and stack[-1][1] <= ts:  # ops that end before this one starts
-                top_name, top_end = stack.pop()
-                if top_end > cursor:
-                    out[top_name][0].append(cursor)
-                    out[top_name][1].append(top_end)
-                    cursor = top_end
-            if stack and ts > cursor:  # the enclosing op ran alone until now
-                out[stack[-1][0]][0].append(cursor)
-                out[stack[-1][0]][1].append(ts)
-            cursor = ts
-            stack.append([name, end])
-        while stack:
-            top_name, top_end = stack.pop()
-            if top_end > cursor:
-                out[top_name][0].append(cursor)
-                out[top_name][1].append(top_end)
-                cursor = top_end
-    return {k: (np.array(a), np.array(b)) for k, (a, b) in out.items()}
+    code = items["name"].cat.codes.to_numpy()
+    tid_all = items["tid"].to_numpy()
+    for tid in np.unique(tid_all):
+        sel = np.flatnonzero(tid_all == tid)
+        order = sel[np.lexsort((-items["end"].to_numpy()[sel], items["ts"].to_numpy()[sel]))]
+        ts, end = items["ts"].to_numpy()[order], items["end"].to_numpy()[order]
+        _, par = nesting(ts, end)
+        bounds = np.unique(np.concatenate([ts, end]))
+        if len(bounds) < 2:
+            continue
+        owner = innermost(ts, end, par, bounds[:-1])
+        idle_len = _measure(idle, bounds[1:]) - _measure(idle, bounds[:-1])
+        ok = (owner >= 0) & (idle_len > 0)
+        out += np.bincount(code[order[owner[ok]]], weights=idle_len[ok], minlength=len(cats))
+    return out
 
 
 def _host_facts(t: Tables, facts: dict[str, Any], n: int) -> None:
     ops = t.ops
     counts = ops["name"].value_counts()
+    counts = counts[counts > 0]
     for op, backend in SDPA_BACKENDS.items():
-        if op in counts:
+        if op in counts.index:
             facts[f"attention.backend.{backend}.calls"] = float(counts[op]) / n
     facts["ops.fused_linear_cross_entropy"] = bool(ops["name"].str.contains("FusedLinearCrossEntropy").any())
     facts["ops.checkpoint_reentrant"] = bool(ops["name"].str.contains("CheckpointFunction").any())

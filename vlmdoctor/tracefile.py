@@ -1,18 +1,18 @@
 """Reading torch.profiler Chrome traces: a file (.json, .json.gz) or a folder of per-rank traces.
 
-Events are streamed with ijson, never loaded whole, so memory stays bounded on traces of many GB.
+Events are streamed one at a time through the C JSON decoder, never loaded whole, so memory stays bounded on traces of many GB.
 The small top-level metadata (device properties, the `vlmdoctor` block a profile embeds) is read
 from the part of the file before `traceEvents`, where Kineto writes it.
 """
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import zlib
 from pathlib import Path
 from typing import IO, Any, Iterator
 
-import ijson
 
 from .errors import UsageError
 
@@ -70,18 +70,49 @@ def read_metadata(path: Path) -> dict[str, Any]:
     return {}
 
 
-def iter_events(path: Path) -> Iterator[dict[str, Any]]:
-    """Every element of traceEvents, streamed; truncation and bad JSON become TraceErrors."""
+def iter_events(path: Path, block: int = 1 << 24) -> Iterator[dict[str, Any]]:
+    """Every element of traceEvents, streamed through the C JSON decoder one event at a time.
+
+    A rolling buffer of `block` characters keeps memory bounded whatever the trace size;
+    truncation and bad JSON become TraceErrors.
+    """
+    dec = json.JSONDecoder()
     count = 0
     try:
-        with _open(path) as f:
-            for ev in ijson.items(f, "traceEvents.item", use_float=True):
+        with _open(path) as raw:
+            f = io.TextIOWrapper(raw, encoding="utf-8", errors="replace")
+            buf = ""
+            while True:  # find the start of the events list
+                more = f.read(block)
+                if not more:
+                    raise TraceError(f"{path}: no 'traceEvents' list (expected a torch.profiler Chrome trace)")
+                buf += more
+                k = buf.find('"traceEvents"')
+                if k >= 0:
+                    k = buf.find("[", k)
+                    if k >= 0:
+                        break
+                buf = buf[-64:]
+            i, eof = k + 1, False
+            while True:
+                n = len(buf)
+                while i < n and buf[i] in " \t\r\n,":
+                    i += 1
+                if not eof and n - i < (1 << 20):  # keep at least 1 MB ahead of the decoder
+                    more = f.read(block)
+                    eof = not more
+                    buf, i = buf[i:] + more, 0
+                    continue
+                if i >= n:
+                    raise json.JSONDecodeError("the events list is not closed", buf, i)
+                if buf[i] == "]":
+                    break
+                ev, i = dec.raw_decode(buf, i)
                 count += 1
                 yield ev
-    except ijson.JSONError as e:
+    except json.JSONDecodeError as e:
         where = f"after {count} events" if count else "before any event"
-        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise TraceError(f"{path}: the JSON is malformed or truncated {where} ({detail}); expected a complete "
+        raise TraceError(f"{path}: the JSON is malformed or truncated {where} ({e.msg}); expected a complete "
                          "torch.profiler Chrome trace") from None
     except (OSError, EOFError, zlib.error) as e:
         raise TraceError(f"{path}: cannot read ({type(e).__name__}: {e}); a truncated .gz file?") from None
