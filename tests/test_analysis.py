@@ -306,3 +306,21 @@ def test_gpu_idle_agrees_with_traceinsight(tmp_path):
     hta_idle = float(tb["idle_time_pctg"].iloc[0])
     ours = 100 * (1 - facts("default_s2")["gpu.busy_frac"])
     assert abs(hta_idle - ours) < 2.0, (hta_idle, ours)
+
+
+@pytest.mark.parametrize("name", ["default_s2", "bf16_s2", "healthy_s2", "liger_fce_s1"])
+def test_memory_flops_and_per_step_busy(name):
+    f = facts(name)
+    report = json.loads((TRACES / f"{name}.report.json").read_text())
+    assert len(f["gpu.busy_ms_list"]) == f["trace.steps"]
+    assert sum(f["gpu.busy_ms_list"]) / f["trace.steps"] == pytest.approx(f["gpu.busy_ms"], rel=1e-6)
+    assert f["memory.device_total_gb"] == pytest.approx(report["metrics"]["device_mem_total_gb"], rel=1e-3)
+    # the trace sees padded token batches, so its FLOPs bound the report's real-token FLOPs from above
+    real_tflop_per_step = report["metrics"]["model_tflops_per_s"] * report["metrics"]["step_ms"] / 1e3
+    assert f["flops.model_tflop_per_step_upper"] >= 0.95 * real_tflop_per_step
+    assert 0 < f["mfu.upper_bound"] < 1
+
+
+def test_no_flops_without_model_or_stage(tmp_path):
+    p = _plain_trace(tmp_path / "plain.json.gz")
+    assert not any(k.startswith(("flops.", "mfu.")) for k in analyze(p)["files"][0]["facts"])

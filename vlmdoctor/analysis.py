@@ -56,6 +56,7 @@ class Tables:
     runtime: pd.DataFrame  # name, tid, ts, dur, end, corr
     shapes: list[tuple[float, str, Any]] = field(default_factory=list)  # (ts, op, input dims) of a few ops
     types: dict[str, Any] = field(default_factory=dict)
+    memory: dict[int, list[float]] = field(default_factory=dict)  # device type -> [max allocated, max reserved]
 
 
 class _Column:
@@ -84,9 +85,15 @@ def load_tables(path: Path) -> Tables:
     shapes: list[tuple[float, str, Any]] = []
     types: dict[str, Any] = {}
     gpu_cats = {"kernel": 0.0, "gpu_memcpy": 1.0, "gpu_memset": 2.0}
+    memory: dict[int, list[float]] = {}
     for ev in iter_events(path):
         cat = ev.get("cat")
         if cat is None or ev.get("ph") != "X":
+            if ev.get("name") == "[memory]":  # recorded with profile_memory: running totals per device type
+                a = ev.get("args") or {}
+                m = memory.setdefault(int(a.get("Device Type", -1)), [0.0, 0.0])
+                m[0] = max(m[0], a.get("Total Allocated", 0) or 0)
+                m[1] = max(m[1], a.get("Total Reserved", 0) or 0)
             continue
         if cat == "cpu_op" or cat == "user_annotation":
             name = ev.get("name", "")
@@ -139,7 +146,7 @@ def load_tables(path: Path) -> Tables:
     rt_df["end"] = rt_df["ts"] + rt_df["dur"]
     for col in ("tid", "corr"):
         rt_df[col] = rt_df[col].astype(np.int64)
-    return Tables(path, meta, steps_df, gpu_df, ops_df, rt_df, shapes, types)
+    return Tables(path, meta, steps_df, gpu_df, ops_df, rt_df, shapes, types, memory)
 
 
 # --- nesting of host ops, vectorized --------------------------------------------------------------
@@ -366,6 +373,8 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
     busy = intersect(union(g["ts"].to_numpy(), g["end"].to_numpy()), win)
     idle = subtract(win, busy)
     facts["gpu.busy_ms"] = total(busy) / 1e3 / n
+    ws, we = np.array([s for s, _ in windows]), np.array([e for _, e in windows])
+    facts["gpu.busy_ms_list"] = [round(x, 3) for x in ((_measure(busy, we) - _measure(busy, ws)) / 1e3).tolist()]
     facts["gpu.idle_ms"] = total(idle) / 1e3 / n
     facts["gpu.busy_frac"] = total(busy) / max(total(win), 1e-9)
     _idle_causes(t, idle, facts, n)
@@ -432,8 +441,52 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
         facts[f"memcpy.{direction}.ms"] = float(grp["dur"].sum()) / 1e3 / n
     facts["memcpy.pageable_count"] = int(mc["name"].str.contains("Pageable").sum()) / n
     _host_facts(t, facts, n)
+    _memory_facts(t, facts)
+    _flop_facts(t, facts, cfg)
     facts["trace.warnings"] = warnings
     return facts
+
+
+CUDA_DEVICE_TYPE = 1  # the profiler's [memory] events: 0 CPU, 1 CUDA
+
+
+def _memory_facts(t: Tables, facts: dict[str, Any]) -> None:
+    props = t.meta.get("deviceProperties") or []
+    if props and props[0].get("totalGlobalMem"):
+        facts["memory.device_total_gb"] = props[0]["totalGlobalMem"] / 2**30
+        facts["device.name"] = props[0].get("name")
+    if CUDA_DEVICE_TYPE in t.memory:
+        alloc, reserved = t.memory[CUDA_DEVICE_TYPE]
+        facts["memory.peak_allocated_gb"] = alloc / 2**30
+        facts["memory.peak_reserved_gb"] = reserved / 2**30
+        if "memory.device_total_gb" in facts:
+            facts["memory.peak_reserved_frac"] = facts["memory.peak_reserved_gb"] / facts["memory.device_total_gb"]
+
+
+def _flop_facts(t: Tables, facts: dict[str, Any], cfg: dict[str, Any]) -> None:
+    """Model FLOPs from the token batches the trace saw, counted as if no token were padding: an upper bound."""
+    from .errors import UsageError
+    from .flops import FlopModel, peak_flops
+    from .zoo import resolve
+
+    if "run.model" not in facts or "run.stage" not in facts or not t.shapes:
+        return
+    try:
+        spec = resolve(facts["run.model"], cfg.get("vision"), cfg.get("llm"), cfg.get("projector"), cfg.get("pixel_shuffle"))
+    except UsageError:
+        return
+    emb = [(d[0][0], tuple(d[1])) for _, name, d in t.shapes if name in SHAPE_OPS and len(d) > 1 and d[0] and d[1]]
+    vocab = max((v for v, _ in emb), default=None)
+    batches = [idx for v, idx in emb if v == vocab and len(idx) == 2]
+    if not batches:
+        return
+    fm = FlopModel.from_spec(spec)
+    total_flops = sum(fm.step([L] * B, facts["run.stage"])["total"] for B, L in batches)
+    per_step = total_flops / facts["trace.steps"]
+    facts["flops.model_tflop_per_step_upper"] = per_step / 1e12
+    peak, _ = peak_flops(facts.get("device.name"))
+    if peak:
+        facts["mfu.upper_bound"] = per_step / (facts["step.ms"] / 1e3) / peak
 
 
 def _idle_causes(t: Tables, idle: list[tuple[float, float]], facts: dict[str, Any], n: int) -> None:

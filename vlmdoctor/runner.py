@@ -363,6 +363,10 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
     if "trace" in report:  # profiler overhead, visible next to the untraced numbers it stayed out of
         report["trace"]["untraced_step_ms_median"] = metrics["step_ms"]
         report["facts"] = _trace_facts(Path(report["trace"]["path"]), cfg)
+        for key, metric in (("memory.peak_allocated_gb", "peak_mem_gb"), ("memory.peak_reserved_gb", "peak_mem_reserved_gb"),
+                            ("memory.device_total_gb", "device_mem_total_gb"), ("mfu", "mfu")):
+            if metrics.get(metric) is not None:  # measured over the untraced window: exact, unlike the trace's bounds
+                report["facts"].setdefault(key, metrics[metric])
     report["repeats"] = [{k: v for k, v in w.items() if k != "losses"} | {"final_loss": w["losses"][-1]} for w in windows]
     if not metrics["loss_finite"]:
         report["status"] = "nan_loss"
