@@ -313,7 +313,7 @@ def test_memory_flops_and_per_step_busy(name):
     f = facts(name)
     report = json.loads((TRACES / f"{name}.report.json").read_text())
     assert len(f["gpu.busy_ms_list"]) == f["trace.steps"]
-    assert sum(f["gpu.busy_ms_list"]) / f["trace.steps"] == pytest.approx(f["gpu.busy_ms"], rel=1e-6)
+    assert sum(f["gpu.busy_ms_list"]) / f["trace.steps"] == pytest.approx(f["gpu.busy_ms"], rel=1e-4)  # list is rounded to µs
     assert f["memory.device_total_gb"] == pytest.approx(report["metrics"]["device_mem_total_gb"], rel=1e-3)
     # the trace sees padded token batches, so its FLOPs bound the report's real-token FLOPs from above
     real_tflop_per_step = report["metrics"]["model_tflops_per_s"] * report["metrics"]["step_ms"] / 1e3
