@@ -64,6 +64,7 @@ def test_fused_ce_counted_per_step_and_logits_not_materialized():
     assert facts("bf16_s2")["loss.logits_gb"] > 1  # 16 x 320 x 151936 fp32
     # the healthy config has Liger norm/activation kernels but no FusedCE
     assert facts("healthy_s2")["liger.swiglu.launches"] > 0 and facts("healthy_s2")["liger.cross_entropy.launches"] == 0
+    assert facts("healthy_s2")["liger.rope.launches"] > 0
 
 
 def test_recompute_found_only_where_checkpointing_was_on():
