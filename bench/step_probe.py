@@ -14,7 +14,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

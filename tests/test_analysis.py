@@ -13,7 +13,6 @@ from typer.testing import CliRunner
 from vlmdoctor.analysis import analyze
 from vlmdoctor.cli import app
 from vlmdoctor.kernels import classify
-from vlmdoctor.tracefile import TraceError
 
 TRACES = Path(__file__).resolve().parents[1] / "fixtures" / "traces"
 MANIFEST = json.loads((TRACES / "manifest.json").read_text())

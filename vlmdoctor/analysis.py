@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from array import array
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -227,9 +227,8 @@ def launch_context(t: Tables) -> pd.DataFrame:
             p = par[lvl]
             has = p >= 0
             prow = np.where(has, order[np.maximum(p, 0)], 0)
-            inh = lambda arr, default: np.where(has, arr[prow], default)
-            pp, po, pl, pb, pr, pk = inh(part, 0), inh(opt, False), inh(loss, False), inh(in_bwd, False), \
-                inh(recompute, False), inh(bwd_key, -1)
+            pp, po, pl, pb, pr, pk = (np.where(has, arr[prow], default) for arr, default in
+                                      ((part, 0), (opt, False), (loss, False), (in_bwd, False), (recompute, False), (bwd_key, -1)))
             part[rows] = np.where(own_part[rows] > 0, own_part[rows], pp)
             opt[rows] = po | own_opt[rows]
             loss[rows] = pl | own_loss[rows]
@@ -475,9 +474,7 @@ def _flop_facts(t: Tables, facts: dict[str, Any], cfg: dict[str, Any]) -> None:
         spec = resolve(facts["run.model"], cfg.get("vision"), cfg.get("llm"), cfg.get("projector"), cfg.get("pixel_shuffle"))
     except UsageError:
         return
-    emb = [(d[0][0], tuple(d[1])) for _, name, d in t.shapes if name in SHAPE_OPS and len(d) > 1 and d[0] and d[1]]
-    vocab = max((v for v, _ in emb), default=None)
-    batches = [idx for v, idx in emb if v == vocab and len(idx) == 2]
+    batches = [b for b in token_batches(t) if len(b) == 2]
     if not batches:
         return
     fm = FlopModel.from_spec(spec)
@@ -544,6 +541,13 @@ def _idle_by_innermost(t: Tables, idle: Intervals) -> np.ndarray:
     return out
 
 
+def token_batches(t: Tables) -> list[tuple[int, ...]]:
+    """Token-id batch shapes, one per LLM embedding call: aten::embedding(weight, indices) on the largest table."""
+    emb = [(d[0][0], tuple(d[1])) for _, name, d in t.shapes if name in SHAPE_OPS and len(d) > 1 and d[0] and d[1]]
+    vocab = max((v for v, _ in emb), default=None)
+    return [idx for v, idx in emb if v == vocab]
+
+
 def _host_facts(t: Tables, facts: dict[str, Any], n: int) -> None:
     ops = t.ops
     counts = ops["name"].value_counts()
@@ -555,10 +559,7 @@ def _host_facts(t: Tables, facts: dict[str, Any], n: int) -> None:
     facts["ops.checkpoint_reentrant"] = bool(ops["name"].str.contains("CheckpointFunction").any())
     facts["host.sync_calls"] = float(ops["name"].str.contains(SYNC_CALLS).sum()
                                      + t.runtime["name"].str.contains(SYNC_CALLS).sum()) / n
-    # aten::embedding(weight, indices): the token batch is the indices of the largest table (the LLM's vocabulary)
-    emb = [(d[0][0], tuple(d[1])) for _, name, d in t.shapes if name in SHAPE_OPS and len(d) > 1 and d[0] and d[1]]
-    vocab = max((v for v, _ in emb), default=None)
-    token_shapes = [idx for v, idx in emb if v == vocab]
+    token_shapes = token_batches(t)
     if token_shapes:
         facts["shapes.distinct_token_batches"] = len(set(token_shapes))
         facts["shapes.token_batches"] = sorted({"x".join(map(str, s)) for s in set(token_shapes)})
