@@ -183,15 +183,6 @@ def innermost(ts: np.ndarray, end: np.ndarray, parent: np.ndarray, points: np.nd
     return j
 
 
-def _sorted_thread(ops: pd.DataFrame, extra: pd.DataFrame | None = None) -> pd.DataFrame:
-    frames = [ops.assign(kind=0, row=np.arange(len(ops)))]
-    if extra is not None:
-        frames.append(extra.assign(kind=1, row=np.arange(len(extra))))
-    items = pd.concat(frames, ignore_index=True)
-    items["neg_end"] = -items["end"]
-    return items.sort_values(["tid", "ts", "neg_end", "kind"], kind="mergesort").reset_index(drop=True)
-
-
 def launch_context(t: Tables) -> pd.DataFrame:
     """For each runtime call: the model part and phase of the op that made it."""
     ops = t.ops
