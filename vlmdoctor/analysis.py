@@ -329,6 +329,8 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
     cfg = vmeta.get("config") or {}
     stage = stage if stage is not None else cfg.get("stage")
     model = model if model is not None else cfg.get("model")
+    for knob, value in cfg.items():  # what the run asked for: rules read it for exceptions, never as the trigger
+        facts[f"config.{knob}"] = value
     if stage is not None:
         facts["run.stage"] = int(stage)
     if model is not None:
@@ -388,6 +390,8 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
     for cls in LIGER_CLASSES:
         facts[f"liger.{cls.removeprefix('liger_')}.launches"] = float(by_cls["count"].get(cls, 0)) / n
     facts["triton_compiled.launches"] = float(by_cls["count"].get("triton_compiled", 0)) / n
+    opt_names = g.loc[g["cls"] == "optimizer", "name"].astype(str)
+    facts["optimizer.fused"] = bool(opt_names.str.contains("FusedOptimizer|FusedAdam", regex=True).any())
 
     # launches
     kern = g[g["cat"] == "kernel"]
@@ -502,6 +506,8 @@ def _idle_causes(t: Tables, idle: list[tuple[float, float]], facts: dict[str, An
     # the host work running while the GPU waited: the innermost op or runtime call at each moment, any thread
     per_code = _idle_by_innermost(t, idle)
     cats = t.ops["name"].cat.categories
+    cudnn_att = np.flatnonzero(pd.Series(cats).str.contains("_cudnn_attention").to_numpy())
+    facts["idle.op.cudnn_attention.ms"] = float(per_code[cudnn_att].sum()) / 1e3 / n  # cuDNN plans built on the host
     top = np.argsort(-per_code)[:8]
     facts["idle.top_host_ops"] = [
         {"op": str(cats[k]), "ms": per_code[k] / 1e3 / n, "share": per_code[k] / idle_total} for k in top if per_code[k] > 0

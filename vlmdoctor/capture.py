@@ -22,11 +22,12 @@ from torch.profiler import ProfilerActivity, profile, schedule
 class TraceOptions:
     """What the traced window records. Shapes, stacks and memory cost much and are off by default."""
 
-    trace_dir: str
+    trace_dir: str  # "" with keep=False: a temporary folder, removed once the facts are read
     steps: int = 2
-    shapes: bool = False
+    shapes: bool = True
     stack: bool = False
     memory: bool = False
+    keep: bool = True
 
 
 def trace_path(opts: TraceOptions, model: str, stage: int) -> Path:

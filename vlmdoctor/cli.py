@@ -70,10 +70,14 @@ def profile(
     cache_vision_features: Optional[bool] = _opt(
         "precompute frozen vision features", P5, "--cache-vision-features/--no-cache-vision-features"),
     fused_optimizer: Optional[bool] = _opt("AdamW(fused=True)", P5, "--fused-optimizer/--no-fused-optimizer"),
+    diagnose_run: bool = typer.Option(True, "--diagnose/--no-diagnose", help="trace a short window and prescribe "
+                                      "fixes (the trace goes to a temporary folder unless --trace-dir is given)"),
+    rules_dirs: Optional[list[str]] = typer.Option(None, "--rules", help="extra folder of rule files (repeatable)"),
     trace_dir: Optional[str] = typer.Option(None, "--trace-dir", help="after the timed steps, trace a separate window "
                                             "with torch.profiler and write gzipped Chrome JSON here", rich_help_panel="trace"),
     trace_steps: int = typer.Option(2, "--trace-steps", help="active steps in the traced window", rich_help_panel="trace"),
-    trace_shapes: bool = typer.Option(False, "--trace-shapes", help="record input shapes (bigger trace)", rich_help_panel="trace"),
+    trace_shapes: bool = typer.Option(True, "--trace-shapes/--no-trace-shapes", help="record input shapes (shape churn, "
+                                      "logits size)", rich_help_panel="trace"),
     trace_stack: bool = typer.Option(False, "--trace-stack", help="record Python stacks (much bigger)", rich_help_panel="trace"),
     trace_memory: bool = typer.Option(False, "--trace-memory", help="record allocations", rich_help_panel="trace"),
     config: Optional[str] = typer.Option(None, "--config", help="run config YAML/JSON (or a report JSON); flags override it"),
@@ -89,17 +93,19 @@ def profile(
     from .capture import TraceOptions
 
     trace = TraceOptions(trace_dir, trace_steps, trace_shapes, trace_stack, trace_memory) if trace_dir else None
+    if trace is None and diagnose_run:  # a short traced window into a temporary folder, removed after analysis
+        trace = TraceOptions("", trace_steps, trace_shapes, trace_stack, trace_memory, keep=False)
     overrides = {k: v for k, v in locals().items()
                  if v is not None and k in RunConfig.__dataclass_fields__}
     if liger is not None:
         for k in ("liger_rope", "liger_rms_norm", "liger_swiglu"):
             overrides.setdefault(k, liger)
     with _user_errors():
-        _profile(overrides, config, json_path, save_config, force, quiet, trace)
+        _profile(overrides, config, json_path, save_config, force, quiet, trace, rules_dirs or [])
 
 
 def _profile(overrides: dict[str, Any], config: str | None, json_path: str | None, save_config: str | None,
-             force: bool, quiet: bool, trace: Any = None) -> None:
+             force: bool, quiet: bool, trace: Any = None, rules_dirs: list[str] | None = None) -> None:
     from .report import check_writable, render, write_json
     from .runner import check, exit_code, run_profile
 
@@ -123,10 +129,20 @@ def _profile(overrides: dict[str, Any], config: str | None, json_path: str | Non
                 bar.update(tasks[phase], completed=done)
 
             report = run_profile(cfg, progress, trace)
+    if report.get("facts") and "trace.error" not in report["facts"]:
+        from .rules import diagnose, load_rules
+
+        rules, problems = load_rules(*(rules_dirs or []))
+        report["diagnosis"] = {**diagnose(report["facts"], rules), "problems": problems}
+        report["findings"] = report["diagnosis"]["findings"]
     if json_path:
         write_json(report, json_path)
     if not quiet and json_path != "-":
         render(report, out)
+        if "diagnosis" in report:
+            from .report import render_findings
+
+            render_findings(report["diagnosis"], out)
     raise typer.Exit(exit_code(report))
 
 
@@ -137,11 +153,13 @@ def analyze(
     model: Optional[str] = typer.Option(None, "--model", help="model preset, when the trace does not say"),
     json_path: Optional[str] = typer.Option(None, "--json", help="write facts as JSON here ('-' for stdout)"),
     force: bool = typer.Option(False, "--force", help="overwrite an existing --json file"),
+    rules_dirs: Optional[list[str]] = typer.Option(None, "--rules", help="extra folder of rule files (repeatable)"),
 ) -> None:
-    """Read a torch.profiler trace (anyone's) and print what the GPU did and why it waited."""
+    """Read a torch.profiler trace (anyone's), print what the GPU did, why it waited, and what to change."""
     from . import SCHEMA_VERSION
     from .analysis import analyze as run_analysis
-    from .report import check_writable, render_facts, write_json
+    from .report import check_writable, render_facts, render_findings, write_json
+    from .rules import diagnose, load_rules
 
     with _user_errors():
         if stage is not None and stage not in (1, 2):
@@ -149,10 +167,54 @@ def analyze(
         check_writable(json_path, force)
         with err.status("reading the trace"):
             result = run_analysis(path, stage, model)
+        rules, problems = load_rules(*(rules_dirs or []))
+        for entry in result["files"]:
+            entry["diagnosis"] = {**diagnose(entry["facts"], rules), "problems": problems}
+            entry["findings"] = entry["diagnosis"]["findings"]
         if json_path:
             write_json({"schema_version": SCHEMA_VERSION, "kind": "analysis", **result}, json_path)
         if json_path != "-":
             render_facts(result, out)
+            for entry in result["files"]:
+                render_findings(entry["diagnosis"], out)
+
+
+rules_app = typer.Typer(help="The prescription rules (rules/*.yaml).", no_args_is_help=True)
+app.add_typer(rules_app, name="rules")
+
+
+@rules_app.command("list")
+def rules_list(rules_dirs: Optional[list[str]] = typer.Option(None, "--rules", help="extra folder of rule files")) -> None:
+    """Every rule, in layer order, with what it detects."""
+    from rich.table import Table
+
+    from .rules import load_rules
+
+    rules, problems = load_rules(*(rules_dirs or []))
+    t = Table(show_header=True, header_style="bold")
+    for col in ("layer", "id", "severity", "title", "file"):
+        t.add_column(col)
+    for r in sorted(rules, key=lambda r: (r.layer, r.id)):
+        t.add_row(str(r.layer), r.id, r.severity, r.title, r.path.name)
+    out.print(t)
+    for p in problems:
+        err.print(f"[yellow]rule problem:[/yellow] {p}", highlight=False)
+    if problems:
+        raise typer.Exit(EXIT_USAGE)
+
+
+@rules_app.command("show")
+def rules_show(rule_id: str = typer.Argument(..., help="rule id"),
+               rules_dirs: Optional[list[str]] = typer.Option(None, "--rules", help="extra folder of rule files")) -> None:
+    """One rule file, as written."""
+    from .rules import load_rules
+
+    with _user_errors():
+        rules, _ = load_rules(*(rules_dirs or []))
+        match = [r for r in rules if r.id == rule_id]
+        if not match:
+            raise VlmdoctorError(f"no rule {rule_id!r}; known rules: {', '.join(sorted(r.id for r in rules))}")
+        print(match[0].path.read_text(), end="")
 
 
 @app.command()

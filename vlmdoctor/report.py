@@ -100,8 +100,9 @@ def render(report: dict[str, Any], console: Console) -> None:
     tr = report.get("trace")
     if tr:
         traced = sorted(tr["traced_step_ms"])[len(tr["traced_step_ms"]) // 2]
-        console.print(f"trace: {tr['path']} ({(tr['bytes'] or 0) / 2**20:.1f} MiB, {tr['steps']} steps; "
-                      f"traced step {traced:.1f} ms vs untraced median {m['step_ms']:.1f} ms)")
+        where = tr["path"] or "analyzed, not kept (--trace-dir DIR keeps it)"
+        console.print(f"trace: {where} ({tr['steps']} steps; traced step {traced:.1f} ms vs untraced median "
+                      f"{m['step_ms']:.1f} ms)")
     if report["status"] == "nan_loss":
         console.print("[bold red]the loss was NaN or inf in a timed step[/bold red]")
 
@@ -178,3 +179,34 @@ def render_facts(result: dict[str, Any], console: Console) -> None:
             extra.append("SDPA backend: " + ", ".join(backends))
         if extra:
             console.print("; ".join(extra))
+
+
+def render_findings(diagnosis: dict[str, Any], console: Console) -> None:
+    """Prescriptions in layer order: what was seen, what to change, what it should save."""
+    findings = diagnosis["findings"]
+    if not findings:
+        console.print("[bold green]no prescriptions[/bold green]: no rule fired on the measured facts")
+    else:
+        t = Table(title="prescriptions, in layer order", show_header=True, header_style="bold", show_lines=True)
+        t.add_column("#", justify="right")
+        t.add_column("layer")
+        t.add_column("seen (measured)")
+        t.add_column("change")
+        t.add_column("expected gain", justify="right")
+        for i, f in enumerate(findings, 1):
+            gain = f["expected_gain"]
+            g = "n/a"
+            if gain["saves_ms_per_step"] is not None:
+                g = f"-{gain['saves_ms_per_step']:.1f} ms/step"
+                if gain["share_of_step"]:
+                    g += f"\n({gain['share_of_step'] * 100:.0f}% of the step)"
+            patch = ", ".join(f"{k}={v}" for k, v in f["config_patch"].items())
+            t.add_row(str(i), f"{f['layer']} {f['layer_name']}", f"[bold]{f['title']}[/bold]\n" + "\n".join(f["evidence"]),
+                      f"{f['fix']}\n[cyan]{patch}[/cyan]", g)
+        console.print(t)
+    for s in diagnosis["superseded"]:
+        console.print(f"[dim]superseded: {s['id']} (covered by {s['superseded_by']})[/dim]")
+    for n in diagnosis["not_evaluated"]:
+        console.print(f"[dim]not evaluated: {n['id']} (needs {', '.join(n['missing'])})[/dim]")
+    for p in diagnosis.get("problems", []):
+        console.print(f"[yellow]rule problem:[/yellow] {p}")

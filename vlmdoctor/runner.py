@@ -15,6 +15,7 @@ import json
 import math
 import re
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -344,7 +345,10 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
 
             meta = {"schema_version": SCHEMA_VERSION, "tool_version": __version__, "config": cfg.to_dict(),
                     "model": report["model"]}
-            report["trace"] = capture(step, trace, device, trace_path(trace, cfg.model, cfg.stage), meta, progress)
+            tmp = None if trace.keep else tempfile.TemporaryDirectory(prefix="vlmdoctor-trace-")
+            where = TraceOptions(tmp.name, trace.steps, trace.shapes, trace.stack, trace.memory) if tmp else trace
+            report["trace"] = capture(step, where, device, trace_path(where, cfg.model, cfg.stage), meta, progress)
+            report["trace"]["kept"] = trace.keep
     except torch.OutOfMemoryError as e:
         _release(device)
         report.update(status="oom", error=_oom_details(e, device))
@@ -362,11 +366,13 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
     report["stats"] = stats
     if "trace" in report:  # profiler overhead, visible next to the untraced numbers it stayed out of
         report["trace"]["untraced_step_ms_median"] = metrics["step_ms"]
-        report["facts"] = _trace_facts(Path(report["trace"]["path"]), cfg)
-        for key, metric in (("memory.peak_allocated_gb", "peak_mem_gb"), ("memory.peak_reserved_gb", "peak_mem_reserved_gb"),
-                            ("memory.device_total_gb", "device_mem_total_gb"), ("mfu", "mfu")):
-            if metrics.get(metric) is not None:  # measured over the untraced window: exact, unlike the trace's bounds
-                report["facts"].setdefault(key, metrics[metric])
+        from .rules import merge_measured
+
+        # measured over the untraced window (padding, memory, MFU): exact where the trace only bounds them
+        report["facts"] = merge_measured(_trace_facts(Path(report["trace"]["path"]), cfg), report)
+        if not report["trace"]["kept"]:
+            shutil.rmtree(Path(report["trace"]["path"]).parent, ignore_errors=True)
+            report["trace"]["path"] = None
     report["repeats"] = [{k: v for k, v in w.items() if k != "losses"} | {"final_loss": w["losses"][-1]} for w in windows]
     if not metrics["loss_finite"]:
         report["status"] = "nan_loss"

@@ -1,0 +1,327 @@
+"""The doctor: rules read as data from `rules/*.yaml`, evaluated against measured facts.
+
+A rule's condition is a small expression over named facts (`gemm.fp32_share > MIN_SHARE and
+run.stage == 2`), parsed with Python's `ast` and evaluated by walking only whitelisted nodes:
+comparisons, and/or/not, arithmetic, literals, a few math functions. There is no `eval`.
+A rule that needs a fact the trace does not hold is reported as not evaluated, never as fired.
+
+Findings are ordered by layer (1 precision ... 5 system tuning), then by estimated time saved.
+A finding whose config patch contradicts or repeats an earlier one's, or that names it under
+`conflicts`, is kept as superseded rather than prescribed twice.
+"""
+from __future__ import annotations
+
+import ast
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .config import LAYER_NAMES, RunConfig
+from .errors import UsageError
+
+RULES_DIR = Path(__file__).resolve().parent.parent / "rules"
+SEVERITIES = ("high", "medium", "low")
+FUNCTIONS = {"min": min, "max": max, "floor": math.floor, "ceil": math.ceil, "round": round, "abs": abs}
+REQUIRED = ("id", "layer", "title", "severity", "when", "evidence", "fix", "patch")
+
+#: fact names a rule may use, as patterns (the facts of vlmdoctor/analysis.py and of a profile report)
+KNOWN_FACTS = [re.compile(p) for p in (
+    r"trace\.(steps|partial|written_by_vlmdoctor)", r"step\.ms", r"run\.(stage|model)",
+    r"gpu\.(busy_ms|idle_ms|busy_frac)", r"idle\.[a-z_]+\.(ms|share)", r"idle\.op\.[a-z_]+\.ms",
+    r"kernels\.[a-z0-9_]+\.(ms|count|share)", r"gemm\.(ms|fp32_share|tf32_share|fp32_share_of_gpu|fp32_top_kernels)",
+    r"part\.fp32_gemm_parts",
+    r"attention\.(fp32_kernels|backend\.[a-z_]+\.calls)", r"liger\.[a-z_]+\.launches", r"triton_compiled\.launches",
+    r"optimizer\.fused", r"launch\.(kernels|tiny_kernel_frac|api_ms|delay_us_median|delay_us_p90)",
+    r"part\.[a-z_]+\.(ms|share)", r"phase\.[a-z_]+\.ms", r"recompute\.(ms|share|kind)",
+    r"memcpy\.[A-Za-z]+\.(bytes|ms)", r"memcpy\.pageable_count", r"shapes\.(distinct_token_batches|token_batches)", r"idle\.top_host_ops",
+    r"loss\.(logits_elements|logits_gb)", r"ops\.(fused_linear_cross_entropy|checkpoint_reentrant)", r"host\.sync_calls",
+    r"memory\.(device_total_gb|peak_allocated_gb|peak_reserved_gb|peak_reserved_frac)",
+    r"flops\.model_tflop_per_step_upper", r"mfu(\.upper_bound)?", r"data\.(pad_fraction|real_tokens_per_s)",
+    r"config\.(" + "|".join(RunConfig.__dataclass_fields__) + r")",
+)]
+
+
+class RuleError(UsageError):
+    """A rule file that cannot be used: the message names the file and the problem."""
+
+
+class _Missing(Exception):
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+@dataclass
+class Rule:
+    id: str
+    layer: int
+    title: str
+    severity: str
+    when: str
+    evidence: list[str]
+    fix: str
+    patch: dict[str, Any]
+    path: Path
+    stages: list[int] = field(default_factory=lambda: [1, 2])
+    unless: str | None = None
+    constants: dict[str, dict[str, Any]] = field(default_factory=dict)
+    gain: dict[str, Any] = field(default_factory=dict)
+    conflicts: list[str] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)
+    detects: str = ""
+
+    def facts_used(self) -> set[str]:
+        exprs = [self.when, self.unless or "", self.gain.get("saves_ms") or ""]
+        exprs += [v for v in self.patch.values() if isinstance(v, str) and _looks_like_expr(v)]
+        exprs += [m.group(1) for e in self.evidence for m in _PLACEHOLDER.finditer(e)]
+        return {n for e in exprs if e for n in _names(_parse(e, self)) if not n.isupper()}
+
+
+def _looks_like_expr(v: str) -> bool:
+    return v.startswith("=")
+
+
+def _parse(expr: str, rule: Rule | None = None) -> ast.AST:
+    text = expr[1:] if expr.startswith("=") else expr
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except SyntaxError as e:
+        where = f"{rule.path}: rule {rule.id}: " if rule else ""
+        raise RuleError(f"{where}condition {expr!r} does not parse ({e.msg})") from None
+    for node in ast.walk(tree):
+        if not isinstance(node, _ALLOWED):
+            where = f"{rule.path}: rule {rule.id}: " if rule else ""
+            raise RuleError(f"{where}{type(node).__name__} is not allowed in {expr!r} (only comparisons, and/or/not, "
+                            f"arithmetic, literals and {', '.join(FUNCTIONS)})")
+        if isinstance(node, ast.Call) and not (isinstance(node.func, ast.Name) and node.func.id in FUNCTIONS):
+            raise RuleError(f"{rule.path if rule else ''}: only {', '.join(FUNCTIONS)} may be called in {expr!r}")
+    return tree
+
+
+_ALLOWED = (ast.Expression, ast.BoolOp, ast.And, ast.Or, ast.UnaryOp, ast.Not, ast.USub, ast.BinOp, ast.Add, ast.Sub,
+            ast.Mult, ast.Div, ast.FloorDiv, ast.Compare, ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.Eq, ast.NotEq, ast.In,
+            ast.NotIn, ast.Name, ast.Attribute, ast.Constant, ast.Load, ast.Call, ast.List, ast.Tuple, ast.IfExp)
+_PLACEHOLDER = re.compile(r"\{([A-Za-z_][\w.]*)(?::([^}]*))?\}")
+
+
+def _dotted(node: ast.AST) -> str | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        return ".".join([node.id, *reversed(parts)])
+    return None
+
+
+def _names(tree: ast.AST) -> set[str]:
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Attribute, ast.Name)):
+            d = _dotted(node)
+            if d and not (isinstance(node, ast.Name) and node.id in FUNCTIONS):
+                out.add(d)
+    # keep the longest dotted names only (a.b.c, not a.b and a)
+    return {n for n in out if not any(o != n and o.startswith(n + ".") for o in out)}
+
+
+def _eval(node: ast.AST, env: dict[str, Any]) -> Any:
+    if isinstance(node, ast.Expression):
+        return _eval(node.body, env)
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, (ast.Name, ast.Attribute)):
+        name = _dotted(node)
+        if name not in env:
+            raise _Missing(name)
+        return env[name]
+    if isinstance(node, ast.BoolOp):
+        vals = (_eval(v, env) for v in node.values)
+        return all(vals) if isinstance(node.op, ast.And) else any(vals)
+    if isinstance(node, ast.UnaryOp):
+        v = _eval(node.operand, env)
+        return (not v) if isinstance(node.op, ast.Not) else -v
+    if isinstance(node, ast.BinOp):
+        a, b = _eval(node.left, env), _eval(node.right, env)
+        ops = {ast.Add: lambda: a + b, ast.Sub: lambda: a - b, ast.Mult: lambda: a * b, ast.Div: lambda: a / b,
+               ast.FloorDiv: lambda: a // b}
+        return ops[type(node.op)]()
+    if isinstance(node, ast.Compare):
+        left = _eval(node.left, env)
+        for op, comp in zip(node.ops, node.comparators):
+            right = _eval(comp, env)
+            ok = {ast.Lt: lambda: left < right, ast.LtE: lambda: left <= right, ast.Gt: lambda: left > right,
+                  ast.GtE: lambda: left >= right, ast.Eq: lambda: left == right, ast.NotEq: lambda: left != right,
+                  ast.In: lambda: left in right, ast.NotIn: lambda: left not in right}[type(op)]()
+            if not ok:
+                return False
+            left = right
+        return True
+    if isinstance(node, ast.Call):
+        return FUNCTIONS[node.func.id](*(_eval(a, env) for a in node.args))
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_eval(e, env) for e in node.elts]
+    if isinstance(node, ast.IfExp):
+        return _eval(node.body, env) if _eval(node.test, env) else _eval(node.orelse, env)
+    raise RuleError(f"cannot evaluate {type(node).__name__}")
+
+
+# --- loading --------------------------------------------------------------------------------------------
+
+def _rule_from(path: Path, data: Any) -> Rule:
+    if not isinstance(data, dict):
+        raise RuleError(f"{path}: expected a mapping with {', '.join(REQUIRED)}")
+    missing = [k for k in REQUIRED if k not in data]
+    if missing:
+        raise RuleError(f"{path}: missing {', '.join(missing)}")
+    known = set(Rule.__dataclass_fields__) - {"path"}
+    extra = sorted(set(data) - known)
+    if extra:
+        raise RuleError(f"{path}: unknown field(s) {', '.join(extra)}; valid fields: {', '.join(sorted(known))}")
+    rule = Rule(path=path, **data)
+    if rule.layer not in range(1, 6):
+        raise RuleError(f"{path}: layer must be 1-5 (1 precision ... 5 system tuning), got {rule.layer!r}")
+    if rule.severity not in SEVERITIES:
+        raise RuleError(f"{path}: severity must be one of {', '.join(SEVERITIES)}")
+    for c in (rule.when, rule.unless, rule.gain.get("saves_ms")):
+        if c:
+            _parse(c, rule)
+    bad = sorted(n for n in rule.facts_used() if not any(p.fullmatch(n) for p in KNOWN_FACTS))
+    undefined = sorted(n for e in (rule.when, rule.unless) if e for n in _names(_parse(e, rule))
+                       if n.isupper() and n not in rule.constants)
+    if bad:
+        raise RuleError(f"{path}: rule {rule.id} uses unknown fact(s) {', '.join(bad)} (see docs/analysis.md)")
+    if undefined:
+        raise RuleError(f"{path}: rule {rule.id} uses undefined constant(s) {', '.join(undefined)}")
+    for c in rule.constants.values():
+        if not isinstance(c, dict) or "value" not in c or "why" not in c:
+            raise RuleError(f"{path}: rule {rule.id}: each constant needs a value and a why (where it comes from)")
+    knobs = set(RunConfig.__dataclass_fields__)
+    if set(rule.patch) - knobs:
+        raise RuleError(f"{path}: rule {rule.id} patches unknown knob(s) {', '.join(sorted(set(rule.patch) - knobs))}")
+    return rule
+
+
+def load_rules(*dirs: str | Path) -> tuple[list[Rule], list[str]]:
+    """Rules of the shipped folder plus any extra folders; problems are reported, the other rules still load."""
+    rules: list[Rule] = []
+    problems: list[str] = []
+    seen: dict[str, Path] = {}
+    for d in [RULES_DIR, *dirs]:
+        d = Path(d)
+        if not d.is_dir():
+            problems.append(f"{d}: not a folder of rule files")
+            continue
+        for path in sorted(d.glob("*.y*ml")):
+            try:
+                data = yaml.safe_load(path.read_text())
+                rule = _rule_from(path, data)
+            except yaml.YAMLError as e:
+                problems.append(f"{path}: not valid YAML ({str(e).splitlines()[0]})")
+                continue
+            except (RuleError, TypeError) as e:
+                problems.append(e.message if isinstance(e, RuleError) else f"{path}: {e}")
+                continue
+            if rule.id in seen:
+                problems.append(f"{path}: rule id {rule.id!r} is already used by {seen[rule.id]}")
+                continue
+            seen[rule.id] = path
+            rules.append(rule)
+    return rules, problems
+
+
+# --- diagnosis ------------------------------------------------------------------------------------------
+
+def _fmt(value: Any, spec: str | None) -> str:
+    if isinstance(value, list):
+        return ", ".join(str(v) for v in value) or "none"
+    if spec == "pct" and isinstance(value, (int, float)):
+        return f"{value * 100:.1f}%"
+    if spec and isinstance(value, (int, float)):
+        return format(value, spec)
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+
+
+def _render(text: str, env: dict[str, Any]) -> str:
+    return _PLACEHOLDER.sub(lambda m: _fmt(env[m.group(1)], m.group(2)) if m.group(1) in env else "n/a", text)
+
+
+def diagnose(facts: dict[str, Any], rules: list[Rule]) -> dict[str, Any]:
+    """Findings in layer order, plus what could not be evaluated or does not apply, and why."""
+    fired, not_evaluated, not_applicable = [], [], []
+    stage = facts.get("run.stage")
+    for rule in rules:
+        if set(rule.stages) != {1, 2}:
+            if stage is None:
+                not_evaluated.append({"id": rule.id, "missing": ["run.stage"]})
+                continue
+            if stage not in rule.stages:
+                not_applicable.append({"id": rule.id, "why": f"applies in stage {', '.join(map(str, rule.stages))} only"})
+                continue
+        env = {**facts, **{k: c["value"] for k, c in rule.constants.items()}}
+        try:
+            hit = bool(_eval(_parse(rule.when), env))
+        except _Missing as m:
+            not_evaluated.append({"id": rule.id, "missing": [m.name]})
+            continue
+        if hit and rule.unless:
+            try:
+                hit = not _eval(_parse(rule.unless), env)
+            except _Missing:
+                pass  # an exception that cannot be checked does not hide a measured problem
+        if not hit:
+            continue
+        saves = None
+        if rule.gain.get("saves_ms"):
+            try:
+                saves = float(_eval(_parse(rule.gain["saves_ms"]), env))
+            except (_Missing, ZeroDivisionError, TypeError):
+                saves = None
+        patch = {}
+        for knob, value in rule.patch.items():
+            if isinstance(value, str) and _looks_like_expr(value):
+                try:
+                    value = _eval(_parse(value), env)
+                except _Missing:
+                    continue
+            patch[knob] = value
+        step = facts.get("step.ms")
+        fired.append({
+            "id": rule.id, "layer": rule.layer, "layer_name": LAYER_NAMES[rule.layer], "title": rule.title,
+            "severity": rule.severity, "evidence": [_render(e, env) for e in rule.evidence], "fix": rule.fix,
+            "config_patch": patch,
+            "expected_gain": {"saves_ms_per_step": saves, "share_of_step": (saves / step) if saves and step else None,
+                              "how": rule.gain.get("how")},
+            "sources": rule.sources, "conflicts": rule.conflicts,
+        })
+    fired.sort(key=lambda f: (f["layer"], -(f["expected_gain"]["saves_ms_per_step"] or 0.0)))
+    kept, superseded = [], []
+    for f in fired:  # superseded: a declared conflict, or an earlier fix already sets every knob this one sets
+        clash = next((k for k in kept if f["id"] in k["conflicts"] or k["id"] in f["conflicts"]
+                      or (f["config_patch"] and set(f["config_patch"]) <= set(k["config_patch"]))), None)
+        if clash:
+            superseded.append({**f, "superseded_by": clash["id"]})
+        else:
+            kept.append(f)
+    for f in kept + superseded:
+        f.pop("conflicts", None)
+    return {"findings": kept, "superseded": superseded, "not_evaluated": not_evaluated, "not_applicable": not_applicable}
+
+
+def merge_measured(facts: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
+    """Facts a trace cannot hold, from a profile report's measurements (padding, measured memory, exact MFU)."""
+    m = report.get("metrics") or {}
+    out = dict(facts)
+    for key, metric in (("data.pad_fraction", "pad_fraction"), ("data.real_tokens_per_s", "real_tokens_per_s"),
+                        ("memory.peak_allocated_gb", "peak_mem_gb"), ("memory.peak_reserved_gb", "peak_mem_reserved_gb"),
+                        ("memory.device_total_gb", "device_mem_total_gb"), ("mfu", "mfu")):
+        if m.get(metric) is not None:
+            out[key] = m[metric]
+    if out.get("memory.peak_reserved_gb") and out.get("memory.device_total_gb"):
+        out["memory.peak_reserved_frac"] = out["memory.peak_reserved_gb"] / out["memory.device_total_gb"]
+    return out
