@@ -1,0 +1,177 @@
+"""The rule engine and the shipped rules, on the real H100 traces under fixtures/traces/."""
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from vlmdoctor.analysis import analyze
+from vlmdoctor.cli import app
+from vlmdoctor.config import RunConfig
+from vlmdoctor.rules import RULES_DIR, diagnose, load_rules, merge_measured
+
+TRACES = Path(__file__).resolve().parents[1] / "fixtures" / "traces"
+RULES, PROBLEMS = load_rules()
+
+
+@lru_cache(maxsize=None)
+def measured(name: str) -> dict:
+    """Trace facts plus what the same run's report measured (padding, memory): what `profile` diagnoses."""
+    facts = analyze(TRACES / f"{name}.pt.trace.json.gz")["files"][0]["facts"]
+    return merge_measured(facts, json.loads((TRACES / f"{name}.report.json").read_text()))
+
+
+def fired(name: str) -> dict[str, dict]:
+    return {f["id"]: f for f in diagnose(measured(name), RULES)["findings"]}
+
+
+def test_shipped_rules_load_cleanly():
+    assert PROBLEMS == []
+    assert {r.id for r in RULES} >= {"precision-fp32-gemms", "data-shape-churn", "fusion-fusedce-stage2"}
+    for r in RULES:
+        assert r.constants and all(c["why"] for c in r.constants.values()), r.id  # thresholds say where they come from
+        assert r.patch and RunConfig().replace(**{k: v for k, v in r.patch.items() if not str(v).startswith("=")})
+
+
+# rule id -> (a fixture where it fires, a fixture where it does not)
+CASES = {
+    "precision-fp32-gemms": ("fp32_noautocast_s2", "bf16_s2"),
+    "precision-autocast-casts": ("default_s2", "bf16_s2"),
+    "batching-gpu-underfed": ("default_s2", "healthy_s2"),
+    "data-padding-waste": ("default_s2", "bf16_s2"),
+    "data-shape-churn": ("default_s2", "bf16_s2"),
+    "fusion-fusedce-stage2": ("liger_fce_s2", "bf16_s2"),
+    "fusion-unfused-norm-activation": ("bf16_s2", "healthy_s2"),
+    "system-checkpoint-recompute": ("ckpt_s2", "bf16_s2"),
+    "system-data-loader": ("ckpt_reentrant_s2", "healthy_s2"),
+    "system-non-fused-optimizer": ("bf16_s2", "healthy_s2"),
+}
+
+
+def test_every_rule_has_a_case():
+    assert set(CASES) == {r.id for r in RULES}
+
+
+@pytest.mark.parametrize("rule_id", sorted(CASES))
+def test_rule_fires_and_does_not_fire_on_real_traces(rule_id):
+    yes, no = CASES[rule_id]
+    assert rule_id in fired(yes), (yes, sorted(fired(yes)))
+    assert rule_id not in fired(no), (no, fired(no).get(rule_id, {}).get("evidence"))
+
+
+def test_healthy_fixture_has_no_layer_1_findings():
+    assert [f for f in fired("healthy_s2").values() if f["layer"] == 1] == []
+
+
+def test_findings_are_in_layer_order_with_evidence_patch_and_gain():
+    findings = diagnose(measured("default_s2"), RULES)["findings"]
+    layers = [f["layer"] for f in findings]
+    assert layers == sorted(layers) and layers[0] == 1
+    churn = next(f for f in findings if f["id"] == "data-shape-churn")
+    assert churn["config_patch"] == {"pad_to_multiple_of": 64}
+    assert "4x387" in " ".join(churn["evidence"])  # numbers from the trace, not the config
+    assert churn["expected_gain"]["saves_ms_per_step"] > 100
+    batch = next(f for f in findings if f["id"] == "batching-gpu-underfed")
+    assert batch["config_patch"]["batch_size"] > 4  # sized from measured memory per step
+
+
+def test_fused_ce_rule_is_stage_aware():
+    d = diagnose(measured("liger_fce_s1"), RULES)
+    assert {"id": "fusion-fusedce-stage2", "why": "applies in stage 2 only"} in d["not_applicable"]
+
+
+def test_missing_facts_mean_not_evaluated_not_fired(tmp_path):
+    facts = analyze(TRACES / "default_s2.pt.trace.json.gz")["files"][0]["facts"]  # no report: no memory, no padding
+    d = diagnose(facts, RULES)
+    missing = {n["id"]: n["missing"] for n in d["not_evaluated"]}
+    assert "batching-gpu-underfed" in missing and "data-padding-waste" in missing
+    assert not any(f["id"] in missing for f in d["findings"])
+    no_stage = {k: v for k, v in facts.items() if k != "run.stage"}
+    assert {"id": "fusion-fusedce-stage2", "missing": ["run.stage"]} in diagnose(no_stage, RULES)["not_evaluated"]
+
+
+def test_a_fix_covered_by_an_earlier_one_is_superseded():
+    facts = {**measured("default_s2"), "gemm.fp32_share": 0.6, "kernels.gemm_fp32_simt.ms": 30.0}
+    d = diagnose(facts, RULES)
+    ids = [f["id"] for f in d["findings"]]
+    assert ids[0] == "precision-fp32-gemms"  # the larger estimated saving in layer 1
+    assert {"id": "precision-autocast-casts", "by": "precision-fp32-gemms"} in [
+        {"id": s["id"], "by": s["superseded_by"]} for s in d["superseded"]]
+
+
+# --- bad rule files ----------------------------------------------------------------------------------------
+
+GOOD = """id: {id}
+layer: 2
+title: test rule
+severity: low
+when: gpu.busy_frac < LIMIT
+constants: {{LIMIT: {{value: 0.9, why: test}}}}
+evidence: ["busy {{gpu.busy_frac:pct}}"]
+fix: do something
+patch: {{batch_size: 8}}
+"""
+
+
+def _write(folder: Path, name: str, text: str) -> None:
+    folder.mkdir(exist_ok=True)
+    (folder / name).write_text(text)
+
+
+@pytest.mark.parametrize("text, needle", [
+    (GOOD.format(id="x").replace("gpu.busy_frac < LIMIT", "gpu.busyness < LIMIT"), "unknown fact(s) gpu.busyness"),
+    (GOOD.format(id="x").replace("gpu.busy_frac < LIMIT", "gpu.busy_frac <"), "does not parse"),
+    (GOOD.format(id="x").replace("gpu.busy_frac < LIMIT", "__import__('os').system('true')"), "only min, max"),
+    (GOOD.format(id="x").replace("layer: 2", "layer: 9"), "layer must be 1-5"),
+    (GOOD.format(id="x").replace("batch_size", "batchsize"), "unknown knob(s) batchsize"),
+    (GOOD.format(id="x").replace("< LIMIT", "< OTHER"), "undefined constant(s) OTHER"),
+    ("id: [unclosed", "not valid YAML"),
+])
+def test_broken_rule_files_are_named_and_the_rest_still_run(tmp_path, text, needle):
+    _write(tmp_path / "r", "bad.yaml", text)
+    _write(tmp_path / "r", "good.yaml", GOOD.format(id="user-good"))
+    rules, problems = load_rules(tmp_path / "r")
+    assert len(problems) == 1 and "bad.yaml" in problems[0] and needle in problems[0], problems
+    assert "user-good" in {r.id for r in rules} and len(rules) == len(RULES) + 1
+
+
+def test_duplicate_rule_id_is_reported(tmp_path):
+    _write(tmp_path / "r", "dup.yaml", GOOD.format(id="data-shape-churn"))
+    rules, problems = load_rules(tmp_path / "r")
+    assert len(problems) == 1 and "already used by" in problems[0] and "dup.yaml" in problems[0]
+
+
+def test_user_rules_fire_through_the_cli(tmp_path):
+    _write(tmp_path / "r", "mine.yaml", GOOD.format(id="user-busy"))
+    out = tmp_path / "a.json"
+    r = CliRunner().invoke(app, ["analyze", str(TRACES / "healthy_s2.pt.trace.json.gz"), "--rules", str(tmp_path / "r"),
+                                 "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    findings = json.loads(out.read_text())["files"][0]["findings"]
+    assert [f["id"] for f in findings] == ["user-busy"]
+    assert findings[0]["evidence"][0].startswith("busy ") and findings[0]["config_patch"] == {"batch_size": 8}
+
+
+def test_rules_list_and_show():
+    r = CliRunner().invoke(app, ["rules", "list"])
+    assert r.exit_code == 0 and "data-shape-churn" in r.output
+    r = CliRunner().invoke(app, ["rules", "show", "fusion-fusedce-stage2"])
+    assert r.exit_code == 0 and r.output == (RULES_DIR / "fusion-fusedce-stage2.yaml").read_text()
+    r = CliRunner().invoke(app, ["rules", "show", "nope"])
+    assert r.exit_code == 2 and "known rules" in r.output
+
+
+def test_profile_report_holds_findings(tmp_path):
+    out = tmp_path / "r.json"
+    r = CliRunner().invoke(app, ["profile", "--model", "tiny", "--device", "cpu", "--steps", "2", "--warmup", "1",
+                                 "--autocast", "off", "--json", str(out), "--quiet"])
+    assert r.exit_code == 0, r.output
+    report = json.loads(out.read_text())
+    assert report["trace"]["path"] is None  # the temporary trace is gone
+    ids = [f["id"] for f in report["findings"]]
+    assert "data-padding-waste" in ids  # measured padding of random batches, on CPU too
+    assert all({"id", "layer", "severity", "evidence", "fix", "config_patch", "expected_gain"} <= f.keys()
+               for f in report["findings"])
