@@ -175,3 +175,11 @@ def test_profile_report_holds_findings(tmp_path):
     assert "data-padding-waste" in ids  # measured padding of random batches, on CPU too
     assert all({"id", "layer", "severity", "evidence", "fix", "config_patch", "expected_gain"} <= f.keys()
                for f in report["findings"])
+
+
+def test_batching_gain_is_a_throughput_factor():
+    f = fired("default_s2")["batching-gpu-underfed"]
+    g, b = f["expected_gain"], f["config_patch"]["batch_size"]
+    assert g["saves_ms_per_step"] is None
+    busy = measured("default_s2")["gpu.busy_frac"]
+    assert g["throughput_x"] == pytest.approx(min(b / 4, 1 / busy))  # the formula written in the rule file

@@ -200,6 +200,8 @@ def render_findings(diagnosis: dict[str, Any], console: Console) -> None:
                 g = f"-{gain['saves_ms_per_step']:.1f} ms/step"
                 if gain["share_of_step"]:
                     g += f"\n({gain['share_of_step'] * 100:.0f}% of the step)"
+            elif gain.get("throughput_x"):
+                g = f"x{gain['throughput_x']:.2f} throughput"
             patch = ", ".join(f"{k}={v}" for k, v in f["config_patch"].items())
             t.add_row(str(i), f"{f['layer']} {f['layer_name']}", f"[bold]{f['title']}[/bold]\n" + "\n".join(f["evidence"]),
                       f"{f['fix']}\n[cyan]{patch}[/cyan]", g)

@@ -42,6 +42,7 @@ KNOWN_FACTS = [re.compile(p) for p in (
     r"memory\.(device_total_gb|peak_allocated_gb|peak_reserved_gb|peak_reserved_frac)",
     r"flops\.model_tflop_per_step_upper", r"mfu(\.upper_bound)?", r"data\.(pad_fraction|real_tokens_per_s)",
     r"config\.(" + "|".join(RunConfig.__dataclass_fields__) + r")",
+    r"patch\.(" + "|".join(RunConfig.__dataclass_fields__) + r")",  # the rule's own patch values, in gain expressions
 )]
 
 
@@ -74,7 +75,7 @@ class Rule:
     detects: str = ""
 
     def facts_used(self) -> set[str]:
-        exprs = [self.when, self.unless or "", self.gain.get("saves_ms") or ""]
+        exprs = [self.when, self.unless or "", self.gain.get("saves_ms") or "", self.gain.get("speedup") or ""]
         exprs += [v for v in self.patch.values() if isinstance(v, str) and _looks_like_expr(v)]
         exprs += [m.group(1) for e in self.evidence for m in _PLACEHOLDER.finditer(e)]
         return {n for e in exprs if e for n in _names(_parse(e, self)) if not n.isupper()}
@@ -186,7 +187,7 @@ def _rule_from(path: Path, data: Any) -> Rule:
         raise RuleError(f"{path}: layer must be 1-5 (1 precision ... 5 system tuning), got {rule.layer!r}")
     if rule.severity not in SEVERITIES:
         raise RuleError(f"{path}: severity must be one of {', '.join(SEVERITIES)}")
-    for c in (rule.when, rule.unless, rule.gain.get("saves_ms")):
+    for c in (rule.when, rule.unless, rule.gain.get("saves_ms"), rule.gain.get("speedup")):
         if c:
             _parse(c, rule)
     bad = sorted(n for n in rule.facts_used() if not any(p.fullmatch(n) for p in KNOWN_FACTS))
@@ -276,12 +277,6 @@ def diagnose(facts: dict[str, Any], rules: list[Rule]) -> dict[str, Any]:
                 pass  # an exception that cannot be checked does not hide a measured problem
         if not hit:
             continue
-        saves = None
-        if rule.gain.get("saves_ms"):
-            try:
-                saves = float(_eval(_parse(rule.gain["saves_ms"]), env))
-            except (_Missing, ZeroDivisionError, TypeError):
-                saves = None
         patch = {}
         for knob, value in rule.patch.items():
             if isinstance(value, str) and _looks_like_expr(value):
@@ -290,16 +285,23 @@ def diagnose(facts: dict[str, Any], rules: list[Rule]) -> dict[str, Any]:
                 except _Missing:
                     continue
             patch[knob] = value
+        env.update({f"patch.{k}": v for k, v in patch.items()})
+        saves = _gain(rule, "saves_ms", env)
+        speedup = _gain(rule, "speedup", env)
         step = facts.get("step.ms")
+        if speedup is None and saves is not None and step and saves < step:
+            speedup = step / (step - saves)
+        equivalent = step * (1 - 1 / speedup) if speedup and step and speedup > 1 else saves
         fired.append({
             "id": rule.id, "layer": rule.layer, "layer_name": LAYER_NAMES[rule.layer], "title": rule.title,
             "severity": rule.severity, "evidence": [_render(e, env) for e in rule.evidence], "fix": rule.fix,
             "config_patch": patch,
             "expected_gain": {"saves_ms_per_step": saves, "share_of_step": (saves / step) if saves and step else None,
-                              "how": rule.gain.get("how")},
+                              "throughput_x": speedup, "how": rule.gain.get("how")},
+            "_order": equivalent or 0.0,
             "sources": rule.sources, "conflicts": rule.conflicts,
         })
-    fired.sort(key=lambda f: (f["layer"], -(f["expected_gain"]["saves_ms_per_step"] or 0.0)))
+    fired.sort(key=lambda f: (f["layer"], -f.pop("_order")))
     kept, superseded = [], []
     for f in fired:  # superseded: a declared conflict, or an earlier fix already sets every knob this one sets
         clash = next((k for k in kept if f["id"] in k["conflicts"] or k["id"] in f["conflicts"]
@@ -311,6 +313,15 @@ def diagnose(facts: dict[str, Any], rules: list[Rule]) -> dict[str, Any]:
     for f in kept + superseded:
         f.pop("conflicts", None)
     return {"findings": kept, "superseded": superseded, "not_evaluated": not_evaluated, "not_applicable": not_applicable}
+
+
+def _gain(rule: Rule, key: str, env: dict[str, Any]) -> float | None:
+    if not rule.gain.get(key):
+        return None
+    try:
+        return float(_eval(_parse(rule.gain[key]), env))
+    except (_Missing, ZeroDivisionError, TypeError):
+        return None
 
 
 def merge_measured(facts: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
