@@ -197,6 +197,8 @@ def _rule_from(path: Path, data: Any) -> Rule:
         raise RuleError(f"{path}: rule {rule.id} uses unknown fact(s) {', '.join(bad)} (see docs/analysis.md)")
     if undefined:
         raise RuleError(f"{path}: rule {rule.id} uses undefined constant(s) {', '.join(undefined)}")
+    if not isinstance(rule.constants, dict):
+        raise RuleError(f"{path}: rule {rule.id}: constants must be a mapping")
     for c in rule.constants.values():
         if not isinstance(c, dict) or "value" not in c or "why" not in c:
             raise RuleError(f"{path}: rule {rule.id}: each constant needs a value and a why (where it comes from)")
