@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import math
+import operator
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,6 +130,12 @@ def _names(tree: ast.AST) -> set[str]:
     return {n for n in out if not any(o != n and o.startswith(n + ".") for o in out)}
 
 
+_ARITH = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+          ast.FloorDiv: operator.floordiv}
+_COMPARE = {ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt, ast.GtE: operator.ge, ast.Eq: operator.eq,
+            ast.NotEq: operator.ne, ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b}
+
+
 def _eval(node: ast.AST, env: dict[str, Any]) -> Any:
     if isinstance(node, ast.Expression):
         return _eval(node.body, env)
@@ -146,18 +153,12 @@ def _eval(node: ast.AST, env: dict[str, Any]) -> Any:
         v = _eval(node.operand, env)
         return (not v) if isinstance(node.op, ast.Not) else -v
     if isinstance(node, ast.BinOp):
-        a, b = _eval(node.left, env), _eval(node.right, env)
-        ops = {ast.Add: lambda: a + b, ast.Sub: lambda: a - b, ast.Mult: lambda: a * b, ast.Div: lambda: a / b,
-               ast.FloorDiv: lambda: a // b}
-        return ops[type(node.op)]()
+        return _ARITH[type(node.op)](_eval(node.left, env), _eval(node.right, env))
     if isinstance(node, ast.Compare):
         left = _eval(node.left, env)
         for op, comp in zip(node.ops, node.comparators):
             right = _eval(comp, env)
-            ok = {ast.Lt: lambda: left < right, ast.LtE: lambda: left <= right, ast.Gt: lambda: left > right,
-                  ast.GtE: lambda: left >= right, ast.Eq: lambda: left == right, ast.NotEq: lambda: left != right,
-                  ast.In: lambda: left in right, ast.NotIn: lambda: left not in right}[type(op)]()
-            if not ok:
+            if not _COMPARE[type(op)](left, right):
                 return False
             left = right
         return True
