@@ -48,6 +48,8 @@ CASES = {
     "system-checkpoint-recompute": ("ckpt_s2", "bf16_s2"),
     "system-data-loader": ("ckpt_reentrant_s2", "healthy_s2"),
     "system-non-fused-optimizer": ("bf16_s2", "healthy_s2"),
+    "fusion-fusedce-stage1": ("bf16_s1", "liger_fce_s1"),
+    "fusion-liger-with-compile": ("liger_compile_s2", "compile_s2"),
 }
 
 

@@ -39,7 +39,7 @@ KNOWN_FACTS = [re.compile(p) for p in (
     r"optimizer\.fused", r"launch\.(kernels|tiny_kernel_frac|api_ms|delay_us_median|delay_us_p90)",
     r"part\.[a-z_]+\.(ms|share)", r"phase\.[a-z_]+\.ms", r"recompute\.(ms|share|kind)",
     r"memcpy\.[A-Za-z]+\.(bytes|ms)", r"memcpy\.pageable_count", r"shapes\.(distinct_token_batches|token_batches)", r"idle\.top_host_ops",
-    r"loss\.(logits_elements|logits_gb)", r"ops\.(fused_linear_cross_entropy|checkpoint_reentrant)", r"host\.sync_calls",
+    r"loss\.(logits_elements|logits_gb|logits_dtype)", r"ops\.(fused_linear_cross_entropy|checkpoint_reentrant)", r"host\.sync_calls",
     r"memory\.(device_total_gb|peak_allocated_gb|peak_reserved_gb|peak_reserved_frac)",
     r"flops\.model_tflop_per_step_upper", r"mfu(\.upper_bound)?", r"data\.(pad_fraction|real_tokens_per_s)",
     r"config\.(" + "|".join(RunConfig.__dataclass_fields__) + r")",
@@ -192,8 +192,8 @@ def _rule_from(path: Path, data: Any) -> Rule:
         if c:
             _parse(c, rule)
     bad = sorted(n for n in rule.facts_used() if not any(p.fullmatch(n) for p in KNOWN_FACTS))
-    undefined = sorted(n for e in (rule.when, rule.unless) if e for n in _names(_parse(e, rule))
-                       if n.isupper() and n not in rule.constants)
+    undefined = sorted(n for e in (rule.when, rule.unless, rule.gain.get("saves_ms"), rule.gain.get("speedup")) if e
+                       for n in _names(_parse(e, rule)) if n.isupper() and n not in rule.constants)
     if bad:
         raise RuleError(f"{path}: rule {rule.id} uses unknown fact(s) {', '.join(bad)} (see docs/analysis.md)")
     if undefined:
