@@ -304,7 +304,7 @@ def diagnose(facts: dict[str, Any], rules: list[Rule]) -> dict[str, Any]:
             "_order": equivalent or 0.0,
             "sources": rule.sources, "conflicts": rule.conflicts,
         })
-    fired.sort(key=lambda f: (f["layer"], -f.pop("_order")))
+    fired.sort(key=lambda f: (f["layer"], -f["_order"]))
     kept, superseded = [], []
     for f in fired:  # superseded: a declared conflict, or an earlier fix already sets every knob this one sets
         clash = next((k for k in kept if f["id"] in k["conflicts"] or k["id"] in f["conflicts"]
@@ -315,6 +315,7 @@ def diagnose(facts: dict[str, Any], rules: list[Rule]) -> dict[str, Any]:
             kept.append(f)
     for f in kept + superseded:
         f.pop("conflicts", None)
+        f.pop("_order", None)
     return {"findings": kept, "superseded": superseded, "not_evaluated": not_evaluated, "not_applicable": not_applicable}
 
 
