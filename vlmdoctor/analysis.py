@@ -361,11 +361,11 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
     facts["trace.partial"] = bool(warnings)
 
     g = t.gpu
-    win = union(np.array([s for s, _ in windows]), np.array([e for _, e in windows]))
+    ws, we = np.array([s for s, _ in windows]), np.array([e for _, e in windows])
+    win = union(ws, we)
     busy = intersect(union(g["ts"].to_numpy(), g["end"].to_numpy()), win)
     idle = subtract(win, busy)
     facts["gpu.busy_ms"] = total(busy) / 1e3 / n
-    ws, we = np.array([s for s, _ in windows]), np.array([e for _, e in windows])
     facts["gpu.busy_ms_list"] = [round(x, 3) for x in ((_measure(busy, we) - _measure(busy, ws)) / 1e3).tolist()]
     facts["gpu.idle_ms"] = total(idle) / 1e3 / n
     facts["gpu.busy_frac"] = total(busy) / max(total(win), 1e-9)
@@ -580,3 +580,17 @@ def analyze(path: str | Path, stage: int | None = None, model: str | None = None
         results.append({"file": str(f), "facts": compute_facts(t, stage, model), "meta": {
             k: t.meta[k] for k in ("vlmdoctor", "deviceProperties", "distributedInfo") if k in t.meta}})
     return {"path": str(path), "files": results}
+
+
+def merge_measured(facts: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
+    """Facts a trace cannot hold, from a profile report's measurements (padding, measured memory, exact MFU)."""
+    m = report.get("metrics") or {}
+    out = dict(facts)
+    for key, metric in (("data.pad_fraction", "pad_fraction"), ("data.real_tokens_per_s", "real_tokens_per_s"),
+                        ("memory.peak_allocated_gb", "peak_mem_gb"), ("memory.peak_reserved_gb", "peak_mem_reserved_gb"),
+                        ("memory.device_total_gb", "device_mem_total_gb"), ("mfu", "mfu")):
+        if m.get(metric) is not None:
+            out[key] = m[metric]
+    if out.get("memory.peak_reserved_gb") and out.get("memory.device_total_gb"):
+        out["memory.peak_reserved_frac"] = out["memory.peak_reserved_gb"] / out["memory.device_total_gb"]
+    return out

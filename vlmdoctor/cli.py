@@ -133,7 +133,7 @@ def _profile(overrides: dict[str, Any], config: str | None, json_path: str | Non
         from .rules import diagnose, load_rules
 
         rules, problems = load_rules(*(rules_dirs or []))
-        report["diagnosis"] = {**diagnose(report["facts"], rules), "problems": problems}
+        report["diagnosis"] = diagnose(report["facts"], rules, problems)
         report["findings"] = report["diagnosis"]["findings"]
     if json_path:
         write_json(report, json_path)
@@ -169,7 +169,7 @@ def analyze(
             result = run_analysis(path, stage, model)
         rules, problems = load_rules(*(rules_dirs or []))
         for entry in result["files"]:
-            entry["diagnosis"] = {**diagnose(entry["facts"], rules), "problems": problems}
+            entry["diagnosis"] = diagnose(entry["facts"], rules, problems)
             entry["findings"] = entry["diagnosis"]["findings"]
         if json_path:
             write_json({"schema_version": SCHEMA_VERSION, "kind": "analysis", **result}, json_path)

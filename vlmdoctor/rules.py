@@ -16,6 +16,7 @@ import math
 import operator
 import re
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,12 @@ def _parse(expr: str, rule: Rule | None = None) -> ast.AST:
         if isinstance(node, ast.Call) and not (isinstance(node.func, ast.Name) and node.func.id in FUNCTIONS):
             raise RuleError(f"{rule.path if rule else ''}: only {', '.join(FUNCTIONS)} may be called in {expr!r}")
     return tree
+
+
+@lru_cache(maxsize=None)
+def _tree(expr: str) -> ast.AST:
+    """Parsed once: expressions were validated when their rule was loaded."""
+    return _parse(expr)
 
 
 _ALLOWED = (ast.Expression, ast.BoolOp, ast.And, ast.Or, ast.UnaryOp, ast.Not, ast.USub, ast.BinOp, ast.Add, ast.Sub,
@@ -255,8 +262,11 @@ def _render(text: str, env: dict[str, Any]) -> str:
     return _PLACEHOLDER.sub(lambda m: _fmt(env[m.group(1)], m.group(2)) if m.group(1) in env else "n/a", text)
 
 
-def diagnose(facts: dict[str, Any], rules: list[Rule]) -> dict[str, Any]:
-    """Findings in layer order, plus what could not be evaluated or does not apply, and why."""
+def diagnose(facts: dict[str, Any], rules: list[Rule], problems: list[str] | None = None) -> dict[str, Any]:
+    """Findings in layer order, plus what could not be evaluated or does not apply, and why.
+
+    `problems` (rule files that did not load) travel with the diagnosis so reports show them.
+    """
     fired, not_evaluated, not_applicable = [], [], []
     stage = facts.get("run.stage")
     for rule in rules:
@@ -269,13 +279,13 @@ def diagnose(facts: dict[str, Any], rules: list[Rule]) -> dict[str, Any]:
                 continue
         env = {**facts, **{k: c["value"] for k, c in rule.constants.items()}}
         try:
-            hit = bool(_eval(_parse(rule.when), env))
+            hit = bool(_eval(_tree(rule.when), env))
         except _Missing as m:
             not_evaluated.append({"id": rule.id, "missing": [m.name]})
             continue
         if hit and rule.unless:
             try:
-                hit = not _eval(_parse(rule.unless), env)
+                hit = not _eval(_tree(rule.unless), env)
             except _Missing:
                 pass  # an exception that cannot be checked does not hide a measured problem
         if not hit:
@@ -284,7 +294,7 @@ def diagnose(facts: dict[str, Any], rules: list[Rule]) -> dict[str, Any]:
         for knob, value in rule.patch.items():
             if isinstance(value, str) and _looks_like_expr(value):
                 try:
-                    value = _eval(_parse(value), env)
+                    value = _eval(_tree(value), env)
                 except _Missing:
                     continue
             patch[knob] = value
@@ -316,27 +326,14 @@ def diagnose(facts: dict[str, Any], rules: list[Rule]) -> dict[str, Any]:
     for f in kept + superseded:
         f.pop("conflicts", None)
         f.pop("_order", None)
-    return {"findings": kept, "superseded": superseded, "not_evaluated": not_evaluated, "not_applicable": not_applicable}
+    return {"findings": kept, "superseded": superseded, "not_evaluated": not_evaluated, "not_applicable": not_applicable,
+            "problems": list(problems or [])}
 
 
 def _gain(rule: Rule, key: str, env: dict[str, Any]) -> float | None:
     if not rule.gain.get(key):
         return None
     try:
-        return float(_eval(_parse(rule.gain[key]), env))
+        return float(_eval(_tree(rule.gain[key]), env))
     except (_Missing, ZeroDivisionError, TypeError):
         return None
-
-
-def merge_measured(facts: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
-    """Facts a trace cannot hold, from a profile report's measurements (padding, measured memory, exact MFU)."""
-    m = report.get("metrics") or {}
-    out = dict(facts)
-    for key, metric in (("data.pad_fraction", "pad_fraction"), ("data.real_tokens_per_s", "real_tokens_per_s"),
-                        ("memory.peak_allocated_gb", "peak_mem_gb"), ("memory.peak_reserved_gb", "peak_mem_reserved_gb"),
-                        ("memory.device_total_gb", "device_mem_total_gb"), ("mfu", "mfu")):
-        if m.get(metric) is not None:
-            out[key] = m[metric]
-    if out.get("memory.peak_reserved_gb") and out.get("memory.device_total_gb"):
-        out["memory.peak_reserved_frac"] = out["memory.peak_reserved_gb"] / out["memory.device_total_gb"]
-    return out

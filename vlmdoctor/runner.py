@@ -22,13 +22,14 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 
 from . import SCHEMA_VERSION, __version__, envinfo, flops
+from .analysis import merge_measured
 from .capture import TraceOptions, capture, trace_path
 from .config import RunConfig
 from .data import BatchSampler, Collator, LlavaFile, SyntheticVQA
@@ -345,8 +346,7 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
 
             meta = {"schema_version": SCHEMA_VERSION, "tool_version": __version__, "config": cfg.to_dict(),
                     "model": report["model"]}
-            tmp = None if trace.keep else tempfile.TemporaryDirectory(prefix="vlmdoctor-trace-")
-            where = TraceOptions(tmp.name, trace.steps, trace.shapes, trace.stack, trace.memory) if tmp else trace
+            where = trace if trace.keep else replace(trace, trace_dir=tempfile.mkdtemp(prefix="vlmdoctor-trace-"))
             report["trace"] = capture(step, where, device, trace_path(where, cfg.model, cfg.stage), meta, progress)
             report["trace"]["kept"] = trace.keep
     except torch.OutOfMemoryError as e:
@@ -366,8 +366,6 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
     report["stats"] = stats
     if "trace" in report:  # profiler overhead, visible next to the untraced numbers it stayed out of
         report["trace"]["untraced_step_ms_median"] = metrics["step_ms"]
-        from .rules import merge_measured
-
         # measured over the untraced window (padding, memory, MFU): exact where the trace only bounds them
         report["facts"] = merge_measured(_trace_facts(Path(report["trace"]["path"]), cfg), report)
         if not report["trace"]["kept"]:
