@@ -58,6 +58,8 @@ def main() -> None:
     with open(out / "results.jsonl", "a") as f:
         for stage in args.stage or grid.get("stages", [2]):
             for i, r in rows:
+                if stage not in r.get("stages", [stage]):  # a row may name its own stages
+                    continue
                 cfg = RunConfig.from_dict({**grid.get("defaults", {}), **r["set"], **extra, "stage": stage})
                 t0 = time.time()
                 rep = run_isolated(cfg, timeout=900)

@@ -283,3 +283,45 @@ def test_device_cuda_without_gpu_is_usage_error(tiny_cfg):
 def test_tiny_with_device_auto_runs_on_cpu(tiny_cfg):
     r = run_profile(tiny_cfg(device="auto", steps=1, warmup=0))
     assert r["status"] == "ok" and r["env"]["device_type"] == "cpu"
+
+
+# --- knobs that reproduce common mistakes, and their fixes ----------------------------------------
+
+def test_labeled_only_head_gives_the_same_loss_and_gradients(tiny_cfg):
+    """The LM head on labeled positions only is the same loss, with the same gradients, on fewer rows."""
+    losses, grads = [], []
+    for labeled in (False, True):
+        p = build_patient(tiny_cfg(stage=2, lm_head_labeled_only=labeled, gradient_checkpointing=False), CPU)
+        batch = runner._to_device(next(p.batches), CPU, torch.float32)
+        counts = batch.pop("counts")
+        assert ("loss_index" in batch) == labeled
+        if labeled:
+            assert len(batch["loss_index"]) == counts["loss_tokens"] < counts["real_tokens"]
+        loss = p.model(**batch).loss
+        loss.backward()
+        losses.append(float(loss.detach()))
+        grads.append(p.vlm.llm.get_output_embeddings().weight.grad.clone())
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+
+
+def test_labeled_only_head_counts_fewer_model_flops(tiny_cfg):
+    full = run_profile(tiny_cfg(steps=1, warmup=0))["repeats"][0]
+    labeled = run_profile(tiny_cfg(steps=1, warmup=0, lm_head_labeled_only=True))["repeats"][0]
+    assert labeled["model_tflops_per_s"] * labeled["wall_s"] < full["model_tflops_per_s"] * full["wall_s"]
+
+
+def test_input_require_grads_makes_the_frozen_tower_build_a_graph(tiny_cfg):
+    for flag, no_grad, graph in ((False, False, False), (True, False, True), (True, True, False)):
+        p = build_patient(tiny_cfg(input_require_grads=flag, vision_no_grad=no_grad), CPU)
+        batch = runner._to_device(next(p.batches), CPU, torch.float32)
+        feats = p.vlm.encode_images(batch["pixel_values"])
+        assert feats.requires_grad == graph, (flag, no_grad)
+        assert not any(q.requires_grad for q in p.vlm.vision.parameters())
+
+
+def test_sync_loss_reads_the_loss_every_micro_batch(tiny_cfg):
+    p = build_patient(tiny_cfg(sync_loss=True, grad_accum=2, batch_size=2), CPU)
+    loss, counts = train_step(p)
+    assert len(counts["host_losses"]) == 2
+    assert sum(counts["host_losses"]) == pytest.approx(float(loss), rel=1e-5)

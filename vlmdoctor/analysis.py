@@ -38,7 +38,11 @@ SDPA_BACKENDS = {
     "aten::_scaled_dot_product_flash_attention_for_cpu": "flash_cpu",
 }
 LAUNCH_CALLS = re.compile(r"^(cudaLaunchKernel|cuLaunchKernel|cudaLaunchKernelExC|cuLaunchKernelEx|cudaLaunchCooperativeKernel)")
-SYNC_CALLS = re.compile(r"Synchronize|^aten::item$|^aten::_local_scalar_dense$")
+# runtime calls that make the host wait for the device (aten::item on a CPU tensor is no sync: not here)
+SYNC_CALLS = re.compile(r"^(cudaStreamSynchronize|cudaDeviceSynchronize|cudaEventSynchronize|cudaMemcpy|cuStreamSynchronize"
+                        r"|cuCtxSynchronize|cuEventSynchronize|cuMemcpyDtoH)$")
+SDPA_OP = "aten::scaled_dot_product_attention"  # inputs (batch, heads, length, head_dim)
+EAGER_SOFTMAX = ("aten::_softmax",)  # attention written out as matmul + softmax (eager / math paths)
 DTYPE_BYTES = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8}
 TINY_KERNEL_US = 10.0  # under this a kernel is mostly launch overhead on current GPUs
 SHAPE_OPS = ("aten::embedding",)  # its first input is the token-id batch: (batch, length)
@@ -109,7 +113,7 @@ def load_tables(path: Path) -> Tables:
             n["dur"].append(dur)
             n["seq"].append(args.get("Sequence number", -1))
             n["fwd_tid"].append(args.get("Fwd thread id", -1))
-            if (name in SHAPE_OPS or name in LOGITS_OPS) and "Input Dims" in args:
+            if (name in SHAPE_OPS or name in LOGITS_OPS or name == SDPA_OP) and "Input Dims" in args:
                 shapes.append((ts, name, args["Input Dims"]))
                 types[name] = args.get("Input type")
         elif cat == "cuda_runtime" or cat == "cuda_driver":
@@ -418,6 +422,14 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
         facts[f"part.{part}.share"] = v / gpu_time
     for phase, v in g2.groupby("phase")["dur"].sum().items():
         facts[f"phase.{phase}.ms"] = v / 1e3 / n
+    for part in g2["part"].unique():  # every phase of a part that ran, zero where it launched nothing
+        for phase in ("forward", "backward", "recompute"):
+            facts[f"part.{part}.{phase}_ms"] = 0.0
+    for (part, phase), v in g2.groupby(["part", "phase"])["dur"].sum().items():
+        facts[f"part.{part}.{phase}_ms"] = v / 1e3 / n
+    att_k = g2[g2["cls"].isin(ATTENTION_CLASSES) | ((g2["cls"] == "softmax") & (g2["part"] != "loss"))]
+    for (part, phase), v in att_k.groupby(["part", "phase"])["dur"].sum().items():
+        facts[f"attention.{part}.{phase}_ms"] = v / 1e3 / n
     rec = float(g2.loc[g2["phase"] == "recompute", "dur"].sum())
     facts["recompute.ms"] = rec / 1e3 / n
     facts["recompute.share"] = rec / gpu_time
@@ -435,6 +447,7 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
         facts[f"memcpy.{direction}.ms"] = float(grp["dur"].sum()) / 1e3 / n
     facts["memcpy.pageable_count"] = int(mc["name"].str.contains("Pageable").sum()) / n
     _host_facts(t, facts, n)
+    _attention_shape_facts(t, facts, n)
     _memory_facts(t, facts)
     _flop_facts(t, facts, cfg)
     facts["trace.warnings"] = warnings
@@ -473,9 +486,18 @@ def _flop_facts(t: Tables, facts: dict[str, Any], cfg: dict[str, Any]) -> None:
     if not batches:
         return
     fm = FlopModel.from_spec(spec)
-    total_flops = sum(fm.step([L] * B, facts["run.stage"])["total"] for B, L in batches)
+    cached = bool(cfg.get("cache_vision_features", False))
+    total_flops = sum(fm.step([L] * B, facts["run.stage"], cached)["total"] for B, L in batches)
     per_step = total_flops / facts["trace.steps"]
     facts["flops.model_tflop_per_step_upper"] = per_step / 1e12
+    # the LM head on every position of the token batches, forward and backward (as computed unless labeled-only)
+    positions = sum(B * L for B, L in batches) / facts["trace.steps"]
+    facts["flops.lm_head_tflop_per_step"] = 2.0 * fm.llm_head_params * positions * (3 if facts["run.stage"] == 2 else 2) / 1e12
+    # the tower's forward for this step's images (one per row unless packed), whether it ran or was cached
+    if not cfg.get("packing"):
+        facts["flops.vision_tflop_per_step"] = fm.vision_forward(sum(B for B, _ in batches)) / 1e12 / facts["trace.steps"]
+    if facts.get("gpu.busy_ms"):
+        facts["gpu.busy_tflops"] = per_step / 1e12 / (facts["gpu.busy_ms"] / 1e3)
     peak, _ = peak_flops(facts.get("device.name"))
     if peak:
         facts["mfu.upper_bound"] = per_step / (facts["step.ms"] / 1e3) / peak
@@ -490,7 +512,7 @@ def _idle_causes(t: Tables, idle: list[tuple[float, float]], facts: dict[str, An
 
     causes = [
         ("data_loader", spans(ops[ops["name"].str.contains("DataLoader", regex=False)])),
-        ("sync", spans(pd.concat([ops[ops["name"].str.contains(SYNC_CALLS)], rt[rt["name"].str.contains(SYNC_CALLS)]]))),
+        ("sync", _sync_gaps(rt[rt["name"].str.match(SYNC_CALLS)], idle)),
         ("memcpy", spans(rt[rt["name"].str.startswith("cudaMemcpy")])),
         ("optimizer_host", spans(ops[ops["name"].str.startswith("Optimizer.step")])),
     ]
@@ -510,8 +532,71 @@ def _idle_causes(t: Tables, idle: list[tuple[float, float]], facts: dict[str, An
     facts["idle.op.cudnn_attention.ms"] = float(per_code[cudnn_att].sum()) / 1e3 / n  # cuDNN plans built on the host
     top = np.argsort(-per_code)[:8]
     facts["idle.top_host_ops"] = [
-        {"op": str(cats[k]), "ms": per_code[k] / 1e3 / n, "share": per_code[k] / idle_total} for k in top if per_code[k] > 0
+        {"op": str(cats[k]), "ms": float(per_code[k]) / 1e3 / n, "share": float(per_code[k]) / idle_total}
+        for k in top if per_code[k] > 0
     ]
+
+
+def _sync_gaps(sync: pd.DataFrame, idle: Intervals) -> Intervals:
+    """A sync drains the device queue; the idle gap it opens lasts until the host launches again.
+
+    So each synchronizing call covers its own span and the rest of the idle gap that is open when
+    it returns (the host's relaunch latency, which a sync-free step would hide).
+    """
+    s, e = sync["ts"].to_numpy(), sync["end"].to_numpy()
+    if len(s) == 0 or len(idle[0]) == 0:
+        return union(s, e)
+    k = np.searchsorted(idle[0], e, side="right") - 1
+    inside = (k >= 0) & (idle[1][np.maximum(k, 0)] > e)
+    stretched = np.where(inside, idle[1][np.maximum(k, 0)], e)
+    return union(s, stretched)
+
+
+def _sync_ops(t: Tables, mask: np.ndarray, n: int) -> list[dict[str, Any]]:
+    """The ops that synchronized: the outermost aten op around each synchronizing runtime call."""
+    rt = t.runtime[mask]
+    ops = t.ops
+    aten = ops[ops["name"].astype(str).str.startswith("aten::")]
+    found: Counter = Counter()
+    for tid, grp in rt.groupby("tid"):
+        cand = aten[aten["tid"] == tid]
+        if cand.empty:
+            found.update(["(no op)"] * len(grp))
+            continue
+        cs, ce = cand["ts"].to_numpy(), cand["end"].to_numpy()
+        names = cand["name"].astype(str).to_numpy()
+        for ts in grp["ts"].to_numpy():
+            hit = np.flatnonzero((cs <= ts) & (ce >= ts))
+            found[names[hit[np.argmin(cs[hit])]] if len(hit) else "(no op)"] += 1
+    return [{"op": k, "calls": v / n} for k, v in found.most_common(5)]
+
+
+def _attention_shape_facts(t: Tables, facts: dict[str, Any], n: int) -> None:
+    """Head dims and forward attention FLOPs per model part, from the recorded SDPA input shapes."""
+    if not t.shapes:
+        return
+    ops = t.ops
+    ranges = {part: ops[ops["name"] == rng][["ts", "end"]].to_numpy() for rng, part in PART_RANGES.items()}
+    per_part: dict[str, dict[str, Any]] = {}
+    for ts, name, dims in t.shapes:
+        if name != SDPA_OP or len(dims) < 2 or len(dims[0]) != 4 or len(dims[1]) != 4:
+            continue
+        part = next((p for p, r in ranges.items() if len(r) and ((r[:, 0] <= ts) & (r[:, 1] >= ts)).any()), None)
+        if part is None:  # checkpoint recompute (or code outside the model's ranges): not a part's own forward
+            continue
+        (b, h, lq, d), lk = dims[0], dims[1][2]
+        causal = 0.5 if part == "llm" else 1.0  # decoder attention is causal, the tower's is not
+        entry = per_part.setdefault(part, {"head_dims": set(), "flop": 0.0})
+        entry["head_dims"].add(int(d))
+        entry["flop"] += 4.0 * b * h * lq * lk * d * causal
+    for part, e in per_part.items():
+        dims = sorted(e["head_dims"])
+        facts[f"attention.{part}.head_dims"] = dims
+        facts[f"attention.{part}.head_dim_pow2"] = all(x & (x - 1) == 0 for x in dims)
+        facts[f"attention.{part}.fwd_tflop_per_step"] = e["flop"] / 1e12 / n
+        fwd_ms = facts.get(f"attention.{part}.forward_ms")
+        if fwd_ms:
+            facts[f"attention.{part}.fwd_tflops"] = e["flop"] / n / (fwd_ms / 1e3) / 1e12
 
 
 def _idle_by_innermost(t: Tables, idle: Intervals) -> np.ndarray:
@@ -552,12 +637,18 @@ def _host_facts(t: Tables, facts: dict[str, Any], n: int) -> None:
     for op, backend in SDPA_BACKENDS.items():
         if op in counts.index:
             facts[f"attention.backend.{backend}.calls"] = float(counts[op]) / n
+    facts["attention.backends"] = sorted(b for op, b in SDPA_BACKENDS.items() if op in counts.index)
     facts["ops.fused_linear_cross_entropy"] = bool(ops["name"].str.contains("FusedLinearCrossEntropy").any())
     facts["ops.checkpoint_reentrant"] = bool(ops["name"].str.contains("CheckpointFunction").any())
-    facts["host.sync_calls"] = float(ops["name"].str.contains(SYNC_CALLS).sum()
-                                     + t.runtime["name"].str.contains(SYNC_CALLS).sum()) / n
+    syncs = t.runtime["name"].str.match(SYNC_CALLS)
+    facts["host.sync_calls"] = float(syncs.sum()) / n
+    if syncs.any():
+        facts["host.sync_ops"] = _sync_ops(t, syncs.to_numpy(), n)
+    facts["attention.eager_softmax_calls"] = float(ops["name"].isin(EAGER_SOFTMAX).sum()) / n
+    facts["attention.sdpa_calls"] = float((ops["name"] == SDPA_OP).sum()) / n
     token_shapes = token_batches(t)
     if token_shapes:
+        facts["shapes.micro_batches_per_step"] = len(token_shapes) / n  # one LLM embedding call per micro-batch
         facts["shapes.distinct_token_batches"] = len(set(token_shapes))
         facts["shapes.token_batches"] = sorted({"x".join(map(str, s)) for s in set(token_shapes)})
     logits = [(name, d[0]) for _, name, d in t.shapes if name in LOGITS_OPS and d and d[0]]
@@ -567,6 +658,11 @@ def _host_facts(t: Tables, facts: dict[str, Any], n: int) -> None:
         facts["loss.logits_elements"] = int(np.prod(dims))
         facts["loss.logits_gb"] = int(np.prod(dims)) * DTYPE_BYTES.get(tp, 4) / 2**30
         facts["loss.logits_dtype"] = tp
+        ce = [d[0] for _, name, d in t.shapes if name == "aten::cross_entropy_loss" and d and len(d[0]) == 2]
+        tokens = sum(int(np.prod(b)) for b in token_shapes) if token_shapes else 0
+        if ce and tokens:  # rows the LM head and loss ran on, against the positions of the token batches
+            facts["loss.head_rows_per_step"] = sum(d[0] for d in ce) / n
+            facts["loss.head_rows_frac"] = sum(d[0] for d in ce) / tokens
 
 
 def analyze(path: str | Path, stage: int | None = None, model: str | None = None) -> dict[str, Any]:
@@ -591,6 +687,9 @@ def merge_measured(facts: dict[str, Any], report: dict[str, Any]) -> dict[str, A
                         ("memory.device_total_gb", "device_mem_total_gb"), ("mfu", "mfu")):
         if m.get(metric) is not None:
             out[key] = m[metric]
+    if m.get("loss_tokens_per_s") and m.get("real_tokens_per_s") and m.get("pad_fraction") is not None:
+        # labeled positions as a share of all positions the batches held (padding included)
+        out["data.loss_token_frac"] = m["loss_tokens_per_s"] * (1 - m["pad_fraction"]) / m["real_tokens_per_s"]
     if out.get("memory.peak_reserved_gb") and out.get("memory.device_total_gb"):
         out["memory.peak_reserved_frac"] = out["memory.peak_reserved_gb"] / out["memory.device_total_gb"]
     return out

@@ -47,6 +47,8 @@ def profile(
     autocast: Optional[str] = _opt("bf16 (default) or off", P1, "--autocast"),
     vision_no_grad: Optional[bool] = _opt("frozen tower under torch.no_grad()", P1, "--vision-no-grad/--no-vision-no-grad"),
     allow_tf32: Optional[bool] = _opt("TF32 for FP32 matmuls", P1, "--allow-tf32/--no-allow-tf32"),
+    input_require_grads: Optional[bool] = _opt("enable_input_require_grads() on tower and LLM (frozen tower then "
+                                               "builds a graph)", P1, "--input-require-grads/--no-input-require-grads"),
     batch_size: Optional[int] = _opt("samples per micro-batch [default: 4]", P2, "--batch-size"),
     grad_accum: Optional[int] = _opt("micro-batches per optimizer step [default: 1]", P2, "--grad-accum"),
     sampler: Optional[str] = _opt("random (default) or length_bucketed", P3, "--sampler"),
@@ -60,6 +62,8 @@ def profile(
     liger_fused_linear_cross_entropy: Optional[bool] = _opt(
         "Liger fused linear cross entropy (FusedCE)", P4, "--liger-fused-ce/--no-liger-fused-ce"),
     liger: Optional[bool] = _opt("shorthand: Liger rope + rms_norm + swiglu (FusedCE stays as set)", P4, "--liger"),
+    lm_head_labeled_only: Optional[bool] = _opt("LM head + loss only on labeled positions", P4,
+                                                "--lm-head-labeled-only/--no-lm-head-labeled-only"),
     compile: Optional[str] = _opt("off (default), default, reduce-overhead, max-autotune", P4, "--compile"),
     gradient_checkpointing: Optional[bool] = _opt(
         "recompute LLM activations [default: on]", P5, "--gradient-checkpointing/--no-gradient-checkpointing"),
@@ -70,6 +74,7 @@ def profile(
     cache_vision_features: Optional[bool] = _opt(
         "precompute frozen vision features", P5, "--cache-vision-features/--no-cache-vision-features"),
     fused_optimizer: Optional[bool] = _opt("AdamW(fused=True)", P5, "--fused-optimizer/--no-fused-optimizer"),
+    sync_loss: Optional[bool] = _opt("loss.item() after every micro-batch (a device sync)", P5, "--sync-loss/--no-sync-loss"),
     diagnose_run: bool = typer.Option(True, "--diagnose/--no-diagnose", help="trace a short window and prescribe "
                                       "fixes (the trace goes to a temporary folder unless --trace-dir is given)"),
     rules_dirs: Optional[list[str]] = typer.Option(None, "--rules", help="extra folder of rule files (repeatable)"),

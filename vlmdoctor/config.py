@@ -61,6 +61,9 @@ class RunConfig:
     autocast: str = knob("bf16", 1, "autocast around forward and loss", ("bf16", "off"))
     vision_no_grad: bool = knob(False, 1, "run the frozen vision tower under torch.no_grad()")
     allow_tf32: bool = knob(False, 1, "let FP32 matmuls use TF32 tensor cores")
+    input_require_grads: bool = knob(False, 1, "call transformers' enable_input_require_grads() on the vision tower and "
+                                     "the LLM, as LLaVA-style trainers do with checkpointing: the frozen tower's "
+                                     "activations then require grad")
     # --- layer 2: batching ---------------------------------------------------------------
     batch_size: int = knob(4, 2, "samples per micro-batch", minimum=1)
     grad_accum: int = knob(1, 2, "micro-batches per optimizer step", minimum=1)
@@ -75,6 +78,8 @@ class RunConfig:
     liger_rms_norm: bool = knob(False, 4, "Liger Triton RMSNorm")
     liger_swiglu: bool = knob(False, 4, "Liger Triton SwiGLU")
     liger_fused_linear_cross_entropy: bool = knob(False, 4, "Liger fused LM head + cross entropy (FusedCE)")
+    lm_head_labeled_only: bool = knob(False, 4, "run the LM head and the loss only on positions that carry a label "
+                                      "(not on image, prompt and padding tokens)")
     compile: str = knob("off", 4, "torch.compile mode for the model", ("off", "default", "reduce-overhead", "max-autotune"))
     # --- layer 5: system tuning ----------------------------------------------------------
     gradient_checkpointing: bool = knob(True, 5, "recompute LLM activations in backward")
@@ -83,6 +88,8 @@ class RunConfig:
     pin_memory: bool = knob(False, 5, "pinned host memory for batches (async H2D copies)")
     cache_vision_features: bool = knob(False, 5, "precompute frozen vision features once, copy them H2D each step")
     fused_optimizer: bool = knob(False, 5, "AdamW(fused=True) instead of the default foreach implementation")
+    sync_loss: bool = knob(False, 5, "read the loss on the host (.item()) after every micro-batch, as logging loops "
+                           "often do: a device sync per micro-batch")
 
     # ------------------------------------------------------------------------------------
     @property

@@ -308,12 +308,13 @@ class Collator:
     """
 
     def __init__(self, pad_id: int, pad_to_multiple_of: int = 1, packing: bool = False, pack_length: int = 2048,
-                 vision_features: torch.Tensor | None = None) -> None:
+                 vision_features: torch.Tensor | None = None, labeled_only: bool = False) -> None:
         self.pad_id = pad_id
         self.multiple = pad_to_multiple_of
         self.packing = packing
         self.pack_length = pack_length
         self.vision_features = vision_features
+        self.labeled_only = labeled_only
 
     def _round(self, n: int) -> int:
         return int(math.ceil(n / self.multiple) * self.multiple)
@@ -344,6 +345,10 @@ class Collator:
             # packing: no 2D mask, so transformers builds the block-diagonal causal mask from position ids
             "attention_mask": None if self.packing else attention_mask,
         }
+        if self.labeled_only:  # positions whose next token is a label, flat over (rows, width - 1)
+            nxt = labels[:, 1:].reshape(-1)
+            batch["loss_index"] = torch.nonzero(nxt != IGNORE).squeeze(1)
+            batch["loss_targets"] = nxt[batch["loss_index"]]
         ordered = [s for row in rows for s in row]  # image order must match <|image_pad|> order
         if self.vision_features is not None:
             batch["vision_features"] = self.vision_features[[s["image_id"] for s in ordered]]

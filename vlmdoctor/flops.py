@@ -18,6 +18,9 @@ tokens only, so padding, recompute and casts are waste that lowers MFU:
   Projector, per image of T output tokens (P_p weights): forward + weight grad = 2 * 2 * P_p * T
     (no input gradient: the tower is frozen)
 
+When the LM head runs on labeled positions only (lm_head_labeled_only), its 2 * h * V FLOPs
+per token are counted for those positions only: work not done is not counted.
+
 Gradient-checkpoint recompute is not model work and is not counted (that is the usual MFU
 convention, as opposed to hardware FLOPs). Embedding lookups, norms, activations, the
 softmax and the optimizer are left out: they are a few percent of the matmul FLOPs.
@@ -70,6 +73,7 @@ class FlopModel:
     vision_patches: int
     projector_params: int
     image_tokens: int
+    llm_head_params: int = 0
 
     @classmethod
     def from_spec(cls, spec: ModelSpec) -> "FlopModel":
@@ -87,11 +91,18 @@ class FlopModel:
         patches = grid * grid + (1 if spec.vision["family"] in ("clip", "dinov2") else 0)
         d_in = spec.projector_in
         proj = d_in * spec.projector_out + (spec.projector_out**2 if spec.projector == "mlp2x_gelu" else 0)
-        return cls(llm_linear, layers, q, vision_linear, vc["num_hidden_layers"], vh, patches, proj, spec.image_tokens)
+        return cls(llm_linear, layers, q, vision_linear, vc["num_hidden_layers"], vh, patches, proj, spec.image_tokens,
+                   h * lc["vocab_size"])
 
-    def llm_forward(self, lengths: list[int]) -> tuple[float, float]:
-        """(linear, attention) forward FLOPs for samples with these real lengths."""
+    def llm_forward(self, lengths: list[int], head_tokens: int | None = None) -> tuple[float, float]:
+        """(linear, attention) forward FLOPs for samples with these real lengths.
+
+        head_tokens: positions the LM head runs on when it runs on labeled positions only;
+        None when it runs on every token.
+        """
         lin = 2.0 * self.llm_linear_params * sum(lengths)
+        if head_tokens is not None:
+            lin -= 2.0 * self.llm_head_params * (sum(lengths) - head_tokens)
         att = 4.0 * self.llm_layers * self.llm_attn_dim * sum(L * (L + 1) / 2 for L in lengths)
         return lin, att
 
@@ -99,9 +110,10 @@ class FlopModel:
         n = self.vision_patches
         return images * (2.0 * self.vision_linear_params * n + 4.0 * self.vision_layers * self.vision_dim * n * n)
 
-    def step(self, lengths: list[int], stage: int, vision_cached: bool = False) -> dict[str, float]:
+    def step(self, lengths: list[int], stage: int, vision_cached: bool = False,
+             head_tokens: int | None = None) -> dict[str, float]:
         """Model FLOPs of one optimizer step over samples of these real lengths (one image each)."""
-        lin, att = self.llm_forward(lengths)
+        lin, att = self.llm_forward(lengths, head_tokens)
         llm = 3.0 * (lin + att) if stage == 2 else 2.0 * lin + 3.0 * att
         vision = 0.0 if vision_cached else self.vision_forward(len(lengths))
         projector = 4.0 * self.projector_params * self.image_tokens * len(lengths)
@@ -115,6 +127,7 @@ def describe() -> dict[str, Any]:
         "llm_stage1": "2 * 2*P_llm*L + 3 * 2*n*d_att*L*(L+1)",
         "vision": "2*P_vis*N + 4*n_vis*d_vis*N^2 per image, forward only; 0 when features are cached",
         "projector": "4*P_proj*T per image",
-        "counted_on": "real tokens only; recompute, padding and casts are not model FLOPs",
+        "counted_on": "real tokens only; recompute, padding and casts are not model FLOPs; with lm_head_labeled_only "
+                      "the LM head counts the labeled positions it runs on",
         "peak": "dense bf16 tensor-core peak of the device (data sheet)",
     }

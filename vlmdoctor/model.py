@@ -58,6 +58,7 @@ class VLM(nn.Module):
         self.image_pad_id = spec.llm["special_tokens"]["image_pad"]
         self.drop_cls = spec.vision["family"] in ("clip", "dinov2")
         self.vision_no_grad = False
+        self.fused_ce = False  # Liger FusedCE, for the labeled-only head path
 
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Frozen tower forward; under no_grad only when the run config asks for it."""
@@ -74,6 +75,8 @@ class VLM(nn.Module):
         position_ids: torch.Tensor | None = None,
         pixel_values: torch.Tensor | None = None,
         vision_features: torch.Tensor | None = None,
+        loss_index: torch.Tensor | None = None,
+        loss_targets: torch.Tensor | None = None,
     ) -> Any:
         feats = self.encode_images(pixel_values) if vision_features is None else vision_features
         with record_function("vlmdoctor::projector"):
@@ -82,6 +85,8 @@ class VLM(nn.Module):
             embeds = self.llm.get_input_embeddings()(input_ids)
             mask = (input_ids == self.image_pad_id).unsqueeze(-1)
             embeds = embeds.masked_scatter(mask, image_embeds.to(embeds.dtype))
+            if loss_index is not None:
+                return self._labeled_loss(embeds, attention_mask, position_ids, loss_index, loss_targets)
             return self.llm(
                 inputs_embeds=embeds,
                 attention_mask=attention_mask,
@@ -89,6 +94,33 @@ class VLM(nn.Module):
                 labels=labels,
                 use_cache=False,
             )
+
+    def _labeled_loss(self, embeds: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+                      loss_index: torch.Tensor, loss_targets: torch.Tensor) -> Any:
+        """LM head and cross entropy on the positions that predict a label only.
+
+        `loss_index` indexes the flattened (batch, length - 1) positions whose next token is a
+        label; the collator computes it on the host, so selecting them costs no device sync. The
+        mean over these positions equals transformers' causal-LM loss over the same labels.
+        """
+        hidden = self.llm.model(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids,
+                                use_cache=False).last_hidden_state
+        h = hidden[:, :-1].reshape(-1, hidden.shape[-1]).index_select(0, loss_index)
+        head = self.llm.get_output_embeddings()
+        if self.fused_ce:
+            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+            loss = LigerFusedLinearCrossEntropyLoss()(head.weight, h, loss_targets, head.bias)
+        else:
+            loss = nn.functional.cross_entropy(head(h).float(), loss_targets)
+        return _Output(loss)
+
+
+class _Output:
+    """The one field of a model output that training reads."""
+
+    def __init__(self, loss: torch.Tensor) -> None:
+        self.loss = loss
 
 
 def _vision_class(family: str):
@@ -171,6 +203,17 @@ def enable_gradient_checkpointing(model: VLM, use_reentrant: bool) -> None:
     llm = model.llm
     enable = getattr(llm, "activation_checkpointing_enable", None) or llm.gradient_checkpointing_enable
     enable({"use_reentrant": use_reentrant})
+
+
+def enable_input_require_grads(model: VLM) -> None:
+    """What LLaVA-style trainers do with checkpointing, on each sub-model that has input embeddings.
+
+    transformers hooks the input embeddings of a model so that their outputs require grad. On
+    the vision tower that makes every activation after the patch embedding part of an autograd
+    graph although no tower weight trains: the tower saves activations and runs a backward.
+    """
+    for part in (model.vision, model.llm):
+        part.enable_input_require_grads()
 
 
 def param_counts(model: VLM) -> dict[str, int]:

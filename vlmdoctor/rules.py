@@ -39,8 +39,13 @@ KNOWN_FACTS = [re.compile(p) for p in (
     r"attention\.(fp32_kernels|backend\.[a-z_]+\.calls)", r"liger\.[a-z_]+\.launches", r"triton_compiled\.launches",
     r"optimizer\.fused", r"launch\.(kernels|tiny_kernel_frac|api_ms|delay_us_median|delay_us_p90)",
     r"part\.[a-z_]+\.(ms|share)", r"phase\.[a-z_]+\.ms", r"recompute\.(ms|share|kind)",
-    r"memcpy\.[A-Za-z]+\.(bytes|ms)", r"memcpy\.pageable_count", r"shapes\.(distinct_token_batches|token_batches)", r"idle\.top_host_ops",
-    r"loss\.(logits_elements|logits_gb|logits_dtype)", r"ops\.(fused_linear_cross_entropy|checkpoint_reentrant)", r"host\.sync_calls",
+    r"memcpy\.[A-Za-z]+\.(bytes|ms)", r"memcpy\.pageable_count", r"shapes\.(distinct_token_batches|token_batches|micro_batches_per_step)", r"idle\.top_host_ops",
+    r"loss\.(logits_elements|logits_gb|logits_dtype|head_rows_per_step|head_rows_frac)",
+    r"ops\.(fused_linear_cross_entropy|checkpoint_reentrant)", r"host\.(sync_calls|sync_ops)",
+    r"part\.[a-z_]+\.(forward|backward|recompute|optimizer)_ms",
+    r"attention\.[a-z_]+\.(forward|backward|recompute)_ms", r"attention\.(eager_softmax_calls|sdpa_calls|backends)",
+    r"attention\.[a-z_]+\.(head_dims|head_dim_pow2|fwd_tflop_per_step|fwd_tflops)",
+    r"flops\.(vision_tflop_per_step|lm_head_tflop_per_step)", r"gpu\.busy_tflops", r"data\.loss_token_frac",
     r"memory\.(device_total_gb|peak_allocated_gb|peak_reserved_gb|peak_reserved_frac)",
     r"flops\.model_tflop_per_step_upper", r"mfu(\.upper_bound)?", r"data\.(pad_fraction|real_tokens_per_s)",
     r"config\.(" + "|".join(RunConfig.__dataclass_fields__) + r")",
@@ -247,6 +252,10 @@ def load_rules(*dirs: str | Path) -> tuple[list[Rule], list[str]]:
 # --- diagnosis ------------------------------------------------------------------------------------------
 
 def _fmt(value: Any, spec: str | None) -> str:
+    if isinstance(value, list) and value and all(isinstance(v, dict) and "op" in v for v in value):
+        # host ops: the top five with their time or call count
+        return ", ".join(f"{v['op'][:60]} " + (f"{v['ms']:.1f} ms" if "ms" in v else f"x{v.get('calls', 0):g}")
+                         for v in value[:5])
     if isinstance(value, list):
         return ", ".join(str(v) for v in value) or "none"
     if spec == "pct" and isinstance(value, (int, float)):

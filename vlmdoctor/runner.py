@@ -34,7 +34,7 @@ from .capture import TraceOptions, capture, trace_path
 from .config import RunConfig
 from .data import BatchSampler, Collator, LlavaFile, SyntheticVQA
 from .errors import EXIT_FAILED_RUN, EXIT_NAN, EXIT_OK, EXIT_OOM, UsageError
-from .model import VLM, apply_stage, build_model, enable_gradient_checkpointing, param_counts
+from .model import VLM, apply_stage, build_model, enable_gradient_checkpointing, enable_input_require_grads, param_counts
 from .zoo import ModelSpec, resolve
 
 Progress = Callable[[str, int, int], None]
@@ -139,10 +139,13 @@ def build_patient(cfg: RunConfig, device: torch.device, progress: Progress = _qu
     vlm = build_model(spec, cfg.weight_dtype, cfg.attention, cfg.weights, device)
     apply_stage(vlm, cfg.stage)
     vlm.vision_no_grad = cfg.vision_no_grad
+    vlm.fused_ce = cfg.liger_fused_linear_cross_entropy
     if cfg.uses_liger:
         _apply_liger(vlm, cfg)
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(vlm, cfg.checkpoint_use_reentrant)
+    if cfg.input_require_grads:
+        enable_input_require_grads(vlm)
 
     if cfg.data == "synthetic":
         dataset: SyntheticVQA | LlavaFile = SyntheticVQA(spec, cfg.num_samples, cfg.seed)
@@ -162,7 +165,7 @@ def build_patient(cfg: RunConfig, device: torch.device, progress: Progress = _qu
         progress("caching vision features", 0, 1)
         features = _cache_features(vlm, dataset, cfg, device)
         dataset.with_pixels = False
-    collator = Collator(pad_id, cfg.pad_to_multiple_of, cfg.packing, cfg.pack_length, features)
+    collator = Collator(pad_id, cfg.pad_to_multiple_of, cfg.packing, cfg.pack_length, features, cfg.lm_head_labeled_only)
     sampler = BatchSampler(dataset.lengths, cfg.batch_size, cfg.sampler == "length_bucketed", cfg.seed)
     loader = torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, collate_fn=collator, num_workers=cfg.num_workers,
@@ -211,7 +214,7 @@ def train_step(p: Patient) -> tuple[torch.Tensor, dict[str, Any]]:
     """One optimizer step over grad_accum micro-batches; returns the (device) loss and host counts."""
     cfg = p.cfg
     dtype = p.vlm.projector.dtype
-    total = {"real_tokens": 0, "loss_tokens": 0, "padded_tokens": 0, "samples": 0, "lengths": []}
+    total = {"real_tokens": 0, "loss_tokens": 0, "padded_tokens": 0, "samples": 0, "lengths": [], "host_losses": []}
     loss_sum = None
     for _ in range(cfg.grad_accum):
         batch = next(p.batches)
@@ -224,6 +227,8 @@ def train_step(p: Patient) -> tuple[torch.Tensor, dict[str, Any]]:
             with _autocast(cfg, p.device):
                 loss = p.model(**batch).loss / cfg.grad_accum
             loss.backward()
+        if cfg.sync_loss:  # what a logging loop does: the host waits for the device every micro-batch
+            total["host_losses"].append(loss.item())
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
     p.optimizer.step()
     p.optimizer.zero_grad(set_to_none=True)
@@ -250,7 +255,8 @@ def _window(p: Patient, steps: int, peak: float | None, progress: Progress, labe
         real += c["real_tokens"]
         loss_tok += c["loss_tokens"]
         padded += c["padded_tokens"]
-        model_flops += p.flop_model.step(c["lengths"], p.cfg.stage, p.cfg.cache_vision_features)["total"]
+        head = c["loss_tokens"] if p.cfg.lm_head_labeled_only else None
+        model_flops += p.flop_model.step(c["lengths"], p.cfg.stage, p.cfg.cache_vision_features, head)["total"]
         progress(label, i + 1, steps)
     wall = sum(step_s)
     loss_values = torch.stack(losses).float().cpu().tolist()
