@@ -235,6 +235,138 @@ def models(as_json: bool = typer.Option(False, "--json", help="machine output"))
         render_models(rows, out)
 
 
+def _parse_sets(sets: list[str], many: bool = False) -> dict[str, Any]:
+    """`knob=value` pairs (YAML values; with many, comma-separated lists) into a dict."""
+    import yaml
+
+    from .config import _base_type
+
+    out: dict[str, Any] = {}
+    for item in sets:
+        if "=" not in item:
+            raise VlmdoctorError(f"--set {item!r}: expected knob=value")
+        k, v = item.split("=", 1)
+        k = k.strip().replace("-", "_")
+        if k not in RunConfig.__dataclass_fields__:
+            raise VlmdoctorError(f"--set {k}: unknown knob; valid knobs: {', '.join(sorted(RunConfig.__dataclass_fields__))}")
+        kind = _base_type(RunConfig.__dataclass_fields__[k].type)
+        parse = (lambda x: x.strip()) if kind is str else yaml.safe_load  # "off" is a string here, not YAML's False
+        out[k] = [parse(x) for x in v.split(",")] if many else parse(v)
+    return out
+
+
+@app.command()
+def treat(
+    model: Optional[str] = typer.Option(None, "--model", help="model preset [default: 0.5b]"),
+    stage: Optional[int] = typer.Option(None, "--stage", help="1 or 2 [default: 2]"),
+    device: Optional[str] = typer.Option(None, "--device", help="auto, cuda or cpu [default: auto]"),
+    config: Optional[str] = typer.Option(None, "--config", help="start from this run config (YAML/JSON or a report)"),
+    sets: Optional[list[str]] = typer.Option(None, "--set", help="knob=value on top of the start config (repeatable)"),
+    steps: Optional[int] = typer.Option(None, "--steps", help="timed steps per repeat [default: 10]"),
+    warmup: Optional[int] = typer.Option(None, "--warmup", help="warm-up steps [default: 5]"),
+    repeats: Optional[int] = typer.Option(None, "--repeats", help="timed windows per run; the noise the decisions "
+                                          "use comes from their spread [default: 3]"),
+    max_trials: int = typer.Option(8, "--max-trials", help="prescriptions to try at most"),
+    time_budget: Optional[float] = typer.Option(None, "--time-budget", help="seconds; no new trial starts after this"),
+    min_gain: float = typer.Option(0.03, "--min-gain", help="smallest throughput gain worth keeping (0.03 = 3%)"),
+    trial_timeout: float = typer.Option(900, "--trial-timeout", help="seconds one run may take"),
+    rules_dirs: Optional[list[str]] = typer.Option(None, "--rules", help="extra folder of rule files (repeatable)"),
+    out_dir: Optional[str] = typer.Option(None, "--out", help="folder for treat.json, final_config.yaml, ladder.png "
+                                          "[default: treat-MODEL-stageN]"),
+    force: bool = typer.Option(False, "--force", help="write into an --out folder that already holds results"),
+    quiet: bool = typer.Option(False, "--quiet", help="no progress and no tables"),
+) -> None:
+    """Apply the prescriptions one at a time, re-measure each in a fresh process, keep what helped.
+
+    Prints the ladder (each kept change with real tokens/s, speedup, MFU, peak memory) and the
+    trials that did not help, and writes the final run config, which `vlmdoctor profile --config`
+    runs again.
+    """
+    from pathlib import Path
+
+    from .report import render_ladder
+    from .runner import check, run_isolated
+    from .treat import TreatOptions, write_outputs
+    from .treat import treat as run_treat
+
+    with _user_errors():
+        base = RunConfig.load(config) if config else RunConfig(steps=10, repeats=3)
+        flags = {k: v for k, v in dict(model=model, stage=stage, device=device, steps=steps, warmup=warmup,
+                                       repeats=repeats).items() if v is not None}
+        cfg = base.replace(source="command line", **{**_parse_sets(sets or []), **flags})
+        check(cfg)
+        folder = Path(out_dir or f"treat-{cfg.model}-stage{cfg.stage}")
+        if folder.exists() and any(folder.iterdir()) and not force:
+            raise VlmdoctorError(f"{folder} already holds files; pass --force to write into it, or --out another folder")
+        from .rules import load_rules
+
+        _, problems = load_rules(*(rules_dirs or []))
+        for p in problems:
+            err.print(f"rule problem: {p}", highlight=False)
+        opts = TreatOptions(max_trials, time_budget, min_gain, trial_timeout, list(rules_dirs or []))
+
+        def run_one(c: RunConfig) -> dict[str, Any]:
+            return run_isolated(c, timeout=opts.trial_timeout_s, rules_dirs=opts.rules_dirs)
+
+        if quiet:
+            result = run_treat(cfg, run_one, opts)
+        else:
+            import time
+
+            with err.status("treat") as status:
+                t0 = time.time()
+
+                def notify(msg: str) -> None:
+                    status.update(f"{msg}  [dim]({time.time() - t0:.0f} s so far)[/dim]")
+                    err.print(f"[dim]{msg}[/dim]", highlight=False)
+
+                result = run_treat(cfg, run_one, opts, notify)
+        paths = write_outputs(result, folder)
+        if not quiet:
+            render_ladder(result, out)
+            out.print(f"written: {', '.join(str(p) for p in paths.values())}")
+            out.print(f"run the final config again: vlmdoctor profile --config {paths['config']}")
+        if result["interrupted"]:
+            raise typer.Exit(130)
+        if not result["ladder"]:
+            raise typer.Exit(1)
+
+
+@app.command()
+def sweep(
+    grid: Optional[str] = typer.Argument(None, help="a grid YAML: defaults, runs (name, set, optional stages), stages"),
+    sets: Optional[list[str]] = typer.Option(None, "--set", help="knob=v1,v2,... : every combination is run "
+                                             "(repeatable); with a grid file, knob=value applies to every row"),
+    stages: Optional[list[int]] = typer.Option(None, "--stage", help="only these stages (repeatable)"),
+    csv_path: Optional[str] = typer.Option(None, "--csv", help="write the results table as CSV"),
+    jsonl_path: Optional[str] = typer.Option(None, "--jsonl", help="append each run's full report as a JSON line"),
+    diagnose_runs: bool = typer.Option(False, "--diagnose/--no-diagnose", help="trace and diagnose each run"),
+    timeout: float = typer.Option(900, "--timeout", help="seconds one run may take"),
+    force: bool = typer.Option(False, "--force", help="overwrite an existing --csv file"),
+) -> None:
+    """Run a list of configurations, one fresh process each, and tabulate them (the seed's 48-run table style)."""
+    from .report import check_writable, render_sweep
+    from .sweep import load_grid, product_grid, run_sweep, write_csv
+
+    with _user_errors():
+        check_writable(csv_path, force)
+        if grid:
+            plan = load_grid(grid, _parse_sets(sets or []), stages)
+        elif sets:
+            plan = product_grid(_parse_sets(sets, many=True), stages)
+        else:
+            raise VlmdoctorError("give a grid YAML file or at least one --set knob=v1,v2")
+        with err.status("sweep") as status:
+            def notify(i: int, n: int, name: str) -> None:
+                status.update(f"run {i}/{n}: {name}")
+
+            rows = run_sweep(plan, timeout, diagnose_runs, jsonl_path, notify)
+        render_sweep(rows, out)
+        if csv_path:
+            write_csv(rows, csv_path)
+            out.print(f"written: {csv_path}")
+
+
 class _user_errors:
     """Turns user-caused errors into one line on stderr and their exit code."""
 

@@ -212,3 +212,52 @@ def render_findings(diagnosis: dict[str, Any], console: Console) -> None:
         console.print(f"[dim]not evaluated: {n['id']} (needs {', '.join(n['missing'])})[/dim]")
     for p in diagnosis.get("problems", []):
         console.print(f"[yellow]rule problem:[/yellow] {p}")
+
+
+def render_ladder(result: dict[str, Any], console: Console) -> None:
+    """The treat ladder: kept steps with their numbers, then the trials that were not kept."""
+    cfg = result["start_config"]
+    console.print(f"[bold]vlmdoctor treat: {cfg['model']} stage {cfg['stage']}[/bold] "
+                  f"({len(result['trials'])} trial(s); stopped: {result.get('stopped_because')})")
+    if not result["ladder"]:
+        start = result.get("start") or {}
+        console.print(f"[bold red]the start config did not run[/bold red]: {start.get('status')} {start.get('error') or ''}")
+        return
+    t = Table(title="ladder (kept changes, in order)", header_style="bold")
+    for col, just in (("#", "right"), ("change", "left"), ("rule", "left"), ("real tokens/s", "right"),
+                      ("x start", "right"), ("ms/step", "right"), ("MFU", "right"), ("peak GiB", "right")):
+        t.add_column(col, justify=just)
+    for r in result["ladder"]:
+        reps = r.get("tokens_per_s_repeats") or []
+        spread = f" ({min(reps):,.0f}-{max(reps):,.0f})" if len(reps) > 1 else ""
+        t.add_row(str(r["step"]), r["change"], r["rule"] or "", f"{r['real_tokens_per_s']:,.0f}{spread}",
+                  f"{r['speedup']:.2f}", _fmt(r.get("step_ms")), _fmt(r["mfu"] * 100 if r.get("mfu") else None, " %"),
+                  _fmt(r.get("peak_mem_gb"), "", 1))
+    console.print(t)
+    rejected = [x for x in result["trials"] if x.get("outcome") != "kept"]
+    if rejected:
+        t = Table(title="trials not kept", header_style="bold")
+        for col in ("trial", "rule", "change", "outcome", "real tokens/s", "gain vs margin"):
+            t.add_column(col)
+        for x in rejected:
+            gain = f"{x['gain'] * 100:+.1f}% vs +/-{x['margin'] * 100:.1f}%" if "gain" in x else (x.get("error") or "")[:60]
+            t.add_row(str(x["trial"]), x["rule"], ", ".join(f"{k}={v}" for k, v in x["config_patch"].items()),
+                      x["outcome"], _fmt(x.get("real_tokens_per_s"), "", 0), gain)
+        console.print(t)
+    for s in result.get("skipped") or []:
+        console.print(f"skipped {s['rule']}: {s['why']}")
+
+
+def render_sweep(rows: list[dict[str, Any]], console: Console) -> None:
+    t = Table(title="sweep", header_style="bold")
+    for col, just in (("stage", "right"), ("configuration", "left"), ("real tokens/s", "right"), ("pad %", "right"),
+                      ("ms/step (p10-p90)", "right"), ("MFU", "right"), ("peak GiB", "right"), ("status", "left")):
+        t.add_column(col, justify=just)
+    for r in rows:
+        ok = r["status"] == "ok"
+        t.add_row(str(r["stage"]), r["name"], _fmt(r["real_tokens_per_s"], "", 0) if ok else "",
+                  _fmt(r["pad_fraction"] * 100 if ok else None), 
+                  f"{_fmt(r['step_ms'])} ({_fmt(r['step_ms_p10'])}-{_fmt(r['step_ms_p90'])})" if ok else "",
+                  _fmt(r["mfu"] * 100 if r.get("mfu") else None, " %"), _fmt(r.get("peak_mem_gb"), "", 1),
+                  r["status"] if ok else f"{r['status']}: {(r.get('error') or '')[:50]}")
+    console.print(t)

@@ -425,15 +425,21 @@ def exit_code(report: dict[str, Any]) -> int:
     return {"ok": EXIT_OK, "oom": EXIT_OOM, "nan_loss": EXIT_NAN}.get(report["status"], EXIT_FAILED_RUN)
 
 
-def run_isolated(cfg: RunConfig, timeout: float | None = None) -> dict[str, Any]:
-    """Run one configuration in a fresh Python process and return its report."""
+def run_isolated(cfg: RunConfig, timeout: float | None = None, diagnose: bool = True,
+                 rules_dirs: list[str] | None = None) -> dict[str, Any]:
+    """Run one configuration in a fresh Python process and return its report (diagnosed unless asked not to)."""
     with tempfile.TemporaryDirectory(prefix="vlmdoctor-") as tmp:
         cfg_path, out_path = Path(tmp) / "config.json", Path(tmp) / "report.json"
         cfg.dump(cfg_path)
-        proc = subprocess.run(
-            [sys.executable, "-m", "vlmdoctor", "profile", "--config", str(cfg_path), "--json", str(out_path), "--quiet"],
-            capture_output=True, text=True, timeout=timeout,
-        )
+        cmd = [sys.executable, "-m", "vlmdoctor", "profile", "--config", str(cfg_path), "--json", str(out_path), "--quiet"]
+        cmd += [] if diagnose else ["--no-diagnose"]
+        for d in rules_dirs or []:
+            cmd += ["--rules", str(d)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"schema_version": SCHEMA_VERSION, "status": "timeout", "config": cfg.to_dict(),
+                    "error": {"type": "Timeout", "message": f"the run took longer than {timeout:.0f} s"}}
         if out_path.exists():
             return json.loads(out_path.read_text())
         return {"schema_version": SCHEMA_VERSION, "status": "error", "config": cfg.to_dict(),

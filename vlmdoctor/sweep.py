@@ -1,0 +1,85 @@
+"""A grid of run configs, one fresh process each: the seed's style of experiment.
+
+A grid file is YAML: `defaults` (knobs for every row), `runs` (each a `name`, the knobs it `set`s
+and optionally the `stages` it runs in) and `stages` (default [2]). Or the grid is the product of
+`--set knob=v1,v2` lists.
+"""
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from .config import RunConfig
+from .errors import UsageError
+
+Plan = list[tuple[str, RunConfig]]
+
+
+def load_grid(path: str | Path, extra: dict[str, Any] | None = None, stages: list[int] | None = None) -> Plan:
+    """(name, config) for every row and stage of a grid file; bad knobs are user errors naming the row."""
+    try:
+        grid = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{path}: no such grid file") from None
+    except yaml.YAMLError as e:
+        raise UsageError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(grid, dict) or not isinstance(grid.get("runs"), list):
+        raise UsageError(f"{path}: expected a mapping with a list under 'runs'")
+    plan: Plan = []
+    for stage in stages or grid.get("stages", [2]):
+        for i, row in enumerate(grid["runs"]):
+            if stage not in row.get("stages", [stage]):
+                continue
+            knobs = {**(grid.get("defaults") or {}), **(row.get("set") or {}), **(extra or {}), "stage": stage}
+            plan.append((row.get("name", f"row {i}"), RunConfig.from_dict(knobs, source=f"{path}: run {i}")))
+    return plan
+
+
+def product_grid(values: dict[str, list[Any]], stages: list[int] | None = None) -> Plan:
+    """Every combination of the listed knob values."""
+    keys = list(values)
+    plan: Plan = []
+    for stage in stages or [values.get("stage", [2])[0]]:
+        for combo in itertools.product(*(values[k] for k in keys if k != "stage")):
+            knobs = dict(zip([k for k in keys if k != "stage"], combo))
+            name = ", ".join(f"{k}={v}" for k, v in knobs.items())
+            plan.append((name, RunConfig().replace(source="--set", **knobs, stage=stage)))
+    return plan
+
+
+def row(name: str, report: dict[str, Any]) -> dict[str, Any]:
+    m = report.get("metrics") or {}
+    return {"name": name, "stage": report.get("config", {}).get("stage"), "status": report.get("status"),
+            "real_tokens_per_s": m.get("real_tokens_per_s"), "loss_tokens_per_s": m.get("loss_tokens_per_s"),
+            "pad_fraction": m.get("pad_fraction"), "step_ms": m.get("step_ms"), "step_ms_p10": m.get("step_ms_p10"),
+            "step_ms_p90": m.get("step_ms_p90"), "mfu": m.get("mfu"), "peak_mem_gb": m.get("peak_mem_gb"),
+            "final_loss": m.get("final_loss"), "error": (report.get("error") or {}).get("message"),
+            "findings": ";".join(f["id"] for f in report.get("findings") or [])}
+
+
+def run_sweep(plan: Plan, timeout: float, diagnose: bool, jsonl: str | None,
+              notify: Callable[[int, int, str], None] = lambda *_: None) -> list[dict[str, Any]]:
+    """Run each config in its own process; each report is appended to jsonl as soon as it exists."""
+    from .runner import run_isolated
+
+    rows = []
+    for i, (name, cfg) in enumerate(plan, start=1):
+        notify(i, len(plan), name)
+        report = run_isolated(cfg, timeout=timeout, diagnose=diagnose)
+        if jsonl:
+            with open(jsonl, "a") as f:
+                f.write(json.dumps({**report, "sweep": {"name": name}}, default=str) + "\n")
+        rows.append(row(name, report))
+    return rows
+
+
+def write_csv(rows: list[dict[str, Any]], path: str) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["name"])
+        w.writeheader()
+        w.writerows(rows)
