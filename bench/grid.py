@@ -17,8 +17,8 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from vlmdoctor.config import RunConfig  # noqa: E402
 from vlmdoctor.runner import run_isolated  # noqa: E402
+from vlmdoctor.sweep import load_grid  # noqa: E402
 
 
 def row(name: str, r: dict) -> str:
@@ -46,28 +46,22 @@ def main() -> None:
     ap.add_argument("--only", help="comma-separated row indexes")
     ap.add_argument("--set", action="append", default=[], help="knob=value applied to every row (YAML value)")
     args = ap.parse_args()
-    grid = yaml.safe_load(Path(args.grid).read_text())
     extra = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)}
-    rows = list(enumerate(grid["runs"]))
-    if args.only:
-        keep = {int(i) for i in args.only.split(",")}
-        rows = [(i, r) for i, r in rows if i in keep]
+    keep = {int(i) for i in args.only.split(",")} if args.only else None
+    names = [r.get("name") for r in yaml.safe_load(Path(args.grid).read_text())["runs"]]
+    plan = [(n, c) for n, c in load_grid(args.grid, extra, args.stage) if keep is None or names.index(n) in keep]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lines = []
     with open(out / "results.jsonl", "a") as f:
-        for stage in args.stage or grid.get("stages", [2]):
-            for i, r in rows:
-                if stage not in r.get("stages", [stage]):  # a row may name its own stages
-                    continue
-                cfg = RunConfig.from_dict({**grid.get("defaults", {}), **r["set"], **extra, "stage": stage})
-                t0 = time.time()
-                rep = run_isolated(cfg, timeout=900)
-                rep["bench"] = {"grid": args.grid, "row": i, "name": r["name"], "wall_s": time.time() - t0}
-                f.write(json.dumps(rep) + "\n")
-                f.flush()
-                lines.append(row(r["name"], rep))
-                print(lines[-1], f"[{time.time() - t0:.0f}s]", flush=True)
+        for name, cfg in plan:
+            t0 = time.time()
+            rep = run_isolated(cfg, timeout=900)
+            rep["bench"] = {"grid": args.grid, "row": names.index(name), "name": name, "wall_s": time.time() - t0}
+            f.write(json.dumps(rep) + "\n")
+            f.flush()
+            lines.append(row(name, rep))
+            print(lines[-1], f"[{time.time() - t0:.0f}s]", flush=True)
     print("\n" + HEADER + "\n" + "\n".join(lines))
 
 
