@@ -17,8 +17,9 @@ TINY = ["--model", "tiny", "--device", "cpu", "--steps", "8", "--warmup", "2", "
         "--set", "num_samples=128", "--set", "autocast=off", "--set", "batch_size=1"]
 
 # Rules that fire on any CPU run, so that the treatment's three outcomes happen for sure: batch 1 -> 4
-# (measured on 2 cores: 12k -> 18k tokens/s, spread under 10%), then back to batch 1 (a third less),
-# then a GPU-only knob (the run refuses it). Layer 1 puts them before the shipped rules.
+# (measured on 2 cores: 12k -> 18k tokens/s, spread under 10%), then padding every row to 2048
+# tokens (several times the work per real token), then a GPU-only knob (the run refuses it).
+# Layer 1 puts them before the shipped rules.
 RULE = """id: {id}
 layer: 1
 title: {id}
@@ -36,7 +37,7 @@ def treated(tmp_path_factory):
     rules = tmp / "rules"
     rules.mkdir()
     for rid, when, patch in (("t1-bigger-batch", "step.ms > 0 and config.batch_size < 4", "{batch_size: 4}"),
-                             ("t2-batch-of-one", "step.ms > 0 and config.batch_size >= 4", "{batch_size: 1}"),
+                             ("t2-pad-to-2048", "step.ms > 0 and config.batch_size >= 4", "{pad_to_multiple_of: 2048}"),
                              ("t3-gpu-only-knob", "step.ms > 0", "{liger_rms_norm: true}")):
         (rules / f"{rid}.yaml").write_text(RULE.format(id=rid, when=when, patch=patch))
     out = tmp / "out"
@@ -49,17 +50,17 @@ def test_treat_applies_measures_keeps_and_reverts(treated):
     assert r.exit_code == 0, r.output
     result = json.loads((out / "treat.json").read_text())
     outcomes = {t["rule"]: t["outcome"] for t in result["trials"]}
-    assert outcomes == {"t1-bigger-batch": "kept", "t2-batch-of-one": "harmful", "t3-gpu-only-knob": "not_applicable"}
+    assert outcomes == {"t1-bigger-batch": "kept", "t2-pad-to-2048": "harmful", "t3-gpu-only-knob": "not_applicable"}
     kept, harmful = result["trials"][0], result["trials"][1]
     assert kept["gain"] > kept["margin"] > 0 and harmful["gain"] < -harmful["margin"]
     assert len(kept["tokens_per_s_repeats"]) == 3  # the noise comes from the repeats
     ladder = result["ladder"]
     assert [step["change"] for step in ladder] == ["start", "batch_size=4"]
     assert ladder[1]["speedup"] > 1 and ladder[1]["real_tokens_per_s"] > ladder[0]["real_tokens_per_s"]
-    assert result["final_config"]["batch_size"] == 4  # batch 1 was reverted
+    assert result["final_config"]["batch_size"] == 4 and result["final_config"]["pad_to_multiple_of"] == 1  # reverted
     assert result["stopped_because"] == "--max-trials 3 reached"
     assert (out / "ladder.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "ladder" in r.output and "t2-batch-of-one" in r.output
+    assert "ladder" in r.output and "t2-pad-to-2048" in r.output
 
 
 def test_final_config_runs_again(treated):
