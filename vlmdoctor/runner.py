@@ -245,7 +245,7 @@ def _window(p: Patient, steps: int, peak: float | None, progress: Progress, labe
     """Timed steps; every step ends with a device synchronize."""
     if p.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(p.device)
-    step_s, losses, real, loss_tok, padded, model_flops = [], [], 0, 0, 0, 0.0
+    step_s, step_tokens, losses, real, loss_tok, padded, model_flops = [], [], [], 0, 0, 0, 0.0
     for i in range(steps):
         t0 = time.perf_counter()
         loss, c = train_step(p)
@@ -253,6 +253,7 @@ def _window(p: Patient, steps: int, peak: float | None, progress: Progress, labe
         step_s.append(time.perf_counter() - t0)
         losses.append(loss)
         real += c["real_tokens"]
+        step_tokens.append(c["real_tokens"])
         loss_tok += c["loss_tokens"]
         padded += c["padded_tokens"]
         head = c["loss_tokens"] if p.cfg.lm_head_labeled_only else None
@@ -267,6 +268,7 @@ def _window(p: Patient, steps: int, peak: float | None, progress: Progress, labe
         "loss_tokens_per_s": loss_tok / wall,
         "pad_fraction": 1.0 - real / padded,
         "step_ms": [s * 1e3 for s in step_s],
+        "step_real_tokens": step_tokens,  # with step_ms: a throughput sample per step, for significance tests
         "model_tflops_per_s": model_flops / wall / 1e12,
         "mfu": (model_flops / wall / peak) if peak else None,
         "losses": loss_values,
