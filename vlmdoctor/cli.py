@@ -87,6 +87,7 @@ def profile(
     trace_memory: bool = typer.Option(False, "--trace-memory", help="record allocations", rich_help_panel="trace"),
     config: Optional[str] = typer.Option(None, "--config", help="run config YAML/JSON (or a report JSON); flags override it"),
     json_path: Optional[str] = typer.Option(None, "--json", help="write the report JSON here ('-' for stdout)"),
+    html_path: Optional[str] = typer.Option(None, "--html", help="write a self-contained HTML report here"),
     save_config: Optional[str] = typer.Option(None, "--save-config", help="write the resolved run config (YAML/JSON)"),
     force: bool = typer.Option(False, "--force", help="overwrite existing output files"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress and no table"),
@@ -106,11 +107,12 @@ def profile(
         for k in ("liger_rope", "liger_rms_norm", "liger_swiglu"):
             overrides.setdefault(k, liger)
     with _user_errors():
-        _profile(overrides, config, json_path, save_config, force, quiet, trace, rules_dirs or [])
+        _profile(overrides, config, json_path, save_config, force, quiet, trace, rules_dirs or [], html_path)
 
 
 def _profile(overrides: dict[str, Any], config: str | None, json_path: str | None, save_config: str | None,
-             force: bool, quiet: bool, trace: Any = None, rules_dirs: list[str] | None = None) -> None:
+             force: bool, quiet: bool, trace: Any = None, rules_dirs: list[str] | None = None,
+             html_path: str | None = None) -> None:
     from .report import check_writable, render, write_json
     from .runner import check, exit_code, run_profile
 
@@ -118,6 +120,7 @@ def _profile(overrides: dict[str, Any], config: str | None, json_path: str | Non
     cfg = base.replace(source="command line", **overrides)
     check_writable(json_path, force)
     check_writable(save_config, force)
+    check_writable(html_path, force)
     check(cfg)  # refuse before any progress display opens
     if save_config:
         cfg.dump(save_config)
@@ -142,6 +145,12 @@ def _profile(overrides: dict[str, Any], config: str | None, json_path: str | Non
         report["findings"] = report["diagnosis"]["findings"]
     if json_path:
         write_json(report, json_path)
+    if html_path:
+        from pathlib import Path
+
+        from .html import profile_html, write_html
+
+        write_html(profile_html(report), Path(html_path), force=True)  # refused up front unless --force
     if not quiet and json_path != "-":
         render(report, out)
         if "diagnosis" in report:
@@ -157,7 +166,8 @@ def analyze(
     stage: Optional[int] = typer.Option(None, "--stage", help="training stage, when the trace does not say (1 or 2)"),
     model: Optional[str] = typer.Option(None, "--model", help="model preset, when the trace does not say"),
     json_path: Optional[str] = typer.Option(None, "--json", help="write facts as JSON here ('-' for stdout)"),
-    force: bool = typer.Option(False, "--force", help="overwrite an existing --json file"),
+    html_path: Optional[str] = typer.Option(None, "--html", help="write a self-contained HTML report here"),
+    force: bool = typer.Option(False, "--force", help="overwrite an existing --json or --html file"),
     rules_dirs: Optional[list[str]] = typer.Option(None, "--rules", help="extra folder of rule files (repeatable)"),
 ) -> None:
     """Read a torch.profiler trace (anyone's), print what the GPU did, why it waited, and what to change."""
@@ -170,6 +180,7 @@ def analyze(
         if stage is not None and stage not in (1, 2):
             raise VlmdoctorError("--stage must be 1 or 2")
         check_writable(json_path, force)
+        check_writable(html_path, force)
         with err.status("reading the trace"):
             result = run_analysis(path, stage, model)
         rules, problems = load_rules(*(rules_dirs or []))
@@ -178,6 +189,13 @@ def analyze(
             entry["findings"] = entry["diagnosis"]["findings"]
         if json_path:
             write_json({"schema_version": SCHEMA_VERSION, "kind": "analysis", **result}, json_path)
+        if html_path:
+            from pathlib import Path
+
+            from .html import analyze_html, write_html
+
+            write_html(analyze_html({"schema_version": SCHEMA_VERSION, "kind": "analysis", **result}), Path(html_path),
+                       force=True)
         if json_path != "-":
             render_facts(result, out)
             for entry in result["files"]:
@@ -322,6 +340,10 @@ def treat(
 
                 result = run_treat(cfg, run_one, opts, notify)
         paths = write_outputs(result, folder)
+        from .html import treat_html, write_html
+
+        paths["html"] = folder / "treat.html"
+        write_html(treat_html(result), paths["html"], force=True)
         if not quiet:
             render_ladder(result, out)
             out.print(f"written: {', '.join(str(p) for p in paths.values())}")
@@ -365,6 +387,134 @@ def sweep(
         if csv_path:
             write_csv(rows, csv_path)
             out.print(f"written: {csv_path}")
+
+
+@app.command()
+def gate(
+    baseline: str = typer.Option(..., "--baseline", help="the baseline report JSON (kept in the repository)"),
+    current: Optional[str] = typer.Option(None, "--current", help="the report to judge; without it, the baseline's "
+                                          "config is profiled now, in a fresh process"),
+    max_regression: float = typer.Option(0.05, "--max-regression", help="fail on a real tokens/s drop larger than this "
+                                         "(0.05 = 5%) that is also significant"),
+    alpha: float = typer.Option(0.01, "--alpha", help="significance level of the Mann-Whitney U test on per-step "
+                                "throughput"),
+    max_memory_growth: float = typer.Option(0.10, "--max-memory-growth", help="fail when peak memory grew more"),
+    fail_on: str = typer.Option("high", "--fail-on", help="fail on a new finding of this severity or above "
+                                "(high, medium, low)"),
+    allow_env_change: bool = typer.Option(False, "--allow-env-change", help="compare across GPU, driver, torch or "
+                                          "transformers versions"),
+    update_baseline: bool = typer.Option(False, "--update-baseline", help="write the current report over the baseline, "
+                                         "on purpose, and pass"),
+    junit: Optional[str] = typer.Option(None, "--junit", help="write JUnit XML here"),
+    json_path: Optional[str] = typer.Option(None, "--json", help="write the verdict JSON here"),
+) -> None:
+    """Fail (exit 1) when training got slower than the baseline, beyond the noise; exit 2 on unusable input."""
+    import os
+
+    from rich.table import Table
+
+    from .errors import UsageError
+    from .gate import check_comparable, junit_xml, load_report, markdown, run_current
+    from .gate import gate as judge
+    from .report import write_json
+
+    with _user_errors():
+        base = load_report(baseline)
+        if current:
+            cur = load_report(current)
+        else:
+            with err.status("profiling the baseline's config"):
+                cur = run_current(base)
+        if update_baseline:
+            write_json(cur, baseline)
+            out.print(f"baseline updated: {baseline} ({cur['metrics']['real_tokens_per_s']:,.0f} real tokens/s)")
+            return
+        try:
+            notes = check_comparable(base, cur, allow_env_change)
+        except UsageError:
+            raise
+        result = judge(base, cur, max_regression, alpha, max_memory_growth, fail_on, notes)
+        t = Table(title=f"vlmdoctor gate: {result['summary']}", header_style="bold")
+        for col in ("check", "verdict", "detail"):
+            t.add_column(col)
+        for c in result["checks"]:
+            t.add_row(c["name"], c["verdict"], str(c["detail"]))
+        out.print(t)
+        for n in result.get("notes") or []:
+            out.print(f"note: {n}")
+        summary = os.environ.get("GITHUB_STEP_SUMMARY")
+        if summary:
+            with open(summary, "a") as f:
+                f.write(markdown(result) + "\n")
+        if junit:
+            from pathlib import Path
+
+            Path(junit).write_text(junit_xml(result))
+        if json_path:
+            write_json(result, json_path)
+        raise typer.Exit(0 if result["passed"] else 1)
+
+
+@app.command()
+def compare(
+    a: str = typer.Argument(..., help="report JSON (before)"),
+    b: str = typer.Argument(..., help="report JSON (after)"),
+    allow_different: bool = typer.Option(False, "--allow-different", help="compare different models or stages"),
+    json_path: Optional[str] = typer.Option(None, "--json", help="write the comparison JSON here"),
+) -> None:
+    """Side by side: metrics, GPU time by kernel class, idle causes, findings added or gone, knobs changed."""
+    from pathlib import Path
+
+    from .compare import compare as diff
+    from .compare import render_compare
+    from .gate import load_report
+    from .report import write_json
+
+    with _user_errors():
+        result = diff(load_report(a), load_report(b), allow_different, labels=(Path(a).name, Path(b).name))
+        render_compare(result, out)
+        if json_path:
+            write_json(result, json_path)
+
+
+@app.command()
+def export(
+    source: str = typer.Argument(..., help="a profile report JSON (its kept trace) or a trace file / folder of rank traces"),
+    chrome: Optional[str] = typer.Option(None, "--chrome", help="write gzipped Chrome JSON (opens in Perfetto) here, "
+                                         "*.json.gz"),
+    hta_dir: Optional[str] = typer.Option(None, "--hta-dir", help="write a folder of per-rank traces as Holistic "
+                                          "Trace Analysis (traceinsight) reads them"),
+    force: bool = typer.Option(False, "--force", help="overwrite existing output"),
+) -> None:
+    """Export a trace for Perfetto (ui.perfetto.dev) or for Holistic Trace Analysis."""
+    from pathlib import Path
+
+    from .export import export_chrome, export_hta_folder
+    from .tracefile import trace_files
+
+    with _user_errors():
+        if not chrome and not hta_dir:
+            raise VlmdoctorError("say where: --chrome OUT.json.gz and/or --hta-dir DIR")
+        src = Path(source)
+        if src.is_file() and src.suffix == ".json" and not src.name.endswith(".pt.trace.json"):
+            try:
+                report = json.loads(src.read_text())
+            except (OSError, ValueError) as e:
+                raise VlmdoctorError(f"{src}: not readable JSON ({e})") from None
+            if isinstance(report, dict) and "traceEvents" not in report:
+                kept = (report.get("trace") or {}).get("path")
+                if not kept:
+                    raise VlmdoctorError(f"{src}: the report kept no trace; run profile with --trace-dir DIR")
+                if not (src.parent / kept).exists() and not Path(kept).exists():
+                    raise VlmdoctorError(f"{src}: its trace {kept} is not here (recorded on another machine, or moved)")
+                src = Path(kept) if Path(kept).exists() else src.parent / kept
+        files = trace_files(src)
+        if chrome:
+            if len(files) != 1:
+                raise VlmdoctorError(f"{src} holds {len(files)} traces; --chrome exports one (use --hta-dir for ranks)")
+            out.print(f"written: {export_chrome(files[0], Path(chrome), force)}")
+        if hta_dir:
+            out.print(f"written: {export_hta_folder(files, Path(hta_dir), force)}")
 
 
 class _user_errors:

@@ -11,7 +11,8 @@ process, and keeps the change only when real tokens/s rose by more than the nois
 where median and spread are taken over the repeats (timed windows) of each run, spread being
 (max - min) / median. A trial that runs out of memory, crashes or diverges is recorded with that
 outcome and reverted. The next prescription comes from the diagnosis of the run now kept, so a
-fix that changes the picture (a bigger batch, compile) changes what is prescribed next.
+fix that changes the picture (a bigger batch, compile) changes what is prescribed next; a
+prescription that did not help may be tried again once another change was kept.
 """
 from __future__ import annotations
 
@@ -71,8 +72,11 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
 def _next(current_cfg: RunConfig, report: dict[str, Any], tried: set[str],
           skipped: list[dict[str, Any]]) -> tuple[dict[str, Any], RunConfig] | None:
     """The first untried prescription whose patch changes something and makes a valid config."""
+    state = json.dumps(current_cfg.to_dict(), sort_keys=True, default=str)
     for f in report.get("findings") or []:
-        key = f["id"] + json.dumps(f["config_patch"], sort_keys=True, default=str)
+        # a prescription is tried once per config: after a kept change (the picture changed: a bigger
+        # batch can make bf16 weights pay off where the host-bound step hid it) it may be tried again
+        key = f["id"] + json.dumps(f["config_patch"], sort_keys=True, default=str) + state
         if key in tried:
             continue
         tried.add(key)

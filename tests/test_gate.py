@@ -1,0 +1,395 @@
+"""`vlmdoctor gate`: the verdict on real H100 reports, refusals of unusable input, the statistics,
+the CI outputs, and one real pair of CPU runs of the same config that must pass."""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import random
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from vlmdoctor import SCHEMA_VERSION
+from vlmdoctor.errors import EXIT_USAGE, UsageError
+from vlmdoctor.gate import (
+    check_comparable,
+    check_findings,
+    check_memory,
+    check_throughput,
+    gate,
+    junit_xml,
+    load_report,
+    mann_whitney_u,
+    markdown,
+    run_current,
+)
+
+TRACES = Path(__file__).resolve().parent.parent / "fixtures" / "traces"
+
+
+def fixture(name: str) -> dict:
+    return load_report(str(TRACES / f"{name}.report.json"))
+
+
+def write(tmp_path: Path, name: str, report: dict) -> str:
+    p = tmp_path / name
+    p.write_text(json.dumps(report))
+    return str(p)
+
+
+def check(result: dict, name: str) -> dict:
+    return next(c for c in result["checks"] if c["name"] == name)
+
+
+# --- the verdict on real H100 reports ----------------------------------------------------------
+
+def test_real_slowdown_fails_on_throughput():
+    base, cur = fixture("bf16_s2"), fixture("fp32_noautocast_s2")
+    notes = check_comparable(base, cur, allow_env_change=False)  # same model, stage and machine
+    assert any("weight_dtype" in n for n in notes)  # the knobs that differ are shown, not refused
+    result = gate(base, cur, notes=notes)
+    assert result["passed"] is False
+    t = check(result, "throughput")
+    assert t["passed"] is False and t["verdict"] == "fail"
+    assert round(t["base_median"]) == 26909 and round(t["cur_median"]) == 4337
+    assert t["ratio"] == pytest.approx(4336.604 / 26908.553, rel=1e-4)
+    # old reports: one real_tokens_per_s per repeat, too few for a test, so the ranges decide
+    assert (t["samples"], t["method"], t["n_base"], t["n_cur"], t["p"]) == ("per-repeat", "range-overlap", 1, 1, None)
+    assert "26,909 -> 4,337" in t["detail"] and "-83.9%" in t["detail"]
+    assert result["summary"].startswith("FAILED") and "throughput" in result["summary"]
+    assert check(result, "memory")["passed"]  # fp32 without autocast at B4 uses less memory
+    assert check(result, "findings")["verdict"] == "skip"  # these reports were not diagnosed
+
+
+def test_speedup_passes():
+    result = gate(fixture("fp32_noautocast_s2"), fixture("bf16_s2"), max_memory_growth=10.0)
+    assert result["passed"] and "no slowdown" in result["summary"]
+
+
+@pytest.mark.parametrize("name", ["bf16_s2", "eager_s2", "healthy_1.5b_s2"])
+def test_report_against_itself_passes(name):
+    r = fixture(name)
+    assert check_comparable(r, r, allow_env_change=False) == []
+    result = gate(r, copy.deepcopy(r))
+    assert result["passed"], result["summary"]
+    assert result["summary"].startswith("PASSED")
+    assert [c["name"] for c in result["checks"]] == ["throughput", "memory", "findings"]
+    assert all(c["passed"] for c in result["checks"])
+    assert check(result, "throughput")["ratio"] == 1.0
+
+
+# --- comparability -----------------------------------------------------------------------------
+
+def test_env_change_is_refused_unless_allowed():
+    base = fixture("bf16_s2")
+    cur = copy.deepcopy(base)
+    cur["env"]["torch"] = "2.12.0+cu130"
+    with pytest.raises(UsageError) as e:
+        check_comparable(base, cur, allow_env_change=False)
+    assert e.value.exit_code == EXIT_USAGE
+    assert "torch" in e.value.message and "2.12.0+cu130" in e.value.message and "--allow-env-change" in e.value.message
+    notes = check_comparable(base, cur, allow_env_change=True)
+    assert notes == ["environment changed (allowed): torch: '2.11.0+cu130' -> '2.12.0+cu130'"]
+    result = gate(base, cur, notes=notes)
+    assert result["passed"] and result["notes"] == notes
+    assert "torch" in markdown(result)
+
+
+@pytest.mark.parametrize("key", ["gpu", "driver", "transformers"])
+def test_other_env_keys_are_compared(key):
+    base = fixture("bf16_s2")
+    cur = copy.deepcopy(base)
+    cur["env"][key] = "something else"
+    with pytest.raises(UsageError, match=key):
+        check_comparable(base, cur, allow_env_change=False)
+
+
+def test_different_stage_is_always_refused():
+    with pytest.raises(UsageError, match=r"stage: 1 -> 2"):
+        check_comparable(fixture("bf16_s1"), fixture("bf16_s2"), allow_env_change=True)
+
+
+def test_different_model_is_always_refused():
+    with pytest.raises(UsageError, match=r"model: '0.5b' -> '1.5b'"):
+        check_comparable(fixture("healthy_s2"), fixture("healthy_1.5b_s2"), allow_env_change=True)
+
+
+# --- unusable files ----------------------------------------------------------------------------
+
+def test_missing_file(tmp_path):
+    path = str(tmp_path / "nope.json")
+    with pytest.raises(UsageError) as e:
+        load_report(path)
+    assert path in e.value.message and "no such file" in e.value.message
+    assert e.value.exit_code == EXIT_USAGE
+
+
+def test_truncated_json(tmp_path):
+    text = (TRACES / "bf16_s2.report.json").read_text()
+    path = tmp_path / "truncated.json"
+    path.write_text(text[: len(text) // 2])
+    with pytest.raises(UsageError) as e:
+        load_report(str(path))
+    assert str(path) in e.value.message and "not valid JSON" in e.value.message
+
+
+def test_future_schema_version(tmp_path):
+    r = fixture("bf16_s2")
+    r["schema_version"] = SCHEMA_VERSION + 1
+    path = write(tmp_path, "future.json", r)
+    with pytest.raises(UsageError) as e:
+        load_report(path)
+    assert path in e.value.message and "newer vlmdoctor" in e.value.message
+
+
+@pytest.mark.parametrize("status", ["oom", "nan_loss", "error", "timeout"])
+def test_failed_run_is_refused_naming_its_status(tmp_path, status):
+    r = fixture("bf16_s2")
+    r["status"] = status
+    r["error"] = {"message": "CUDA out of memory"}
+    if status == "oom":
+        del r["metrics"]  # a real OOM report has no metrics; the status must be what is reported
+    path = write(tmp_path, f"{status}.json", r)
+    with pytest.raises(UsageError) as e:
+        load_report(path)
+    assert path in e.value.message and f"status {status}" in e.value.message
+
+
+@pytest.mark.parametrize("doc, needle", [
+    ({"schema_version": 1, "kind": "treat", "ladder": []}, "treat result"),
+    ({"schema_version": 1, "kind": "analysis", "files": []}, "analysis result"),
+    ({"schema_version": 1, "status": "ok"}, "no config or metrics"),
+    ({"config": {}, "metrics": {}}, "no schema_version"),
+    ([1, 2, 3], "not a vlmdoctor profile report"),
+])
+def test_not_a_profile_report(tmp_path, doc, needle):
+    path = write(tmp_path, "other.json", doc)
+    with pytest.raises(UsageError) as e:
+        load_report(path)
+    assert path in e.value.message and needle in e.value.message
+
+
+def test_manifest_is_not_a_report():
+    with pytest.raises(UsageError, match="no schema_version"):
+        load_report(str(TRACES / "manifest.json"))
+
+
+# --- statistics --------------------------------------------------------------------------------
+
+def test_mann_whitney_completely_separated():
+    u, p = mann_whitney_u(list(range(1, 11)), list(range(11, 21)))
+    assert u == 0
+    assert p < 0.001
+    # normal approximation with continuity correction: z = (50 - 0.5) / sqrt(100 * 21 / 12)
+    assert p == pytest.approx(math.erfc((49.5 / math.sqrt(175)) / math.sqrt(2)), rel=1e-12)
+    assert p == pytest.approx(1.8267e-4, rel=1e-3)
+    assert mann_whitney_u(list(range(11, 21)), list(range(1, 11))) == (100, p)
+
+
+def test_mann_whitney_identical_distributions():
+    x = [float(v) for v in range(10)]
+    assert mann_whitney_u(x, list(x)) == (50.0, 1.0)
+    rng = random.Random(0)
+    a = [rng.gauss(100, 5) for _ in range(30)]
+    b = [v + rng.choice((-0.01, 0.01)) for v in reversed(a)]
+    assert mann_whitney_u(a, b)[1] > 0.9
+    assert mann_whitney_u([3.0] * 8, [3.0] * 8) == (32.0, 1.0)  # all tied: no evidence at all
+
+
+def test_mann_whitney_scipy_documented_value():
+    # scipy.stats.mannwhitneyu docs: males vs females, method="asymptotic" -> U=17, p=0.11134688653314041
+    u, p = mann_whitney_u([19, 22, 16, 29, 24], [20, 11, 17, 12])
+    assert u == 17
+    assert p == pytest.approx(0.11134688653314041, rel=1e-9)
+
+
+def test_mann_whitney_tie_correction():
+    # ranks of 1,1,2,2,3,3: 1.5,1.5,3.5,3.5,5.5,5.5 -> U1 = 6.5 - 6 = 0.5; mu = 4.5
+    # variance with tie correction: 9/12 * (7 - 3 * (2**3 - 2) / (6 * 5)) = 4.8 (5.25 without)
+    u, p = mann_whitney_u([1, 1, 2], [2, 3, 3])
+    assert u == 0.5
+    assert p == pytest.approx(math.erfc((4 - 0.5) / math.sqrt(4.8) / math.sqrt(2)), rel=1e-12)
+
+
+def _with_steps(report: dict, tokens_per_s: list[list[float]], tokens: int = 1000) -> dict:
+    """A copy whose repeats hold per-step samples with the given throughputs (new-style report)."""
+    r = copy.deepcopy(report)
+    r["repeats"] = [{"real_tokens_per_s": len(rep) * tokens / sum(tokens / v for v in rep),
+                     "step_real_tokens": [tokens] * len(rep), "step_ms": [tokens / v * 1000 for v in rep]}
+                    for rep in tokens_per_s]
+    return r
+
+
+def test_throughput_uses_mann_whitney_on_per_step_samples():
+    rng = random.Random(1)
+    base = _with_steps(fixture("bf16_s2"), [[rng.gauss(1000, 10) for _ in range(10)] for _ in range(2)])
+    slow = _with_steps(fixture("bf16_s2"), [[rng.gauss(900, 10) for _ in range(10)] for _ in range(2)])
+    t = check_throughput(base, slow)
+    assert (t["samples"], t["method"], t["n_base"], t["n_cur"]) == ("per-step", "mann-whitney", 20, 20)
+    assert t["ratio"] == pytest.approx(0.9, abs=0.02)
+    assert t["p"] < 1e-6 and not t["passed"] and "Mann-Whitney p=" in t["detail"]
+
+
+def test_large_but_noisy_drop_is_not_a_regression():
+    rng = random.Random(2)
+    base = _with_steps(fixture("bf16_s2"), [[rng.uniform(500, 1500) for _ in range(10)]])
+    noisy = _with_steps(fixture("bf16_s2"), [[v * 0.93 for v in (rng.uniform(500, 1500) for _ in range(10))]])
+    t = check_throughput(base, noisy)
+    assert t["method"] == "mann-whitney" and t["p"] >= 0.01
+    assert t["passed"] and "not beyond noise" in t["detail"]
+
+
+def test_small_significant_drop_is_within_the_threshold():
+    base = _with_steps(fixture("bf16_s2"), [[1000 + i for i in range(10)]])
+    cur = _with_steps(fixture("bf16_s2"), [[970 + i for i in range(10)]])
+    t = check_throughput(base, cur)
+    assert t["p"] < 0.01 and t["passed"] and "within the 5% allowed" in t["detail"]
+    assert not check_throughput(base, cur, max_regression=0.02)["passed"]
+
+
+def test_old_and_new_reports_fall_back_to_per_repeat_samples():
+    old = fixture("bf16_s2")  # no step_real_tokens
+    new = _with_steps(old, [[27000.0] * 10])
+    t = check_throughput(old, new)
+    assert t["samples"] == "per-repeat" and t["method"] == "range-overlap" and t["n_cur"] == 1
+
+
+def test_overlapping_ranges_with_few_samples_pass():
+    base = _with_steps(fixture("bf16_s2"), [[1000.0] * 3, [800.0] * 3, [1200.0] * 3])
+    base["repeats"] = [{k: v for k, v in r.items() if k != "step_real_tokens"} for r in base["repeats"]]
+    cur = copy.deepcopy(base)
+    for r, v in zip(cur["repeats"], (850.0, 900.0, 1100.0)):
+        r["real_tokens_per_s"] = v
+    t = check_throughput(base, cur)
+    assert t["ratio"] == pytest.approx(0.9) and t["method"] == "range-overlap"
+    assert t["passed"] and "ranges overlap" in t["detail"]
+
+
+# --- memory and findings -----------------------------------------------------------------------
+
+def test_memory_growth():
+    base = fixture("bf16_s2")
+    cur = copy.deepcopy(base)
+    cur["metrics"]["peak_mem_gb"] *= 1.2
+    m = check_memory(base, cur)
+    assert not m["passed"] and m["growth"] == pytest.approx(0.2) and "+20.0%" in m["detail"]
+    result = gate(base, cur)
+    assert not result["passed"] and "memory" in result["summary"] and check(result, "throughput")["passed"]
+    cur["metrics"]["peak_mem_gb"] = base["metrics"]["peak_mem_gb"] * 1.05
+    assert check_memory(base, cur)["passed"]
+
+
+def test_memory_skipped_on_cpu():
+    base = fixture("bf16_s2")
+    cur = copy.deepcopy(base)
+    base["metrics"]["peak_mem_gb"] = cur["metrics"]["peak_mem_gb"] = None
+    m = check_memory(base, cur)
+    assert m["passed"] and m["verdict"] == "skip" and "CPU" in m["detail"]
+
+
+def test_new_high_finding_fails():
+    base = fixture("eager_s2")
+    cur = copy.deepcopy(base)
+    cur["findings"].append({"id": "precision-fp32-gemms", "layer": 1, "severity": "high", "title": "FP32 GEMMs"})
+    gone = cur["findings"].pop(1)["id"]
+    f = check_findings(base, cur)
+    assert not f["passed"] and f["failing"] == ["precision-fp32-gemms"] and f["gone"] == [gone]
+    assert "precision-fp32-gemms (high)" in f["detail"] and gone in f["detail"]
+    assert not gate(base, cur)["passed"]
+
+
+def test_fail_on_threshold():
+    base = fixture("eager_s2")
+    cur = copy.deepcopy(base)
+    cur["findings"].append({"id": "new-medium", "layer": 3, "severity": "medium", "title": "x"})
+    assert check_findings(base, cur, fail_on="high")["passed"]
+    assert "below the bar" in check_findings(base, cur, fail_on="high")["detail"]
+    assert not check_findings(base, cur, fail_on="medium")["passed"]
+    assert not check_findings(base, cur, fail_on="low")["passed"]
+    with pytest.raises(UsageError, match="fail_on"):
+        check_findings(base, cur, fail_on="critical")
+
+
+def test_findings_between_real_diagnosed_reports():
+    # eager_s2 -> sync_s2 on the H100: the data-loader and non-fused-optimizer findings went, autocast casts came
+    f = check_findings(fixture("eager_s2"), fixture("sync_s2"), fail_on="medium")
+    assert "precision-autocast-casts" in f["added"] and "system-data-loader" in f["gone"]
+    assert not f["passed"]
+    assert check_findings(fixture("eager_s2"), fixture("sync_s2"))["passed"]  # medium is below high
+
+
+# --- CI outputs --------------------------------------------------------------------------------
+
+def test_junit_xml_and_markdown():
+    result = gate(fixture("bf16_s2"), fixture("fp32_noautocast_s2"))
+    root = ET.fromstring(junit_xml(result))
+    assert root.tag == "testsuite" and root.get("name") == "vlmdoctor-gate"
+    assert root.get("tests") == "3" and root.get("failures") == "1"
+    cases = {c.get("name"): c for c in root.iter("testcase")}
+    assert set(cases) == {"throughput", "memory", "findings"}
+    failure = cases["throughput"].find("failure")
+    assert failure is not None and "4,337" in failure.get("message")
+    assert cases["memory"].find("failure") is None
+    assert cases["findings"].find("skipped") is not None
+    md = markdown(result)
+    assert "vlmdoctor gate FAILED" in md and "| throughput | fail |" in md and "| memory | pass |" in md
+
+    ok = gate(fixture("bf16_s2"), fixture("bf16_s2"))
+    assert "vlmdoctor gate passed" in markdown(ok)
+    assert ET.fromstring(junit_xml(ok)).find(".//failure") is None
+
+
+# --- a real pair of runs -----------------------------------------------------------------------
+
+PROFILE = ["-m", "vlmdoctor", "profile", "--model", "tiny", "--device", "cpu", "--steps", "6", "--warmup", "1",
+           "--repeats", "2", "--num-samples", "64", "--autocast", "off", "--no-diagnose", "--quiet"]
+
+
+def _profile(path: Path) -> str:
+    proc = subprocess.run([sys.executable, *PROFILE, "--json", str(path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def same_config_pair(tmp_path_factory):
+    """Two real runs of one config, and the gate's verdict on them.
+
+    The CPU of the test machine is shared: while a neighbour takes it, a whole run is really
+    slower (measured here: 0.2x to 2.4x between back-to-back runs of one config, about 1 pair in
+    10), and the gate rightly calls that a slowdown. So a pair measured under such a swing is
+    measured again, at most twice; every attempt's verdict is kept for the failure message.
+    """
+    out = tmp_path_factory.mktemp("gate_runs")
+    attempts = []
+    for i in range(3):
+        base = load_report(_profile(out / f"A{i}.json"))
+        cur = load_report(_profile(out / f"B{i}.json"))
+        result = gate(base, cur)
+        attempts.append(check(result, "throughput")["detail"])
+        if check(result, "throughput")["passed"]:
+            break
+    return base, cur, result, attempts
+
+
+def test_two_runs_of_the_same_config_pass(same_config_pair):
+    base, cur, result, attempts = same_config_pair
+    assert check_comparable(base, cur, allow_env_change=False) == []
+    t = check(result, "throughput")
+    assert (t["samples"], t["method"], t["n_base"], t["n_cur"]) == ("per-step", "mann-whitney", 12, 12)
+    assert t["passed"], attempts
+    assert check(result, "memory")["verdict"] == "skip"  # CPU: no peak memory
+    assert check(result, "findings")["verdict"] == "skip"  # --no-diagnose
+    assert result["passed"], result["summary"]
+
+
+def test_run_current_remeasures_the_baseline_config(same_config_pair):
+    base = same_config_pair[0]
+    cur = run_current(base, diagnose=False, timeout=300)
+    assert cur["config"] == base["config"] and cur["status"] == "ok"
+    assert check_comparable(base, cur, allow_env_change=False) == []
+    assert check(gate(base, cur), "throughput")["n_cur"] == 12

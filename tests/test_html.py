@@ -1,0 +1,250 @@
+"""HTML reports from real H100 reports, analyses and a treat ladder: charts, prescriptions, escaping,
+no external resources; and a look at each page in headless Chromium (skipped without it)."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from vlmdoctor.analysis import analyze, merge_measured
+from vlmdoctor.errors import UsageError
+from vlmdoctor.html import analyze_html, profile_html, treat_html, write_html
+from vlmdoctor.rules import diagnose, load_rules
+
+ROOT = Path(__file__).resolve().parent.parent
+TRACES = ROOT / "fixtures" / "traces"
+TREAT = ROOT / "bench" / "results" / "2026-11-23-h100" / "a" / "treat_0.5b_s2" / "treat.json"
+
+
+def _report(name: str) -> dict:
+    """A fixture report with facts and findings: as recorded, or, for a report recorded before diagnosis
+    was part of profile, built the way profile builds them (trace facts + measured numbers, then the rules)."""
+    report = json.loads((TRACES / f"{name}.report.json").read_text())
+    if "findings" not in report:
+        facts = analyze(TRACES / f"{name}.pt.trace.json.gz")["files"][0]["facts"]
+        report["facts"] = merge_measured(facts, report)
+        report["diagnosis"] = diagnose(report["facts"], *load_rules())
+        report["findings"] = report["diagnosis"]["findings"]
+    return report
+
+
+def _analysis(*names: str, folder: Path | None = None) -> dict:
+    """What `vlmdoctor analyze --json` writes (the same steps as the CLI, through JSON and back)."""
+    if folder is not None:
+        folder.mkdir()
+        for n in names:
+            shutil.copy(TRACES / f"{n}.pt.trace.json.gz", folder / f"{n}.pt.trace.json.gz")
+        result = analyze(folder)
+    else:
+        result = analyze(TRACES / f"{names[0]}.pt.trace.json.gz")
+    rules, problems = load_rules()
+    for entry in result["files"]:
+        entry["diagnosis"] = diagnose(entry["facts"], rules, problems)
+        entry["findings"] = entry["diagnosis"]["findings"]
+    return json.loads(json.dumps({"schema_version": 1, "kind": "analysis", **result}, default=str))
+
+
+def _self_contained(page: str) -> None:
+    assert page.startswith("<!DOCTYPE html>")
+    assert "<script" not in page.lower()
+    # no tag links to or loads anything (report text is escaped, so every '<' here starts a real tag)
+    assert not re.search(r"<[^>]*\b(?:src|href|action|poster|background|srcset)\s*=", page, re.I)
+    assert not re.search(r"<[^>]*(?:https?|ftp|file):", page, re.I)
+    assert "url(" not in page and "@import" not in page
+    assert "default-src 'none'" in page  # and the browser is told to fetch nothing
+
+
+def _layers_in_order(page: str, findings: list[dict]) -> None:
+    pos = {f["id"]: page.index(f"<code>{f['id']}</code>") for f in findings}
+    by_pos = sorted(findings, key=lambda f: pos[f["id"]])
+    assert [f["layer"] for f in by_pos] == sorted(f["layer"] for f in findings)
+
+
+# --- profile -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["default_s2", "sync_s2"])
+def test_profile_html_from_a_real_report(name):
+    report = _report(name)
+    page = profile_html(report)
+    _self_contained(page)
+    assert page.count("<svg") == 2
+    assert 'aria-label="step time split"' in page and 'aria-label="GPU time by kernel class"' in page
+    f = report["facts"]
+    assert f"{f['step.ms']:,.1f} ms" in page  # the step the bar splits
+    assert "GPU busy" in page and "idle: other host work" in page
+    top = max((k for k in f if k.startswith("kernels.") and k.endswith(".ms")), key=lambda k: f[k])
+    assert f">{top.split('.')[1]}</text>" in page  # the largest kernel class has its bar
+    findings = report["findings"]
+    assert findings
+    for fd in findings:
+        assert f"<code>{fd['id']}</code>" in page
+    _layers_in_order(page, findings)
+    m = report["metrics"]
+    assert f"{m['real_tokens_per_s']:,.0f}" in page
+    env = report["env"]
+    for key in ("gpu", "driver", "torch", "transformers"):
+        assert f"<td>{env[key]}</td>" in page
+    assert "real tokens/s" in page and "ms/step (median)" in page
+
+
+def test_profile_html_evidence_and_patches_are_shown():
+    report = _report("sync_s2")
+    page = profile_html(report)
+    for fd in report["findings"]:
+        for line in fd["evidence"]:
+            assert line.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;") in page
+        for k, v in fd["config_patch"].items():
+            assert f'<code class="kv">{k}={v}</code>' in page
+        if (fd.get("expected_gain") or {}).get("throughput_x"):
+            assert f"x{fd['expected_gain']['throughput_x']:,.2f}" in page
+
+
+def test_profile_html_without_trace_facts():
+    report = json.loads((TRACES / "default_s2.report.json").read_text())
+    assert "facts" not in report
+    page = profile_html(report)
+    _self_contained(page)
+    assert "<svg" not in page
+    assert "No trace facts" in page and "Not diagnosed" in page
+    assert "2,729" in page and "NVIDIA H100 80GB HBM3" in page
+
+
+def test_profile_html_of_a_failed_run():
+    report = json.loads((TRACES / "default_s2.report.json").read_text())
+    report.update(status="oom", error={"message": "CUDA out of memory. Tried to allocate 2.00 GiB"}, metrics={})
+    page = profile_html(report)
+    assert "oom: CUDA out of memory" in page
+
+
+def test_every_text_is_escaped():
+    evil = '<script>alert("x")</script>'
+    report = copy.deepcopy(_report("sync_s2"))
+    report["findings"][0]["evidence"].append(evil)
+    report["findings"][0]["title"] = evil
+    report["findings"][0]["config_patch"] = {"batch_size": evil}
+    report["env"]["torch"] = evil
+    report["config"]["data"] = evil
+    report["facts"]["idle.top_host_ops"][0]["op"] = evil
+    report["facts"]["kernels.<img src=x>.ms"] = 1.0
+    page = profile_html(report)
+    assert "<script" not in page and "<img" not in page
+    assert "&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt;" in page
+    _self_contained(page)
+
+
+# --- analyze -------------------------------------------------------------------------------------------
+
+def test_analyze_html_of_one_trace():
+    result = _analysis("default_s2")
+    page = analyze_html(result)
+    _self_contained(page)
+    assert page.count("<svg") == 2
+    entry = result["files"][0]
+    assert entry["file"] in page
+    for fd in entry["findings"]:
+        assert f"<code>{fd['id']}</code>" in page
+    _layers_in_order(page, entry["findings"])
+    assert "aten::_cudnn_attention_forward" in page  # the host op that held the GPU up
+    assert "NVIDIA H100 80GB HBM3" in page
+    assert "A trace records the device, not the software" in page
+
+
+def test_analyze_html_of_a_folder_of_ranks(tmp_path):
+    result = _analysis("cache_s1", "bf16_s1", folder=tmp_path / "ranks")
+    page = analyze_html(result)
+    _self_contained(page)
+    assert len(result["files"]) == 2
+    assert page.count("<svg") == 4
+    for entry in result["files"]:
+        assert entry["file"] in page
+
+
+# --- treat ---------------------------------------------------------------------------------------------
+
+def test_treat_html_of_a_real_ladder():
+    result = json.loads(TREAT.read_text())
+    page = treat_html(result)
+    _self_contained(page)
+    assert page.count("<svg") == 1 and 'aria-label="treat ladder"' in page
+    for r in result["ladder"]:
+        assert f"x{r['speedup']:,.2f}" in page  # speedup label on each kept step
+    assert page.count("<rect") >= len(result["ladder"])
+    for t in result["trials"]:
+        assert f"<code>{t['rule']}</code>" in page
+        assert f">{t['outcome']}</span>" in page
+    # not kept: the no-gain trial is a grey dot at what it measured, the timeout a red cross
+    assert page.count('<circle cx=') >= 1 + 1  # one trial dot + the legend's
+    assert "trial 3: batching-host-bound (compile=default): timeout" in page
+    assert "batch_size=24" in page and "pad_to_multiple_of=64" in page  # the final config's changes
+    assert "+63.2% vs ±51.7%" in page  # the decision's numbers
+    assert "NVIDIA H100 80GB HBM3" in page and "580.159.04" in page and "2.11.0+cu130" in page
+
+
+def test_treat_html_when_the_start_did_not_run():
+    result = {"start_config": {"model": "0.5b", "stage": 2}, "ladder": [], "trials": [], "skipped": [],
+              "start": {"status": "oom", "error": "CUDA out of memory"}, "stopped_because": "the start config did not run: oom",
+              "final_config": {"model": "0.5b", "stage": 2}, "env": {}}
+    page = treat_html(result)
+    _self_contained(page)
+    assert "did not run" in page and "CUDA out of memory" in page
+
+
+# --- writing -------------------------------------------------------------------------------------------
+
+def test_write_html_refuses_to_overwrite(tmp_path):
+    path = tmp_path / "sub" / "r.html"
+    write_html("<p>one</p>", path, force=False)
+    assert path.read_text() == "<p>one</p>"
+    with pytest.raises(UsageError, match="exists; pass --force"):
+        write_html("<p>two</p>", path, force=False)
+    write_html("<p>two</p>", path, force=True)
+    assert path.read_text() == "<p>two</p>"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["r.html"]
+
+
+# --- a look in a real browser ------------------------------------------------------------------------
+
+CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no headless browser: apt-get install chromium")
+@pytest.mark.parametrize("kind", ["profile", "analyze", "treat"])
+def test_page_renders_in_headless_chromium(tmp_path, kind):
+    from PIL import Image
+
+    page = {"profile": lambda: profile_html(_report("sync_s2")),
+            "analyze": lambda: analyze_html(_analysis("default_s2")),
+            "treat": lambda: treat_html(json.loads(TREAT.read_text()))}[kind]()
+    html_path = tmp_path / f"{kind}.html"
+    write_html(page, html_path, force=False)
+    shot = tmp_path / f"{kind}.png"
+    profile_dir = tmp_path / "chromium-profile"
+    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+           f"--user-data-dir={profile_dir}", "--enable-logging=stderr", "--v=0", f"--screenshot={shot}",
+           "--window-size=1280,2000", html_path.as_uri()]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert shot.is_file() and shot.stat().st_size > 10_000
+    with Image.open(shot) as img:
+        assert img.size == (1280, 2000)
+        colors = img.convert("RGB").getcolors(maxcolors=1 << 20)
+        assert colors is None or len(colors) > 1, "a blank screenshot"
+        if colors:  # a page of charts and tables: many colours, and not almost all one
+            assert len(colors) > 50
+            assert max(c for c, _ in colors) < 0.97 * img.size[0] * img.size[1]
+    console = [line for line in proc.stderr.splitlines()
+               if "CONSOLE" in line or "Uncaught" in line or "Refused to" in line]
+    assert not console, console  # no script error, and nothing the page's CSP had to block
+    artifacts = os.environ.get("VLMDOCTOR_ARTIFACTS")
+    if artifacts:
+        keep = Path(artifacts)
+        keep.mkdir(parents=True, exist_ok=True)
+        shutil.copy(shot, keep / f"html-{kind}.png")
+        shutil.copy(html_path, keep / f"html-{kind}.html")

@@ -1,0 +1,234 @@
+"""`vlmdoctor compare A.json B.json`: what changed between two runs, and where the time went.
+
+The headline numbers say whether B is faster; the kernel classes, GPU idle causes, findings
+and config knobs say why, which is what one needs before keeping or reverting a change.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from .config import knob_table
+from .errors import UsageError
+from .gate import env_differences, model_differences
+
+#: (report metric, label, higher is better)
+METRICS: tuple[tuple[str, str, bool], ...] = (
+    ("real_tokens_per_s", "real tokens/s", True),
+    ("loss_tokens_per_s", "loss tokens/s", True),
+    ("step_ms", "ms/step (median)", False),
+    ("mfu", "MFU", True),
+    ("peak_mem_gb", "peak memory (GiB)", False),
+    ("pad_fraction", "pad fraction", False),
+)
+#: a relative change smaller than this is reported as "same": single runs do not resolve less
+SAME_WITHIN = 0.01
+
+
+def _rel(a: float | None, b: float | None) -> float | None:
+    return (b - a) / abs(a) if a is not None and b is not None and a != 0 else None
+
+
+def _verdict(a: float | None, b: float | None, higher_is_better: bool) -> str:
+    if a is None or b is None:
+        return "n/a"
+    rel = _rel(a, b)
+    if b == a or (rel is not None and abs(rel) < SAME_WITHIN):
+        return "same"
+    return "better" if (b > a) == higher_is_better else "worse"
+
+
+def _metric_rows(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for key, label, higher in METRICS:
+        va, vb = a["metrics"].get(key), b["metrics"].get(key)
+        rows.append({"key": key, "label": label, "a": va, "b": vb,
+                     "delta": vb - va if va is not None and vb is not None else None,
+                     "rel": _rel(va, vb), "higher_is_better": higher, "verdict": _verdict(va, vb, higher)})
+    return rows
+
+
+def _facts(report: dict[str, Any]) -> dict[str, Any] | None:
+    f = report.get("facts")
+    return f if f and "trace.error" not in f else None
+
+
+def _per_step_rows(fa: dict[str, Any], fb: dict[str, Any], prefix: str, name: str) -> list[dict[str, Any]]:
+    """`<prefix>.<name>.ms` facts of both runs (0 where one run has none), biggest change first."""
+    def names(f: dict[str, Any]) -> set[str]:
+        return {k.split(".")[1] for k in f if k.startswith(prefix + ".") and k.endswith(".ms") and k.count(".") == 2}
+
+    rows = []
+    for n in names(fa) | names(fb):
+        ma, mb = fa.get(f"{prefix}.{n}.ms", 0.0), fb.get(f"{prefix}.{n}.ms", 0.0)
+        rows.append({name: n, "a_ms": ma, "b_ms": mb, "delta_ms": mb - ma, "rel": _rel(ma, mb)})
+    return sorted(rows, key=lambda r: (-abs(r["delta_ms"]), r[name]))
+
+
+def _finding_summary(f: dict[str, Any]) -> dict[str, Any]:
+    return {k: f.get(k) for k in ("id", "title", "severity", "layer")}
+
+
+def _config_rows(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
+    """Differing knobs in layer order (0: run settings such as steps), as --help lists them."""
+    table = knob_table()
+    layer = {row["name"]: row["layer"] for row in table}
+    position = {row["name"]: i for i, row in enumerate(table)}
+    keys = sorted((k for k in set(a) | set(b) if a.get(k) != b.get(k)),
+                  key=lambda k: (layer.get(k, 0), position.get(k, len(table)), k))
+    return [{"knob": k, "layer": layer.get(k, 0), "a": a.get(k), "b": b.get(k)} for k in keys]
+
+
+def _has_none(labels: list[str], what: str) -> str:
+    return f"{labels[0]} has no {what}" if len(labels) == 1 else f"neither {labels[0]} nor {labels[1]} has {what}"
+
+
+def _describe(report: dict[str, Any]) -> dict[str, Any]:
+    env, cfg = report.get("env") or {}, report["config"]
+    return {"model": cfg.get("model"), "stage": cfg.get("stage"), "device": env.get("gpu") or "CPU",
+            "torch": env.get("torch"), "created_at": report.get("created_at")}
+
+
+def compare(a: dict[str, Any], b: dict[str, Any], allow_different: bool = False,
+            labels: Sequence[str] = ("A", "B")) -> dict[str, Any]:
+    """Side-by-side numbers and causes of two profile reports (A is the reference)."""
+    la, lb = labels
+    notes: list[str] = []
+    diffs = model_differences(a, b)
+    if diffs and not allow_different:
+        raise UsageError(f"{la} and {lb} are different models or stages (" + "; ".join(diffs)
+                         + "); their numbers are not comparable. Pass --allow-different to compare anyway")
+    notes += [f"different model or stage (allowed): {d}" for d in diffs]
+    notes += [f"different environment: {d}" for d in env_differences(a, b)]
+
+    fa, fb = _facts(a), _facts(b)
+    kernels = gpu = None
+    if fa and fb:
+        kernels = _per_step_rows(fa, fb, "kernels", "class")
+        gpu = {key: {"a": fa.get(key), "b": fb.get(key)} for key in ("step.ms", "gpu.busy_frac", "gpu.busy_ms", "gpu.idle_ms")}
+        gpu["idle"] = _per_step_rows(fa, fb, "idle", "cause")
+    else:
+        missing = [lbl for lbl, f in ((la, fa), (lb, fb)) if not f]
+        notes.append("kernel classes and GPU idle causes need trace facts in both reports; "
+                     + _has_none(missing, "trace facts") + " (profiled with --no-diagnose, or the trace failed)")
+
+    findings = None
+    if a.get("findings") is not None and b.get("findings") is not None:
+        ia = {f["id"]: f for f in a["findings"]}
+        ib = {f["id"]: f for f in b["findings"]}
+        findings = {"added": [_finding_summary(f) for i, f in ib.items() if i not in ia],
+                    "gone": [_finding_summary(f) for i, f in ia.items() if i not in ib],
+                    "kept": [i for i in ib if i in ia]}
+    else:
+        missing = [lbl for lbl, r in ((la, a), (lb, b)) if r.get("findings") is None]
+        notes.append("findings not compared: " + _has_none(missing, "diagnosis"))
+
+    return {"labels": [la, lb], "a": _describe(a), "b": _describe(b), "notes": notes,
+            "metrics": _metric_rows(a, b), "kernels": kernels, "gpu": gpu, "findings": findings,
+            "config": _config_rows(a["config"], b["config"])}
+
+
+# --- rendering --------------------------------------------------------------------------------
+
+_COLOR = {"better": "green", "worse": "red", "same": "dim", "n/a": "dim"}
+
+
+def _num(key: str, v: Any) -> str:
+    if v is None:
+        return "n/a"
+    if key == "mfu":
+        return f"{v * 100:.2f} %"
+    if key == "pad_fraction":
+        return f"{v * 100:.1f} %"
+    if key.endswith("tokens_per_s"):
+        return f"{v:,.0f}"
+    if key == "peak_mem_gb":
+        return f"{v:.2f}"
+    return f"{v:,.1f}"
+
+
+def _delta(key: str, d: float | None) -> str:
+    if d is None:
+        return ""
+    if key in ("mfu", "pad_fraction"):
+        return f"{d * 100:+.2f} pt"
+    if key.endswith("tokens_per_s"):
+        return f"{d:+,.0f}"
+    return f"{d:+,.2f}" if key == "peak_mem_gb" else f"{d:+,.1f}"
+
+
+def _pct(rel: float | None, a: float | None = None, b: float | None = None) -> str:
+    if rel is not None:
+        return f"{rel * 100:+.1f}%"
+    return "new" if a == 0 and b else ""
+
+
+def _short(text: Any, width: int = 28) -> str:
+    s = str(text)
+    return s if len(s) <= width else s[: width - 1] + "\u2026"
+
+
+def render_compare(result: dict[str, Any], console: Console) -> None:
+    """Tables sized for a terminal: the headline metrics first, the explanations after."""
+    la, lb = (_short(x, 24) for x in result["labels"])
+    for label, side in ((la, result["a"]), (lb, result["b"])):
+        console.print(f"[bold]{label}[/bold]: {side['model']} stage {side['stage']} on {side['device']}, "
+                      f"torch {side['torch']}" + (f", {side['created_at']}" if side.get("created_at") else ""))
+    for n in result["notes"]:
+        console.print(f"[yellow]note:[/yellow] {n}")
+
+    t = Table(title=f"{la} -> {lb}", header_style="bold")
+    for col, just in (("metric", "left"), (la, "right"), (lb, "right"), ("change", "right"), ("%", "right"), ("", "left")):
+        t.add_column(col, justify=just, no_wrap=col != "metric", min_width=12 if col == "metric" else None)
+    for r in result["metrics"]:
+        color = _COLOR[r["verdict"]]
+        t.add_row(r["label"], _num(r["key"], r["a"]), _num(r["key"], r["b"]), _delta(r["key"], r["delta"]),
+                  _pct(r["rel"]), f"[{color}]{r['verdict']}[/{color}]")
+    console.print(t)
+
+    gpu = result["gpu"]
+    if gpu is not None:
+        busy = gpu["gpu.busy_frac"]
+        if busy["a"] is not None and busy["b"] is not None:
+            console.print(f"GPU busy: {busy['a'] * 100:.0f}% -> {busy['b'] * 100:.0f}% of the traced step "
+                          f"({_num('step_ms', gpu['step.ms']['a'])} -> {_num('step_ms', gpu['step.ms']['b'])} ms)")
+        _ms_table(console, "GPU idle by host cause (ms per step)", "cause", gpu["idle"], la, lb, limit=8)
+    if result["kernels"] is not None:
+        _ms_table(console, "kernel classes (GPU ms per step, biggest change first)", "class", result["kernels"], la, lb)
+
+    f = result["findings"]
+    if f is not None:
+        if not f["added"] and not f["gone"]:
+            console.print(f"findings: the same in both ({len(f['kept'])})")
+        for word, rows, color in (("new in " + lb, f["added"], "red"), ("gone in " + lb, f["gone"], "green")):
+            for x in rows:
+                console.print(f"[{color}]{word}:[/{color}] {x['id']} ({x['severity']}): {x['title']}")
+
+    if result["config"]:
+        t = Table(title="config knobs that differ", header_style="bold")
+        for col in ("layer", "knob", la, lb):
+            t.add_column(col, justify="right" if col == "layer" else "left")
+        for r in result["config"]:
+            t.add_row(str(r["layer"] or ""), r["knob"], _short(r["a"]), _short(r["b"]))
+        console.print(t)
+    else:
+        console.print("config: identical")
+
+
+def _ms_table(console: Console, title: str, name: str, rows: list[dict[str, Any]], la: str, lb: str,
+              limit: int = 12) -> None:
+    shown = [r for r in rows if abs(r["a_ms"]) >= 0.05 or abs(r["b_ms"]) >= 0.05][:limit]
+    if not shown:
+        return
+    t = Table(title=title, header_style="bold")
+    for col in (name, la, lb, "change", "%"):
+        t.add_column(col, justify="left" if col == name else "right", no_wrap=col != name)
+    for r in shown:
+        color = "red" if r["delta_ms"] > 0 else "green" if r["delta_ms"] < 0 else "dim"
+        t.add_row(r[name], f"{r['a_ms']:,.1f}", f"{r['b_ms']:,.1f}", f"[{color}]{r['delta_ms']:+,.1f}[/{color}]",
+                  _pct(r["rel"], r["a_ms"], r["b_ms"]))
+    console.print(t)
+    if len(rows) > len(shown):
+        console.print(f"[dim]({len(rows) - len(shown)} more with smaller changes)[/dim]")

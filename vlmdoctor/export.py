@@ -1,0 +1,270 @@
+"""Exporting traces for other tools: Perfetto's UI (gzipped Chrome JSON) and Holistic Trace Analysis (a folder, one file per rank).
+
+Both exports re-encode the trace event by event (streamed, never loaded whole, as in `tracefile`), so
+the output is strict JSON whatever the input was: NaN and Infinity (which Python's decoder accepts
+but JSON forbids) become null, undecodable bytes become U+FFFD, and a truncated input is refused
+instead of copied. Every event and every top-level key is kept, in order.
+"""
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import math
+import os
+import tempfile
+import zlib
+from pathlib import Path
+from typing import IO, Any, Iterator
+
+from .errors import UsageError
+from .tracefile import TRACE_SUFFIXES, TraceError, trace_files
+
+BLOCK = 1 << 24  # characters read at a time while streaming events
+FLUSH = 4096  # events serialized before each write
+COMPRESSLEVEL = 6  # gzip's default of 9 is several times slower for a few % smaller output
+
+
+class _Stream:
+    """One pass over a Chrome trace object: `head` (keys before traceEvents) is ready after open(),
+    `events()` yields every element of traceEvents, `tail` (keys after it) is ready once they are spent."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.head: dict[str, Any] = {}
+        self.tail: dict[str, Any] = {}
+        self.count = 0
+        self._raw: IO[bytes] | None = None
+        self._text: io.TextIOWrapper | None = None
+        self._buf = ""
+        self._i = 0
+
+    # -- errors are named after the file, as tracefile does ------------------------------------
+    def _fail(self, what: str) -> TraceError:
+        return TraceError(f"{self.path}: {what}; expected a torch.profiler Chrome trace (a JSON object with a "
+                          "traceEvents list)")
+
+    def open(self) -> "_Stream":
+        try:
+            self._raw = gzip.open(self.path, "rb") if self.path.name.endswith(".gz") else open(self.path, "rb")
+            self._text = io.TextIOWrapper(self._raw, encoding="utf-8", errors="replace")
+            buf = ""
+            while True:  # up to the '[' of traceEvents
+                more = self._text.read(BLOCK)
+                if not more:
+                    start = buf.lstrip()[:40]
+                    raise self._fail("no 'traceEvents' list" if start.startswith("{") or not start
+                                     else f"not a JSON object (starts with {start!r})")
+                buf += more
+                k = buf.find('"traceEvents"')
+                if k >= 0 and buf.find("[", k) >= 0:
+                    break
+            try:
+                self.head = json.loads(buf[:k] + '"traceEvents": []}')
+            except json.JSONDecodeError as e:
+                raise self._fail(f"the keys before traceEvents are not valid JSON ({e.msg})") from None
+            self.head.pop("traceEvents", None)
+            self._buf, self._i = buf, buf.find("[", k) + 1
+        except (OSError, EOFError, zlib.error) as e:
+            self.close()
+            raise self._fail(f"cannot read ({type(e).__name__}: {e})") from None
+        except TraceError:
+            self.close()
+            raise
+        return self
+
+    def events(self) -> Iterator[Any]:
+        dec = json.JSONDecoder()
+        assert self._text is not None, "open() first"
+        buf, i, eof = self._buf, self._i, False
+        try:
+            while True:
+                n = len(buf)
+                while i < n and buf[i] in " \t\r\n,":
+                    i += 1
+                if not eof and n - i < (1 << 20):  # keep at least 1 MB ahead of the decoder
+                    more = self._text.read(BLOCK)
+                    eof = not more
+                    buf, i = buf[i:] + more, 0
+                    continue
+                if i >= n:
+                    raise self._fail(f"the events list is not closed after {self.count} events (a truncated file?)")
+                if buf[i] == "]":
+                    break
+                ev, i = dec.raw_decode(buf, i)
+                self.count += 1
+                yield ev
+            rest = buf[i + 1:] + self._text.read()
+            self._parse_tail(rest)
+        except json.JSONDecodeError as e:
+            where = f"after {self.count} events" if self.count else "before any event"
+            raise self._fail(f"the JSON is malformed or truncated {where} ({e.msg})") from None
+        except (OSError, EOFError, zlib.error) as e:
+            raise self._fail(f"cannot read after {self.count} events ({type(e).__name__}: {e}); a truncated .gz "
+                             "file?") from None
+        finally:
+            self.close()
+        if self.count == 0:
+            raise self._fail("no trace events")
+
+    def _parse_tail(self, rest: str) -> None:
+        text = rest.strip()
+        if not text.endswith("}"):
+            raise self._fail("the JSON object is not closed after traceEvents (a truncated file?)")
+        body = text[:-1].strip().lstrip(",").strip()
+        try:
+            self.tail = json.loads("{" + body + "}") if body else {}
+        except json.JSONDecodeError as e:
+            raise self._fail(f"the keys after traceEvents are not valid JSON ({e.msg})") from None
+
+    def close(self) -> None:
+        for f in (self._text, self._raw):
+            try:
+                if f is not None:
+                    f.close()
+            except Exception:  # closing a broken gzip stream can raise again; the first error is the one to report
+                pass
+        self._text = self._raw = None
+
+
+def _finite(v: Any) -> Any:
+    """NaN and +-Infinity (not JSON) as null, anywhere in a value."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_finite(x) for x in v]
+    return v
+
+
+def _dumps(v: Any) -> str:
+    try:
+        return json.dumps(v, separators=(",", ":"), allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite(v), separators=(",", ":"), allow_nan=False)
+
+
+def _check_output(out: Path, force: bool) -> None:
+    if out.exists() and not force:
+        raise UsageError(f"{out} exists; pass --force to overwrite it")
+    if out.exists() and out.is_dir():
+        raise UsageError(f"{out} is a folder; give a file name ending in .json.gz")
+
+
+def _write(stream: _Stream, out: Path, first: dict[str, Any] | None = None) -> int:
+    """Gzipped Chrome JSON: `first` keys, then the input's keys before traceEvents, the events, the keys
+    after them. Written to a temporary file beside `out`, renamed into place when complete."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=COMPRESSLEVEL) as f:
+            head = {**(first or {}), **{k: v for k, v in stream.head.items() if k not in (first or {})}}
+            f.write("{\n")
+            for k, v in head.items():  # one key a line: HTA finds distributedInfo's rank by a line-wise search
+                f.write(f"{json.dumps(k)}: {json.dumps(_finite(v), allow_nan=False)},\n")
+            f.write('"traceEvents": [\n')
+            lines: list[str] = []
+            for n, ev in enumerate(stream.events()):
+                lines.append(("" if n == 0 else ",\n") + _dumps(ev))
+                if len(lines) >= FLUSH:
+                    f.write("".join(lines))
+                    lines.clear()
+            f.write("".join(lines))
+            f.write("\n]")
+            for k, v in stream.tail.items():
+                if k not in head:
+                    f.write(f",\n{json.dumps(k)}: {json.dumps(_finite(v), allow_nan=False)}")
+            f.write("\n}\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return stream.count
+
+
+def _one_file(trace: Path) -> Path:
+    files = trace_files(trace)  # TraceError (a UsageError) naming the path when missing or not a trace
+    if Path(trace).is_dir():
+        raise UsageError(f"{trace} is a folder of {len(files)} trace file(s); export one file, or all of them with "
+                         "the HTA folder export")
+    return files[0]
+
+
+def export_chrome(trace: Path, out: Path, force: bool = False) -> Path:
+    """Write `trace` (.json or .json.gz) as gzipped Chrome trace JSON that Perfetto's UI opens.
+
+    Every event and top-level key (deviceProperties, the `vlmdoctor` run config, ...) is kept. `out`
+    must end in .json.gz (or .gz); an existing file is overwritten only with `force`. Returns `out`.
+    """
+    src, out = _one_file(Path(trace)), Path(out)
+    if not out.name.endswith(".gz"):
+        raise UsageError(f"{out}: the export is gzipped; give a name ending in .json.gz")
+    _check_output(out, force)
+    if out.exists() and out.resolve() == src.resolve():
+        raise UsageError(f"{out} is the input trace; write the export to another file")
+    _write(_Stream(src).open(), out)
+    return out
+
+
+def _rank_of(info: Any) -> int | None:
+    if isinstance(info, dict) and isinstance(info.get("rank"), int) and not isinstance(info["rank"], bool):
+        return info["rank"] if info["rank"] >= 0 else None
+    return None
+
+
+def export_hta_folder(traces: list[Path], out_dir: Path, force: bool = False) -> Path:
+    """A folder that Holistic Trace Analysis (`hta.trace_analysis.TraceAnalysis(trace_dir=...)`) reads:
+    one gzipped file per rank, `rank{R}.pt.trace.json.gz`, each with `distributedInfo.rank` set.
+
+    `traces` are trace files, or folders of them (each file one rank). A trace that already says its
+    rank keeps its distributedInfo as recorded; the others get {"rank": i, "world_size": n, "backend":
+    "nccl"} (keeping any other keys they have), with i the lowest free rank, in the order given. Two
+    traces claiming the same rank are refused: they are not ranks of one run. HTA reads every .json and .gz file in the folder, so a folder that already holds trace
+    files is refused unless `force`, which removes those files first. Returns `out_dir`.
+    """
+    files: list[Path] = []
+    for t in traces:
+        files.extend(trace_files(t))
+    if not files:
+        raise UsageError("no trace files given")
+    if len({f.resolve() for f in files}) != len(files):
+        raise UsageError("the same trace file is given twice")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UsageError(f"{out_dir} exists and is not a folder")
+    if any(f.resolve().parent == out_dir.resolve() for f in files):
+        raise UsageError(f"{out_dir} holds the input traces; export to another folder")
+    old = [p for p in out_dir.iterdir() if p.is_file() and p.name.endswith((*TRACE_SUFFIXES, ".gz"))] \
+        if out_dir.is_dir() else []
+    if old and not force:
+        raise UsageError(f"{out_dir} already holds {len(old)} trace file(s) (HTA would read them too); pass --force "
+                         "to replace them, or choose another folder")
+
+    heads = []
+    for f in files:  # each file's keys before traceEvents; the events are read once, while writing
+        s = _Stream(f).open()
+        s.close()
+        heads.append(s.head)
+    given = [_rank_of(h.get("distributedInfo")) for h in heads]
+    seen: dict[int, Path] = {}
+    for f, r in zip(files, given):
+        if r is not None and r in seen:
+            raise UsageError(f"{seen[r]} and {f} both say rank {r}; HTA needs one trace per rank of one run")
+        if r is not None:
+            seen[r] = f
+    free = (r for r in range(len(files) + len(seen)) if r not in seen)
+    ranks = [r if r is not None else next(free) for r in given]
+    width = len(str(max(ranks)))
+    for p in old:
+        p.unlink()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for f, h, r, g in zip(files, heads, ranks, given):
+        info = dict(h.get("distributedInfo") or {}) if isinstance(h.get("distributedInfo"), dict) else {}
+        if g is None:  # no usable rank: set it, keeping what else the trace says (backend, process groups)
+            info = {**info, "rank": r, "world_size": info.get("world_size") or len(files),
+                    "backend": info.get("backend") or "nccl"}
+        _write(_Stream(f).open(), out_dir / f"rank{r:0{width}d}.pt.trace.json.gz", first={"distributedInfo": info})
+    return out_dir

@@ -1,0 +1,314 @@
+"""`vlmdoctor gate`: fail CI when a change makes training slower, hungrier or sicker.
+
+A ratio threshold alone would fail pull requests on noise, so throughput follows asv: the drop
+must be both larger than `max_regression` and statistically distinguishable from run-to-run
+noise. Memory growth and new high-severity findings fail on their own.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from . import SCHEMA_VERSION
+from .errors import UsageError
+
+#: environment keys that change speed on their own; a difference here is not the pull request's doing
+ENV_KEYS = ("gpu", "driver", "torch", "transformers")
+#: config keys that define the model architecture; comparing different ones is meaningless
+MODEL_KEYS = ("model", "vision", "llm", "projector", "pixel_shuffle")
+#: severities, lowest first, so "at or above" is an index comparison
+SEVERITY_ORDER = ("low", "medium", "high")
+#: below this many samples a side the Mann-Whitney normal approximation is too coarse
+MIN_SAMPLES_FOR_TEST = 8
+
+
+# --- loading ----------------------------------------------------------------------------------
+
+def load_report(path: str) -> dict[str, Any]:
+    """Read a profile report, refusing anything a comparison would silently misread."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        raise UsageError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise UsageError(f"{path}: is a directory, not a report JSON") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"{path}: cannot read: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        report = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{path}: not valid JSON (truncated?): {e.msg} at line {e.lineno} column {e.colno}") from None
+    return validate_report(report, path)
+
+
+def validate_report(report: Any, name: str) -> dict[str, Any]:
+    """The checks of load_report on a report already in memory (e.g. one just measured)."""
+    if not isinstance(report, dict):
+        raise UsageError(f"{name}: not a vlmdoctor profile report (the JSON is a {type(report).__name__}, not an object)")
+    kind = report.get("kind")
+    if kind is not None and kind != "profile":
+        raise UsageError(f"{name}: a vlmdoctor {kind} result, not a profile report; "
+                         "pass the report JSON written by `vlmdoctor profile --json`")
+    version = report.get("schema_version")
+    if version is None or isinstance(version, bool) or not isinstance(version, int):
+        raise UsageError(f"{name}: not a vlmdoctor profile report (no schema_version)")
+    if version > SCHEMA_VERSION:
+        raise UsageError(f"{name}: schema_version {version} was written by a newer vlmdoctor "
+                         f"(this one reads up to {SCHEMA_VERSION}); upgrade vlmdoctor")
+    status = report.get("status", "ok")
+    if status != "ok":
+        why = (report.get("error") or {}).get("message")
+        raise UsageError(f"{name}: the run did not finish cleanly (status {status}"
+                         + (f": {why}" if why else "") + "); its numbers cannot be compared")
+    missing = [k for k in ("config", "metrics") if not isinstance(report.get(k), dict)]
+    if missing:
+        raise UsageError(f"{name}: not a vlmdoctor profile report (no {' or '.join(missing)})")
+    return report
+
+
+def run_current(base: dict[str, Any], diagnose: bool = True, timeout: float | None = None) -> dict[str, Any]:
+    """Re-measure the baseline's own config in a fresh process, so only the code under test differs."""
+    from .config import RunConfig
+    from .runner import run_isolated
+
+    cfg = RunConfig.from_dict(base["config"], source="baseline config")
+    return validate_report(run_isolated(cfg, timeout=timeout, diagnose=diagnose), "current run")
+
+
+# --- comparability ----------------------------------------------------------------------------
+
+def _differences(a: dict[str, Any], b: dict[str, Any], keys: Iterable[str]) -> list[str]:
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
+
+
+def model_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """Model architecture and training stage: what makes two throughputs different quantities."""
+    return _differences(a["config"], b["config"], (*MODEL_KEYS, "stage"))
+
+
+def env_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    return _differences(a.get("env") or {}, b.get("env") or {}, ENV_KEYS)
+
+
+def check_comparable(base: dict[str, Any], cur: dict[str, Any], allow_env_change: bool = False) -> list[str]:
+    """Refuse comparisons that would blame the code for a different model or machine.
+
+    Returns notes to show with the verdict (environment differences that were allowed, config
+    knobs that differ).
+    """
+    model = model_differences(base, cur)
+    if model:
+        raise UsageError("baseline and current measure different things (" + "; ".join(model)
+                         + "); a gate compares one model and stage with itself")
+    env = env_differences(base, cur)
+    if env and not allow_env_change:
+        raise UsageError("baseline and current ran in different environments (" + "; ".join(env)
+                         + "); a speed change could be theirs, not the code's. Re-record the baseline, "
+                         "or pass --allow-env-change to compare anyway")
+    notes = [f"environment changed (allowed): {d}" for d in env]
+    knobs = sorted((set(base["config"]) | set(cur["config"])) - {*MODEL_KEYS, "stage"})
+    notes += [f"config differs: {d}" for d in _differences(base["config"], cur["config"], knobs)]
+    return notes
+
+
+# --- statistics -------------------------------------------------------------------------------
+
+def _ranks(values: Sequence[float]) -> tuple[list[float], list[int]]:
+    """Average ranks (1-based) and the sizes of the tie groups."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    ties: list[int] = []
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        ties.append(j - i + 1)
+        i = j + 1
+    return ranks, ties
+
+
+def mann_whitney_u(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
+    """Two-sided Mann-Whitney U test: (U of x, p-value).
+
+    Normal approximation with tie correction and continuity correction (what scipy's
+    `mannwhitneyu(..., method="asymptotic")` computes). Rank-based, so one slow outlier step
+    cannot fake or hide a regression the way it can move a mean.
+    """
+    n1, n2 = len(x), len(y)
+    if n1 == 0 or n2 == 0:
+        raise ValueError("mann_whitney_u needs at least one sample on each side")
+    ranks, ties = _ranks([*x, *y])
+    u1 = sum(ranks[:n1]) - n1 * (n1 + 1) / 2
+    n = n1 + n2
+    mu = n1 * n2 / 2
+    tie_term = sum(t**3 - t for t in ties) / (n * (n - 1)) if n > 1 else 0.0
+    var = n1 * n2 / 12 * ((n + 1) - tie_term)
+    if var <= 0:  # every value identical: no evidence of any difference
+        return u1, 1.0
+    z = max(abs(u1 - mu) - 0.5, 0.0) / math.sqrt(var)
+    return u1, min(1.0, math.erfc(z / math.sqrt(2)))
+
+
+def throughput_samples(report: dict[str, Any], per_step: bool) -> list[float]:
+    """Real tokens/s samples: one per timed step when the report records step tokens, else one per repeat."""
+    repeats = report.get("repeats") or []
+    if per_step:
+        return [tok / (ms / 1000) for r in repeats for tok, ms in zip(r["step_real_tokens"], r["step_ms"]) if ms > 0]
+    samples = [r["real_tokens_per_s"] for r in repeats if r.get("real_tokens_per_s") is not None]
+    return samples or [report["metrics"]["real_tokens_per_s"]]
+
+
+def _has_step_tokens(report: dict[str, Any]) -> bool:
+    repeats = report.get("repeats") or []
+    return bool(repeats) and all(len(r.get("step_real_tokens") or []) == len(r.get("step_ms") or []) > 0 for r in repeats)
+
+
+def check_throughput(base: dict[str, Any], cur: dict[str, Any], max_regression: float = 0.05,
+                     alpha: float = 0.01) -> dict[str, Any]:
+    """Fail only on a drop that is both large (ratio) and real (significant), as asv does."""
+    per_step = _has_step_tokens(base) and _has_step_tokens(cur)
+    b, c = throughput_samples(base, per_step), throughput_samples(cur, per_step)
+    mb, mc = statistics.median(b), statistics.median(c)
+    ratio = mc / mb if mb > 0 else math.inf
+    p: float | None = None
+    if min(len(b), len(c)) >= MIN_SAMPLES_FOR_TEST:
+        method = "mann-whitney"
+        p = mann_whitney_u(c, b)[1]
+        significant = p < alpha
+        evidence = f"Mann-Whitney p={p:.2g} ({'<' if significant else '>='} alpha {alpha:g})"
+    else:
+        method = "range-overlap"
+        significant = max(c) < min(b) or min(c) > max(b)
+        evidence = (f"ranges {'do not overlap' if significant else 'overlap'} "
+                    f"(too few samples for a test: {len(b)} vs {len(c)})")
+    slower = ratio < 1 - max_regression
+    passed = not (slower and significant)
+    change = f"{(ratio - 1) * 100:+.1f}%"
+    numbers = f"{mb:,.0f} -> {mc:,.0f} real tokens/s ({change})"
+    if not slower:
+        reason = f"{numbers}: within the {max_regression:.0%} allowed" if ratio < 1 else f"{numbers}: no slowdown"
+    elif significant:
+        reason = f"{numbers}: slower than the {max_regression:.0%} allowed and beyond noise; {evidence}"
+    else:
+        reason = f"{numbers}: slower than the {max_regression:.0%} allowed, but not beyond noise; {evidence}"
+    return {
+        "name": "throughput", "passed": passed, "verdict": "pass" if passed else "fail", "detail": reason,
+        "base_median": mb, "cur_median": mc, "ratio": ratio, "n_base": len(b), "n_cur": len(c),
+        "samples": "per-step" if per_step else "per-repeat", "method": method, "p": p,
+        "significant": significant, "max_regression": max_regression, "alpha": alpha,
+    }
+
+
+def check_memory(base: dict[str, Any], cur: dict[str, Any], max_memory_growth: float = 0.10) -> dict[str, Any]:
+    """Memory growth eats the headroom that bigger batches need, so it fails even at equal speed."""
+    mb, mc = base["metrics"].get("peak_mem_gb"), cur["metrics"].get("peak_mem_gb")
+    out: dict[str, Any] = {"name": "memory", "base_gb": mb, "cur_gb": mc, "growth": None,
+                           "max_memory_growth": max_memory_growth}
+    if not mb or mc is None:
+        return out | {"passed": True, "verdict": "skip", "detail": "skipped: peak memory is not measured on CPU runs"}
+    growth = mc / mb - 1
+    passed = growth <= max_memory_growth
+    detail = (f"peak allocated {mb:.2f} -> {mc:.2f} GiB ({growth * 100:+.1f}%): "
+              + ("within" if passed else "more than") + f" the {max_memory_growth:.0%} allowed")
+    return out | {"growth": growth, "passed": passed, "verdict": "pass" if passed else "fail", "detail": detail}
+
+
+def _findings(report: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
+    f = report.get("findings")
+    return None if f is None else {x["id"]: x for x in f}
+
+
+def check_findings(base: dict[str, Any], cur: dict[str, Any], fail_on: str = "high") -> dict[str, Any]:
+    """A new prescription (FP32 GEMMs back on the step, say) is a regression even before it shows in speed."""
+    if fail_on not in SEVERITY_ORDER:
+        raise UsageError(f"fail_on={fail_on!r} is not valid; choose one of: {', '.join(reversed(SEVERITY_ORDER))}")
+    fb, fc = _findings(base), _findings(cur)
+    out: dict[str, Any] = {"name": "findings", "fail_on": fail_on, "added": [], "gone": [], "failing": []}
+    if fb is None or fc is None:
+        which = "baseline" if fb is None else "current"
+        return out | {"passed": True, "verdict": "skip",
+                      "detail": f"skipped: the {which} report has no diagnosis (run without --no-diagnose)"}
+    threshold = SEVERITY_ORDER.index(fail_on)
+    added = [i for i in fc if i not in fb]
+    gone = [i for i in fb if i not in fc]
+    failing = [i for i in added if fc[i].get("severity") in SEVERITY_ORDER
+               and SEVERITY_ORDER.index(fc[i]["severity"]) >= threshold]
+    parts = []
+    if failing:
+        parts.append(f"new finding(s) of severity {fail_on} or above: "
+                     + ", ".join(f"{i} ({fc[i].get('severity')})" for i in failing))
+    others = [i for i in added if i not in failing]
+    if others:
+        parts.append("new, below the bar: " + ", ".join(f"{i} ({fc[i].get('severity')})" for i in others))
+    if gone:
+        parts.append("gone: " + ", ".join(gone))
+    detail = "; ".join(parts) if parts else "same findings as the baseline"
+    passed = not failing
+    return out | {"added": added, "gone": gone, "failing": failing, "passed": passed,
+                  "verdict": "pass" if passed else "fail", "detail": detail}
+
+
+# --- the verdict ------------------------------------------------------------------------------
+
+def gate(base: dict[str, Any], cur: dict[str, Any], max_regression: float = 0.05, alpha: float = 0.01,
+         max_memory_growth: float = 0.10, fail_on: str = "high", notes: Sequence[str] = ()) -> dict[str, Any]:
+    """All checks and one verdict; call check_comparable first (it refuses, this one judges)."""
+    checks = [
+        check_throughput(base, cur, max_regression, alpha),
+        check_memory(base, cur, max_memory_growth),
+        check_findings(base, cur, fail_on),
+    ]
+    failed = [c for c in checks if not c["passed"]]
+    if failed:
+        summary = "FAILED: " + "; ".join(f"{c['name']}: {c['detail']}" for c in failed)
+    else:
+        summary = "PASSED: " + checks[0]["detail"]
+    cfg = base["config"]
+    return {"passed": not failed, "checks": checks, "summary": summary, "notes": list(notes),
+            "model": cfg.get("model"), "stage": cfg.get("stage")}
+
+
+def _cell(text: Any) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """For $GITHUB_STEP_SUMMARY: the verdict first, then one row per check."""
+    head = "passed" if result["passed"] else "FAILED"
+    icon = "\u2705" if result["passed"] else "\u274c"
+    lines = [f"## {icon} vlmdoctor gate {head}", "",
+             f"{result.get('model')} stage {result.get('stage')}: {_cell(result['summary'])}", "",
+             "| check | verdict | detail |", "|---|---|---|"]
+    for c in result["checks"]:
+        lines.append(f"| {c['name']} | {c['verdict']} | {_cell(c['detail'])} |")
+    if result.get("notes"):
+        lines += ["", "Notes:", *(f"- {_cell(n)}" for n in result["notes"])]
+    return "\n".join(lines) + "\n"
+
+
+def junit_xml(result: dict[str, Any]) -> str:
+    """For CI test-report viewers: each check a test case, so the failed one is named in the PR UI."""
+    checks = result["checks"]
+    suite = ET.Element("testsuite", name="vlmdoctor-gate", tests=str(len(checks)),
+                       failures=str(sum(not c["passed"] for c in checks)), errors="0",
+                       skipped=str(sum(c["verdict"] == "skip" for c in checks)))
+    for c in checks:
+        case = ET.SubElement(suite, "testcase", classname="vlmdoctor.gate", name=c["name"])
+        if not c["passed"]:
+            failure = ET.SubElement(case, "failure", message=c["detail"], type=f"{c['name']}-regression")
+            failure.text = c["detail"]
+        elif c["verdict"] == "skip":
+            ET.SubElement(case, "skipped", message=c["detail"])
+        else:
+            ET.SubElement(case, "system-out").text = c["detail"]
+    if result.get("notes"):
+        ET.SubElement(suite, "system-out").text = "\n".join(result["notes"])
+    return ET.tostring(suite, encoding="unicode", xml_declaration=True) + "\n"
