@@ -51,10 +51,14 @@ def test_gate_update_baseline_writes_on_purpose(tmp_path):
     assert json.loads(base.read_text())["config"]["weight_dtype"] == "bf16"
 
 
-def test_compare_prints_both_sides():
-    r = CliRunner().invoke(app, ["compare", BF16, str(TRACES / "healthy_s2.report.json")], env={"COLUMNS": "150"})
+def test_compare_prints_both_sides(tmp_path):
+    r = CliRunner().invoke(app, ["compare", BF16, str(TRACES / "healthy_s2.report.json"), "--json", str(tmp_path / "c.json")])
     assert r.exit_code == 0, r.output
-    assert "better" in r.output and "batch_size" in r.output
+    assert "bf16_s2.report.json" in r.output and "healthy_s2.report.json" in r.output
+    result = json.loads((tmp_path / "c.json").read_text())
+    tokens = next(m for m in result["metrics"] if m["key"] == "real_tokens_per_s")
+    assert tokens["verdict"] == "better"
+    assert "batch_size" in {c["knob"] for c in result["config"]}
 
 
 def test_export_chrome_and_hta_folder(tmp_path):

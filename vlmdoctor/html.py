@@ -160,20 +160,13 @@ def step_split_svg(facts: dict[str, Any]) -> str:
     return "".join(out).replace("{H}", str(height))
 
 
+_PREFIX_COLORS = [("gemm_fp32", "#c62828"), ("gemm_tf32", "#ef6c00"), ("gemm", "#1565c0"), ("attention", "#6a1b9a"),
+                  ("liger", "#00838f"), ("triton", "#00897b")]  # first matching prefix wins
+_CLASS_COLORS = {"optimizer": "#5d4037", "cast": "#f9a825", "softmax": "#8e24aa", "nccl": "#ad1457"}
+
+
 def _kernel_color(cls: str) -> str:
-    if cls.startswith("gemm_fp32"):
-        return "#c62828"
-    if cls.startswith("gemm_tf32"):
-        return "#ef6c00"
-    if cls.startswith("gemm"):
-        return "#1565c0"
-    if cls.startswith("attention"):
-        return "#6a1b9a"
-    if cls.startswith("liger"):
-        return "#00838f"
-    if cls.startswith("triton"):
-        return "#00897b"
-    return {"optimizer": "#5d4037", "cast": "#f9a825", "softmax": "#8e24aa", "nccl": "#ad1457"}.get(cls, "#78909c")
+    return next((c for p, c in _PREFIX_COLORS if cls.startswith(p)), _CLASS_COLORS.get(cls, "#78909c"))
 
 
 def kernel_classes_svg(facts: dict[str, Any], top: int = 14) -> str:
