@@ -59,6 +59,7 @@ def test_treat_applies_measures_keeps_and_reverts(treated):
     assert result["final_config"]["batch_size"] == 4 and result["final_config"]["pad_to_multiple_of"] == 1  # reverted
     assert result["stopped_because"] == "--max-trials 3 reached"
     assert (out / "ladder.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "<svg" in (out / "treat.html").read_text()
     assert "ladder" in r.output and "t2-pad-to-2048" in r.output
 
 

@@ -291,6 +291,8 @@ def treat(
     rules_dirs: Optional[list[str]] = typer.Option(None, "--rules", help="extra folder of rule files (repeatable)"),
     out_dir: Optional[str] = typer.Option(None, "--out", help="folder for treat.json, final_config.yaml, ladder.png "
                                           "[default: treat-MODEL-stageN]"),
+    html_path: Optional[str] = typer.Option(None, "--html", help="also write the HTML report here (it is always "
+                                            "written as treat.html in --out)"),
     force: bool = typer.Option(False, "--force", help="write into an --out folder that already holds results"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress and no tables"),
 ) -> None:
@@ -313,6 +315,9 @@ def treat(
                                        repeats=repeats).items() if v is not None}
         cfg = base.replace(source="command line", **{**_parse_sets(sets or []), **flags})
         check(cfg)
+        from .report import check_writable
+
+        check_writable(html_path, force)
         folder = Path(out_dir or f"treat-{cfg.model}-stage{cfg.stage}")
         if folder.exists() and any(folder.iterdir()) and not force:
             raise VlmdoctorError(f"{folder} already holds files; pass --force to write into it, or --out another folder")
@@ -344,6 +349,8 @@ def treat(
 
         paths["html"] = folder / "treat.html"
         write_html(treat_html(result), paths["html"], force=True)
+        if html_path:
+            write_html(treat_html(result), Path(html_path), force=force)
         if not quiet:
             render_ladder(result, out)
             out.print(f"written: {', '.join(str(p) for p in paths.values())}")
