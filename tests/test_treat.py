@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -130,3 +131,11 @@ def test_sweep_grid_file_with_a_bad_knob_names_the_row(tmp_path):
     grid.write_text("defaults: {model: tiny}\nruns:\n  - {name: ok, set: {}}\n  - {name: bad, set: {batch_sise: 2}}\n")
     r = CliRunner().invoke(app, ["sweep", str(grid)])
     assert r.exit_code == 2 and "run 1" in r.output and "batch_sise" in r.output
+
+
+def test_seed_grid_is_48_runs_over_models_and_stages():
+    from vlmdoctor.sweep import load_grid
+
+    plan = load_grid(Path(__file__).resolve().parents[1] / "bench" / "grids" / "seed_48.yaml")
+    assert len(plan) == 48
+    assert {(c.model, c.stage) for _, c in plan} == {("0.5b", 1), ("0.5b", 2), ("1.5b", 1), ("1.5b", 2)}

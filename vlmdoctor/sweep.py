@@ -1,7 +1,8 @@
 """A grid of run configs, one fresh process each: the seed's style of experiment.
 
 A grid file is YAML: `defaults` (knobs for every row), `runs` (each a `name`, the knobs it `set`s
-and optionally the `stages` it runs in) and `stages` (default [2]). Or the grid is the product of
+and optionally the `stages` it runs in), `stages` (default [2]) and optionally `models` (every row
+again for each preset). Or the grid is the product of
 `--set knob=v1,v2` lists.
 """
 from __future__ import annotations
@@ -31,12 +32,17 @@ def load_grid(path: str | Path, extra: dict[str, Any] | None = None, stages: lis
     if not isinstance(grid, dict) or not isinstance(grid.get("runs"), list):
         raise UsageError(f"{path}: expected a mapping with a list under 'runs'")
     plan: Plan = []
-    for stage in stages or grid.get("stages", [2]):
-        for i, row in enumerate(grid["runs"]):
-            if stage not in row.get("stages", [stage]):
-                continue
-            knobs = {**(grid.get("defaults") or {}), **(row.get("set") or {}), **(extra or {}), "stage": stage}
-            plan.append((row.get("name", f"row {i}"), RunConfig.from_dict(knobs, source=f"{path}: run {i}")))
+    models = grid.get("models") or [None]  # optional axis: every row for each model preset
+    for model in models:
+        for stage in stages or grid.get("stages", [2]):
+            for i, row in enumerate(grid["runs"]):
+                if stage not in row.get("stages", [stage]):
+                    continue
+                knobs = {**(grid.get("defaults") or {}), **(row.get("set") or {}), **(extra or {}), "stage": stage}
+                if model is not None:
+                    knobs["model"] = model
+                name = row.get("name", f"row {i}") + (f" [{model}]" if len(models) > 1 else "")
+                plan.append((name, RunConfig.from_dict(knobs, source=f"{path}: run {i}")))
     return plan
 
 
