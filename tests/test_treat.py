@@ -54,6 +54,7 @@ def test_treat_applies_measures_keeps_and_reverts(treated):
     kept, harmful = result["trials"][0], result["trials"][1]
     assert kept["gain"] > kept["margin"] > 0 and harmful["gain"] < -harmful["margin"]
     assert len(kept["tokens_per_s_repeats"]) == 3  # the noise comes from the repeats
+    assert kept["profile"]["step.ms"] > 0  # each run's traced window travels with it
     ladder = result["ladder"]
     assert [step["change"] for step in ladder] == ["start", "batch_size=4"]
     assert ladder[1]["speedup"] > 1 and ladder[1]["real_tokens_per_s"] > ladder[0]["real_tokens_per_s"]

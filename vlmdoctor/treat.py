@@ -28,6 +28,8 @@ from .config import RunConfig
 from .errors import EXIT_USAGE, UsageError
 
 Runner = Callable[[RunConfig], dict[str, Any]]
+PROFILE_FACTS = ("gpu.busy_frac", "gpu.busy_tflops", "launch.kernels", "idle.other_host.ms", "idle.data_loader.ms",
+                 "idle.op.cudnn_attention.ms", "gemm.ms", "gpu.busy_ms", "step.ms")
 Notify = Callable[[str], None]
 
 
@@ -62,7 +64,10 @@ def decide(current: dict[str, Any], trial: dict[str, Any], min_gain: float) -> d
 def summary(report: dict[str, Any]) -> dict[str, Any]:
     """What the ladder shows of one run."""
     m = report.get("metrics") or {}
+    facts = report.get("facts") or {}
     return {"status": report.get("status"), "real_tokens_per_s": m.get("real_tokens_per_s"),
+            # what limits this rung, from its traced window: how busy the GPU was, and how fast while busy
+            "profile": {k: facts.get(k) for k in PROFILE_FACTS if k in facts},
             "tokens_per_s_repeats": tokens(report), "step_ms": m.get("step_ms"), "mfu": m.get("mfu"),
             "peak_mem_gb": m.get("peak_mem_gb"), "pad_fraction": m.get("pad_fraction"),
             "findings": [f["id"] for f in report.get("findings") or []],
