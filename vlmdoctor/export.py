@@ -8,123 +8,18 @@ instead of copied. Every event and every top-level key is kept, in order.
 from __future__ import annotations
 
 import gzip
-import io
 import json
 import math
 import os
 import tempfile
-import zlib
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import Any
 
 from .errors import UsageError
-from .tracefile import TRACE_SUFFIXES, TraceError, trace_files
+from .tracefile import TRACE_SUFFIXES, iter_events, read_metadata, trace_files
 
-BLOCK = 1 << 24  # characters read at a time while streaming events
 FLUSH = 4096  # events serialized before each write
 COMPRESSLEVEL = 6  # gzip's default of 9 is several times slower for a few % smaller output
-
-
-class _Stream:
-    """One pass over a Chrome trace object: `head` (keys before traceEvents) is ready after open(),
-    `events()` yields every element of traceEvents, `tail` (keys after it) is ready once they are spent."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.head: dict[str, Any] = {}
-        self.tail: dict[str, Any] = {}
-        self.count = 0
-        self._raw: IO[bytes] | None = None
-        self._text: io.TextIOWrapper | None = None
-        self._buf = ""
-        self._i = 0
-
-    # -- errors are named after the file, as tracefile does ------------------------------------
-    def _fail(self, what: str) -> TraceError:
-        return TraceError(f"{self.path}: {what}; expected a torch.profiler Chrome trace (a JSON object with a "
-                          "traceEvents list)")
-
-    def open(self) -> "_Stream":
-        try:
-            self._raw = gzip.open(self.path, "rb") if self.path.name.endswith(".gz") else open(self.path, "rb")
-            self._text = io.TextIOWrapper(self._raw, encoding="utf-8", errors="replace")
-            buf = ""
-            while True:  # up to the '[' of traceEvents
-                more = self._text.read(BLOCK)
-                if not more:
-                    start = buf.lstrip()[:40]
-                    raise self._fail("no 'traceEvents' list" if start.startswith("{") or not start
-                                     else f"not a JSON object (starts with {start!r})")
-                buf += more
-                k = buf.find('"traceEvents"')
-                if k >= 0 and buf.find("[", k) >= 0:
-                    break
-            try:
-                self.head = json.loads(buf[:k] + '"traceEvents": []}')
-            except json.JSONDecodeError as e:
-                raise self._fail(f"the keys before traceEvents are not valid JSON ({e.msg})") from None
-            self.head.pop("traceEvents", None)
-            self._buf, self._i = buf, buf.find("[", k) + 1
-        except (OSError, EOFError, zlib.error) as e:
-            self.close()
-            raise self._fail(f"cannot read ({type(e).__name__}: {e})") from None
-        except TraceError:
-            self.close()
-            raise
-        return self
-
-    def events(self) -> Iterator[Any]:
-        dec = json.JSONDecoder()
-        assert self._text is not None, "open() first"
-        buf, i, eof = self._buf, self._i, False
-        try:
-            while True:
-                n = len(buf)
-                while i < n and buf[i] in " \t\r\n,":
-                    i += 1
-                if not eof and n - i < (1 << 20):  # keep at least 1 MB ahead of the decoder
-                    more = self._text.read(BLOCK)
-                    eof = not more
-                    buf, i = buf[i:] + more, 0
-                    continue
-                if i >= n:
-                    raise self._fail(f"the events list is not closed after {self.count} events (a truncated file?)")
-                if buf[i] == "]":
-                    break
-                ev, i = dec.raw_decode(buf, i)
-                self.count += 1
-                yield ev
-            rest = buf[i + 1:] + self._text.read()
-            self._parse_tail(rest)
-        except json.JSONDecodeError as e:
-            where = f"after {self.count} events" if self.count else "before any event"
-            raise self._fail(f"the JSON is malformed or truncated {where} ({e.msg})") from None
-        except (OSError, EOFError, zlib.error) as e:
-            raise self._fail(f"cannot read after {self.count} events ({type(e).__name__}: {e}); a truncated .gz "
-                             "file?") from None
-        finally:
-            self.close()
-        if self.count == 0:
-            raise self._fail("no trace events")
-
-    def _parse_tail(self, rest: str) -> None:
-        text = rest.strip()
-        if not text.endswith("}"):
-            raise self._fail("the JSON object is not closed after traceEvents (a truncated file?)")
-        body = text[:-1].strip().lstrip(",").strip()
-        try:
-            self.tail = json.loads("{" + body + "}") if body else {}
-        except json.JSONDecodeError as e:
-            raise self._fail(f"the keys after traceEvents are not valid JSON ({e.msg})") from None
-
-    def close(self) -> None:
-        for f in (self._text, self._raw):
-            try:
-                if f is not None:
-                    f.close()
-            except Exception:  # closing a broken gzip stream can raise again; the first error is the one to report
-                pass
-        self._text = self._raw = None
 
 
 def _finite(v: Any) -> Any:
@@ -152,28 +47,30 @@ def _check_output(out: Path, force: bool) -> None:
         raise UsageError(f"{out} is a folder; give a file name ending in .json.gz")
 
 
-def _write(stream: _Stream, out: Path, first: dict[str, Any] | None = None) -> int:
+def _write(src: Path, head: dict[str, Any], out: Path, first: dict[str, Any] | None = None) -> int:
     """Gzipped Chrome JSON: `first` keys, then the input's keys before traceEvents, the events, the keys
     after them. Written to a temporary file beside `out`, renamed into place when complete."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
     os.close(fd)
+    tail: dict[str, Any] = {}
+    count = 0
     try:
         with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=COMPRESSLEVEL) as f:
-            head = {**(first or {}), **{k: v for k, v in stream.head.items() if k not in (first or {})}}
+            head = {**(first or {}), **{k: v for k, v in head.items() if k not in (first or {})}}
             f.write("{\n")
             for k, v in head.items():  # one key a line: HTA finds distributedInfo's rank by a line-wise search
                 f.write(f"{json.dumps(k)}: {json.dumps(_finite(v), allow_nan=False)},\n")
             f.write('"traceEvents": [\n')
             lines: list[str] = []
-            for n, ev in enumerate(stream.events()):
-                lines.append(("" if n == 0 else ",\n") + _dumps(ev))
+            for count, ev in enumerate(iter_events(src, tail=tail), start=1):
+                lines.append(("" if count == 1 else ",\n") + _dumps(ev))
                 if len(lines) >= FLUSH:
                     f.write("".join(lines))
                     lines.clear()
             f.write("".join(lines))
             f.write("\n]")
-            for k, v in stream.tail.items():
+            for k, v in tail.items():
                 if k not in head:
                     f.write(f",\n{json.dumps(k)}: {json.dumps(_finite(v), allow_nan=False)}")
             f.write("\n}\n")
@@ -182,7 +79,7 @@ def _write(stream: _Stream, out: Path, first: dict[str, Any] | None = None) -> i
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return stream.count
+    return count
 
 
 def _one_file(trace: Path) -> Path:
@@ -205,7 +102,7 @@ def export_chrome(trace: Path, out: Path, force: bool = False) -> Path:
     _check_output(out, force)
     if out.exists() and out.resolve() == src.resolve():
         raise UsageError(f"{out} is the input trace; write the export to another file")
-    _write(_Stream(src).open(), out)
+    _write(src, read_metadata(src, strict=True), out)
     return out
 
 
@@ -243,11 +140,7 @@ def export_hta_folder(traces: list[Path], out_dir: Path, force: bool = False) ->
         raise UsageError(f"{out_dir} already holds {len(old)} trace file(s) (HTA would read them too); pass --force "
                          "to replace them, or choose another folder")
 
-    heads = []
-    for f in files:  # each file's keys before traceEvents; the events are read once, while writing
-        s = _Stream(f).open()
-        s.close()
-        heads.append(s.head)
+    heads = [read_metadata(f, strict=True) for f in files]  # the events are read once, while writing
     given = [_rank_of(h.get("distributedInfo")) for h in heads]
     seen: dict[int, Path] = {}
     for f, r in zip(files, given):
@@ -266,5 +159,5 @@ def export_hta_folder(traces: list[Path], out_dir: Path, force: bool = False) ->
         if g is None:  # no usable rank: set it, keeping what else the trace says (backend, process groups)
             info = {**info, "rank": r, "world_size": info.get("world_size") or len(files),
                     "backend": info.get("backend") or "nccl"}
-        _write(_Stream(f).open(), out_dir / f"rank{r:0{width}d}.pt.trace.json.gz", first={"distributedInfo": info})
+        _write(f, h, out_dir / f"rank{r:0{width}d}.pt.trace.json.gz", first={"distributedInfo": info})
     return out_dir

@@ -44,8 +44,11 @@ def _open(path: Path) -> IO[bytes]:
     return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
 
 
-def read_metadata(path: Path) -> dict[str, Any]:
-    """Top-level keys other than traceEvents (Kineto writes them first)."""
+def read_metadata(path: Path, strict: bool = False) -> dict[str, Any]:
+    """Top-level keys other than traceEvents (Kineto writes them first).
+
+    strict: keys that do not parse are an error (an export must not drop them) instead of none.
+    """
     head = b""
     try:
         with _open(path) as f:
@@ -57,9 +60,14 @@ def read_metadata(path: Path) -> dict[str, Any]:
                 i = head.find(b'"traceEvents"')
                 if i >= 0:
                     try:
-                        return json.loads(head[:i].decode("utf-8", "replace") + '"traceEvents": []}')
-                    except json.JSONDecodeError:
+                        meta = json.loads(head[:i].decode("utf-8", "replace") + '"traceEvents": []}')
+                    except json.JSONDecodeError as e:
+                        if strict:
+                            raise TraceError(f"{path}: the keys before traceEvents are not valid JSON ({e.msg}); "
+                                             "expected a torch.profiler trace") from None
                         return {}
+                    meta.pop("traceEvents", None)
+                    return meta
     except (OSError, EOFError, zlib.error) as e:
         raise TraceError(f"{path}: cannot read ({type(e).__name__}: {e}); expected a torch.profiler trace") from None
     if b'"traceEvents"' not in head:
@@ -70,11 +78,12 @@ def read_metadata(path: Path) -> dict[str, Any]:
     return {}
 
 
-def iter_events(path: Path, block: int = 1 << 24) -> Iterator[dict[str, Any]]:
+def iter_events(path: Path, block: int = 1 << 24, tail: dict[str, Any] | None = None) -> Iterator[dict[str, Any]]:
     """Every element of traceEvents, streamed through the C JSON decoder one event at a time.
 
     A rolling buffer of `block` characters keeps memory bounded whatever the trace size;
-    truncation and bad JSON become TraceErrors.
+    truncation and bad JSON become TraceErrors. With `tail`, the top-level keys written after
+    traceEvents (Kineto's traceName) are read into it once the events are spent.
     """
     dec = json.JSONDecoder()
     count = 0
@@ -110,6 +119,8 @@ def iter_events(path: Path, block: int = 1 << 24) -> Iterator[dict[str, Any]]:
                 ev, i = dec.raw_decode(buf, i)
                 count += 1
                 yield ev
+            if tail is not None and count:
+                tail.update(_trailing_keys(path, buf[i + 1:] + f.read()))
     except json.JSONDecodeError as e:
         where = f"after {count} events" if count else "before any event"
         raise TraceError(f"{path}: the JSON is malformed or truncated {where} ({e.msg}); expected a complete "
@@ -118,3 +129,16 @@ def iter_events(path: Path, block: int = 1 << 24) -> Iterator[dict[str, Any]]:
         raise TraceError(f"{path}: cannot read ({type(e).__name__}: {e}); a truncated .gz file?") from None
     if count == 0:
         raise TraceError(f"{path}: no trace events (expected a top-level 'traceEvents' list, as torch.profiler writes)")
+
+
+def _trailing_keys(path: Path, rest: str) -> dict[str, Any]:
+    """The keys after the traceEvents list: `, "k": v, ... }`."""
+    text = rest.strip()
+    if not text.endswith("}"):
+        raise TraceError(f"{path}: the JSON object is not closed after traceEvents (a truncated file?); expected a "
+                         "complete torch.profiler Chrome trace")
+    body = text[:-1].strip().lstrip(",").strip()
+    try:
+        return json.loads("{" + body + "}") if body else {}
+    except json.JSONDecodeError as e:
+        raise TraceError(f"{path}: the keys after traceEvents are not valid JSON ({e.msg})") from None
