@@ -18,7 +18,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from vlmdoctor.runner import run_isolated  # noqa: E402
-from vlmdoctor.sweep import load_grid  # noqa: E402
+from vlmdoctor.sweep import grid_rows  # noqa: E402
 
 
 def row(name: str, r: dict) -> str:
@@ -48,16 +48,15 @@ def main() -> None:
     args = ap.parse_args()
     extra = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)}
     keep = {int(i) for i in args.only.split(",")} if args.only else None
-    names = [r.get("name") for r in yaml.safe_load(Path(args.grid).read_text())["runs"]]
-    plan = [(n, c) for n, c in load_grid(args.grid, extra, args.stage) if keep is None or names.index(n) in keep]
+    plan = [(i, n, c) for i, n, c in grid_rows(args.grid, extra, args.stage) if keep is None or i in keep]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lines = []
     with open(out / "results.jsonl", "a") as f:
-        for name, cfg in plan:
+        for i, name, cfg in plan:
             t0 = time.time()
             rep = run_isolated(cfg, timeout=900)
-            rep["bench"] = {"grid": args.grid, "row": names.index(name), "name": name, "wall_s": time.time() - t0}
+            rep["bench"] = {"grid": args.grid, "row": i, "name": name, "wall_s": time.time() - t0}
             f.write(json.dumps(rep) + "\n")
             f.flush()
             lines.append(row(name, rep))

@@ -21,8 +21,9 @@ from .errors import UsageError
 Plan = list[tuple[str, RunConfig]]
 
 
-def load_grid(path: str | Path, extra: dict[str, Any] | None = None, stages: list[int] | None = None) -> Plan:
-    """(name, config) for every row and stage of a grid file; bad knobs are user errors naming the row."""
+def grid_rows(path: str | Path, extra: dict[str, Any] | None = None,
+              stages: list[int] | None = None) -> list[tuple[int, str, RunConfig]]:
+    """(row index, name, config) for every row, model and stage of a grid file; bad knobs are user errors naming the row."""
     try:
         grid = yaml.safe_load(Path(path).read_text())
     except FileNotFoundError:
@@ -31,7 +32,7 @@ def load_grid(path: str | Path, extra: dict[str, Any] | None = None, stages: lis
         raise UsageError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(grid, dict) or not isinstance(grid.get("runs"), list):
         raise UsageError(f"{path}: expected a mapping with a list under 'runs'")
-    plan: Plan = []
+    out = []
     models = grid.get("models") or [None]  # optional axis: every row for each model preset
     for model in models:
         for stage in stages or grid.get("stages", [2]):
@@ -42,8 +43,13 @@ def load_grid(path: str | Path, extra: dict[str, Any] | None = None, stages: lis
                 if model is not None:
                     knobs["model"] = model
                 name = row.get("name", f"row {i}") + (f" [{model}]" if len(models) > 1 else "")
-                plan.append((name, RunConfig.from_dict(knobs, source=f"{path}: run {i}")))
-    return plan
+                out.append((i, name, RunConfig.from_dict(knobs, source=f"{path}: run {i}")))
+    return out
+
+
+def load_grid(path: str | Path, extra: dict[str, Any] | None = None, stages: list[int] | None = None) -> Plan:
+    """(name, config) for every row, model and stage of a grid file."""
+    return [(name, cfg) for _, name, cfg in grid_rows(path, extra, stages)]
 
 
 def product_grid(values: dict[str, list[Any]], stages: list[int] | None = None) -> Plan:
