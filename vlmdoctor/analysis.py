@@ -634,10 +634,10 @@ def _host_facts(t: Tables, facts: dict[str, Any], n: int) -> None:
     ops = t.ops
     counts = ops["name"].value_counts()
     counts = counts[counts > 0]
-    for op, backend in SDPA_BACKENDS.items():
-        if op in counts.index:
-            facts[f"attention.backend.{backend}.calls"] = float(counts[op]) / n
-    facts["attention.backends"] = sorted(b for op, b in SDPA_BACKENDS.items() if op in counts.index)
+    ran = {backend: float(counts[op]) / n for op, backend in SDPA_BACKENDS.items() if op in counts.index}
+    for backend, calls in ran.items():
+        facts[f"attention.backend.{backend}.calls"] = calls
+    facts["attention.backends"] = sorted(ran)
     facts["ops.fused_linear_cross_entropy"] = bool(ops["name"].str.contains("FusedLinearCrossEntropy").any())
     facts["ops.checkpoint_reentrant"] = bool(ops["name"].str.contains("CheckpointFunction").any())
     syncs = t.runtime["name"].str.match(SYNC_CALLS)

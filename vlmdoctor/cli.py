@@ -302,6 +302,7 @@ def treat(
     trials that did not help, and writes the final run config, which `vlmdoctor profile --config`
     runs again.
     """
+    import shutil
     from pathlib import Path
 
     from .report import render_ladder
@@ -345,12 +346,8 @@ def treat(
 
                 result = run_treat(cfg, run_one, opts, notify)
         paths = write_outputs(result, folder)
-        from .html import treat_html, write_html
-
-        paths["html"] = folder / "treat.html"
-        write_html(treat_html(result), paths["html"], force=True)
         if html_path:
-            write_html(treat_html(result), Path(html_path), force=force)
+            shutil.copyfile(paths["html"], html_path)
         if not quiet:
             render_ladder(result, out)
             out.print(f"written: {', '.join(str(p) for p in paths.values())}")
@@ -420,7 +417,6 @@ def gate(
 
     from rich.table import Table
 
-    from .errors import UsageError
     from .gate import check_comparable, junit_xml, load_report, markdown, run_current
     from .gate import gate as judge
     from .report import write_json
@@ -436,10 +432,7 @@ def gate(
             write_json(cur, baseline)
             out.print(f"baseline updated: {baseline} ({cur['metrics']['real_tokens_per_s']:,.0f} real tokens/s)")
             return
-        try:
-            notes = check_comparable(base, cur, allow_env_change)
-        except UsageError:
-            raise
+        notes = check_comparable(base, cur, allow_env_change)
         result = judge(base, cur, max_regression, alpha, max_memory_growth, fail_on, notes)
         t = Table(title=f"vlmdoctor gate: {result['summary']}", header_style="bold")
         for col in ("check", "verdict", "detail"):

@@ -256,7 +256,7 @@ def render_sweep(rows: list[dict[str, Any]], console: Console) -> None:
     for r in rows:
         ok = r["status"] == "ok"
         t.add_row(str(r["stage"]), r["name"], _fmt(r["real_tokens_per_s"], "", 0) if ok else "",
-                  _fmt(r["pad_fraction"] * 100 if ok else None), 
+                  _fmt(r["pad_fraction"] * 100 if ok else None),
                   f"{_fmt(r['step_ms'])} ({_fmt(r['step_ms_p10'])}-{_fmt(r['step_ms_p90'])})" if ok else "",
                   _fmt(r["mfu"] * 100 if r.get("mfu") else None, " %"), _fmt(r.get("peak_mem_gb"), "", 1),
                   r["status"] if ok else f"{r['status']}: {(r.get('error') or '')[:50]}")

@@ -75,8 +75,9 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def _next(current_cfg: RunConfig, report: dict[str, Any], tried: set[str],
-          skipped: list[dict[str, Any]]) -> tuple[dict[str, Any], RunConfig] | None:
-    """The first untried prescription whose patch changes something and makes a valid config."""
+          skipped: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any], RunConfig] | None:
+    """The first untried prescription whose patch changes something and makes a valid config:
+    (finding, the knobs it changes, the new config)."""
     state = json.dumps(current_cfg.to_dict(), sort_keys=True, default=str)
     for f in report.get("findings") or []:
         # a prescription is tried once per config: after a kept change (the picture changed: a bigger
@@ -90,7 +91,7 @@ def _next(current_cfg: RunConfig, report: dict[str, Any], tried: set[str],
             skipped.append({"rule": f["id"], "config_patch": f["config_patch"], "why": "the config already has it"})
             continue
         try:
-            return f, current_cfg.replace(source=f"prescription {f['id']}", **changes)
+            return f, changes, current_cfg.replace(source=f"prescription {f['id']}", **changes)
         except UsageError as e:
             skipped.append({"rule": f["id"], "config_patch": f["config_patch"], "why": e.message})
     return None
@@ -135,8 +136,7 @@ def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lamb
             pick = _next(current_cfg, current, tried, out["skipped"])
             if pick is None:
                 break
-            finding, trial_cfg = pick
-            patch = {k: v for k, v in finding["config_patch"].items() if getattr(current_cfg, k) != v}
+            finding, patch, trial_cfg = pick
             label = ", ".join(f"{k}={v}" for k, v in patch.items())
             notify(f"trial {len(out['trials']) + 1}: {finding['id']} ({label})")
             report = run(trial_cfg)
@@ -164,11 +164,12 @@ def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lamb
 
 
 def write_outputs(result: dict[str, Any], out_dir: Path) -> dict[str, Path]:
-    """treat.json, final_config.yaml (runs again with `vlmdoctor profile --config`) and ladder.png."""
+    """treat.json, final_config.yaml (runs again with `vlmdoctor profile --config`), ladder.png and treat.html."""
     from .report import write_json
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"report": out_dir / "treat.json", "config": out_dir / "final_config.yaml", "chart": out_dir / "ladder.png"}
+    paths = {"report": out_dir / "treat.json", "config": out_dir / "final_config.yaml", "chart": out_dir / "ladder.png",
+             "html": out_dir / "treat.html"}
     RunConfig.from_dict(result["final_config"], source="treat").dump(paths["config"])
     result["outputs"] = {k: str(v) for k, v in paths.items()}
     if result["ladder"]:
@@ -179,4 +180,7 @@ def write_outputs(result: dict[str, Any], out_dir: Path) -> dict[str, Path]:
         paths.pop("chart")
         result["outputs"].pop("chart")
     write_json(result, str(paths["report"]))
+    from .html import treat_html, write_html
+
+    write_html(treat_html(result), paths["html"], force=True)
     return paths
