@@ -59,6 +59,7 @@ class VLM(nn.Module):
         self.drop_cls = spec.vision["family"] in ("clip", "dinov2")
         self.vision_no_grad = False
         self.fused_ce = False  # Liger FusedCE, for the labeled-only head path
+        self._fused_loss: nn.Module | None = None
 
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Frozen tower forward; under no_grad only when the run config asks for it."""
@@ -108,9 +109,11 @@ class VLM(nn.Module):
         h = hidden[:, :-1].reshape(-1, hidden.shape[-1]).index_select(0, loss_index)
         head = self.llm.get_output_embeddings()
         if self.fused_ce:
-            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+            if self._fused_loss is None:  # built once, not on every step
+                from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-            loss = LigerFusedLinearCrossEntropyLoss()(head.weight, h, loss_targets, head.bias)
+                self._fused_loss = LigerFusedLinearCrossEntropyLoss()
+            loss = self._fused_loss(head.weight, h, loss_targets, head.bias)
         else:
             loss = nn.functional.cross_entropy(head(h).float(), loss_targets)
         return _Output(loss)
