@@ -13,7 +13,7 @@ from vlmdoctor.config import RunConfig
 from vlmdoctor.runner import run_isolated
 from vlmdoctor.treat import TreatOptions, decide, treat
 
-TINY = ["--model", "tiny", "--device", "cpu", "--steps", "8", "--warmup", "2", "--repeats", "3",
+TINY = ["--model", "tiny", "--device", "cpu", "--steps", "8", "--warmup", "5", "--repeats", "3",
         "--set", "num_samples=128", "--set", "autocast=off", "--set", "batch_size=1"]
 
 # Rules that fire on any CPU run, so that the treatment's three outcomes happen for sure: batch 1 -> 4
