@@ -17,8 +17,8 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from vlmdoctor.runner import run_isolated  # noqa: E402
-from vlmdoctor.sweep import grid_rows  # noqa: E402
+from vlmdoctor.run.runner import run_isolated  # noqa: E402
+from vlmdoctor.ci.sweep import grid_rows  # noqa: E402
 
 
 def row(name: str, r: dict) -> str:

@@ -17,8 +17,8 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from vlmdoctor.config import RunConfig  # noqa: E402
-from vlmdoctor.runner import _sync, build_patient, resolve_device, train_step  # noqa: E402
+from vlmdoctor.run.config import RunConfig  # noqa: E402
+from vlmdoctor.run.runner import _sync, build_patient, resolve_device, train_step  # noqa: E402
 
 
 def main() -> None:

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from vlmdoctor.config import RunConfig
-from vlmdoctor.zoo import resolve
+from vlmdoctor.run.config import RunConfig
+from vlmdoctor.run.zoo import resolve
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from vlmdoctor.analysis import analyze
+from vlmdoctor.trace.facts import analyze
 from vlmdoctor.cli import app
-from vlmdoctor.kernels import classify
+from vlmdoctor.trace.kernels import classify
 
 TRACES = Path(__file__).resolve().parents[1] / "fixtures" / "traces"
 MANIFEST = json.loads((TRACES / "manifest.json").read_text())
@@ -256,7 +256,7 @@ def _random_laminar(rng, n=60):
 def test_nesting_and_innermost_match_brute_force():
     import numpy as np
 
-    from vlmdoctor.analysis import innermost, nesting
+    from vlmdoctor.trace.facts import innermost, nesting
 
     rng = np.random.default_rng(0)
     for _ in range(20):
@@ -277,7 +277,7 @@ def test_nesting_and_innermost_match_brute_force():
 def test_interval_algebra_matches_a_grid():
     import numpy as np
 
-    from vlmdoctor.analysis import intersect, subtract, total, union
+    from vlmdoctor.trace.facts import intersect, subtract, total, union
 
     rng = np.random.default_rng(1)
     grid = np.arange(0, 100, 0.25) + 0.125

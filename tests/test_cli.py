@@ -13,8 +13,8 @@ import torch
 import yaml
 
 from vlmdoctor.cli import app
-from vlmdoctor.config import RunConfig
-from vlmdoctor.zoo import presets
+from vlmdoctor.run.config import RunConfig
+from vlmdoctor.run.zoo import presets
 
 FAST = ["--model", "tiny", "--device", "cpu", "--steps", "2", "--warmup", "1", "--autocast", "off"]
 METRIC_KEYS = {"real_tokens_per_s", "loss_tokens_per_s", "pad_fraction", "step_ms", "peak_mem_gb", "mfu"}
@@ -183,7 +183,7 @@ def test_nan_run_exits_4(cli_runner, tmp_path):
 
 
 def test_oom_exits_3_and_writes_report(cli_runner, tmp_path, monkeypatch):
-    import vlmdoctor.runner as runner
+    import vlmdoctor.run.runner as runner
 
     def oom(_p):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")

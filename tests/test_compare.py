@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from vlmdoctor.analysis import analyze, merge_measured
-from vlmdoctor.compare import compare, render_compare
+from vlmdoctor.trace.facts import analyze, merge_measured
+from vlmdoctor.report.compare import compare, render_compare
 from vlmdoctor.errors import UsageError
-from vlmdoctor.gate import load_report
+from vlmdoctor.ci.gate import load_report
 
 TRACES = Path(__file__).resolve().parent.parent / "fixtures" / "traces"
 

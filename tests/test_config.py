@@ -7,7 +7,7 @@ from dataclasses import fields
 import pytest
 import yaml
 
-from vlmdoctor.config import LAYER_NAMES, RunConfig, knob_table
+from vlmdoctor.run.config import LAYER_NAMES, RunConfig, knob_table
 from vlmdoctor.errors import EXIT_USAGE, UsageError
 
 LIGER_KNOBS = ["liger_rope", "liger_rms_norm", "liger_swiglu", "liger_fused_linear_cross_entropy"]

@@ -9,7 +9,7 @@ import torch
 from transformers.masking_utils import find_packed_sequence_indices
 
 from conftest import good_record, write_jsonl
-from vlmdoctor.data import IGNORE, IMAGE_POOL, BatchSampler, Collator, LlavaFile, SyntheticVQA
+from vlmdoctor.run.data import IGNORE, IMAGE_POOL, BatchSampler, Collator, LlavaFile, SyntheticVQA
 from vlmdoctor.errors import UsageError
 
 
@@ -235,7 +235,7 @@ def test_packing_never_pads_more_than_no_packing(ds05):
 def test_packed_and_padded_batches_give_the_same_logits_as_single_samples(tiny_spec):
     """No cross-sample attention in packed rows and no padding leak in padded rows, checked on the model:
     each sample's logits inside a batch equal its logits when run alone."""
-    from vlmdoctor.model import build_model
+    from vlmdoctor.run.model import build_model
 
     torch.manual_seed(0)
     model = build_model(tiny_spec, device="cpu").eval()
@@ -374,7 +374,7 @@ def test_llava_needs_file_and_local_tokenizer(llava_dir, tokenizer_dir, tiny_spe
 
 
 def test_profile_on_llava_file_counts_skipped_records(llava_dir, tokenizer_dir, tiny_cfg):
-    from vlmdoctor.runner import run_profile
+    from vlmdoctor.run.runner import run_profile
 
     lines = [good_record(f"images/img{k}.png", k) for k in range(5)] + ["{broken"]
     path = write_jsonl(llava_dir / "data.jsonl", lines)
@@ -391,7 +391,7 @@ def test_profile_on_llava_file_counts_skipped_records(llava_dir, tokenizer_dir, 
 def test_shipped_length_model_matches_fixture_copy():
     from pathlib import Path
 
-    from vlmdoctor.data import length_model
+    from vlmdoctor.run.data import length_model
 
     fixture = Path(__file__).resolve().parents[1] / "fixtures" / "lengths" / "sharegpt4v_coco.json"
     if not fixture.exists():

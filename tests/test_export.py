@@ -31,8 +31,8 @@ from pathlib import Path
 import pytest
 
 from vlmdoctor.errors import UsageError
-from vlmdoctor.export import export_chrome, export_hta_folder
-from vlmdoctor.tracefile import iter_events, read_metadata
+from vlmdoctor.trace.export import export_chrome, export_hta_folder
+from vlmdoctor.trace.read import iter_events, read_metadata
 
 TRACES = Path(__file__).resolve().parent.parent / "fixtures" / "traces"
 DEFAULT = TRACES / "default_s2.pt.trace.json.gz"
@@ -449,7 +449,7 @@ def test_hta_folder_from_a_folder_of_traces(tmp_path):
 @pytest.mark.slow
 def test_hta_reads_exported_h100_ranks_with_the_idle_share_vlmdoctor_reads(tmp_path):
     """Two full H100 traces as two ranks: HTA's temporal breakdown per rank agrees with vlmdoctor's GPU idle share."""
-    from vlmdoctor.analysis import analyze
+    from vlmdoctor.trace.facts import analyze
 
     names = ("default_s2", "bf16_s2")
     out = export_hta_folder([TRACES / f"{n}.pt.trace.json.gz" for n in names], tmp_path / "hta")

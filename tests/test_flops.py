@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from vlmdoctor.flops import FlopModel, describe, peak_flops
-from vlmdoctor.model import build_model
-from vlmdoctor.zoo import resolve
+from vlmdoctor.run.flops import FlopModel, describe, peak_flops
+from vlmdoctor.run.model import build_model
+from vlmdoctor.run.zoo import resolve
 
 
 def _linear_weights(module: nn.Module) -> int:

@@ -15,7 +15,7 @@ import pytest
 
 from vlmdoctor import SCHEMA_VERSION
 from vlmdoctor.errors import EXIT_USAGE, UsageError
-from vlmdoctor.gate import (
+from vlmdoctor.ci.gate import (
     check_comparable,
     check_findings,
     check_memory,

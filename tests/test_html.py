@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from vlmdoctor.analysis import analyze, merge_measured
+from vlmdoctor.trace.facts import analyze, merge_measured
 from vlmdoctor.errors import UsageError
-from vlmdoctor.html import analyze_html, profile_html, treat_html, write_html
-from vlmdoctor.rules import diagnose, load_rules
+from vlmdoctor.report.html import analyze_html, profile_html, treat_html, write_html
+from vlmdoctor.doctor.rules import diagnose, load_rules
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACES = ROOT / "fixtures" / "traces"

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from vlmdoctor.analysis import analyze, merge_measured
+from vlmdoctor.trace.facts import analyze, merge_measured
 from vlmdoctor.cli import app
-from vlmdoctor.config import RunConfig
-from vlmdoctor.rules import RULES_DIR, diagnose, load_rules
+from vlmdoctor.run.config import RunConfig
+from vlmdoctor.doctor.rules import RULES_DIR, diagnose, load_rules
 
 TRACES = Path(__file__).resolve().parents[1] / "fixtures" / "traces"
 RULES, PROBLEMS = load_rules()

@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-import vlmdoctor.runner as runner
-from vlmdoctor.data import BatchSampler, SyntheticVQA
+import vlmdoctor.run.runner as runner
+from vlmdoctor.run.data import BatchSampler, SyntheticVQA
 from vlmdoctor.errors import EXIT_FAILED_RUN, EXIT_NAN, EXIT_OK, EXIT_OOM, UsageError
-from vlmdoctor.runner import build_patient, exit_code, run_profile, train_step
+from vlmdoctor.run.runner import build_patient, exit_code, run_profile, train_step
 
 CPU = torch.device("cpu")
 
@@ -82,7 +82,7 @@ def test_grad_accum_consumes_micro_batches(tiny_cfg):
 
 @pytest.fixture(scope="module")
 def ok_report():
-    from vlmdoctor.config import RunConfig
+    from vlmdoctor.run.config import RunConfig
 
     cfg = RunConfig(model="tiny", device="cpu", steps=2, warmup=1, num_samples=64, autocast="off")
     return cfg, run_profile(cfg)
@@ -267,7 +267,7 @@ def test_too_few_samples_is_usage_error(tiny_cfg):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
 @pytest.mark.parametrize("model", ["0.5b", "1.5b", "llava-1.5-7b"])
 def test_gpu_preset_without_gpu_says_use_device_cpu(model):
-    from vlmdoctor.config import RunConfig
+    from vlmdoctor.run.config import RunConfig
 
     with pytest.raises(UsageError, match="--device cpu"):
         run_profile(RunConfig(model=model, device="auto"))

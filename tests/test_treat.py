@@ -9,9 +9,9 @@ import pytest
 from typer.testing import CliRunner
 
 from vlmdoctor.cli import app
-from vlmdoctor.config import RunConfig
-from vlmdoctor.runner import run_isolated
-from vlmdoctor.treat import TreatOptions, decide, treat
+from vlmdoctor.run.config import RunConfig
+from vlmdoctor.run.runner import run_isolated
+from vlmdoctor.doctor.treat import TreatOptions, decide, treat
 
 TINY = ["--model", "tiny", "--device", "cpu", "--steps", "8", "--warmup", "5", "--repeats", "3",
         "--set", "num_samples=128", "--set", "autocast=off", "--set", "batch_size=1"]
@@ -135,7 +135,7 @@ def test_sweep_grid_file_with_a_bad_knob_names_the_row(tmp_path):
 
 
 def test_seed_grid_is_48_runs_over_models_and_stages():
-    from vlmdoctor.sweep import load_grid
+    from vlmdoctor.ci.sweep import load_grid
 
     plan = load_grid(Path(__file__).resolve().parents[1] / "bench" / "grids" / "seed_48.yaml")
     assert len(plan) == 48

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from vlmdoctor.errors import UsageError
-from vlmdoctor.model import build_model, param_counts
-from vlmdoctor.zoo import llm_specs, presets, resolve, vision_specs
+from vlmdoctor.run.model import build_model, param_counts
+from vlmdoctor.run.zoo import llm_specs, presets, resolve, vision_specs
 
 # public parameter counts of the released checkpoints (model cards / safetensors metadata)
 PUBLIC_LLM_PARAMS = {

@@ -1,3 +1,3 @@
-from .cli import main
+from vlmdoctor.cli import main
 
 main()

@@ -9,8 +9,8 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .config import RunConfig
-from .errors import EXIT_USAGE, VlmdoctorError
+from vlmdoctor.run.config import RunConfig
+from vlmdoctor.errors import EXIT_USAGE, VlmdoctorError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Profiler-driven diagnosis of vision-language-model training.")
@@ -96,7 +96,7 @@ def profile(
 
     Runs on the GPU when there is one; `--model tiny --device cpu` runs anywhere.
     """
-    from .capture import TraceOptions
+    from vlmdoctor.run.capture import TraceOptions
 
     trace = TraceOptions(trace_dir, trace_steps, trace_shapes, trace_stack, trace_memory) if trace_dir else None
     if trace is None and diagnose_run:  # a short traced window into a temporary folder, removed after analysis
@@ -113,8 +113,9 @@ def profile(
 def _profile(overrides: dict[str, Any], config: str | None, json_path: str | None, save_config: str | None,
              force: bool, quiet: bool, trace: Any = None, rules_dirs: list[str] | None = None,
              html_path: str | None = None) -> None:
-    from .report import check_writable, render, write_json
-    from .runner import check, exit_code, run_profile
+    from vlmdoctor.files import check_writable, write_json
+    from vlmdoctor.report.console import render
+    from vlmdoctor.run.runner import check, exit_code, run_profile
 
     base = RunConfig.load(config) if config else RunConfig()
     cfg = base.replace(source="command line", **overrides)
@@ -137,24 +138,21 @@ def _profile(overrides: dict[str, Any], config: str | None, json_path: str | Non
                 bar.update(tasks[phase], completed=done)
 
             report = run_profile(cfg, progress, trace)
-    if report.get("facts") and "trace.error" not in report["facts"]:
-        from .rules import diagnose, load_rules
+    from vlmdoctor.doctor.diagnosis import examine
 
-        rules, problems = load_rules(*(rules_dirs or []))
-        report["diagnosis"] = diagnose(report["facts"], rules, problems)
-        report["findings"] = report["diagnosis"]["findings"]
+    examine(report, rules_dirs or [])
     if json_path:
         write_json(report, json_path)
     if html_path:
         from pathlib import Path
 
-        from .html import profile_html, write_html
+        from vlmdoctor.report.html import profile_html, write_html
 
         write_html(profile_html(report), Path(html_path), force=True)  # refused up front unless --force
     if not quiet and json_path != "-":
         render(report, out)
         if "diagnosis" in report:
-            from .report import render_findings
+            from vlmdoctor.report.console import render_findings
 
             render_findings(report["diagnosis"], out)
     raise typer.Exit(exit_code(report))
@@ -171,10 +169,11 @@ def analyze(
     rules_dirs: Optional[list[str]] = typer.Option(None, "--rules", help="extra folder of rule files (repeatable)"),
 ) -> None:
     """Read a torch.profiler trace (anyone's), print what the GPU did, why it waited, and what to change."""
-    from . import SCHEMA_VERSION
-    from .analysis import analyze as run_analysis
-    from .report import check_writable, render_facts, render_findings, write_json
-    from .rules import diagnose, load_rules
+    from vlmdoctor import SCHEMA_VERSION
+    from vlmdoctor.trace.facts import analyze as run_analysis
+    from vlmdoctor.files import check_writable, write_json
+    from vlmdoctor.report.console import render_facts, render_findings
+    from vlmdoctor.doctor.rules import diagnose, load_rules
 
     with _user_errors():
         if stage is not None and stage not in (1, 2):
@@ -192,7 +191,7 @@ def analyze(
         if html_path:
             from pathlib import Path
 
-            from .html import analyze_html, write_html
+            from vlmdoctor.report.html import analyze_html, write_html
 
             write_html(analyze_html({"schema_version": SCHEMA_VERSION, "kind": "analysis", **result}), Path(html_path),
                        force=True)
@@ -211,7 +210,7 @@ def rules_list(rules_dirs: Optional[list[str]] = typer.Option(None, "--rules", h
     """Every rule, in layer order, with what it detects."""
     from rich.table import Table
 
-    from .rules import load_rules
+    from vlmdoctor.doctor.rules import load_rules
 
     rules, problems = load_rules(*(rules_dirs or []))
     t = Table(show_header=True, header_style="bold")
@@ -230,7 +229,7 @@ def rules_list(rules_dirs: Optional[list[str]] = typer.Option(None, "--rules", h
 def rules_show(rule_id: str = typer.Argument(..., help="rule id"),
                rules_dirs: Optional[list[str]] = typer.Option(None, "--rules", help="extra folder of rule files")) -> None:
     """One rule file, as written."""
-    from .rules import load_rules
+    from vlmdoctor.doctor.rules import load_rules
 
     with _user_errors():
         rules, _ = load_rules(*(rules_dirs or []))
@@ -243,8 +242,8 @@ def rules_show(rule_id: str = typer.Argument(..., help="rule id"),
 @app.command()
 def models(as_json: bool = typer.Option(False, "--json", help="machine output")) -> None:
     """List presets, vision towers and LLMs with parameter counts and head dims."""
-    from .model import catalogue
-    from .report import render_models
+    from vlmdoctor.run.model import catalogue
+    from vlmdoctor.report.console import render_models
 
     rows = catalogue()
     if as_json:
@@ -257,7 +256,7 @@ def _parse_sets(sets: list[str], many: bool = False) -> dict[str, Any]:
     """`knob=value` pairs (YAML values; with many, comma-separated lists) into a dict."""
     import yaml
 
-    from .config import _base_type
+    from vlmdoctor.run.config import _base_type
 
     out: dict[str, Any] = {}
     for item in sets:
@@ -305,10 +304,11 @@ def treat(
     import shutil
     from pathlib import Path
 
-    from .report import render_ladder
-    from .runner import check, run_isolated
-    from .treat import TreatOptions, write_outputs
-    from .treat import treat as run_treat
+    from vlmdoctor.report.console import render_ladder
+    from vlmdoctor.run.runner import check, run_isolated
+    from vlmdoctor.doctor.treat import TreatOptions
+    from vlmdoctor.report.treat_outputs import write_outputs
+    from vlmdoctor.doctor.treat import treat as run_treat
 
     with _user_errors():
         base = RunConfig.load(config) if config else RunConfig(steps=10, repeats=3)
@@ -316,13 +316,13 @@ def treat(
                                        repeats=repeats).items() if v is not None}
         cfg = base.replace(source="command line", **{**_parse_sets(sets or []), **flags})
         check(cfg)
-        from .report import check_writable
+        from vlmdoctor.files import check_writable
 
         check_writable(html_path, force)
         folder = Path(out_dir or f"treat-{cfg.model}-stage{cfg.stage}")
         if folder.exists() and any(folder.iterdir()) and not force:
             raise VlmdoctorError(f"{folder} already holds files; pass --force to write into it, or --out another folder")
-        from .rules import load_rules
+        from vlmdoctor.doctor.rules import load_rules
 
         _, problems = load_rules(*(rules_dirs or []))
         for p in problems:
@@ -371,8 +371,9 @@ def sweep(
     force: bool = typer.Option(False, "--force", help="overwrite an existing --csv file"),
 ) -> None:
     """Run a list of configurations, one fresh process each, and tabulate them (the seed's 48-run table style)."""
-    from .report import check_writable, render_sweep
-    from .sweep import load_grid, product_grid, run_sweep, write_csv
+    from vlmdoctor.files import check_writable
+    from vlmdoctor.report.console import render_sweep
+    from vlmdoctor.ci.sweep import load_grid, product_grid, run_sweep, write_csv
 
     with _user_errors():
         check_writable(csv_path, force)
@@ -417,9 +418,9 @@ def gate(
 
     from rich.table import Table
 
-    from .gate import check_comparable, junit_xml, load_report, markdown, run_current
-    from .gate import gate as judge
-    from .report import write_json
+    from vlmdoctor.ci.gate import check_comparable, junit_xml, load_report, markdown, run_current
+    from vlmdoctor.ci.gate import gate as judge
+    from vlmdoctor.files import write_json
 
     with _user_errors():
         base = load_report(baseline)
@@ -465,10 +466,10 @@ def compare(
     """Side by side: metrics, GPU time by kernel class, idle causes, findings added or gone, knobs changed."""
     from pathlib import Path
 
-    from .compare import compare as diff
-    from .compare import render_compare
-    from .gate import load_report
-    from .report import write_json
+    from vlmdoctor.report.compare import compare as diff
+    from vlmdoctor.report.compare import render_compare
+    from vlmdoctor.ci.gate import load_report
+    from vlmdoctor.files import write_json
 
     with _user_errors():
         result = diff(load_report(a), load_report(b), allow_different, labels=(Path(a).name, Path(b).name))
@@ -489,8 +490,8 @@ def export(
     """Export a trace for Perfetto (ui.perfetto.dev) or for Holistic Trace Analysis."""
     from pathlib import Path
 
-    from .export import export_chrome, export_hta_folder
-    from .tracefile import trace_files
+    from vlmdoctor.trace.export import export_chrome, export_hta_folder
+    from vlmdoctor.trace.read import trace_files
 
     with _user_errors():
         if not chrome and not hta_dir:

@@ -5,14 +5,30 @@ and config knobs say why, which is what one needs before keeping or reverting a 
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from rich.console import Console
 from rich.table import Table
 
-from .config import knob_table
-from .errors import UsageError
-from .gate import env_differences, model_differences
+from vlmdoctor.run.config import knob_table
+from vlmdoctor.errors import UsageError
+
+MODEL_KEYS = ("model", "vision", "llm", "projector", "pixel_shuffle")
+ENV_KEYS = ("gpu", "driver", "torch", "transformers")
+
+
+def _differences(a: dict[str, Any], b: dict[str, Any], keys: Iterable[str]) -> list[str]:
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
+
+
+def model_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """Model architecture and training stage: what makes two throughputs different quantities."""
+    return _differences(a["config"], b["config"], (*MODEL_KEYS, "stage"))
+
+
+def env_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    return _differences(a.get("env") or {}, b.get("env") or {}, ENV_KEYS)
+
 
 #: (report metric, label, higher is better)
 METRICS: tuple[tuple[str, str, bool], ...] = (

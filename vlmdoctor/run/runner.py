@@ -15,7 +15,6 @@ import json
 import math
 import re
 import resource
-import shutil
 import statistics
 import subprocess
 import sys
@@ -28,14 +27,14 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import SCHEMA_VERSION, __version__, envinfo, flops
-from .analysis import merge_measured
-from .capture import TraceOptions, capture, trace_path
-from .config import RunConfig
-from .data import BatchSampler, Collator, LlavaFile, SyntheticVQA
-from .errors import EXIT_FAILED_RUN, EXIT_NAN, EXIT_OK, EXIT_OOM, UsageError
-from .model import VLM, apply_stage, build_model, enable_gradient_checkpointing, enable_input_require_grads, param_counts
-from .zoo import ModelSpec, resolve
+from vlmdoctor import SCHEMA_VERSION, __version__
+from vlmdoctor.run import envinfo, flops
+from vlmdoctor.run.capture import TraceOptions, capture, trace_path
+from vlmdoctor.run.config import RunConfig
+from vlmdoctor.run.data import BatchSampler, Collator, LlavaFile, SyntheticVQA
+from vlmdoctor.errors import EXIT_FAILED_RUN, EXIT_NAN, EXIT_OK, EXIT_OOM, UsageError
+from vlmdoctor.run.model import VLM, apply_stage, build_model, enable_gradient_checkpointing, enable_input_require_grads, param_counts
+from vlmdoctor.run.zoo import ModelSpec, resolve
 
 Progress = Callable[[str, int, int], None]
 
@@ -374,27 +373,11 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
     report["stats"] = stats
     if "trace" in report:  # profiler overhead, visible next to the untraced numbers it stayed out of
         report["trace"]["untraced_step_ms_median"] = metrics["step_ms"]
-        # measured over the untraced window (padding, memory, MFU): exact where the trace only bounds them
-        report["facts"] = merge_measured(_trace_facts(Path(report["trace"]["path"]), cfg), report)
-        if not report["trace"]["kept"]:
-            shutil.rmtree(Path(report["trace"]["path"]).parent, ignore_errors=True)
-            report["trace"]["path"] = None
     report["repeats"] = [{k: v for k, v in w.items() if k != "losses"} | {"final_loss": w["losses"][-1]} for w in windows]
     if not metrics["loss_finite"]:
         report["status"] = "nan_loss"
         report["error"] = {"type": "NonFiniteLoss", "message": "the loss was NaN or inf in a timed step"}
     return report
-
-
-def _trace_facts(path: Path, cfg: RunConfig) -> dict[str, Any]:
-    """The same facts `vlmdoctor analyze` reads from the trace; a failure here does not fail the profile."""
-    from .analysis import analyze
-    from .errors import VlmdoctorError
-
-    try:
-        return analyze(path, cfg.stage, cfg.model)["files"][0]["facts"]
-    except VlmdoctorError as e:
-        return {"trace.error": e.message}
 
 
 def _release(device: torch.device) -> None:

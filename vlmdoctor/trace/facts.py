@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .kernels import ATTENTION_CLASSES, GEMM_CLASSES, LIGER_CLASSES, classify, is_fp32_attention, memcpy_direction
-from .tracefile import TraceError, iter_events, read_metadata, trace_files
+from vlmdoctor.trace.kernels import ATTENTION_CLASSES, GEMM_CLASSES, LIGER_CLASSES, classify, is_fp32_attention, memcpy_direction
+from vlmdoctor.trace.read import TraceError, iter_events, read_metadata, trace_files
 
 PART_RANGES = {"vlmdoctor::vision": "vision", "vlmdoctor::projector": "projector", "vlmdoctor::llm": "llm"}
 LOSS_OPS = re.compile(r"^aten::(?:cross_entropy_loss|nll_loss|nll_loss_nd|nll_loss2d)$|CrossEntropy", re.IGNORECASE)
@@ -472,9 +472,9 @@ def _memory_facts(t: Tables, facts: dict[str, Any]) -> None:
 
 def _flop_facts(t: Tables, facts: dict[str, Any], cfg: dict[str, Any]) -> None:
     """Model FLOPs from the token batches the trace saw, counted as if no token were padding: an upper bound."""
-    from .errors import UsageError
-    from .flops import FlopModel, peak_flops
-    from .zoo import resolve
+    from vlmdoctor.errors import UsageError
+    from vlmdoctor.run.flops import FlopModel, peak_flops
+    from vlmdoctor.run.zoo import resolve
 
     if "run.model" not in facts or "run.stage" not in facts or not t.shapes:
         return

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import IO, Any, Iterator
 
 
-from .errors import UsageError
+from vlmdoctor.errors import UsageError
 
 TRACE_SUFFIXES = (".json", ".json.gz")
 HEAD_LIMIT = 8 * 2**20  # metadata before traceEvents is small; never read more than this looking for it

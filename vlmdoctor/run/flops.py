@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .zoo import ModelSpec
+from vlmdoctor.run.zoo import ModelSpec
 
 #: dense bf16 tensor-core peak (no sparsity), from NVIDIA's data sheets; first match wins
 PEAK_BF16_FLOPS = [

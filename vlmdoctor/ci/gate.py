@@ -13,13 +13,12 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from . import SCHEMA_VERSION
-from .errors import UsageError
+from vlmdoctor import SCHEMA_VERSION
+from vlmdoctor.report.compare import MODEL_KEYS, _differences, env_differences, model_differences
+from vlmdoctor.errors import UsageError
 
 #: environment keys that change speed on their own; a difference here is not the pull request's doing
-ENV_KEYS = ("gpu", "driver", "torch", "transformers")
 #: config keys that define the model architecture; comparing different ones is meaningless
-MODEL_KEYS = ("model", "vision", "llm", "projector", "pixel_shuffle")
 #: severities, lowest first, so "at or above" is an index comparison
 SEVERITY_ORDER = ("low", "medium", "high")
 #: below this many samples a side the Mann-Whitney normal approximation is too coarse
@@ -73,27 +72,14 @@ def validate_report(report: Any, name: str) -> dict[str, Any]:
 
 def run_current(base: dict[str, Any], diagnose: bool = True, timeout: float | None = None) -> dict[str, Any]:
     """Re-measure the baseline's own config in a fresh process, so only the code under test differs."""
-    from .config import RunConfig
-    from .runner import run_isolated
+    from vlmdoctor.run.config import RunConfig
+    from vlmdoctor.run.runner import run_isolated
 
     cfg = RunConfig.from_dict(base["config"], source="baseline config")
     return validate_report(run_isolated(cfg, timeout=timeout, diagnose=diagnose), "current run")
 
 
 # --- comparability ----------------------------------------------------------------------------
-
-def _differences(a: dict[str, Any], b: dict[str, Any], keys: Iterable[str]) -> list[str]:
-    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
-
-
-def model_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    """Model architecture and training stage: what makes two throughputs different quantities."""
-    return _differences(a["config"], b["config"], (*MODEL_KEYS, "stage"))
-
-
-def env_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    return _differences(a.get("env") or {}, b.get("env") or {}, ENV_KEYS)
-
 
 def check_comparable(base: dict[str, Any], cur: dict[str, Any], allow_env_change: bool = False) -> list[str]:
     """Refuse comparisons that would blame the code for a different model or machine.

@@ -15,8 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .errors import UsageError
-from .tracefile import TRACE_SUFFIXES, iter_events, read_metadata, trace_files
+from vlmdoctor.errors import UsageError
+from vlmdoctor.trace.read import TRACE_SUFFIXES, iter_events, read_metadata, trace_files
 
 FLUSH = 4096  # events serialized before each write
 COMPRESSLEVEL = 6  # gzip's default of 9 is several times slower for a few % smaller output

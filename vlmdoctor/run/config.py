@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from .errors import UsageError
+from vlmdoctor.errors import UsageError
 
 LAYER_NAMES = {
     0: "experiment",

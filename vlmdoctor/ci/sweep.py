@@ -15,8 +15,8 @@ from typing import Any, Callable
 
 import yaml
 
-from .config import RunConfig
-from .errors import UsageError
+from vlmdoctor.run.config import RunConfig
+from vlmdoctor.errors import UsageError
 
 Plan = list[tuple[str, RunConfig]]
 
@@ -77,7 +77,7 @@ def row(name: str, report: dict[str, Any]) -> dict[str, Any]:
 def run_sweep(plan: Plan, timeout: float, diagnose: bool, jsonl: str | None,
               notify: Callable[[int, int, str], None] = lambda *_: None) -> list[dict[str, Any]]:
     """Run each config in its own process; each report is appended to jsonl as soon as it exists."""
-    from .runner import run_isolated
+    from vlmdoctor.run.runner import run_isolated
 
     rows = []
     for i, (name, cfg) in enumerate(plan, start=1):

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from . import SCHEMA_VERSION, __version__
-from .config import RunConfig
-from .errors import EXIT_USAGE, UsageError
+from vlmdoctor import SCHEMA_VERSION, __version__
+from vlmdoctor.run.config import RunConfig
+from vlmdoctor.errors import EXIT_USAGE, UsageError
 
 Runner = Callable[[RunConfig], dict[str, Any]]
 PROFILE_FACTS = ("gpu.busy_frac", "gpu.busy_tflops", "launch.kernels", "idle.other_host.ms", "idle.data_loader.ms",
@@ -161,26 +161,3 @@ def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lamb
     out["final_config"] = current_cfg.to_dict()
     out["wall_s"] = time.time() - t0
     return out
-
-
-def write_outputs(result: dict[str, Any], out_dir: Path) -> dict[str, Path]:
-    """treat.json, final_config.yaml (runs again with `vlmdoctor profile --config`), ladder.png and treat.html."""
-    from .report import write_json
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"report": out_dir / "treat.json", "config": out_dir / "final_config.yaml", "chart": out_dir / "ladder.png",
-             "html": out_dir / "treat.html"}
-    RunConfig.from_dict(result["final_config"], source="treat").dump(paths["config"])
-    result["outputs"] = {k: str(v) for k, v in paths.items()}
-    if result["ladder"]:
-        from .chart import ladder_png
-
-        ladder_png(result, paths["chart"])
-    else:
-        paths.pop("chart")
-        result["outputs"].pop("chart")
-    write_json(result, str(paths["report"]))
-    from .html import treat_html, write_html
-
-    write_html(treat_html(result), paths["html"], force=True)
-    return paths

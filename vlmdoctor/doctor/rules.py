@@ -22,10 +22,26 @@ from typing import Any
 
 import yaml
 
-from .config import LAYER_NAMES, RunConfig
-from .errors import UsageError
+from vlmdoctor.run.config import LAYER_NAMES, RunConfig
+from vlmdoctor.errors import UsageError
 
-RULES_DIR = Path(__file__).resolve().parent.parent / "rules"
+
+
+def _builtin_rules_dir() -> Path:
+    """The shipped rules: package data in an installed wheel, the top-level rules/ in a source checkout."""
+    from importlib import resources
+
+    try:
+        found = resources.files("vlmdoctor.builtin_rules")
+        for entry in getattr(found, "_paths", [found]):  # a namespace package may span several folders
+            if Path(str(entry)).is_dir() and any(Path(str(entry)).glob("*.yaml")):
+                return Path(str(entry))
+    except (ModuleNotFoundError, TypeError):
+        pass
+    return Path(__file__).resolve().parents[2] / "rules"
+
+
+RULES_DIR = _builtin_rules_dir()
 SEVERITIES = ("high", "medium", "low")
 FUNCTIONS = {"min": min, "max": max, "floor": math.floor, "ceil": math.ceil, "round": round, "abs": abs}
 REQUIRED = ("id", "layer", "title", "severity", "when", "evidence", "fix", "patch")
@@ -226,6 +242,9 @@ def load_rules(*dirs: str | Path) -> tuple[list[Rule], list[str]]:
     rules: list[Rule] = []
     problems: list[str] = []
     seen: dict[str, Path] = {}
+    if not any(RULES_DIR.glob("*.y*ml")):
+        raise UsageError(f"no built-in rules found (looked in {RULES_DIR}); this vlmdoctor install is broken: "
+                         "reinstall it (pip install --force-reinstall vlmdoctor)")
     for d in [RULES_DIR, *dirs]:
         d = Path(d)
         if not d.is_dir():

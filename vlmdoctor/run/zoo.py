@@ -13,9 +13,9 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any
 
-from .errors import UsageError
+from vlmdoctor.errors import UsageError
 
-CONFIG_DIR = resources.files("vlmdoctor") / "configs"
+CONFIG_DIR = resources.files("vlmdoctor.run") / "configs"
 
 
 @lru_cache(maxsize=None)

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
-from .errors import UsageError
+from vlmdoctor.errors import UsageError
 
 esc = html.escape
 
@@ -102,7 +102,7 @@ def _kv(pairs: Iterable[tuple[str, Any]]) -> str:
 
 
 def _page(title: str, subtitle: str, body: list[str]) -> str:
-    from . import __version__
+    from vlmdoctor import __version__
 
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<meta http-equiv=\"Content-Security-Policy\" content=\"{CSP}\">"
@@ -464,7 +464,7 @@ def profile_html(report: dict[str, Any]) -> str:
     if status == "nan_loss":
         body.append('<p class="warn">The loss was NaN or inf in a timed step.</p>')
     try:
-        from .report import _changed_knobs
+        from vlmdoctor.report.console import _changed_knobs
 
         changed = _changed_knobs(cfg) if cfg else []
     except Exception:  # an unknown knob in an older report: list none rather than fail the page

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from .errors import UsageError
-from .zoo import ModelSpec
+from vlmdoctor.errors import UsageError
+from vlmdoctor.run.zoo import ModelSpec
 
 IGNORE = -100
 SYSTEM_PROMPT = "You are a helpful assistant."
@@ -31,7 +31,7 @@ IMAGE_POOL = 64  # distinct synthetic images; samples cycle through them like ep
 
 def length_model(name: str = "sharegpt4v_coco") -> dict[str, Any]:
     """The shipped length distribution (also under fixtures/lengths/)."""
-    return json.loads((resources.files("vlmdoctor") / "configs" / "lengths" / f"{name}.json").read_text())
+    return json.loads((resources.files("vlmdoctor.run") / "configs" / "lengths" / f"{name}.json").read_text())
 
 
 def sample_text_lengths(lm: dict[str, Any], n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from .errors import UsageError
-from .zoo import ModelSpec
+from vlmdoctor.errors import UsageError
+from vlmdoctor.run.zoo import ModelSpec
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -234,7 +234,7 @@ def param_counts(model: VLM) -> dict[str, int]:
 
 def catalogue() -> list[dict[str, Any]]:
     """Rows for `vlmdoctor models`: presets, towers and LLMs with parameter counts (built on the meta device)."""
-    from .zoo import llm_specs, presets, resolve, vision_specs
+    from vlmdoctor.run.zoo import llm_specs, presets, resolve, vision_specs
 
     rows = []
     for name, p in presets().items():

@@ -1,0 +1,50 @@
+"""From a measured run to prescriptions: the run's trace -> facts (with its exact measurements) -> rules.
+
+The runner only measures and records; this is where a run report meets the trace reader and the
+rule engine, so the flow config -> run -> trace -> facts -> rules stays one-way.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any, Sequence
+
+from vlmdoctor.doctor.rules import diagnose, load_rules
+from vlmdoctor.errors import VlmdoctorError
+from vlmdoctor.trace.facts import analyze, merge_measured
+
+
+def trace_facts(report: dict[str, Any]) -> dict[str, Any] | None:
+    """The facts of the report's traced window, merged with what the untraced window measured exactly.
+
+    A trace that cannot be read does not fail the run: its facts say why instead. A temporary
+    trace (not asked for with --trace-dir) is removed once read.
+    """
+    trace = report.get("trace")
+    if not trace or not trace.get("path"):
+        return None
+    path = Path(trace["path"])
+    cfg = report.get("config") or {}
+    try:
+        facts = analyze(path, cfg.get("stage"), cfg.get("model"))["files"][0]["facts"]
+    except VlmdoctorError as e:
+        facts = {"trace.error": e.message}
+    finally:
+        if not trace.get("kept", True):
+            shutil.rmtree(path.parent, ignore_errors=True)
+            trace["path"] = None
+    # measured over the untraced window (padding, memory, MFU): exact where the trace only bounds them
+    return merge_measured(facts, report)
+
+
+def examine(report: dict[str, Any], rules_dirs: Sequence[str] = (), prescribe: bool = True) -> dict[str, Any]:
+    """Add `facts`, and with `prescribe` the `diagnosis` and `findings`, to a run report in place."""
+    facts = trace_facts(report)
+    if facts is None:
+        return report
+    report["facts"] = facts
+    if prescribe and "trace.error" not in facts:
+        rules, problems = load_rules(*rules_dirs)
+        report["diagnosis"] = diagnose(facts, rules, problems)
+        report["findings"] = report["diagnosis"]["findings"]
+    return report
