@@ -417,7 +417,8 @@ def native_catalogue() -> list[dict[str, Any]]:
                      "hidden": f"{spec.vision_hidden}/{spec.text_config['hidden_size']}",
                      "heads": f"{spec.vision_heads}/{spec.text_config['num_attention_heads']}",
                      "head_dim": f"{spec.vision_head_dim}/{spec.llm_head_dim}",
-                     "notes": f"{spec.cls_name}; {spec.image_tokens} image tokens", "counts": counts})
+                     "notes": f"{spec.cls_name.removesuffix('ForConditionalGeneration')}, {spec.image_tokens} image tokens",
+                     "about": spec.about, "counts": counts})
     return rows
 
 
