@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cfg(model: str, **changes) -> RunConfig:
-    base = dict(model=model, device="cpu", steps=1, warmup=1, num_samples=8, batch_size=2, autocast="off")
+    base = dict(model=model, device="cpu", steps=1, warmup=0, num_samples=8, batch_size=2, autocast="off")
     return RunConfig(**{**base, **changes})
 
 
@@ -193,3 +193,36 @@ def test_flop_model_counts_each_classes_parts(model):
     assert fm.vision_patches == spec.patches and fm.image_tokens == spec.image_tokens
     step1, step2 = fm.step([300, 400], 1), fm.step([300, 400], 2)
     assert step1["vision"] == step2["vision"] > 0 and step2["llm"] > step1["llm"] > 0
+
+
+def test_a_prescription_of_a_composite_only_knob_is_refused_when_the_config_is_made():
+    """treat builds each trial with RunConfig.replace: the refusal comes there, before any process starts."""
+    cfg = RunConfig.from_dict({"model": "tiny-qwen2-vl", "device": "cpu"})
+    with pytest.raises(UsageError, match="lm-head-labeled-only is not supported for the native preset"):
+        cfg.replace(lm_head_labeled_only=True)
+    assert cfg.replace(pad_to_multiple_of=64).pad_to_multiple_of == 64  # shared knobs stay open
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen2-vl", "tiny-llava"])
+def test_vision_no_grad_keeps_the_tower_out_of_autograd_but_not_the_projector(model):
+    """With checkpointing the class hooks input-embedding grads, so the tower builds a graph; no_grad stops it.
+
+    Qwen2-VL's merger (the projector) sits inside its tower and must still get gradients.
+    """
+    from vlmdoctor.run.data import Collator, SyntheticVQA
+    from vlmdoctor.run.native import configure
+
+    spec = resolve_native(model)
+    ds = SyntheticVQA(spec, 1)  # type: ignore[arg-type]
+    batch = Collator(spec.llm["special_tokens"]["pad"])([ds[0]])
+    batch.pop("counts")
+    for no_grad, tower_graph in ((False, True), (True, False)):
+        vlm = build_native(spec)
+        configure(vlm, _cfg(model, stage=1, vision_no_grad=no_grad, gradient_checkpointing=True))
+        seen: list[bool] = []
+        blocks = [m for m in vlm.parts["vision"].modules() if type(m).__name__.endswith(("EncoderLayer", "Block"))]
+        blocks[-1].register_forward_hook(lambda _m, _a, out: seen.append(
+            (out[0] if isinstance(out, tuple) else out).requires_grad))
+        vlm(**batch).loss.backward()
+        assert seen == [tower_graph]
+        assert all(p.grad is not None for p in vlm.parts["projector"].parameters())

@@ -20,10 +20,8 @@ Parts are found with parts.find_parts and marked with parts.mark_parts, so trace
 from __future__ import annotations
 
 import json
-import math
 import warnings
 from dataclasses import dataclass
-from functools import lru_cache
 from types import MethodType
 from typing import Any, Callable
 
@@ -32,32 +30,9 @@ from torch import nn
 
 from vlmdoctor.errors import UsageError
 from vlmdoctor.run.parts import find_parts, mark_parts
-from vlmdoctor.run.zoo import CONFIG_DIR, llm_specs, vision_specs
+from vlmdoctor.run.zoo import llm_specs, native_presets, refuse_composite_only, vision_specs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-#: knobs that only the composite model implements: (name, why), refused for native presets
-COMPOSITE_ONLY = (
-    ("vision", "the tower is part of the native class's config"),
-    ("llm", "the LLM is part of the native class's config"),
-    ("projector", "the projector is part of the native class's config"),
-    ("pixel_shuffle", "the projector is part of the native class's config"),
-    ("lm_head_labeled_only", "the native class computes its own loss over every position"),
-    ("cache_vision_features", "the native class runs its tower inside its own forward"),
-    ("packing", "the native classes' position ids (Qwen2-VL's 3-D RoPE) are built per padded row"),
-)
-
-
-@lru_cache(maxsize=None)
-def native_presets() -> dict[str, dict[str, Any]]:
-    """Native presets by name, from configs/native/*.json."""
-    out = {}
-    for entry in sorted((CONFIG_DIR / "native").iterdir(), key=lambda p: p.name):
-        if entry.name.endswith(".json"):
-            spec = json.loads(entry.read_text())
-            out[spec["name"]] = spec
-    return out
-
 
 def is_native(model: str) -> bool:
     return model in native_presets()
@@ -194,12 +169,7 @@ def hf_config(spec: NativeSpec):
 
 def check_native(cfg: Any, spec: NativeSpec, device: torch.device) -> None:
     """Knobs the native classes cannot honour: one clear line each, before anything is built."""
-    for name, why in COMPOSITE_ONLY:
-        value = getattr(cfg, name)
-        if value not in (None, False):
-            flag = name.replace("_", "-")
-            raise UsageError(f"--{flag} is not supported for the native preset {spec.preset!r} ({spec.cls_name}): "
-                             f"{why}; drop it or use a composite preset (0.5b, 1.5b, tiny)")
+    refuse_composite_only(cfg.model, cfg.to_dict())
     if cfg.data != "synthetic":
         raise UsageError(f"--data FILE is not supported for the native preset {spec.preset!r} yet: its tokens come "
                          "from the synthetic length model; use --data synthetic or a composite preset")
