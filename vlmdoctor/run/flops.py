@@ -181,6 +181,8 @@ def describe() -> dict[str, Any]:
         "llm_stage1": "2 * 2*P_llm*L + 3 * 2*n*d_att*L*(L+1)",
         "vision": "2*P_vis*N + 4*n_vis*d_vis*N^2 per image, forward only; 0 when features are cached",
         "projector": "4*P_proj*T per image",
+        "native_classes": "LLaVA: N=T=patches, MLP projector; Qwen2-VL: N=patches, merger MLP on T=N/4; "
+                          "Idefics3: N=patches, linear on T=N/scale^2 (FlopModel.from_native)",
         "counted_on": "real tokens only; recompute, padding and casts are not model FLOPs; with lm_head_labeled_only "
                       "the LM head counts the labeled positions it runs on",
         "peak": "dense bf16 tensor-core peak of the device (data sheet)",
