@@ -226,3 +226,16 @@ def test_vision_no_grad_keeps_the_tower_out_of_autograd_but_not_the_projector(mo
         vlm(**batch).loss.backward()
         assert seen == [tower_graph]
         assert all(p.grad is not None for p in vlm.parts["projector"].parameters())
+
+
+def test_findings_with_refused_knobs_are_set_aside_for_native_presets():
+    """A rule that fires on a native run but prescribes a composite-only knob moves to not_applicable."""
+    from vlmdoctor.doctor.diagnosis import _set_aside_refused
+
+    finding = {"id": "fusion-lm-head-labeled-only", "config_patch": {"lm_head_labeled_only": True}, "evidence": ["x"]}
+    other = {"id": "system-non-fused-optimizer", "config_patch": {"fused_optimizer": True}, "evidence": ["y"]}
+    for model, kept in (("tiny-llava", [other]), ("tiny", [finding, other])):
+        d = {"findings": [finding, other], "not_applicable": []}
+        _set_aside_refused(d, model)
+        assert d["findings"] == kept
+        assert [n["id"] for n in d["not_applicable"]] == ([] if model == "tiny" else ["fusion-lm-head-labeled-only"])

@@ -190,6 +190,9 @@ def render_findings(diagnosis: dict[str, Any], console: Console) -> None:
         console.print(t)
     for s in diagnosis["superseded"]:
         console.print(f"[dim]superseded: {s['id']} (covered by {s['superseded_by']})[/dim]")
+    for n in diagnosis.get("not_applicable", []):
+        if n.get("measured"):  # fired on the measurement, but the preset cannot take the fix
+            console.print(f"[dim]seen, fix not applicable: {n['id']} ({n['why']})[/dim]")
     for n in diagnosis["not_evaluated"]:
         console.print(f"[dim]not evaluated: {n['id']} (needs {', '.join(n['missing'])})[/dim]")
     for p in diagnosis.get("problems", []):
