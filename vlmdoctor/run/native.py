@@ -23,7 +23,7 @@ import json
 import warnings
 from dataclasses import dataclass
 from types import MethodType
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
