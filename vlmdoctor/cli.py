@@ -26,7 +26,7 @@ def _opt(help: str, panel: str, *names: str):
 
 @app.command()
 def profile(
-    model: Optional[str] = _opt("model preset: 0.5b, 1.5b, tiny, llava-1.5-7b [default: 0.5b]", P0, "--model"),
+    model: Optional[str] = _opt("model preset: 0.5b, 1.5b, tiny, llava-1.5-7b; native classes: llava-siglip2-0.5b, qwen2-vl-2b, smolvlm-256m, tiny-llava, tiny-qwen2-vl, tiny-smolvlm [default: 0.5b]", P0, "--model"),
     stage: Optional[int] = _opt("1: projector only; 2: LLM + projector [default: 2]", P0, "--stage"),
     device: Optional[str] = _opt("auto, cuda or cpu [default: auto]", P0, "--device"),
     vision: Optional[str] = _opt("vision tower, overrides the preset's", P0, "--vision"),

@@ -46,5 +46,24 @@ def examine(report: dict[str, Any], rules_dirs: Sequence[str] = (), prescribe: b
     if prescribe and "trace.error" not in facts:
         rules, problems = load_rules(*rules_dirs)
         report["diagnosis"] = diagnose(facts, rules, problems)
+        _set_aside_refused(report["diagnosis"], (report.get("config") or {}).get("model"))
         report["findings"] = report["diagnosis"]["findings"]
     return report
+
+
+def _set_aside_refused(diagnosis: dict[str, Any], model: str | None) -> None:
+    """Findings whose knobs the run's preset refuses (composite-only knobs on a native class) do not apply."""
+    from vlmdoctor.errors import UsageError
+    from vlmdoctor.run.zoo import refuse_composite_only
+
+    if not model:
+        return
+    kept = []
+    for f in diagnosis["findings"]:
+        try:
+            refuse_composite_only(model, f["config_patch"])
+            kept.append(f)
+        except UsageError as e:
+            diagnosis["not_applicable"].append({"id": f["id"], "why": e.message, "measured": True,
+                                                "evidence": f["evidence"]})
+    diagnosis["findings"] = kept

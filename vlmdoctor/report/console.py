@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
+from rich import box
 from rich.table import Table
 
 from vlmdoctor.run.config import RunConfig, knob_table
@@ -83,14 +84,20 @@ def render(report: dict[str, Any], console: Console) -> None:
 
 
 def render_models(rows: list[dict[str, Any]], console: Console) -> None:
-    t = Table(show_header=True, header_style="bold")
-    for col in ("kind", "name", "params", "layers", "hidden", "heads", "head dim", "notes"):
-        t.add_column(col, justify="right" if col in ("params", "layers", "hidden", "heads", "head dim") else "left")
-    for r in rows:
-        t.add_row(r["kind"], r["name"], f"{r['params'] / 1e6:,.1f}M", str(r.get("layers", "")), str(r.get("hidden", "")),
-                  str(r.get("heads", "")), str(r.get("head_dim", "")), r.get("notes", ""))
-    console.print(t)
+    """One row per model, its kind and notes under the name, so that the table fits 80 columns.
 
+    Native presets give vision/LLM pairs for layers, hidden, heads and head dim.
+    """
+    t = Table(show_header=True, header_style="bold", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
+    for col in ("name", "params", "layers", "hidden", "heads", "head dim"):
+        t.add_column(col, justify="left" if col == "name" else "right", no_wrap=col != "name",
+                     min_width=26 if col == "name" else None)
+    for r in rows:
+        notes = f"{r['kind']}" + (f": {r['notes']}" if r.get("notes") else "")
+        p = r["params"] / 1e6
+        t.add_row(f"[bold]{r['name']}[/bold]\n[dim]{notes}[/dim]", f"{p:,.0f}M" if p >= 1000 else f"{p:,.1f}M",
+                  str(r.get("layers", "")), str(r.get("hidden", "")), str(r.get("heads", "")), str(r.get("head_dim", "")))
+    console.print(t)
 
 
 def _ms(v: Any) -> str:
@@ -183,6 +190,9 @@ def render_findings(diagnosis: dict[str, Any], console: Console) -> None:
         console.print(t)
     for s in diagnosis["superseded"]:
         console.print(f"[dim]superseded: {s['id']} (covered by {s['superseded_by']})[/dim]")
+    for n in diagnosis.get("not_applicable", []):
+        if n.get("measured"):  # fired on the measurement, but the preset cannot take the fix
+            console.print(f"[dim]seen, fix not applicable: {n['id']} ({n['why']})[/dim]")
     for n in diagnosis["not_evaluated"]:
         console.print(f"[dim]not evaluated: {n['id']} (needs {', '.join(n['missing'])})[/dim]")
     for p in diagnosis.get("problems", []):

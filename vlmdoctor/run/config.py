@@ -144,6 +144,12 @@ class RunConfig:
                 raise UsageError(f"{source}: {f.name}={value!r} is not valid; choose one of: {valid}")
             if meta["minimum"] is not None and value < meta["minimum"]:
                 raise UsageError(f"{source}: {f.name}={value!r} must be at least {meta['minimum']}")
+        from vlmdoctor.run.zoo import refuse_composite_only
+
+        try:
+            refuse_composite_only(self.model, self.to_dict())
+        except UsageError as e:
+            raise UsageError(f"{source}: {e.message}") from None
 
     # --- files -----------------------------------------------------------------------------
     @classmethod

@@ -21,6 +21,22 @@ tokens only, so padding, recompute and casts are waste that lowers MFU:
 When the LM head runs on labeled positions only (lm_head_labeled_only), its 2 * h * V FLOPs
 per token are counted for those positions only: work not done is not counted.
 
+Native transformers classes (run/native.py) use the same formula with what each class computes
+(`FlopModel.from_native`):
+  LLaVA     tower on every patch (N = (H/p)^2, no CLS with SigLIP); projector = 2-layer MLP
+            (P_p = d_v*h + h*h) on every patch feature (T = N)
+  Qwen2-VL  tower on N = (H/p)^2 patches, patch embedding a Conv3d over 2 temporal copies
+            (3*2*p*p*d_v weights), full attention within each image; projector = the patch
+            merger MLP (P_p = (4 d_v)^2 + 4 d_v * h) on T = N/4 merged tokens (its LayerNorm and
+            the GELU are left out)
+  Idefics3  tower on N = (H/p)^2 patches; projector = pixel shuffle (no FLOPs) + linear
+            (P_p = d_v * s^2 * h) on T = N / s^2 tokens
+  LLM       the formula above with the class's text config (an untied LM head counts as P_llm).
+Approximations: biases, position embeddings, norms and RoPE (Qwen2-VL's 3-D RoPE included)
+are left out, as above. With gradient checkpointing a native class also enables input-embedding
+grads (transformers does it), so its frozen tower builds a graph and runs a backward: that is
+waste, not model work, and is not counted.
+
 Gradient-checkpoint recompute is not model work and is not counted (that is the usual MFU
 convention, as opposed to hardware FLOPs). Embedding lookups, norms, activations, the
 softmax and the optimizer are left out: they are a few percent of the matmul FLOPs.
@@ -94,6 +110,32 @@ class FlopModel:
         return cls(llm_linear, layers, q, vision_linear, vc["num_hidden_layers"], vh, patches, proj, spec.image_tokens,
                    h * lc["vocab_size"])
 
+    @classmethod
+    def from_native(cls, spec: Any) -> "FlopModel":
+        """The coefficients of a native transformers VLM class (a native.NativeSpec)."""
+        lc, vc = spec.text_config, spec.vision_config
+        h, inter, layers = lc["hidden_size"], lc["intermediate_size"], lc["num_hidden_layers"]
+        hd = spec.llm_head_dim
+        q, kv = lc["num_attention_heads"] * hd, lc["num_key_value_heads"] * hd
+        llm_linear = layers * (h * (q + 2 * kv) + q * h + 3 * h * inter) + h * lc["vocab_size"]
+        vh, p = spec.vision_hidden, spec.patch_size
+        if spec.cls_name.startswith("Qwen2VL"):
+            vinter = vh * vc["mlp_ratio"]
+            embed = vc.get("in_channels", 3) * vc["temporal_patch_size"] * p * p * vh
+            merged = vh * spec.merge**2
+            proj = merged * merged + merged * h
+        elif spec.cls_name.startswith("Idefics3"):
+            vinter = vc["intermediate_size"]
+            embed = vc.get("num_channels", 3) * p * p * vh
+            proj = vh * spec.merge**2 * h
+        else:  # LLaVA: MLP projector on every patch feature
+            vinter = vc["intermediate_size"]
+            embed = vc.get("num_channels", 3) * p * p * vh
+            proj = vh * h + h * h
+        vision_linear = spec.vision_layers * (4 * vh * vh + 2 * vh * vinter) + embed
+        return cls(llm_linear, layers, q, vision_linear, spec.vision_layers, vh, spec.patches, proj,
+                   spec.image_tokens, h * lc["vocab_size"])
+
     def llm_forward(self, lengths: list[int], head_tokens: int | None = None) -> tuple[float, float]:
         """(linear, attention) forward FLOPs for samples with these real lengths.
 
@@ -120,6 +162,18 @@ class FlopModel:
         return {"llm": llm, "vision": vision, "projector": projector, "total": llm + vision + projector}
 
 
+def flop_model(model: str, cfg: dict[str, Any] | None = None) -> FlopModel:
+    """The FLOP model of a preset (composite with the config's overrides, or native); UsageError if unknown."""
+    from vlmdoctor.run.native import is_native, resolve_native
+    from vlmdoctor.run.zoo import resolve
+
+    if is_native(model):
+        return FlopModel.from_native(resolve_native(model))
+    cfg = cfg or {}
+    return FlopModel.from_spec(resolve(model, cfg.get("vision"), cfg.get("llm"), cfg.get("projector"),
+                                       cfg.get("pixel_shuffle")))
+
+
 def describe() -> dict[str, Any]:
     """The formula as text, for the report."""
     return {
@@ -127,6 +181,8 @@ def describe() -> dict[str, Any]:
         "llm_stage1": "2 * 2*P_llm*L + 3 * 2*n*d_att*L*(L+1)",
         "vision": "2*P_vis*N + 4*n_vis*d_vis*N^2 per image, forward only; 0 when features are cached",
         "projector": "4*P_proj*T per image",
+        "native_classes": "LLaVA: N=T=patches, MLP projector; Qwen2-VL: N=patches, merger MLP on T=N/4; "
+                          "Idefics3: N=patches, linear on T=N/scale^2 (FlopModel.from_native)",
         "counted_on": "real tokens only; recompute, padding and casts are not model FLOPs; with lm_head_labeled_only "
                       "the LM head counts the labeled positions it runs on",
         "peak": "dense bf16 tensor-core peak of the device (data sheet)",

@@ -242,6 +242,9 @@ def catalogue() -> list[dict[str, Any]]:
         counts = param_counts(build_model(spec, device="meta"))
         rows.append({"kind": "preset", "name": name, "params": counts["total"], "image_tokens": spec.image_tokens,
                      "head_dim": f"{spec.vision_head_dim}/{spec.llm_head_dim}", "notes": p["about"], "counts": counts})
+    from vlmdoctor.run.native import native_catalogue
+
+    rows += native_catalogue()  # native transformers classes: layers, hidden, heads and head dim as vision/LLM
     tiny = resolve("tiny")
     for name, v in vision_specs().items():
         spec = ModelSpec("-", v, tiny.llm, "linear", 1)

@@ -33,6 +33,7 @@ from vlmdoctor.run.capture import TraceOptions, capture, trace_path
 from vlmdoctor.run.config import RunConfig
 from vlmdoctor.run.data import BatchSampler, Collator, LlavaFile, SyntheticVQA
 from vlmdoctor.errors import EXIT_FAILED_RUN, EXIT_NAN, EXIT_OK, EXIT_OOM, UsageError
+from vlmdoctor.run import native
 from vlmdoctor.run.model import VLM, apply_stage, build_model, enable_gradient_checkpointing, enable_input_require_grads, param_counts
 from vlmdoctor.run.zoo import ModelSpec, resolve
 
@@ -52,20 +53,22 @@ def resolve_device(cfg: RunConfig) -> torch.device:
         raise UsageError("--device cuda asked for, but no CUDA GPU is visible; run on CPU with: "
                          "vlmdoctor profile --model tiny --device cpu")
     if cfg.device == "auto" and not has_gpu:
-        if cfg.model != "tiny":
+        if cfg.model != "tiny" and not cfg.model.startswith("tiny-"):
             raise UsageError(f"no CUDA GPU found for the {cfg.model!r} preset; to run on CPU use: "
                              "vlmdoctor profile --model tiny --device cpu (or pass --device cpu to force this preset)")
         return torch.device("cpu")
     return torch.device("cuda" if cfg.device in ("auto", "cuda") else "cpu")
 
 
-def preflight(cfg: RunConfig, spec: ModelSpec, device: torch.device) -> None:
+def preflight(cfg: RunConfig, spec: ModelSpec | native.NativeSpec, device: torch.device) -> None:
     """Combinations that cannot run here fail before anything is built."""
+    if isinstance(spec, native.NativeSpec):
+        native.check_native(cfg, spec, device)
     if cfg.uses_liger:
         if device.type != "cuda":
             raise UsageError("Liger kernels are Triton GPU kernels and cannot run on the CPU; drop the --liger-* flags "
                              "or run on a CUDA GPU")
-        if spec.llm["family"] not in ("qwen2", "llama"):
+        if isinstance(spec, ModelSpec) and spec.llm["family"] not in ("qwen2", "llama"):
             raise UsageError(f"Liger patches exist for qwen2 and llama LLMs, not {spec.llm['family']}")
         try:
             import liger_kernel.transformers  # noqa: F401
@@ -81,9 +84,21 @@ def preflight(cfg: RunConfig, spec: ModelSpec, device: torch.device) -> None:
         raise UsageError("--num-samples must hold at least one optimizer step of samples")
 
 
-def check(cfg: RunConfig) -> tuple[ModelSpec, torch.device]:
+def resolve_model(cfg: RunConfig) -> ModelSpec | native.NativeSpec:
+    """The composite spec, or a native class's spec for the native presets."""
+    if native.is_native(cfg.model):
+        return native.resolve_native(cfg.model)
+    try:
+        return resolve(cfg.model, cfg.vision, cfg.llm, cfg.projector, cfg.pixel_shuffle)
+    except UsageError as e:
+        if cfg.model in str(e):  # an unknown preset: list the native ones too
+            raise UsageError(f"{e}, {', '.join(native.native_presets())}") from None
+        raise
+
+
+def check(cfg: RunConfig) -> tuple[ModelSpec | native.NativeSpec, torch.device]:
     """Everything that can be refused without building anything: names, then hardware, then combinations."""
-    spec = resolve(cfg.model, cfg.vision, cfg.llm, cfg.projector, cfg.pixel_shuffle)
+    spec = resolve_model(cfg)
     device = resolve_device(cfg)
     preflight(cfg, spec, device)
     return spec, device
@@ -95,10 +110,10 @@ class Patient:
     """Everything a timed step needs, built from one run config."""
 
     cfg: RunConfig
-    spec: ModelSpec
+    spec: ModelSpec | native.NativeSpec
     device: torch.device
     model: torch.nn.Module
-    vlm: VLM
+    vlm: VLM | native.NativeVLM
     optimizer: torch.optim.Optimizer
     batches: Iterator[dict[str, Any]]
     flop_model: flops.FlopModel
@@ -130,11 +145,13 @@ def _cycle(loader) -> Iterator[dict[str, Any]]:
 
 
 def build_patient(cfg: RunConfig, device: torch.device, progress: Progress = _quiet) -> Patient:
-    spec = resolve(cfg.model, cfg.vision, cfg.llm, cfg.projector, cfg.pixel_shuffle)
+    spec = resolve_model(cfg)
     preflight(cfg, spec, device)
     torch.manual_seed(cfg.seed)
     torch.set_float32_matmul_precision("high" if cfg.allow_tf32 else "highest")
     progress("building model", 0, 1)
+    if isinstance(spec, native.NativeSpec):
+        return _native_patient(cfg, spec, device)
     vlm = build_model(spec, cfg.weight_dtype, cfg.attention, cfg.weights, device)
     apply_stage(vlm, cfg.stage)
     vlm.vision_no_grad = cfg.vision_no_grad
@@ -179,6 +196,28 @@ def build_patient(cfg: RunConfig, device: torch.device, progress: Progress = _qu
     return Patient(cfg, spec, device, model, vlm, optimizer, _cycle(loader), flops.FlopModel.from_spec(spec), data_info)
 
 
+def _native_patient(cfg: RunConfig, spec: native.NativeSpec, device: torch.device) -> Patient:
+    """A native transformers class on the same synthetic data, collation and optimizer as the composite model."""
+    vlm = native.build_native(spec, cfg.weight_dtype, cfg.attention, cfg.weights, device)
+    native.configure(vlm, cfg)
+    dataset = SyntheticVQA(spec, cfg.num_samples, cfg.seed)  # type: ignore[arg-type]
+    data_info = {"source": "synthetic", "length_model": dataset.lm["name"], "samples": len(dataset)}
+    if len(dataset) < cfg.batch_size:
+        raise UsageError(f"the data holds {len(dataset)} usable samples, fewer than one batch of {cfg.batch_size}")
+    collator = Collator(spec.llm["special_tokens"]["pad"], cfg.pad_to_multiple_of)
+    sampler = BatchSampler(dataset.lengths, cfg.batch_size, cfg.sampler == "length_bucketed", cfg.seed)
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_sampler=sampler, collate_fn=collator, num_workers=cfg.num_workers,
+        pin_memory=cfg.pin_memory and device.type == "cuda", persistent_workers=cfg.num_workers > 0,
+    )
+    params = [p for p in vlm.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, **({"fused": True} if cfg.fused_optimizer else {}))
+    model: torch.nn.Module = vlm
+    if cfg.compile != "off":
+        model = torch.compile(vlm, mode=None if cfg.compile == "default" else cfg.compile)
+    return Patient(cfg, spec, device, model, vlm, optimizer, _cycle(loader), flops.FlopModel.from_native(spec), data_info)
+
+
 @torch.no_grad()
 def _cache_features(vlm: VLM, dataset, cfg: RunConfig, device: torch.device) -> torch.Tensor:
     """Frozen-tower features for every distinct image, kept in host memory (pinned if asked)."""
@@ -212,7 +251,7 @@ def _to_device(batch: dict[str, Any], device: torch.device, dtype: torch.dtype) 
 def train_step(p: Patient) -> tuple[torch.Tensor, dict[str, Any]]:
     """One optimizer step over grad_accum micro-batches; returns the (device) loss and host counts."""
     cfg = p.cfg
-    dtype = p.vlm.projector.dtype
+    dtype = p.vlm.input_dtype if isinstance(p.vlm, native.NativeVLM) else p.vlm.projector.dtype
     total = {"real_tokens": 0, "loss_tokens": 0, "padded_tokens": 0, "samples": 0, "lengths": [], "host_losses": []}
     loss_sum = None
     for _ in range(cfg.grad_accum):
@@ -339,7 +378,8 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
     }
     try:
         patient = build_patient(cfg, device, progress)
-        report["model"]["params"] = param_counts(patient.vlm)
+        report["model"]["params"] = (native.native_param_counts(patient.vlm) if isinstance(patient.vlm, native.NativeVLM)
+                                     else param_counts(patient.vlm))
         report["data"] = patient.data_info
         for i in range(cfg.warmup):
             train_step(patient)

@@ -119,3 +119,37 @@ def resolve(
             f"of {vname}; choose a factor that divides {spec.patch_grid}"
         )
     return spec
+
+
+# --- native transformers classes (built in run/native.py) ------------------------------------------
+#: knobs that only the composite model implements: (name, why), refused for native presets
+COMPOSITE_ONLY = (
+    ("vision", "the tower is part of the native class's config"),
+    ("llm", "the LLM is part of the native class's config"),
+    ("projector", "the projector is part of the native class's config"),
+    ("pixel_shuffle", "the projector is part of the native class's config"),
+    ("lm_head_labeled_only", "the native class computes its own loss over every position"),
+    ("cache_vision_features", "the native class runs its tower inside its own forward"),
+    ("packing", "the native classes' position ids (Qwen2-VL's 3-D RoPE) are built per padded row"),
+)
+
+
+@lru_cache(maxsize=None)
+def native_presets() -> dict[str, dict[str, Any]]:
+    """Native presets by name, from configs/native/*.json."""
+    out = {}
+    for entry in sorted((CONFIG_DIR / "native").iterdir(), key=lambda p: p.name):
+        if entry.name.endswith(".json"):
+            spec = json.loads(entry.read_text())
+            out[spec["name"]] = spec
+    return out
+
+
+def refuse_composite_only(model: str, knobs: dict[str, Any]) -> None:
+    """One clear line for a knob that only the composite model implements, set on a native preset."""
+    if model not in native_presets():
+        return
+    for name, why in COMPOSITE_ONLY:
+        if knobs.get(name) not in (None, False):
+            raise UsageError(f"--{name.replace('_', '-')} is not supported for the native preset {model!r}: {why}; "
+                             "drop it or use a composite preset (0.5b, 1.5b, tiny)")

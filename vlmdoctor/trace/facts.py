@@ -473,19 +473,17 @@ def _memory_facts(t: Tables, facts: dict[str, Any]) -> None:
 def _flop_facts(t: Tables, facts: dict[str, Any], cfg: dict[str, Any]) -> None:
     """Model FLOPs from the token batches the trace saw, counted as if no token were padding: an upper bound."""
     from vlmdoctor.errors import UsageError
-    from vlmdoctor.run.flops import FlopModel, peak_flops
-    from vlmdoctor.run.zoo import resolve
+    from vlmdoctor.run.flops import flop_model, peak_flops
 
     if "run.model" not in facts or "run.stage" not in facts or not t.shapes:
         return
     try:
-        spec = resolve(facts["run.model"], cfg.get("vision"), cfg.get("llm"), cfg.get("projector"), cfg.get("pixel_shuffle"))
+        fm = flop_model(facts["run.model"], cfg)
     except UsageError:
         return
     batches = [b for b in token_batches(t) if len(b) == 2]
     if not batches:
         return
-    fm = FlopModel.from_spec(spec)
     cached = bool(cfg.get("cache_vision_features", False))
     total_flops = sum(fm.step([L] * B, facts["run.stage"], cached)["total"] for B, L in batches)
     per_step = total_flops / facts["trace.steps"]
