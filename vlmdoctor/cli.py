@@ -56,6 +56,7 @@ def run_command(config: dict[str, Any], patch: dict[str, Any]) -> str:
     flags = knob_flags()
     defaults = RunConfig().to_dict()
     parts = ["vlmdoctor", "profile"]
+    patch = {k: v for k, v in patch.items() if config.get(k, defaults.get(k)) != v}  # a no-op knob needs no flag
 
     def add(knob: str, value: Any) -> None:
         if knob not in flags or value is None:
