@@ -81,8 +81,19 @@ SUPERSEDED_CASES = {
 }
 
 
+# rules of CPU-only runs: tested on CPU traces recorded in the test (tests/test_cpu_doctor.py)
+CPU_CASES = {"precision-cpu-bf16-emulated"}
+
+
 def test_every_rule_has_a_case():
-    assert set(CASES) | set(SUPERSEDED_CASES) | set(VARIATION_CASES) == {r.id for r in RULES}
+    assert set(CASES) | set(SUPERSEDED_CASES) | set(VARIATION_CASES) | CPU_CASES == {r.id for r in RULES}
+
+
+def test_cpu_rules_do_not_apply_to_gpu_traces():
+    d = diagnose(measured("default_s2"), RULES)
+    na = {n["id"]: n["why"] for n in d["not_applicable"]}
+    for rid in CPU_CASES:
+        assert "CPU-only" in na[rid] and rid not in [n["id"] for n in d["not_evaluated"]]
 
 
 def test_compile_for_a_host_bound_step_supersedes_liger():

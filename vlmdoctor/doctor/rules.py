@@ -336,6 +336,8 @@ def diagnose(facts: dict[str, Any], rules: list[Rule], problems: list[str] | Non
         except _Missing as m:
             if facts.get("trace.cpu_only") and GPU_ONLY.fullmatch(m.name):
                 not_applicable.append({"id": rule.id, "why": f"needs {m.name}, a fact of GPU runs (this trace ran on the CPU)"})
+            elif "gpu.busy_ms" in facts and m.name.startswith("cpu."):
+                not_applicable.append({"id": rule.id, "why": f"needs {m.name}, a fact of CPU-only runs (this trace has GPU kernels)"})
             else:
                 not_evaluated.append({"id": rule.id, "missing": [m.name]})
             continue
