@@ -196,7 +196,7 @@ def render_findings(diagnosis: dict[str, Any], console: Console,
             if not patch:
                 continue
             knobs = ", ".join(f"{k}={v}" for k, v in patch.items())
-            console.print(f"#{i} {f['id']} ({knobs}):", highlight=False, markup=False, soft_wrap=True)
+            console.print(f"#{i} {f['id']}, run:", highlight=False, markup=False, soft_wrap=True)
             line = command(patch) if command else knobs
             console.print(f"  {line}", style="cyan", highlight=False, markup=False, soft_wrap=True)
     for s in diagnosis["superseded"]:
@@ -232,7 +232,13 @@ def render_rule_page(page: dict[str, Any], console: Console) -> None:
         section("Config patch", [f"{k}={v}" for k, v in page["patch"].items()])
     gain = page.get("gain") or {}
     if gain:
-        section("Expected gain", [f"{k}: {v}" for k, v in gain.items() if k != "how"] + ([gain["how"]] if gain.get("how") else []))
+        lines = []
+        for k, v in gain.items():
+            if k == "how":
+                continue
+            forms = v if isinstance(v, list) else [v]  # a GPU form, then a CPU form: the first measured one is used
+            lines += [f"{k} = {e}" if i == 0 else f"  or, where not measured: {e}" for i, e in enumerate(forms)]
+        section("Expected gain", lines + ([f"How: {gain['how']}"] if gain.get("how") else []))
     if page["thresholds"]:
         console.print("\n[bold]Thresholds and where they come from[/bold]")
         for c in page["thresholds"]:
