@@ -6,6 +6,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from vlmdoctor.trace.facts import analyze, merge_measured
@@ -80,8 +81,19 @@ SUPERSEDED_CASES = {
 }
 
 
+# rules of CPU-only runs: tested on CPU traces recorded in the test (tests/test_cpu_doctor.py)
+CPU_CASES = {"precision-cpu-bf16-emulated"}
+
+
 def test_every_rule_has_a_case():
-    assert set(CASES) | set(SUPERSEDED_CASES) | set(VARIATION_CASES) == {r.id for r in RULES}
+    assert set(CASES) | set(SUPERSEDED_CASES) | set(VARIATION_CASES) | CPU_CASES == {r.id for r in RULES}
+
+
+def test_cpu_rules_do_not_apply_to_gpu_traces():
+    d = diagnose(measured("default_s2"), RULES)
+    na = {n["id"]: n["why"] for n in d["not_applicable"]}
+    for rid in CPU_CASES:
+        assert "CPU-only" in na[rid] and rid not in [n["id"] for n in d["not_evaluated"]]
 
 
 def test_compile_for_a_host_bound_step_supersedes_liger():
@@ -215,7 +227,14 @@ def test_rules_list_and_show():
     r = CliRunner().invoke(app, ["rules", "list"])
     assert r.exit_code == 0 and "data-shape-churn" in r.output
     r = CliRunner().invoke(app, ["rules", "show", "fusion-fusedce-stage2"])
-    assert r.exit_code == 0 and r.output == (RULES_DIR / "fusion-fusedce-stage2.yaml").read_text()
+    assert r.exit_code == 0, r.output
+    raw = yaml.safe_load((RULES_DIR / "fusion-fusedce-stage2.yaml").read_text())
+    page = " ".join(r.output.split())  # a page, wrapped to the terminal: compare words, not lines
+    for heading in ("What it detects", "Evidence it shows", "Fix", "Thresholds and where they come from", "Sources"):
+        assert heading in r.output
+    assert " ".join(raw["detects"].split()) in page and " ".join(raw["fix"].split()) in page
+    for name, c in raw["constants"].items():  # every threshold with its value and where it comes from
+        assert f"{name} = {c['value']}" in page and " ".join(str(c["why"]).split()) in page
     r = CliRunner().invoke(app, ["rules", "show", "nope"])
     assert r.exit_code == 2 and "known rules" in r.output
 

@@ -113,7 +113,7 @@ def test_pixel_shuffle_must_divide_grid():
 def test_models_cli_json_lists_presets_with_params(cli_runner):
     from vlmdoctor.cli import app
 
-    result = cli_runner.invoke(app, ["models", "--json"])
+    result = cli_runner.invoke(app, ["models", "--json", "-"])
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)
     by_name = {r["name"]: r for r in rows if r["kind"] == "preset"}

@@ -17,6 +17,68 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 err = Console(stderr=True, soft_wrap=True)  # soft wrap: an error stays one line
 out = Console()
 
+def _version(value: bool) -> None:
+    if value:
+        from vlmdoctor import __version__
+
+        print(f"vlmdoctor {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="print the version and exit")) -> None:
+    """Profiler-driven diagnosis of vision-language-model training."""
+
+
+def _json_opt(what: str):
+    return typer.Option(None, "--json", metavar="PATH|-",
+                        help=f"write the {what} as JSON to PATH ('-': standard output, and no table)")
+
+
+def knob_flags() -> dict[str, tuple[str, str | None]]:
+    """Each run-config knob's flag on `profile`, read from the typer app: (flag, its --no- form or None)."""
+    import typer.main
+
+    command = typer.main.get_command(app).commands["profile"]
+    return {p.name: (p.opts[0], p.secondary_opts[0] if p.secondary_opts else None)
+            for p in command.params if p.name in RunConfig.__dataclass_fields__ and p.opts}
+
+
+def run_command(config: dict[str, Any], patch: dict[str, Any]) -> str:
+    """The `vlmdoctor profile` command that runs `config` with `patch` applied, to paste into a shell.
+
+    Model, stage and device always; other knobs only where they differ from the default; the
+    patch's flags last, so the change stands at the end of the line.
+    """
+    import shlex
+
+    flags = knob_flags()
+    defaults = RunConfig().to_dict()
+    parts = ["vlmdoctor", "profile"]
+    patch = {k: v for k, v in patch.items() if config.get(k, defaults.get(k)) != v}  # a no-op knob needs no flag
+
+    def add(knob: str, value: Any) -> None:
+        if knob not in flags or value is None:
+            return
+        on, off = flags[knob]
+        if isinstance(value, bool):
+            if value or off:
+                parts.append(on if value else off)
+        else:
+            parts.extend([on, shlex.quote(str(value))])
+
+    for knob in ("model", "stage", "device"):
+        if knob not in patch:
+            add(knob, config.get(knob, defaults.get(knob)))
+    for knob, value in config.items():
+        if knob not in ("model", "stage", "device") and knob not in patch and value != defaults.get(knob):
+            add(knob, value)
+    for knob, value in patch.items():
+        add(knob, value)
+    return " ".join(parts)
+
+
 P0, P1, P2, P3, P4, P5 = ("experiment", "1 precision", "2 batching", "3 data layout", "4 kernel fusion", "5 system tuning")
 
 
@@ -86,7 +148,7 @@ def profile(
     trace_stack: bool = typer.Option(False, "--trace-stack", help="record Python stacks (much bigger)", rich_help_panel="trace"),
     trace_memory: bool = typer.Option(False, "--trace-memory", help="record allocations", rich_help_panel="trace"),
     config: Optional[str] = typer.Option(None, "--config", help="run config YAML/JSON (or a report JSON); flags override it"),
-    json_path: Optional[str] = typer.Option(None, "--json", help="write the report JSON here ('-' for stdout)"),
+    json_path: Optional[str] = _json_opt("report"),
     html_path: Optional[str] = typer.Option(None, "--html", help="write a self-contained HTML report here"),
     save_config: Optional[str] = typer.Option(None, "--save-config", help="write the resolved run config (YAML/JSON)"),
     force: bool = typer.Option(False, "--force", help="overwrite existing output files"),
@@ -154,7 +216,7 @@ def _profile(overrides: dict[str, Any], config: str | None, json_path: str | Non
         if "diagnosis" in report:
             from vlmdoctor.report.console import render_findings
 
-            render_findings(report["diagnosis"], out)
+            render_findings(report["diagnosis"], out, lambda patch: run_command(report["config"], patch))
     raise typer.Exit(exit_code(report))
 
 
@@ -163,7 +225,7 @@ def analyze(
     path: str = typer.Argument(..., help="a torch.profiler trace (.json, .json.gz) or a folder of per-rank traces"),
     stage: Optional[int] = typer.Option(None, "--stage", help="training stage, when the trace does not say (1 or 2)"),
     model: Optional[str] = typer.Option(None, "--model", help="model preset, when the trace does not say"),
-    json_path: Optional[str] = typer.Option(None, "--json", help="write facts as JSON here ('-' for stdout)"),
+    json_path: Optional[str] = _json_opt("facts and prescriptions"),
     html_path: Optional[str] = typer.Option(None, "--html", help="write a self-contained HTML report here"),
     force: bool = typer.Option(False, "--force", help="overwrite an existing --json or --html file"),
     rules_dirs: Optional[list[str]] = typer.Option(None, "--rules", help="extra folder of rule files (repeatable)"),
@@ -198,7 +260,11 @@ def analyze(
         if json_path != "-":
             render_facts(result, out)
             for entry in result["files"]:
-                render_findings(entry["diagnosis"], out)
+                cfg = {k.removeprefix("config."): v for k, v in entry["facts"].items() if k.startswith("config.")}
+                for k in ("stage", "model"):
+                    if f"run.{k}" in entry["facts"]:
+                        cfg[k] = entry["facts"][f"run.{k}"]
+                render_findings(entry["diagnosis"], out, lambda patch, cfg=cfg: run_command(cfg, patch))
 
 
 rules_app = typer.Typer(help="The prescription rules (rules/*.yaml).", no_args_is_help=True)
@@ -206,19 +272,30 @@ app.add_typer(rules_app, name="rules")
 
 
 @rules_app.command("list")
-def rules_list(rules_dirs: Optional[list[str]] = typer.Option(None, "--rules", help="extra folder of rule files")) -> None:
+def rules_list(rules_dirs: Optional[list[str]] = typer.Option(None, "--rules", help="extra folder of rule files"),
+               json_path: Optional[str] = _json_opt("rule list"),
+               force: bool = typer.Option(False, "--force", help="overwrite an existing --json file")) -> None:
     """Every rule, in layer order, with what it detects."""
     from rich.table import Table
 
     from vlmdoctor.doctor.rules import load_rules
+    from vlmdoctor.files import check_writable, write_json
 
-    rules, problems = load_rules(*(rules_dirs or []))
-    t = Table(show_header=True, header_style="bold")
-    for col in ("layer", "id", "severity", "title", "file"):
-        t.add_column(col)
-    for r in sorted(rules, key=lambda r: (r.layer, r.id)):
-        t.add_row(str(r.layer), r.id, r.severity, r.title, r.path.name)
-    out.print(t)
+    with _user_errors():
+        check_writable(json_path, force)
+        rules, problems = load_rules(*(rules_dirs or []))
+        rules = sorted(rules, key=lambda r: (r.layer, r.id))
+        if json_path:
+            write_json({"rules": [{"id": r.id, "layer": r.layer, "severity": r.severity, "title": r.title,
+                                   "file": str(r.path)} for r in rules], "problems": problems}, json_path)
+    if json_path != "-":
+        t = Table(show_header=True, header_style="bold")
+        for col in ("layer", "id", "severity", "title"):
+            t.add_column(col)
+        for r in rules:
+            t.add_row(str(r.layer), r.id, r.severity, r.title)
+        out.print(t)
+        out.print("[dim]vlmdoctor rules show ID: what a rule detects, its evidence, fix and thresholds[/dim]")
     for p in problems:
         err.print(f"[yellow]rule problem:[/yellow] {p}", highlight=False)
     if problems:
@@ -226,29 +303,42 @@ def rules_list(rules_dirs: Optional[list[str]] = typer.Option(None, "--rules", h
 
 
 @rules_app.command("show")
-def rules_show(rule_id: str = typer.Argument(..., help="rule id"),
-               rules_dirs: Optional[list[str]] = typer.Option(None, "--rules", help="extra folder of rule files")) -> None:
-    """One rule file, as written."""
-    from vlmdoctor.doctor.rules import load_rules
+def rules_show(rule_id: str = typer.Argument(..., help="rule id (vlmdoctor rules list)"),
+               rules_dirs: Optional[list[str]] = typer.Option(None, "--rules", help="extra folder of rule files"),
+               json_path: Optional[str] = _json_opt("rule page"),
+               force: bool = typer.Option(False, "--force", help="overwrite an existing --json file")) -> None:
+    """One rule's page: what it detects, why it matters, its evidence, the fix, where its thresholds come from."""
+    from vlmdoctor.doctor.rules import load_rules, rule_page
+    from vlmdoctor.files import check_writable, write_json
+    from vlmdoctor.report.console import render_rule_page
 
     with _user_errors():
+        check_writable(json_path, force)
         rules, _ = load_rules(*(rules_dirs or []))
         match = [r for r in rules if r.id == rule_id]
         if not match:
             raise VlmdoctorError(f"no rule {rule_id!r}; known rules: {', '.join(sorted(r.id for r in rules))}")
-        print(match[0].path.read_text(), end="")
+        page = rule_page(match[0])
+        if json_path:
+            write_json(page, json_path)
+        if json_path != "-":
+            render_rule_page(page, out)
 
 
 @app.command()
-def models(as_json: bool = typer.Option(False, "--json", help="machine output")) -> None:
+def models(json_path: Optional[str] = _json_opt("catalogue"),
+           force: bool = typer.Option(False, "--force", help="overwrite an existing --json file")) -> None:
     """List presets, vision towers and LLMs with parameter counts and head dims."""
+    from vlmdoctor.files import check_writable, write_json
     from vlmdoctor.run.model import catalogue
     from vlmdoctor.report.console import render_models
 
-    rows = catalogue()
-    if as_json:
-        print(json.dumps(rows, indent=2))
-    else:
+    with _user_errors():
+        check_writable(json_path, force)
+        rows = catalogue()
+        if json_path:
+            write_json(rows, json_path)  # a list of rows, as before
+    if json_path != "-":
         render_models(rows, out)
 
 
@@ -368,7 +458,8 @@ def sweep(
     jsonl_path: Optional[str] = typer.Option(None, "--jsonl", help="append each run's full report as a JSON line"),
     diagnose_runs: bool = typer.Option(False, "--diagnose/--no-diagnose", help="trace and diagnose each run"),
     timeout: float = typer.Option(900, "--timeout", help="seconds one run may take"),
-    force: bool = typer.Option(False, "--force", help="overwrite an existing --csv file"),
+    json_path: Optional[str] = _json_opt("results table"),
+    force: bool = typer.Option(False, "--force", help="overwrite an existing --csv or --json file"),
 ) -> None:
     """Run a list of configurations, one fresh process each, and tabulate them (the seed's 48-run table style)."""
     from vlmdoctor.files import check_writable
@@ -377,6 +468,7 @@ def sweep(
 
     with _user_errors():
         check_writable(csv_path, force)
+        check_writable(json_path, force)
         if grid:
             plan = load_grid(grid, _parse_sets(sets or []), stages)
         elif sets:
@@ -388,10 +480,16 @@ def sweep(
                 status.update(f"run {i}/{n}: {name}")
 
             rows = run_sweep(plan, timeout, diagnose_runs, jsonl_path, notify)
-        render_sweep(rows, out)
+        if json_path:
+            from vlmdoctor.files import write_json
+
+            write_json({"runs": rows}, json_path)
+        if json_path != "-":
+            render_sweep(rows, out)
         if csv_path:
             write_csv(rows, csv_path)
-            out.print(f"written: {csv_path}")
+            if json_path != "-":
+                out.print(f"written: {csv_path}")
 
 
 @app.command()
@@ -411,7 +509,7 @@ def gate(
     update_baseline: bool = typer.Option(False, "--update-baseline", help="write the current report over the baseline, "
                                          "on purpose, and pass"),
     junit: Optional[str] = typer.Option(None, "--junit", help="write JUnit XML here"),
-    json_path: Optional[str] = typer.Option(None, "--json", help="write the verdict JSON here"),
+    json_path: Optional[str] = _json_opt("verdict"),
 ) -> None:
     """Fail (exit 1) when training got slower than the baseline, beyond the noise; exit 2 on unusable input."""
     import os
@@ -431,18 +529,19 @@ def gate(
                 cur = run_current(base)
         if update_baseline:
             write_json(cur, baseline)
-            out.print(f"baseline updated: {baseline} ({cur['metrics']['real_tokens_per_s']:,.0f} real tokens/s)")
+            (err if json_path == "-" else out).print(f"baseline updated: {baseline} ({cur['metrics']['real_tokens_per_s']:,.0f} real tokens/s)")
             return
         notes = check_comparable(base, cur, allow_env_change)
         result = judge(base, cur, max_regression, alpha, max_memory_growth, fail_on, notes)
-        t = Table(title=f"vlmdoctor gate: {result['summary']}", header_style="bold")
-        for col in ("check", "verdict", "detail"):
-            t.add_column(col)
-        for c in result["checks"]:
-            t.add_row(c["name"], c["verdict"], str(c["detail"]))
-        out.print(t)
-        for n in result.get("notes") or []:
-            out.print(f"note: {n}")
+        if json_path != "-":
+            t = Table(title=f"vlmdoctor gate: {result['summary']}", header_style="bold")
+            for col in ("check", "verdict", "detail"):
+                t.add_column(col)
+            for c in result["checks"]:
+                t.add_row(c["name"], c["verdict"], str(c["detail"]))
+            out.print(t)
+            for n in result.get("notes") or []:
+                out.print(f"note: {n}")
         summary = os.environ.get("GITHUB_STEP_SUMMARY")
         if summary:
             with open(summary, "a") as f:
@@ -461,7 +560,8 @@ def compare(
     a: str = typer.Argument(..., help="report JSON (before)"),
     b: str = typer.Argument(..., help="report JSON (after)"),
     allow_different: bool = typer.Option(False, "--allow-different", help="compare different models or stages"),
-    json_path: Optional[str] = typer.Option(None, "--json", help="write the comparison JSON here"),
+    json_path: Optional[str] = _json_opt("comparison"),
+    force: bool = typer.Option(False, "--force", help="overwrite an existing --json file"),
 ) -> None:
     """Side by side: metrics, GPU time by kernel class, idle causes, findings added or gone, knobs changed."""
     from pathlib import Path
@@ -469,11 +569,13 @@ def compare(
     from vlmdoctor.report.compare import compare as diff
     from vlmdoctor.report.compare import render_compare
     from vlmdoctor.ci.gate import load_report
-    from vlmdoctor.files import write_json
+    from vlmdoctor.files import check_writable, write_json
 
     with _user_errors():
+        check_writable(json_path, force)
         result = diff(load_report(a), load_report(b), allow_different, labels=(Path(a).name, Path(b).name))
-        render_compare(result, out)
+        if json_path != "-":
+            render_compare(result, out)
         if json_path:
             write_json(result, json_path)
 
@@ -485,6 +587,7 @@ def export(
                                          "*.json.gz"),
     hta_dir: Optional[str] = typer.Option(None, "--hta-dir", help="write a folder of per-rank traces as Holistic "
                                           "Trace Analysis (traceinsight) reads them"),
+    json_path: Optional[str] = _json_opt("list of files written"),
     force: bool = typer.Option(False, "--force", help="overwrite existing output"),
 ) -> None:
     """Export a trace for Perfetto (ui.perfetto.dev) or for Holistic Trace Analysis."""
@@ -509,13 +612,22 @@ def export(
                 if not (src.parent / kept).exists() and not Path(kept).exists():
                     raise VlmdoctorError(f"{src}: its trace {kept} is not here (recorded on another machine, or moved)")
                 src = Path(kept) if Path(kept).exists() else src.parent / kept
+        from vlmdoctor.files import check_writable, write_json
+
+        check_writable(json_path, force)
         files = trace_files(src)
+        written: dict[str, str] = {}
         if chrome:
             if len(files) != 1:
                 raise VlmdoctorError(f"{src} holds {len(files)} traces; --chrome exports one (use --hta-dir for ranks)")
-            out.print(f"written: {export_chrome(files[0], Path(chrome), force)}")
+            written["chrome"] = str(export_chrome(files[0], Path(chrome), force))
         if hta_dir:
-            out.print(f"written: {export_hta_folder(files, Path(hta_dir), force)}")
+            written["hta_dir"] = str(export_hta_folder(files, Path(hta_dir), force))
+        if json_path:
+            write_json({"source": str(src), "traces": [str(f) for f in files], "written": written}, json_path)
+        if json_path != "-":
+            for path in written.values():
+                out.print(f"written: {path}")
 
 
 class _user_errors:

@@ -64,6 +64,9 @@ KNOWN_FACTS = [re.compile(p) for p in (
     r"flops\.(vision_tflop_per_step|lm_head_tflop_per_step)", r"gpu\.busy_tflops", r"data\.loss_token_frac",
     r"memory\.(device_total_gb|peak_allocated_gb|peak_reserved_gb|peak_reserved_frac)",
     r"flops\.model_tflop_per_step_upper", r"mfu(\.upper_bound)?", r"data\.(pad_fraction|real_tokens_per_s)",
+    r"trace\.cpu_only", r"cpu\.(capability|probe\.(fp32|bf16)_gflops|cast\.(ms|count|share)|bf16_cost\.(ms|share)|lm_head\.ms)",
+    r"cpu\.matmul\.(ms|share|dtypes|(fp32|bf16|fp16)_(ms|gflop|gflops))", r"cpu\.part\.[a-z_]+\.forward_ms",
+    r"cpu\.data_loader\.(ms|share)",
     r"config\.(" + "|".join(RunConfig.__dataclass_fields__) + r")",
     r"patch\.(" + "|".join(RunConfig.__dataclass_fields__) + r")",  # the rule's own patch values, in gain expressions
 )]
@@ -98,10 +101,18 @@ class Rule:
     detects: str = ""
 
     def facts_used(self) -> set[str]:
-        exprs = [self.when, self.unless or "", self.gain.get("saves_ms") or "", self.gain.get("speedup") or ""]
+        exprs = [self.when, self.unless or "", *_alternatives(self.gain.get("saves_ms")),
+                 *_alternatives(self.gain.get("speedup"))]
         exprs += [v for v in self.patch.values() if isinstance(v, str) and _looks_like_expr(v)]
         exprs += [m.group(1) for e in self.evidence for m in _PLACEHOLDER.finditer(e)]
         return {n for e in exprs if e for n in _names(_parse(e, self)) if not n.isupper()}
+
+
+def _alternatives(v: Any) -> list[str]:
+    """A gain expression, or a list of them: the first whose facts were measured is used (GPU run, CPU run)."""
+    if not v:
+        return []
+    return [str(x) for x in v] if isinstance(v, list) else [str(v)]
 
 
 def _looks_like_expr(v: str) -> bool:
@@ -216,11 +227,12 @@ def _rule_from(path: Path, data: Any) -> Rule:
         raise RuleError(f"{path}: layer must be 1-5 (1 precision ... 5 system tuning), got {rule.layer!r}")
     if rule.severity not in SEVERITIES:
         raise RuleError(f"{path}: severity must be one of {', '.join(SEVERITIES)}")
-    for c in (rule.when, rule.unless, rule.gain.get("saves_ms"), rule.gain.get("speedup")):
+    gains = _alternatives(rule.gain.get("saves_ms")) + _alternatives(rule.gain.get("speedup"))
+    for c in (rule.when, rule.unless, *gains):
         if c:
             _parse(c, rule)
     bad = sorted(n for n in rule.facts_used() if not any(p.fullmatch(n) for p in KNOWN_FACTS))
-    undefined = sorted(n for e in (rule.when, rule.unless, rule.gain.get("saves_ms"), rule.gain.get("speedup")) if e
+    undefined = sorted(n for e in (rule.when, rule.unless, *gains) if e
                        for n in _names(_parse(e, rule)) if n.isupper() and n not in rule.constants)
     if bad:
         raise RuleError(f"{path}: rule {rule.id} uses unknown fact(s) {', '.join(bad)} (see docs/analysis.md)")
@@ -268,6 +280,19 @@ def load_rules(*dirs: str | Path) -> tuple[list[Rule], list[str]]:
     return rules, problems
 
 
+def rule_page(rule: Rule) -> dict[str, Any]:
+    """A rule as a page a person reads: detects, evidence, fix, and where each threshold comes from."""
+    return {
+        "id": rule.id, "title": rule.title, "layer": rule.layer, "layer_name": LAYER_NAMES[rule.layer],
+        "severity": rule.severity, "stages": rule.stages, "file": str(rule.path),
+        "detects": " ".join(rule.detects.split()), "when": rule.when, "unless": rule.unless,
+        "evidence": list(rule.evidence), "fix": rule.fix, "patch": dict(rule.patch),
+        "gain": {k: v for k, v in rule.gain.items()},
+        "thresholds": [{"name": k, "value": c.get("value"), "why": c.get("why")} for k, c in rule.constants.items()],
+        "facts": sorted(rule.facts_used()), "conflicts": list(rule.conflicts), "sources": list(rule.sources),
+    }
+
+
 # --- diagnosis ------------------------------------------------------------------------------------------
 
 def _fmt(value: Any, spec: str | None) -> str:
@@ -309,7 +334,12 @@ def diagnose(facts: dict[str, Any], rules: list[Rule], problems: list[str] | Non
         try:
             hit = bool(_eval(_tree(rule.when), env))
         except _Missing as m:
-            not_evaluated.append({"id": rule.id, "missing": [m.name]})
+            if facts.get("trace.cpu_only") and GPU_ONLY.fullmatch(m.name):
+                not_applicable.append({"id": rule.id, "why": f"needs {m.name}, a fact of GPU runs (this trace ran on the CPU)"})
+            elif "gpu.busy_ms" in facts and m.name.startswith("cpu."):
+                not_applicable.append({"id": rule.id, "why": f"needs {m.name}, a fact of CPU-only runs (this trace has GPU kernels)"})
+            else:
+                not_evaluated.append({"id": rule.id, "missing": [m.name]})
             continue
         if hit and rule.unless:
             try:
@@ -359,9 +389,15 @@ def diagnose(facts: dict[str, Any], rules: list[Rule], problems: list[str] | Non
 
 
 def _gain(rule: Rule, key: str, env: dict[str, Any]) -> float | None:
-    if not rule.gain.get(key):
-        return None
-    try:
-        return float(_eval(_tree(rule.gain[key]), env))
-    except (_Missing, ZeroDivisionError, TypeError):
-        return None
+    for expr in _alternatives(rule.gain.get(key)):
+        try:
+            return float(_eval(_tree(expr), env))
+        except (_Missing, ZeroDivisionError, TypeError):
+            continue
+    return None
+
+
+#: facts only GPU kernels give: on a CPU-only trace a rule that needs one does not apply (it is not unmeasured)
+GPU_ONLY = re.compile(r"(gpu|kernels|idle|launch|liger|gemm|phase|memcpy|recompute|triton_compiled|optimizer)\..*"
+                      r"|attention\.(fp32_kernels|[a-z]+\.(forward|backward|recompute)_ms|[a-z]+\.head_dim.*)"
+                      r"|part\.[a-z_]+\.(ms|share|forward_ms|backward_ms|recompute_ms)|part\.fp32_gemm_parts")

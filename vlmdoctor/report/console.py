@@ -1,11 +1,14 @@
 """The console report: rich tables of metrics, facts, findings, ladders and sweeps."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from rich.console import Console
 from rich import box
+from rich.markup import escape
+from rich.padding import Padding
 from rich.table import Table
+from rich.text import Text
 
 from vlmdoctor.run.config import RunConfig, knob_table
 from vlmdoctor.errors import UsageError
@@ -163,8 +166,24 @@ def render_facts(result: dict[str, Any], console: Console) -> None:
             console.print("; ".join(extra))
 
 
-def render_findings(diagnosis: dict[str, Any], console: Console) -> None:
-    """Prescriptions in layer order: what was seen, what to change, what it should save."""
+def _gain_text(gain: dict[str, Any]) -> str:
+    if gain["saves_ms_per_step"] is not None:
+        g = f"-{gain['saves_ms_per_step']:,.1f} ms/step"
+        if gain["share_of_step"]:
+            g += f"\n({gain['share_of_step'] * 100:.0f}% of the step)"
+        return g
+    if gain.get("throughput_x"):
+        return f"x{gain['throughput_x']:.2f} throughput"
+    return "n/a"
+
+
+def render_findings(diagnosis: dict[str, Any], console: Console,
+                    command: Callable[[dict[str, Any]], str] | None = None) -> None:
+    """Prescriptions in layer order: what was seen, what to change, what it should save.
+
+    Each patch is then printed on a line of its own, as the command that runs it (`command`
+    turns a patch into one), never wrapped or cut, so it can be copied whole at any width.
+    """
     findings = diagnosis["findings"]
     if not findings:
         console.print("[bold green]no prescriptions[/bold green]: no rule fired on the measured facts")
@@ -172,22 +191,21 @@ def render_findings(diagnosis: dict[str, Any], console: Console) -> None:
         t = Table(title="prescriptions, in layer order", show_header=True, header_style="bold", show_lines=True)
         t.add_column("#", justify="right")
         t.add_column("layer")
-        t.add_column("seen (measured)")
-        t.add_column("change")
+        t.add_column("seen (measured)", ratio=3)
+        t.add_column("change", ratio=2)
         t.add_column("expected gain", justify="right")
         for i, f in enumerate(findings, 1):
-            gain = f["expected_gain"]
-            g = "n/a"
-            if gain["saves_ms_per_step"] is not None:
-                g = f"-{gain['saves_ms_per_step']:.1f} ms/step"
-                if gain["share_of_step"]:
-                    g += f"\n({gain['share_of_step'] * 100:.0f}% of the step)"
-            elif gain.get("throughput_x"):
-                g = f"x{gain['throughput_x']:.2f} throughput"
-            patch = ", ".join(f"{k}={v}" for k, v in f["config_patch"].items())
-            t.add_row(str(i), f"{f['layer']} {f['layer_name']}", f"[bold]{f['title']}[/bold]\n" + "\n".join(f["evidence"]),
-                      f"{f['fix']}\n[cyan]{patch}[/cyan]", g)
+            t.add_row(str(i), f"{f['layer']} {f['layer_name']}", f"[bold]{escape(f['title'])}[/bold]\n"
+                      + "\n".join(escape(e) for e in f["evidence"]), escape(f["fix"]), _gain_text(f["expected_gain"]))
         console.print(t)
+        for i, f in enumerate(findings, 1):
+            patch = f["config_patch"]
+            if not patch:
+                continue
+            knobs = ", ".join(f"{k}={v}" for k, v in patch.items())
+            console.print(f"#{i} {f['id']}, run:", highlight=False, markup=False, soft_wrap=True)
+            line = command(patch) if command else knobs
+            console.print(f"  {line}", style="cyan", highlight=False, markup=False, soft_wrap=True)
     for s in diagnosis["superseded"]:
         console.print(f"[dim]superseded: {s['id']} (covered by {s['superseded_by']})[/dim]")
     for n in diagnosis.get("not_applicable", []):
@@ -195,8 +213,50 @@ def render_findings(diagnosis: dict[str, Any], console: Console) -> None:
             console.print(f"[dim]seen, fix not applicable: {n['id']} ({n['why']})[/dim]")
     for n in diagnosis["not_evaluated"]:
         console.print(f"[dim]not evaluated: {n['id']} (needs {', '.join(n['missing'])})[/dim]")
+    gpu_only = [n["id"] for n in diagnosis.get("not_applicable", []) if "fact of GPU runs" in n["why"]]
+    if gpu_only:
+        console.print(f"[dim]not applicable to a CPU run ({len(gpu_only)} rules need GPU kernel facts): "
+                      f"{', '.join(gpu_only)}[/dim]")
     for p in diagnosis.get("problems", []):
-        console.print(f"[yellow]rule problem:[/yellow] {p}")
+        console.print(f"[yellow]rule problem:[/yellow] {escape(p)}")
+
+
+def render_rule_page(page: dict[str, Any], console: Console) -> None:
+    """`vlmdoctor rules show`: one rule as a readable page (in the manner of ruff's rule pages)."""
+    console.print(f"[bold]{escape(page['id'])}[/bold]: {escape(page['title'])}", soft_wrap=False)
+    console.print(f"layer {page['layer']} ({page['layer_name']}), severity {page['severity']}, "
+                  f"stages {', '.join(map(str, page['stages']))}; file {page['file']}", highlight=False)
+
+    def section(title: str, body: str | list[str] | None) -> None:
+        if not body:
+            return
+        console.print(f"\n[bold]{title}[/bold]")
+        for line in ([body] if isinstance(body, str) else body):
+            console.print(Padding(Text(line), (0, 0, 0, 2)))
+
+    section("What it detects and why it matters", page["detects"])
+    section("Fires when (measured facts)", [page["when"]] + ([f"unless {page['unless']}"] if page.get("unless") else []))
+    section("Evidence it shows", page["evidence"])
+    section("Fix", page["fix"])
+    if page["patch"]:
+        section("Config patch", [f"{k}={v}" for k, v in page["patch"].items()])
+    gain = page.get("gain") or {}
+    if gain:
+        lines = []
+        for k, v in gain.items():
+            if k == "how":
+                continue
+            forms = v if isinstance(v, list) else [v]  # a GPU form, then a CPU form: the first measured one is used
+            lines += [f"{k} = {e}" if i == 0 else f"  or, where not measured: {e}" for i, e in enumerate(forms)]
+        section("Expected gain", lines + ([f"How: {gain['how']}"] if gain.get("how") else []))
+    if page["thresholds"]:
+        console.print("\n[bold]Thresholds and where they come from[/bold]")
+        for c in page["thresholds"]:
+            console.print(Padding(Text(f"{c['name']} = {c['value']}"), (0, 0, 0, 2)))
+            console.print(Padding(Text(str(c["why"])), (0, 0, 0, 4)))
+    section("Facts it reads", ", ".join(page["facts"]))
+    section("Not prescribed together with", ", ".join(page["conflicts"]))
+    section("Sources", page["sources"])
 
 
 def render_ladder(result: dict[str, Any], console: Console) -> None:

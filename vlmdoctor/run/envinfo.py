@@ -56,5 +56,31 @@ def collect(device: torch.device) -> dict[str, Any]:
             driver=_driver(),
         )
     else:
-        env.update(gpu=None, driver=None, cuda=None)
+        env.update(gpu=None, driver=None, cuda=None, cpu_capability=torch.backends.cpu.get_cpu_capability(),
+                   cpu_matmul_gflops=matmul_probe())
     return env
+
+
+PROBE_SHAPE = (1024, 256, 256)  # M, K, N: the order of the tiny preset's projections (1,568 x 64 x 256)
+
+
+def matmul_probe(repeats: int = 3) -> dict[str, float]:
+    """GFLOP/s of one fp32 and one bf16 CPU matmul of the same shape, best of a few.
+
+    Whether this CPU multiplies bf16 natively (AMX, AVX512-BF16) or converts to fp32 and back shows
+    only in a measurement; the CPU precision rule compares the two rates (a fraction of a second).
+    """
+    import time
+
+    m, k, n = PROBE_SHAPE
+    out: dict[str, float] = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        a @ b  # first call: allocation and kernel selection
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t0)
+        out[name] = 2.0 * m * k * n / best / 1e9
+    return out

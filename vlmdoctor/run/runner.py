@@ -392,7 +392,8 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
                 _sync(device)
 
             meta = {"schema_version": SCHEMA_VERSION, "tool_version": __version__, "config": cfg.to_dict(),
-                    "model": report["model"]}
+                    "model": report["model"],
+                    "env": {k: env[k] for k in ("device_type", "cpu_count", "cpu_capability", "cpu_matmul_gflops") if k in env}}
             where = trace if trace.keep else replace(trace, trace_dir=tempfile.mkdtemp(prefix="vlmdoctor-trace-"))
             report["trace"] = capture(step, where, device, trace_path(where, cfg.model, cfg.stage), meta, progress)
             report["trace"]["kept"] = trace.keep

@@ -361,6 +361,7 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
         facts["trace.partial"] = True
         facts["trace.warnings"] = warnings
         _host_facts(t, facts, n)
+        from vlmdoctor.trace.cpu_facts import cpu_facts; facts.update(cpu_facts(t, windows, facts))  # noqa: E702
         return facts
     facts["trace.partial"] = bool(warnings)
 
