@@ -397,17 +397,18 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
     warnings: list[str] = []
     vmeta = t.meta.get("vlmdoctor") or {}
     cfg = vmeta.get("config") or {}
-    stage = stage if stage is not None else cfg.get("stage")
-    model = model if model is not None else cfg.get("model")
+    if not isinstance(cfg, dict):
+        cfg = {}
     for knob, value in cfg.items():  # what the run asked for: rules read it for exceptions, never as the trigger
         facts[f"config.{knob}"] = value
-    if stage is not None:
-        facts["run.stage"] = int(stage)
-    if model is not None:
-        facts["run.model"] = model
     facts["trace.written_by_vlmdoctor"] = bool(vmeta)
+    for what, seen in t.recorded.items():  # which profiler options left their marks
+        facts[f"trace.recorded.{what}"] = seen
+    ctx = op_context(t)
+    facts["part.source"] = part_source(t)
 
     steps = t.steps
+    facts["trace.windows_from"] = "ProfilerStep" if len(steps) else "whole trace"
     if len(steps):
         windows = list(zip(steps["ts"], steps["end"]))
     else:
@@ -421,13 +422,17 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
     step_ms = [(e - s) / 1e3 for s, e in windows]
     facts["step.ms"] = float(np.mean(step_ms))
     facts["step.ms_list"] = [round(x, 3) for x in step_ms]
+    _run_identity(t, ctx, facts, stage, model, cfg, warnings)
 
     if t.gpu.empty:
         warnings.append("no GPU kernels in the trace (a CPU-only run?): GPU, kernel and launch facts are left out")
+        facts["trace.gpu_kernels"] = False
         facts["trace.partial"] = True
         facts["trace.warnings"] = warnings
         _host_facts(t, facts, n)
+        _micro_batch_estimate(t, ctx, windows, facts)
         return facts
+    facts["trace.gpu_kernels"] = True
     facts["trace.partial"] = bool(warnings)
 
     g = t.gpu
@@ -478,9 +483,9 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
         facts["launch.delay_us_p90"] = float(np.percentile(delay, 90))
 
     # parts and phases
-    ctx = launch_context(t)
-    ctx = ctx.loc[ctx["corr"] >= 0].drop_duplicates("corr")
-    g2 = g.merge(ctx[["corr", "part", "phase"]], on="corr", how="left")
+    lctx = launch_context(t, ctx)
+    lctx = lctx.loc[lctx["corr"] >= 0].drop_duplicates("corr")
+    g2 = g.merge(lctx[["corr", "part", "phase"]], on="corr", how="left")
     g2["part"] = g2["part"].fillna("unattributed")
     g2["phase"] = g2["phase"].fillna("unattributed")
     for part, v in g2.groupby("part")["dur"].sum().items():
@@ -513,11 +518,124 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
         facts[f"memcpy.{direction}.ms"] = float(grp["dur"].sum()) / 1e3 / n
     facts["memcpy.pageable_count"] = int(mc["name"].str.contains("Pageable").sum()) / n
     _host_facts(t, facts, n)
+    _micro_batch_estimate(t, ctx, windows, facts)
     _attention_shape_facts(t, facts, n)
     _memory_facts(t, facts)
     _flop_facts(t, facts, cfg)
     facts["trace.warnings"] = warnings
     return facts
+
+
+def part_source(t: Tables) -> str:
+    """Where the model-part attribution comes from: vlmdoctor's own ranges, the module hierarchy, or nowhere."""
+    cats = [str(c) for c in t.ops["name"].cat.categories]
+    if any(c in PART_RANGES for c in cats):
+        return "vlmdoctor ranges"
+    if any(c.startswith(MODULE_PREFIX) and part_of_class(re.sub(r"_\d+$", "", c[len(MODULE_PREFIX):])) for c in cats):
+        return "module hierarchy"
+    return "none"
+
+
+def estimate_stage(t: Tables, ctx: pd.DataFrame) -> tuple[int | None, str]:
+    """Stage 2 when the LLM's linear layers compute weight gradients in backward, stage 1 when they do not.
+
+    A linear layer's backward node (MmBackward0 / AddmmBackward0) runs one GEMM for the input
+    gradient and a second for the weight gradient only when the weight trains. Recompute GEMMs
+    (checkpointing) are not counted. Without part attribution every linear layer counts (the LLM's
+    are most of them). None when the trace has no backward (inference) or no linear backward.
+    """
+    if not ctx["in_bwd"].any():
+        return None, "no backward pass in the trace (inference only?)"
+    names = t.ops["name"].astype(str).to_numpy()
+    node = ctx["node"].to_numpy()
+    mm = (names == "aten::mm") & ctx["in_bwd"].to_numpy() & ~ctx["recompute"].to_numpy() & (node >= 0)
+    per_node = np.bincount(node[mm], minlength=len(names)) if mm.any() else np.zeros(len(names), dtype=np.int64)
+    linear = np.flatnonzero(pd.Series(names).str.contains(LINEAR_BACKWARD).to_numpy()
+                            & pd.Series(names).str.startswith(BACKWARD_NODE).to_numpy())
+    if not len(linear):
+        return None, "no linear-layer backward nodes (MmBackward0 / AddmmBackward0) in the trace"
+    in_llm = linear[ctx["part"].to_numpy()[linear] == "llm"]
+    use, where = (in_llm, "LLM") if len(in_llm) else (linear, "model (no LLM attribution)")
+    trained = float((per_node[use] >= 2).mean())
+    stage = 2 if trained >= 0.5 else 1
+    return stage, (f"estimated: {trained * 100:.0f}% of the {where} linear-layer backward nodes compute a weight "
+                   f"gradient ({'LLM trains' if stage == 2 else 'LLM frozen'})")
+
+
+def _run_identity(t: Tables, ctx: pd.DataFrame, facts: dict[str, Any], stage: int | None, model: str | None,
+                  cfg: dict[str, Any], warnings: list[str]) -> None:
+    """run.stage / run.model and where each came from; --stage / --model override, and say when they contradict."""
+    notes: list[str] = []
+    est, why = estimate_stage(t, ctx)
+    if est is not None:
+        facts["run.stage_estimate"] = est
+    facts["run.stage_estimate_why"] = why
+    recorded_stage = cfg.get("stage")
+    if stage is not None:
+        facts["run.stage"], facts["run.stage_source"] = int(stage), "--stage"
+        if recorded_stage is not None and int(recorded_stage) != int(stage):
+            notes.append(f"--stage {stage} overrides stage {recorded_stage} recorded in the trace's run config")
+        elif recorded_stage is None and est is not None and est != int(stage):
+            notes.append(f"--stage {stage} contradicts the trace: {why}")
+    elif recorded_stage is not None:
+        facts["run.stage"], facts["run.stage_source"] = int(recorded_stage), "run config in the trace"
+    elif est is not None:
+        facts["run.stage"], facts["run.stage_source"] = est, why
+    recorded_model = cfg.get("model")
+    if model is not None:
+        facts["run.model"], facts["run.model_source"] = model, "--model"
+        if recorded_model is not None and recorded_model != model:
+            notes.append(f"--model {model} overrides model {recorded_model} recorded in the trace's run config")
+    elif recorded_model is not None:
+        facts["run.model"], facts["run.model_source"] = recorded_model, "run config in the trace"
+    facts["run.notes"] = notes
+    warnings.extend(notes)
+
+
+def _micro_batch_estimate(t: Tables, ctx: pd.DataFrame, windows: list[tuple[float, float]], facts: dict[str, Any]) -> None:
+    """Micro-batches per step where no token-batch shapes measured them: forward->backward transitions, or loss calls."""
+    key = "shapes.micro_batches_per_step"
+    if key in facts:
+        facts[f"{key}.source"] = "measured: one LLM embedding call per micro-batch (record_shapes)"
+        return
+    ops = t.ops
+    if ops.empty:
+        return
+    ws = np.array([s for s, _ in windows])
+    we = np.array([e for _, e in windows])
+
+    def in_windows(x: np.ndarray) -> np.ndarray:
+        k = np.searchsorted(ws, x, side="right") - 1
+        return (k >= 0) & (x <= we[np.maximum(k, 0)])
+
+    names = ops["name"].astype(str)
+    ts = ops["ts"].to_numpy()
+    fwd = ctx["fwd"].to_numpy()
+    node = names.str.startswith(BACKWARD_NODE).to_numpy()
+    if node.any() and fwd.any():
+        tid = ops["tid"].to_numpy()
+        main = np.bincount(tid[fwd]).argmax()  # the training thread: most forward ops that autograd records
+        f_ts, b_ts = ts[fwd & (tid == main)], ts[node]
+        when = np.concatenate([f_ts, b_ts])
+        kind = np.concatenate([np.zeros(len(f_ts), dtype=bool), np.ones(len(b_ts), dtype=bool)])
+        o = np.lexsort((kind, when))
+        when, kind = when[o], kind[o]
+        starts = kind & np.concatenate([[True], ~kind[:-1]])  # a backward node right after forward work
+        count = int((starts & in_windows(when)).sum())
+        if count:
+            facts[key] = count / len(windows)
+            facts[f"{key}.source"] = "estimated from forward/backward boundaries (no record_shapes)"
+            return
+    loss = names.str.contains(LOSS_OPS).to_numpy() & ~ctx["in_bwd"].to_numpy()
+    if loss.any():
+        order = np.argsort(ts[loss])
+        l_ts, l_end = ts[loss][order], ops["end"].to_numpy()[loss][order]
+        outer = np.ones(len(l_ts), dtype=bool)
+        outer[1:] = l_ts[1:] >= np.maximum.accumulate(l_end)[:-1]  # not nested in the previous loss op
+        count = int((outer & in_windows(l_ts)).sum())
+        if count:
+            facts[key] = count / len(windows)
+            facts[f"{key}.source"] = "estimated from loss computations (no backward, no record_shapes)"
 
 
 CUDA_DEVICE_TYPE = 1  # the profiler's [memory] events: 0 CPU, 1 CUDA
