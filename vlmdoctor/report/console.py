@@ -104,8 +104,16 @@ def render_facts(result: dict[str, Any], console: Console) -> None:
         known = ", ".join(f"{k.split('.')[1]} {f[k]}" for k in ("run.model", "run.stage") if k in f) or "model and stage unknown"
         console.print(f"[bold]{entry['file']}[/bold]: {f['trace.steps']} step(s), {known}"
                       + ("" if f["trace.written_by_vlmdoctor"] else " (not written by vlmdoctor)"))
+        notes = f.get("run.notes") or []
         for w in f.get("trace.warnings", []):
-            console.print(f"[yellow]partial:[/yellow] {w}")
+            console.print(f"[yellow]{'warning' if w in notes else 'partial'}:[/yellow] {w}")
+        if not f["trace.written_by_vlmdoctor"]:  # a user's trace: say where each number's frame came from
+            console.print(f"steps from {f.get('trace.windows_from', 'n/a')}; stage: "
+                          f"{f.get('run.stage_source') or f.get('run.stage_estimate_why') or 'unknown'}; "
+                          f"model parts from: {f.get('part.source', 'none')}")
+            if "shapes.micro_batches_per_step.source" in f:
+                console.print(f"micro-batches per step: {f['shapes.micro_batches_per_step']:g} "
+                              f"({f['shapes.micro_batches_per_step.source']})")
         line = f"step {_ms(f['step.ms'])} ms"
         if "gpu.busy_frac" in f:
             line += f"; GPU busy {f['gpu.busy_frac'] * 100:.0f}% ({_ms(f['gpu.busy_ms'])} ms), idle {_ms(f['gpu.idle_ms'])} ms"
@@ -184,7 +192,8 @@ def render_findings(diagnosis: dict[str, Any], console: Console) -> None:
     for s in diagnosis["superseded"]:
         console.print(f"[dim]superseded: {s['id']} (covered by {s['superseded_by']})[/dim]")
     for n in diagnosis["not_evaluated"]:
-        console.print(f"[dim]not evaluated: {n['id']} (needs {', '.join(n['missing'])})[/dim]")
+        hint = f"; record with {n['hint']}" if n.get("hint") else ""
+        console.print(f"[dim]not evaluated: {n['id']} (needs {', '.join(n['missing'])}{hint})[/dim]")
     for p in diagnosis.get("problems", []):
         console.print(f"[yellow]rule problem:[/yellow] {p}")
 

@@ -98,6 +98,9 @@ def load_tables(path: Path) -> Tables:
     count = 0
     try:
         for count, ev in enumerate(iter_events(path), 1):
+            if not isinstance(ev, dict):
+                raise TraceError(f"{path}: traceEvents item {count} is a JSON {type(ev).__name__}, not an event object; "
+                                 "expected a torch.profiler Chrome trace")
             _take(ev, names, gpu, ops, rt, tids, steps, shapes, types, gpu_cats, memory, recorded)
     except (AttributeError, TypeError, ValueError, KeyError) as e:
         raise TraceError(f"{path}: event {count} is not a torch.profiler event ({type(e).__name__}: {e}); expected "
@@ -624,7 +627,7 @@ def _micro_batch_estimate(t: Tables, ctx: pd.DataFrame, windows: list[tuple[floa
         count = int((starts & in_windows(when)).sum())
         if count:
             facts[key] = count / len(windows)
-            facts[f"{key}.source"] = "estimated from forward/backward boundaries (no record_shapes)"
+            facts[f"{key}.source"] = "estimated from forward/backward boundaries; record_shapes=True measures it"
             return
     loss = names.str.contains(LOSS_OPS).to_numpy() & ~ctx["in_bwd"].to_numpy()
     if loss.any():
@@ -635,7 +638,7 @@ def _micro_batch_estimate(t: Tables, ctx: pd.DataFrame, windows: list[tuple[floa
         count = int((outer & in_windows(l_ts)).sum())
         if count:
             facts[key] = count / len(windows)
-            facts[f"{key}.source"] = "estimated from loss computations (no backward, no record_shapes)"
+            facts[f"{key}.source"] = "estimated from loss computations; record_shapes=True measures it"
 
 
 CUDA_DEVICE_TYPE = 1  # the profiler's [memory] events: 0 CPU, 1 CUDA
@@ -856,7 +859,8 @@ def analyze(path: str | Path, stage: int | None = None, model: str | None = None
     for f in files:
         t = load_tables(f)
         if t.ops.empty and t.gpu.empty:
-            raise TraceError(f"{f}: the trace holds no CPU ops and no GPU events; expected a torch.profiler trace")
+            raise TraceError(f"{f}: the trace holds no CPU ops and no GPU events (did the profiled code run inside the "
+                             "profiler's active steps?); nothing to analyze")
         results.append({"file": str(f), "facts": compute_facts(t, stage, model), "meta": {
             k: t.meta[k] for k in ("vlmdoctor", "deviceProperties", "distributedInfo") if k in t.meta}})
     return {"path": str(path), "files": results}
