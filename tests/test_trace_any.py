@@ -136,6 +136,23 @@ def test_gpu_traces_without_data_loader_ops_analyze(h100, name):
     assert f["part.source"] in ("module hierarchy", "none")
 
 
+@pytest.mark.slow
+def test_compiled_regions(tmp_path):
+    """torch.compile (aot_eager keeps the compiled regions; Inductor on a CPU takes minutes): ~40 s, so slow."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        p = user_record.record(tmp_path / "compiled.json", compile="aot_eager", with_stack=True)
+    finally:
+        torch.set_num_threads(threads)
+    f = analyze(p)["files"][0]["facts"]
+    diagnose(f, RULES)
+    assert f["shapes.micro_batches_per_step"] == 1 and "estimated" in f["shapes.micro_batches_per_step.source"]
+    assert "run.stage" not in f and "no linear-layer backward" in f["run.stage_estimate_why"]
+
+
 def test_empty_interval_sets():
     empty = (np.zeros(0), np.zeros(0))
     a = union(np.array([0.0, 5.0]), np.array([2.0, 9.0]))
