@@ -32,7 +32,7 @@ _spec.loader.exec_module(user_record)
 RECIPES = {
     "plain": {},  # the tutorial: schedule(wait=1, warmup=1, active=2), nothing else
     "stack_s1": {"with_stack": True, "stage": 1},
-    "modules_s2": {"with_modules": True, "with_stack": True},
+    "modules_s2": {"with_modules": True, "with_stack": True, "record_shapes": True},
     "qwen2vl_stack": {"model": "qwen2vl", "with_stack": True},
     "ckpt_2mb_noschedule": {"checkpointing": True, "micro_batches": 2, "schedule": False},
     "loader_shapes_memory_thread": {"dataloader": True, "record_shapes": True, "profile_memory": True,
@@ -291,6 +291,12 @@ def test_parts_from_module_hierarchy_on_cpu(traces, facts_of):
         assert {"projector", "llm"} <= parts["backward"], (name, parts)  # backward GEMMs through sequence numbers
     assert facts_of("plain")["part.source"] == "none"
     assert _op_parts(traces["plain"])["forward"] <= {"other", "loss"}
+
+
+def test_head_dims_per_part_from_module_hierarchy(facts_of):
+    f = facts_of("modules_s2")  # with_stack + record_shapes: SDPA shapes land in the part that called them
+    assert f["attention.vision.head_dims"] == [16] and f["attention.llm.head_dims"] == [16]  # hidden 64, 4 heads
+    assert "attention.vision.head_dims" not in facts_of("plain")
 
 
 def test_gpu_time_by_part_from_module_hierarchy(h100):

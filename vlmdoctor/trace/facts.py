@@ -434,6 +434,7 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
         facts["trace.warnings"] = warnings
         _host_facts(t, facts, n)
         _micro_batch_estimate(t, ctx, windows, facts)
+        _attention_shape_facts(t, facts, n, ctx)  # head dims come from the host's shapes: no GPU needed
         return facts
     facts["trace.gpu_kernels"] = True
     facts["trace.partial"] = bool(warnings)
@@ -522,7 +523,7 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
     facts["memcpy.pageable_count"] = int(mc["name"].str.contains("Pageable").sum()) / n
     _host_facts(t, facts, n)
     _micro_batch_estimate(t, ctx, windows, facts)
-    _attention_shape_facts(t, facts, n)
+    _attention_shape_facts(t, facts, n, ctx)
     _memory_facts(t, facts)
     _flop_facts(t, facts, cfg)
     facts["trace.warnings"] = warnings
@@ -758,17 +759,27 @@ def _sync_ops(t: Tables, mask: np.ndarray, n: int) -> list[dict[str, Any]]:
     return [{"op": k, "calls": v / n} for k, v in found.most_common(5)]
 
 
-def _attention_shape_facts(t: Tables, facts: dict[str, Any], n: int) -> None:
-    """Head dims and forward attention FLOPs per model part, from the recorded SDPA input shapes."""
+def _attention_shape_facts(t: Tables, facts: dict[str, Any], n: int, ctx: pd.DataFrame | None = None) -> None:
+    """Head dims and forward attention FLOPs per model part, from the recorded SDPA input shapes.
+
+    The part is the vlmdoctor range around the call or, in a user's trace with the module
+    hierarchy, the part op_context gave the SDPA op (its forward calls only).
+    """
     if not t.shapes:
         return
     ops = t.ops
     ranges = {part: ops[ops["name"] == rng][["ts", "end"]].to_numpy() for rng, part in PART_RANGES.items()}
+    by_ts: dict[float, str] = {}
+    if ctx is not None and not any(len(r) for r in ranges.values()):
+        sdpa = (ops["name"] == SDPA_OP).to_numpy() & (ctx["phase"] == "forward").to_numpy()
+        by_ts = dict(zip(ops["ts"].to_numpy()[sdpa], ctx["part"].to_numpy()[sdpa]))
     per_part: dict[str, dict[str, Any]] = {}
     for ts, name, dims in t.shapes:
         if name != SDPA_OP or len(dims) < 2 or len(dims[0]) != 4 or len(dims[1]) != 4:
             continue
         part = next((p for p, r in ranges.items() if len(r) and ((r[:, 0] <= ts) & (r[:, 1] >= ts)).any()), None)
+        if part is None and by_ts.get(ts) in ("vision", "projector", "llm"):
+            part = by_ts[ts]
         if part is None:  # checkpoint recompute (or code outside the model's ranges): not a part's own forward
             continue
         (b, h, lq, d), lk = dims[0], dims[1][2]
