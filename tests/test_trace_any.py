@@ -341,3 +341,24 @@ def test_empty_folder_and_empty_trace_are_one_line_exit_2(cli_runner, tmp_path):
     for p in (tmp_path / "empty", tmp_path / "empty.json", tmp_path / "missing.json"):
         r = cli_runner.invoke(app, ["analyze", str(p)])
         assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+
+
+@pytest.mark.parametrize("drop", ["ops", "runtime", "steps", "one_step", "kernels", "gpu_in_window"])
+def test_facts_survive_any_table_being_empty(drop):
+    """A real H100 trace with one of its tables emptied: the classes of input whose sets can be empty."""
+    from vlmdoctor.trace.facts import compute_facts
+
+    t = load_tables(_h100("llava_s2_plain"))
+    cut = {
+        "ops": {"ops": t.ops.iloc[0:0]},
+        "runtime": {"runtime": t.runtime.iloc[0:0]},
+        "steps": {"steps": t.steps.iloc[0:0]},
+        "one_step": {"steps": t.steps.iloc[0:1]},
+        "kernels": {"gpu": t.gpu[t.gpu["cat"] == "gpu_memcpy"].reset_index(drop=True)},  # copies only
+        "gpu_in_window": {"gpu": t.gpu[t.gpu["ts"] >= t.steps["ts"].iloc[1]].reset_index(drop=True)},  # step 1 idle
+    }[drop]
+    f = compute_facts(dataclasses.replace(t, **cut))
+    diagnose(f, RULES)
+    if drop == "gpu_in_window":
+        assert f["gpu.busy_ms_list"][0] == 0.0 and f["gpu.busy_ms_list"][1] > 0
+    assert f["gpu.busy_ms"] >= 0 and f["trace.windows_from"] == ("whole trace" if drop == "steps" else "ProfilerStep")
