@@ -362,3 +362,12 @@ def test_facts_survive_any_table_being_empty(drop):
     if drop == "gpu_in_window":
         assert f["gpu.busy_ms_list"][0] == 0.0 and f["gpu.busy_ms_list"][1] > 0
     assert f["gpu.busy_ms"] >= 0 and f["trace.windows_from"] == ("whole trace" if drop == "steps" else "ProfilerStep")
+
+
+def test_gpu_backward_on_its_own_thread(h100):
+    """On a GPU, autograd runs backward on a device thread: the estimates read across threads."""
+    t = load_tables(_h100("llava_s2_ckpt_autocast"))
+    assert t.ops["tid"].nunique() >= 2
+    f, _ = h100("llava_s2_ckpt_autocast")
+    assert f["shapes.micro_batches_per_step"] == 1 and f["run.stage"] == 2
+    assert f["recompute.kind"] == "non_reentrant"
