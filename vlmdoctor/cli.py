@@ -240,6 +240,11 @@ def analyze(
     with _user_errors():
         if stage is not None and stage not in (1, 2):
             raise VlmdoctorError("--stage must be 1 or 2")
+        if model is not None:
+            from vlmdoctor.run.zoo import presets
+
+            if model not in presets():
+                raise VlmdoctorError(f"unknown model preset {model!r}; valid presets: {', '.join(presets())}")
         check_writable(json_path, force)
         check_writable(html_path, force)
         with err.status("reading the trace"):

@@ -44,11 +44,35 @@ def _builtin_rules_dir() -> Path:
 RULES_DIR = _builtin_rules_dir()
 SEVERITIES = ("high", "medium", "low")
 FUNCTIONS = {"min": min, "max": max, "floor": math.floor, "ceil": math.ceil, "round": round, "abs": abs}
+HAS = "has"  # has(fact.name): whether the trace measured it; never "not evaluated" (see rules/README.md)
+
+#: a fact a user's trace lacks, by name: the profiler option (or input) that would let a rule measure it.
+#: (pattern, hint, test on the facts: true when that option was on already, so the hint would not help)
+FACT_OPTIONS: list[tuple[re.Pattern[str], str, Any]] = [
+    (re.compile(r"(gpu|kernels|gemm|launch|idle|recompute|phase|liger|triton_compiled|optimizer|memcpy|memory|part)\."
+                r"|attention\.(fp32_kernels|backend)"),
+     "a GPU trace (ProfilerActivity.CUDA)", lambda f: f.get("trace.gpu_kernels", True)),
+    (re.compile(r"memory\."), "profile_memory=True", lambda f: f.get("trace.recorded.memory", True)),
+    (re.compile(r"shapes\.|loss\.(logits|head_rows)|flops\.|attention\.[a-z_]+\.(head_dim|fwd_tflop)"),
+     "record_shapes=True", lambda f: f.get("trace.recorded.shapes", True)),
+    (re.compile(r"(part|attention)\.(vision|projector|llm)\."), "with_stack=True (records the nn.Module hierarchy)",
+     lambda f: f.get("part.source", "none") != "none"),
+]
+
+
+def missing_hint(name: str, facts: dict[str, Any]) -> str | None:
+    """The profiler option that would have recorded a missing fact, when the trace shows it was off."""
+    for rx, hint, done in FACT_OPTIONS:
+        if rx.match(name) and not done(facts):
+            return hint
+    return None
 REQUIRED = ("id", "layer", "title", "severity", "when", "evidence", "fix", "patch")
 
 #: fact names a rule may use, as patterns (the facts of vlmdoctor/analysis.py and of a profile report)
 KNOWN_FACTS = [re.compile(p) for p in (
-    r"trace\.(steps|partial|written_by_vlmdoctor)", r"step\.ms", r"run\.(stage|model)",
+    r"trace\.(steps|partial|written_by_vlmdoctor|windows_from|gpu_kernels)", r"trace\.recorded\.(shapes|memory|stack)",
+    r"step\.ms", r"run\.(stage|model)", r"run\.(stage|model)_source", r"run\.stage_estimate", r"part\.source",
+    r"shapes\.micro_batches_per_step\.source",
     r"gpu\.(busy_ms|idle_ms|busy_frac)", r"idle\.[a-z_]+\.(ms|share)", r"idle\.op\.[a-z_]+\.ms",
     r"kernels\.[a-z0-9_]+\.(ms|count|share)", r"gemm\.(ms|fp32_share|tf32_share|fp32_share_of_gpu|fp32_top_kernels)",
     r"part\.fp32_gemm_parts",
@@ -131,8 +155,12 @@ def _parse(expr: str, rule: Rule | None = None) -> ast.AST:
             where = f"{rule.path}: rule {rule.id}: " if rule else ""
             raise RuleError(f"{where}{type(node).__name__} is not allowed in {expr!r} (only comparisons, and/or/not, "
                             f"arithmetic, literals and {', '.join(FUNCTIONS)})")
-        if isinstance(node, ast.Call) and not (isinstance(node.func, ast.Name) and node.func.id in FUNCTIONS):
-            raise RuleError(f"{rule.path if rule else ''}: only {', '.join(FUNCTIONS)} may be called in {expr!r}")
+        if isinstance(node, ast.Call) and not (isinstance(node.func, ast.Name) and node.func.id in (*FUNCTIONS, HAS)):
+            raise RuleError(f"{rule.path if rule else ''}: only {', '.join(FUNCTIONS)} and {HAS} may be called in "
+                            f"{expr!r}")
+        if isinstance(node, ast.Call) and node.func.id == HAS and not (
+                len(node.args) == 1 and _dotted(node.args[0]) and not node.keywords):
+            raise RuleError(f"{rule.path if rule else ''}: {HAS}() takes one fact name, in {expr!r}")
     return tree
 
 
@@ -163,7 +191,7 @@ def _names(tree: ast.AST) -> set[str]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Attribute, ast.Name)):
             d = _dotted(node)
-            if d and not (isinstance(node, ast.Name) and node.id in FUNCTIONS):
+            if d and not (isinstance(node, ast.Name) and node.id in (*FUNCTIONS, HAS)):
                 out.add(d)
     # keep the longest dotted names only (a.b.c, not a.b and a)
     return {n for n in out if not any(o != n and o.startswith(n + ".") for o in out)}
@@ -201,6 +229,8 @@ def _eval(node: ast.AST, env: dict[str, Any]) -> Any:
                 return False
             left = right
         return True
+    if isinstance(node, ast.Call) and node.func.id == HAS:
+        return _dotted(node.args[0]) in env
     if isinstance(node, ast.Call):
         return FUNCTIONS[node.func.id](*(_eval(a, env) for a in node.args))
     if isinstance(node, (ast.List, ast.Tuple)):
@@ -315,6 +345,22 @@ def _render(text: str, env: dict[str, Any]) -> str:
     return _PLACEHOLDER.sub(lambda m: _fmt(env[m.group(1)], m.group(2)) if m.group(1) in env else "n/a", text)
 
 
+def _evidence(rule: Rule, env: dict[str, Any]) -> list[str]:
+    """Evidence lines with their numbers; a line about a fact the trace lacks gives way to a caveat naming it.
+
+    A rule can fire without a fact only through has(): the caveat says what was not measured, and
+    how to measure it, so the finding is read as resting on the facts that were.
+    """
+    lines = [_render(e, env) for e in rule.evidence
+             if all(m.group(1) in env for m in _PLACEHOLDER.finditer(e))]
+    unmeasured = sorted(n for n in _names(_tree(rule.when)) if not n.isupper() and n not in env)
+    for name in unmeasured:
+        hint = missing_hint(name, env)
+        lines.append(f"not measured: {name}" + (f" (record with {hint})" if hint else "")
+                     + "; the finding assumes it does not rule the fix out")
+    return lines
+
+
 def diagnose(facts: dict[str, Any], rules: list[Rule], problems: list[str] | None = None) -> dict[str, Any]:
     """Findings in layer order, plus what could not be evaluated or does not apply, and why.
 
@@ -339,7 +385,8 @@ def diagnose(facts: dict[str, Any], rules: list[Rule], problems: list[str] | Non
             elif "gpu.busy_ms" in facts and m.name.startswith("cpu."):
                 not_applicable.append({"id": rule.id, "why": f"needs {m.name}, a fact of CPU-only runs (this trace has GPU kernels)"})
             else:
-                not_evaluated.append({"id": rule.id, "missing": [m.name]})
+                hint = missing_hint(m.name, facts)
+                not_evaluated.append({"id": rule.id, "missing": [m.name], **({"hint": hint} if hint else {})})
             continue
         if hit and rule.unless:
             try:
@@ -365,7 +412,7 @@ def diagnose(facts: dict[str, Any], rules: list[Rule], problems: list[str] | Non
         equivalent = step * (1 - 1 / speedup) if speedup and step and speedup > 1 else saves
         fired.append({
             "id": rule.id, "layer": rule.layer, "layer_name": LAYER_NAMES[rule.layer], "title": rule.title,
-            "severity": rule.severity, "evidence": [_render(e, env) for e in rule.evidence], "fix": rule.fix,
+            "severity": rule.severity, "evidence": _evidence(rule, env), "fix": rule.fix,
             "config_patch": patch,
             "expected_gain": {"saves_ms_per_step": saves, "share_of_step": (saves / step) if saves and step else None,
                               "throughput_x": speedup, "how": rule.gain.get("how")},

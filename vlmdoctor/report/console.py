@@ -114,8 +114,16 @@ def render_facts(result: dict[str, Any], console: Console) -> None:
         known = ", ".join(f"{k.split('.')[1]} {f[k]}" for k in ("run.model", "run.stage") if k in f) or "model and stage unknown"
         console.print(f"[bold]{entry['file']}[/bold]: {f['trace.steps']} step(s), {known}"
                       + ("" if f["trace.written_by_vlmdoctor"] else " (not written by vlmdoctor)"))
+        notes = f.get("run.notes") or []
         for w in f.get("trace.warnings", []):
-            console.print(f"[yellow]partial:[/yellow] {w}")
+            console.print(f"[yellow]{'warning' if w in notes else 'partial'}:[/yellow] {w}")
+        if not f["trace.written_by_vlmdoctor"]:  # a user's trace: say where each number's frame came from
+            console.print(f"steps from {f.get('trace.windows_from', 'n/a')}; stage: "
+                          f"{f.get('run.stage_source') or f.get('run.stage_estimate_why') or 'unknown'}; "
+                          f"model parts from: {f.get('part.source', 'none')}")
+            if "shapes.micro_batches_per_step.source" in f:
+                console.print(f"micro-batches per step: {f['shapes.micro_batches_per_step']:g} "
+                              f"({f['shapes.micro_batches_per_step.source']})")
         line = f"step {_ms(f['step.ms'])} ms"
         if "gpu.busy_frac" in f:
             line += f"; GPU busy {f['gpu.busy_frac'] * 100:.0f}% ({_ms(f['gpu.busy_ms'])} ms), idle {_ms(f['gpu.idle_ms'])} ms"
@@ -212,7 +220,8 @@ def render_findings(diagnosis: dict[str, Any], console: Console,
         if n.get("measured"):  # fired on the measurement, but the preset cannot take the fix
             console.print(f"[dim]seen, fix not applicable: {n['id']} ({n['why']})[/dim]")
     for n in diagnosis["not_evaluated"]:
-        console.print(f"[dim]not evaluated: {n['id']} (needs {', '.join(n['missing'])})[/dim]")
+        hint = f"; record with {n['hint']}" if n.get("hint") else ""
+        console.print(f"[dim]not evaluated: {n['id']} (needs {', '.join(n['missing'])}{hint})[/dim]")
     gpu_only = [n["id"] for n in diagnosis.get("not_applicable", []) if "fact of GPU runs" in n["why"]]
     if gpu_only:
         console.print(f"[dim]not applicable to a CPU run ({len(gpu_only)} rules need GPU kernel facts): "

@@ -361,7 +361,8 @@ def findings_section(findings: list[dict[str, Any]] | None, diagnosis: dict[str,
     if diagnosis:
         notes = [f"superseded: <code>{esc(s['id'])}</code> (covered by <code>{esc(str(s.get('superseded_by')))}"
                  "</code>)" for s in diagnosis.get("superseded") or []]
-        notes += [f"not evaluated: <code>{esc(s['id'])}</code> (needs {esc(', '.join(s.get('missing') or []))})"
+        notes += [f"not evaluated: <code>{esc(s['id'])}</code> (needs {esc(', '.join(s.get('missing') or []))}"
+                  + (f"; record with {esc(s['hint'])}" if s.get("hint") else "") + ")"
                   for s in diagnosis.get("not_evaluated") or []]
         notes += [f"rule problem: {esc(str(p))}" for p in diagnosis.get("problems") or []]
         if notes:

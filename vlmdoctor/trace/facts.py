@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from vlmdoctor.run.parts import part_of_class
 from vlmdoctor.trace.kernels import ATTENTION_CLASSES, GEMM_CLASSES, LIGER_CLASSES, classify, is_fp32_attention, memcpy_direction
 from vlmdoctor.trace.read import TraceError, iter_events, read_metadata, trace_files
 
@@ -46,6 +47,9 @@ EAGER_SOFTMAX = ("aten::_softmax",)  # attention written out as matmul + softmax
 DTYPE_BYTES = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8}
 TINY_KERNEL_US = 10.0  # under this a kernel is mostly launch overhead on current GPUs
 SHAPE_OPS = ("aten::embedding",)  # its first input is the token-id batch: (batch, length)
+MODULE_PREFIX = "nn.Module: "  # python_function events of with_stack/with_modules traces: `nn.Module: Qwen2Model_0`
+BACKWARD_NODE = "autograd::engine::evaluate_function"
+LINEAR_BACKWARD = re.compile(r": (?:Mm|Addmm)Backward0$")  # a linear layer's backward: grad input, + grad weight if trained
 
 
 @dataclass
@@ -61,6 +65,7 @@ class Tables:
     shapes: list[tuple[float, str, Any]] = field(default_factory=list)  # (ts, op, input dims) of a few ops
     types: dict[str, Any] = field(default_factory=dict)
     memory: dict[int, list[float]] = field(default_factory=dict)  # device type -> [max allocated, max reserved]
+    recorded: dict[str, bool] = field(default_factory=dict)  # which profiler options left their marks (shapes, memory, stack)
 
 
 class _Column:
@@ -80,7 +85,6 @@ class _Column:
 def load_tables(path: Path) -> Tables:
     meta = read_metadata(path)  # first: it rejects files that are not JSON objects with a clear message
     names: dict[str, int] = {}
-    intern = names.setdefault
     gpu = _Column(("ts", "dur", "corr", "bytes", "cat"))
     ops = _Column(("tid", "ts", "dur", "seq", "fwd_tid"))
     rt = _Column(("tid", "ts", "dur", "corr"))
@@ -90,49 +94,17 @@ def load_tables(path: Path) -> Tables:
     types: dict[str, Any] = {}
     gpu_cats = {"kernel": 0.0, "gpu_memcpy": 1.0, "gpu_memset": 2.0}
     memory: dict[int, list[float]] = {}
-    for ev in iter_events(path):
-        cat = ev.get("cat")
-        if cat is None or ev.get("ph") != "X":
-            if ev.get("name") == "[memory]":  # recorded with profile_memory: running totals per device type
-                a = ev.get("args") or {}
-                m = memory.setdefault(int(a.get("Device Type", -1)), [0.0, 0.0])
-                m[0] = max(m[0], a.get("Total Allocated", 0) or 0)
-                m[1] = max(m[1], a.get("Total Reserved", 0) or 0)
-            continue
-        if cat == "cpu_op" or cat == "user_annotation":
-            name = ev.get("name", "")
-            ts, dur = float(ev.get("ts", 0.0)), float(ev.get("dur", 0.0))
-            if name.startswith("ProfilerStep#"):
-                steps.append((name, ts, ts + dur))
-                continue
-            args = ev.get("args") or {}
-            ops.codes.append(intern(name, len(names)))
-            n = ops.num
-            n["tid"].append(tids.setdefault(ev.get("tid"), len(tids)))
-            n["ts"].append(ts)
-            n["dur"].append(dur)
-            n["seq"].append(args.get("Sequence number", -1))
-            n["fwd_tid"].append(args.get("Fwd thread id", -1))
-            if (name in SHAPE_OPS or name in LOGITS_OPS or name == SDPA_OP) and "Input Dims" in args:
-                shapes.append((ts, name, args["Input Dims"]))
-                types[name] = args.get("Input type")
-        elif cat == "cuda_runtime" or cat == "cuda_driver":
-            args = ev.get("args") or {}
-            rt.codes.append(intern(ev.get("name", ""), len(names)))
-            n = rt.num
-            n["tid"].append(tids.setdefault(ev.get("tid"), len(tids)))
-            n["ts"].append(float(ev.get("ts", 0.0)))
-            n["dur"].append(float(ev.get("dur", 0.0)))
-            n["corr"].append(args.get("correlation", -1))
-        elif cat in gpu_cats:
-            args = ev.get("args") or {}
-            gpu.codes.append(intern(ev.get("name", ""), len(names)))
-            n = gpu.num
-            n["ts"].append(float(ev.get("ts", 0.0)))
-            n["dur"].append(float(ev.get("dur", 0.0)))
-            n["corr"].append(args.get("correlation", -1))
-            n["bytes"].append(args.get("bytes", 0) or 0)
-            n["cat"].append(gpu_cats[cat])
+    recorded = {"shapes": False, "memory": False, "stack": False}
+    count = 0
+    try:
+        for count, ev in enumerate(iter_events(path), 1):
+            if not isinstance(ev, dict):
+                raise TraceError(f"{path}: traceEvents item {count} is a JSON {type(ev).__name__}, not an event object; "
+                                 "expected a torch.profiler Chrome trace")
+            _take(ev, names, gpu, ops, rt, tids, steps, shapes, types, gpu_cats, memory, recorded)
+    except (AttributeError, TypeError, ValueError, KeyError) as e:
+        raise TraceError(f"{path}: event {count} is not a torch.profiler event ({type(e).__name__}: {e}); expected "
+                         "objects with a name, a category and numeric ts/dur") from None
     categories = list(names)
     steps_df = pd.DataFrame(steps, columns=["name", "ts", "end"]).sort_values("ts").reset_index(drop=True)
     gpu_df = gpu.frame(categories)
@@ -150,7 +122,71 @@ def load_tables(path: Path) -> Tables:
     rt_df["end"] = rt_df["ts"] + rt_df["dur"]
     for col in ("tid", "corr"):
         rt_df[col] = rt_df[col].astype(np.int64)
-    return Tables(path, meta, steps_df, gpu_df, ops_df, rt_df, shapes, types, memory)
+    return Tables(path, meta, steps_df, gpu_df, ops_df, rt_df, shapes, types, memory, recorded)
+
+
+def _take(ev: dict[str, Any], names: dict[str, int], gpu: _Column, ops: _Column, rt: _Column, tids: dict[Any, int],
+          steps: list[tuple[str, float, float]], shapes: list[tuple[float, str, Any]], types: dict[str, Any],
+          gpu_cats: dict[str, float], memory: dict[int, list[float]], recorded: dict[str, bool]) -> None:
+    """One trace event into the tables (a non-object or a non-numeric time raises, and the caller says where)."""
+    intern = names.setdefault
+    cat = ev.get("cat")
+    if cat is None or ev.get("ph") != "X":
+        if ev.get("name") == "[memory]":  # recorded with profile_memory: running totals per device type
+            a = ev.get("args") or {}
+            m = memory.setdefault(int(a.get("Device Type", -1)), [0.0, 0.0])
+            m[0] = max(m[0], float(a.get("Total Allocated", 0) or 0))
+            m[1] = max(m[1], float(a.get("Total Reserved", 0) or 0))
+            recorded["memory"] = True
+        return
+    if cat == "python_function":  # with_stack / with_modules: keep the module ranges only, never every frame
+        recorded["stack"] = True
+        name = ev.get("name", "")
+        if name.startswith(MODULE_PREFIX):
+            _op_row(ops, intern(name, len(names)), tids.setdefault(ev.get("tid"), len(tids)),
+                    float(ev.get("ts", 0.0)), float(ev.get("dur", 0.0)), -1, -1)
+        return
+    if cat == "cpu_op" or cat == "user_annotation":
+        name = ev.get("name", "")
+        ts, dur = float(ev.get("ts", 0.0)), float(ev.get("dur", 0.0))
+        if name.startswith("ProfilerStep#"):
+            steps.append((name, ts, ts + dur))
+            return
+        args = ev.get("args") or {}
+        _op_row(ops, intern(name, len(names)), tids.setdefault(ev.get("tid"), len(tids)), ts, dur,
+                int(args.get("Sequence number", -1)), int(args.get("Fwd thread id", -1)))
+        if "Input Dims" in args:
+            recorded["shapes"] = True
+            if name in SHAPE_OPS or name in LOGITS_OPS or name == SDPA_OP:
+                shapes.append((ts, name, args["Input Dims"]))
+                types[name] = args.get("Input type")
+    elif cat == "cuda_runtime" or cat == "cuda_driver":
+        args = ev.get("args") or {}
+        rt.codes.append(intern(ev.get("name", ""), len(names)))
+        n = rt.num
+        n["tid"].append(tids.setdefault(ev.get("tid"), len(tids)))
+        n["ts"].append(float(ev.get("ts", 0.0)))
+        n["dur"].append(float(ev.get("dur", 0.0)))
+        n["corr"].append(args.get("correlation", -1))
+    elif cat in gpu_cats:
+        args = ev.get("args") or {}
+        gpu.codes.append(intern(ev.get("name", ""), len(names)))
+        n = gpu.num
+        n["ts"].append(float(ev.get("ts", 0.0)))
+        n["dur"].append(float(ev.get("dur", 0.0)))
+        n["corr"].append(args.get("correlation", -1))
+        n["bytes"].append(args.get("bytes", 0) or 0)
+        n["cat"].append(gpu_cats[cat])
+
+
+def _op_row(ops: _Column, code: int, tid: int, ts: float, dur: float, seq: int, fwd_tid: int) -> None:
+    ops.codes.append(code)
+    n = ops.num
+    n["tid"].append(tid)
+    n["ts"].append(ts)
+    n["dur"].append(dur)
+    n["seq"].append(seq)
+    n["fwd_tid"].append(fwd_tid)
 
 
 # --- nesting of host ops, vectorized --------------------------------------------------------------
@@ -187,21 +223,34 @@ def innermost(ts: np.ndarray, end: np.ndarray, parent: np.ndarray, points: np.nd
     return j
 
 
-def launch_context(t: Tables) -> pd.DataFrame:
-    """For each runtime call: the model part and phase of the op that made it."""
+def op_context(t: Tables) -> pd.DataFrame:
+    """For each host op: its model part and phase, and the backward node it runs under (row, -1 for none).
+
+    Parts come from the innermost `vlmdoctor::<part>` range or, in a user's trace recorded with
+    with_stack/with_modules, the innermost `nn.Module: <Class>_<n>` range whose class names a
+    part; backward ops take the part of the forward op that created their autograd node.
+    """
     ops = t.ops
     names = ops["name"].astype(str).to_numpy()
-    own_part = np.zeros(len(ops), dtype=np.int8)
+    cats = pd.Series(ops["name"].cat.categories, dtype=object).astype(str)
     part_names = ["", "vision", "projector", "llm"]
-    for i, label in enumerate(part_names[1:], start=1):
-        own_part[names == f"vlmdoctor::{label}"] = i
-    cats = pd.Series(ops["name"].cat.categories)
-    flag = lambda mask_of_cats: ops["name"].cat.codes.isin(np.flatnonzero(mask_of_cats.to_numpy())).to_numpy()
+    code_part = np.zeros(len(cats), dtype=np.int8)
+    for rng, label in PART_RANGES.items():
+        code_part[(cats == rng).to_numpy()] = part_names.index(label)
+    if not code_part.any():  # no vlmdoctor ranges: the module hierarchy, where the trace has it
+        for k, c in enumerate(cats):
+            if c.startswith(MODULE_PREFIX):
+                label = part_of_class(re.sub(r"_\d+$", "", c[len(MODULE_PREFIX):]))
+                code_part[k] = part_names.index(label) if label in part_names else 0
+    codes = ops["name"].cat.codes.to_numpy()
+    own_part = code_part[codes] if len(codes) else np.zeros(0, dtype=np.int8)
+    flag = lambda mask_of_cats: np.isin(codes, np.flatnonzero(mask_of_cats.to_numpy()))
     own_opt = flag(cats.str.startswith("Optimizer.step"))
     own_loss = flag(cats.str.contains(LOSS_OPS))
-    own_bwd = flag(cats.str.startswith("autograd::engine::evaluate_function"))
+    own_bwd = flag(cats.str.startswith(BACKWARD_NODE))
     seq = ops["seq"].to_numpy()
     ftid = ops["fwd_tid"].to_numpy()
+    rows_all = np.arange(len(ops))
 
     part = np.zeros(len(ops), dtype=np.int8)
     opt = np.zeros(len(ops), dtype=bool)
@@ -209,10 +258,12 @@ def launch_context(t: Tables) -> pd.DataFrame:
     in_bwd = np.zeros(len(ops), dtype=bool)
     recompute = np.zeros(len(ops), dtype=bool)
     bwd_key = np.full(len(ops), -1, dtype=np.int64)
-    rt_row = np.full(len(t.runtime), -1, dtype=np.int64)
-    rt_t = t.runtime
-    for tid in np.unique(ops["tid"].to_numpy()):
-        sel = np.flatnonzero(ops["tid"].to_numpy() == tid)
+    node = np.full(len(ops), -1, dtype=np.int64)
+    inner = np.full(len(ops), -1, dtype=np.int64)  # per thread: the position in (start, -end) order and its parent's,
+    parent_pos = np.full(len(ops), -1, dtype=np.int64)  # so runtime calls find their op without a second sweep
+    tid_all = ops["tid"].to_numpy()
+    for tid in np.unique(tid_all):
+        sel = np.flatnonzero(tid_all == tid)
         order = sel[np.lexsort((-ops["end"].to_numpy()[sel], ops["ts"].to_numpy()[sel]))]
         ts, end = ops["ts"].to_numpy()[order], ops["end"].to_numpy()[order]
         depth, par = nesting(ts, end)
@@ -222,8 +273,9 @@ def launch_context(t: Tables) -> pd.DataFrame:
             p = par[lvl]
             has = p >= 0
             prow = np.where(has, order[np.maximum(p, 0)], 0)
-            pp, po, pl, pb, pr, pk = (np.where(has, arr[prow], default) for arr, default in
-                                      ((part, 0), (opt, False), (loss, False), (in_bwd, False), (recompute, False), (bwd_key, -1)))
+            pp, po, pl, pb, pr, pk, pn = (np.where(has, arr[prow], default) for arr, default in
+                                          ((part, 0), (opt, False), (loss, False), (in_bwd, False), (recompute, False),
+                                           (bwd_key, -1), (node, -1)))
             part[rows] = np.where(own_part[rows] > 0, own_part[rows], pp)
             opt[rows] = po | own_opt[rows]
             loss[rows] = pl | own_loss[rows]
@@ -234,40 +286,53 @@ def launch_context(t: Tables) -> pd.DataFrame:
             is_rec = b & (s >= 0) & (f == 0)
             bwd_key[rows] = np.where(is_node, s, pk)
             recompute[rows] = pr | is_rec
-        # runtime calls of this thread: the innermost op around each
-        rsel = np.flatnonzero(rt_t["tid"].to_numpy() == tid)
-        if len(rsel):
-            j = innermost(ts, end, par, rt_t["ts"].to_numpy()[rsel])
-            rt_row[rsel] = np.where(j >= 0, order[np.maximum(j, 0)], -1)
+            node[rows] = np.where(own_bwd[rows], rows_all[rows], pn)
+        inner[order] = np.arange(len(order))
+        parent_pos[order] = par
 
     fwd_ops = (~in_bwd) & (seq >= 0) & (ftid == 0)
     part_label = np.array(part_names, dtype=object)[part]
-    part_label = np.where(loss, "loss", np.where(part_label == "", "other", part_label))
-    seq_part = pd.Series(part_label[fwd_ops], index=seq[fwd_ops])
+    own_label = np.where(loss, "loss", np.where(part_label == "", "other", part_label))
+    seq_part = pd.Series(own_label[fwd_ops], index=seq[fwd_ops])
     seq_part = seq_part[~seq_part.index.duplicated(keep="first")]
     rec_ops = in_bwd & (seq >= 0) & (ftid == 0) & (bwd_key >= 0)
     alias = pd.Series(bwd_key[rec_ops], index=seq[rec_ops])
     alias = alias[~alias.index.duplicated(keep="first")]
-
-    has_ctx = rt_row >= 0
-    r = np.maximum(rt_row, 0)
-    c_opt = has_ctx & opt[r]
-    c_bwd = has_ctx & in_bwd[r]
-    c_rec = has_ctx & recompute[r]
-    c_loss = has_ctx & loss[r]
-    c_part = np.where(has_ctx, np.array(part_names, dtype=object)[part[r]], "")
-    key = pd.Series(np.where(c_bwd, bwd_key[r], -1))
+    key = pd.Series(np.where(in_bwd, bwd_key, -1))
     resolved = pd.Series([None] * len(key), dtype=object)
     for _ in range(8):  # follow recompute aliases a few levels
         found = key.map(seq_part)
         resolved = resolved.where(resolved.notna(), found)
         key = key.map(alias).fillna(-1).astype(np.int64)
-    fallback = np.where(c_loss, "loss", np.where(c_part == "", "other", c_part))
-    parts = np.where(c_opt, "optimizer", np.where(c_bwd & resolved.notna().to_numpy(), resolved.to_numpy(), fallback))
-    phases = np.where(c_opt, "optimizer", np.where(c_bwd, np.where(c_rec, "recompute", "backward"), "forward"))
+    parts = np.where(opt, "optimizer", np.where(in_bwd & resolved.notna().to_numpy(), resolved.to_numpy(), own_label))
+    phases = np.where(opt, "optimizer", np.where(in_bwd, np.where(recompute, "recompute", "backward"), "forward"))
+    return pd.DataFrame({"part": parts, "phase": phases, "node": node, "recompute": recompute, "in_bwd": in_bwd,
+                         "fwd": fwd_ops, "order": inner, "parent": parent_pos})
+
+
+def launch_context(t: Tables, ctx: pd.DataFrame | None = None) -> pd.DataFrame:
+    """For each runtime call: the model part and phase of the op that made it."""
+    ops, rt_t = t.ops, t.runtime
+    ctx = op_context(t) if ctx is None else ctx
+    rt_row = np.full(len(rt_t), -1, dtype=np.int64)
+    tid_all = ops["tid"].to_numpy()
+    for tid in np.unique(tid_all):
+        rsel = np.flatnonzero(rt_t["tid"].to_numpy() == tid)
+        if not len(rsel):
+            continue
+        sel = np.flatnonzero(tid_all == tid)
+        order = sel[np.argsort(ctx["order"].to_numpy()[sel])]
+        ts, end = ops["ts"].to_numpy()[order], ops["end"].to_numpy()[order]
+        par = ctx["parent"].to_numpy()[order]
+        j = innermost(ts, end, par, rt_t["ts"].to_numpy()[rsel])  # the innermost op around each runtime call
+        rt_row[rsel] = np.where(j >= 0, order[np.maximum(j, 0)], -1)
+    has_ctx = rt_row >= 0
+    r = np.maximum(rt_row, 0)
+    part = ctx["part"].to_numpy()
+    phase = ctx["phase"].to_numpy()
     out = t.runtime[["corr", "ts"]].copy()
-    out["part"] = parts
-    out["phase"] = phases
+    out["part"] = np.where(has_ctx, part[r] if len(part) else "other", "other")
+    out["phase"] = np.where(has_ctx, phase[r] if len(phase) else "forward", "forward")
     return out
 
 
@@ -288,6 +353,8 @@ def union(starts: np.ndarray, ends: np.ndarray) -> Intervals:
 
 
 def _member(iv: Intervals, x: np.ndarray) -> np.ndarray:
+    if len(iv[0]) == 0:  # an empty set (no data-loader ops, no syncs, no kernels): nothing is a member
+        return np.zeros(len(x), dtype=bool)
     k = np.searchsorted(iv[0], x, side="right") - 1
     return (k >= 0) & (x < iv[1][np.maximum(k, 0)])
 
@@ -317,6 +384,8 @@ def total(iv: Intervals) -> float:
 def _measure(iv: Intervals, x: np.ndarray) -> np.ndarray:
     """Length of iv inside (-inf, x], for many x at once."""
     s, e = iv
+    if len(s) == 0:
+        return np.zeros(len(np.atleast_1d(x)))
     cum = np.concatenate([[0.0], np.cumsum(e - s)])
     k = np.searchsorted(s, x, side="right")
     over = np.where(k > 0, np.maximum(e[np.maximum(k - 1, 0)] - x, 0.0), 0.0)
@@ -331,17 +400,18 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
     warnings: list[str] = []
     vmeta = t.meta.get("vlmdoctor") or {}
     cfg = vmeta.get("config") or {}
-    stage = stage if stage is not None else cfg.get("stage")
-    model = model if model is not None else cfg.get("model")
+    if not isinstance(cfg, dict):
+        cfg = {}
     for knob, value in cfg.items():  # what the run asked for: rules read it for exceptions, never as the trigger
         facts[f"config.{knob}"] = value
-    if stage is not None:
-        facts["run.stage"] = int(stage)
-    if model is not None:
-        facts["run.model"] = model
     facts["trace.written_by_vlmdoctor"] = bool(vmeta)
+    for what, seen in t.recorded.items():  # which profiler options left their marks
+        facts[f"trace.recorded.{what}"] = seen
+    ctx = op_context(t)
+    facts["part.source"] = part_source(t)
 
     steps = t.steps
+    facts["trace.windows_from"] = "ProfilerStep" if len(steps) else "whole trace"
     if len(steps):
         windows = list(zip(steps["ts"], steps["end"]))
     else:
@@ -355,14 +425,21 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
     step_ms = [(e - s) / 1e3 for s, e in windows]
     facts["step.ms"] = float(np.mean(step_ms))
     facts["step.ms_list"] = [round(x, 3) for x in step_ms]
+    _run_identity(t, ctx, facts, stage, model, cfg, warnings)
 
     if t.gpu.empty:
         warnings.append("no GPU kernels in the trace (a CPU-only run?): GPU, kernel and launch facts are left out")
+        facts["trace.gpu_kernels"] = False
         facts["trace.partial"] = True
         facts["trace.warnings"] = warnings
         _host_facts(t, facts, n)
-        from vlmdoctor.trace.cpu_facts import cpu_facts; facts.update(cpu_facts(t, windows, facts))  # noqa: E702
+        _micro_batch_estimate(t, ctx, windows, facts)
+        _attention_shape_facts(t, facts, n, ctx)  # head dims come from the host's shapes: no GPU needed
+        from vlmdoctor.trace.cpu_facts import cpu_facts  # it reads this module's tables: imported here, not at the top
+
+        facts.update(cpu_facts(t, windows, facts))
         return facts
+    facts["trace.gpu_kernels"] = True
     facts["trace.partial"] = bool(warnings)
 
     g = t.gpu
@@ -413,9 +490,9 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
         facts["launch.delay_us_p90"] = float(np.percentile(delay, 90))
 
     # parts and phases
-    ctx = launch_context(t)
-    ctx = ctx.loc[ctx["corr"] >= 0].drop_duplicates("corr")
-    g2 = g.merge(ctx[["corr", "part", "phase"]], on="corr", how="left")
+    lctx = launch_context(t, ctx)
+    lctx = lctx.loc[lctx["corr"] >= 0].drop_duplicates("corr")
+    g2 = g.merge(lctx[["corr", "part", "phase"]], on="corr", how="left")
     g2["part"] = g2["part"].fillna("unattributed")
     g2["phase"] = g2["phase"].fillna("unattributed")
     for part, v in g2.groupby("part")["dur"].sum().items():
@@ -448,11 +525,124 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
         facts[f"memcpy.{direction}.ms"] = float(grp["dur"].sum()) / 1e3 / n
     facts["memcpy.pageable_count"] = int(mc["name"].str.contains("Pageable").sum()) / n
     _host_facts(t, facts, n)
-    _attention_shape_facts(t, facts, n)
+    _micro_batch_estimate(t, ctx, windows, facts)
+    _attention_shape_facts(t, facts, n, ctx)
     _memory_facts(t, facts)
     _flop_facts(t, facts, cfg)
     facts["trace.warnings"] = warnings
     return facts
+
+
+def part_source(t: Tables) -> str:
+    """Where the model-part attribution comes from: vlmdoctor's own ranges, the module hierarchy, or nowhere."""
+    cats = [str(c) for c in t.ops["name"].cat.categories]
+    if any(c in PART_RANGES for c in cats):
+        return "vlmdoctor ranges"
+    if any(c.startswith(MODULE_PREFIX) and part_of_class(re.sub(r"_\d+$", "", c[len(MODULE_PREFIX):])) for c in cats):
+        return "module hierarchy"
+    return "none"
+
+
+def estimate_stage(t: Tables, ctx: pd.DataFrame) -> tuple[int | None, str]:
+    """Stage 2 when the LLM's linear layers compute weight gradients in backward, stage 1 when they do not.
+
+    A linear layer's backward node (MmBackward0 / AddmmBackward0) runs one GEMM for the input
+    gradient and a second for the weight gradient only when the weight trains. Recompute GEMMs
+    (checkpointing) are not counted. Without part attribution every linear layer counts (the LLM's
+    are most of them). None when the trace has no backward (inference) or no linear backward.
+    """
+    if not ctx["in_bwd"].any():
+        return None, "no backward pass in the trace (inference only?)"
+    names = t.ops["name"].astype(str).to_numpy()
+    node = ctx["node"].to_numpy()
+    mm = (names == "aten::mm") & ctx["in_bwd"].to_numpy() & ~ctx["recompute"].to_numpy() & (node >= 0)
+    per_node = np.bincount(node[mm], minlength=len(names)) if mm.any() else np.zeros(len(names), dtype=np.int64)
+    linear = np.flatnonzero(pd.Series(names).str.contains(LINEAR_BACKWARD).to_numpy()
+                            & pd.Series(names).str.startswith(BACKWARD_NODE).to_numpy())
+    if not len(linear):
+        return None, "no linear-layer backward nodes (MmBackward0 / AddmmBackward0) in the trace"
+    in_llm = linear[ctx["part"].to_numpy()[linear] == "llm"]
+    use, where = (in_llm, "LLM") if len(in_llm) else (linear, "model (no LLM attribution)")
+    trained = float((per_node[use] >= 2).mean())
+    stage = 2 if trained >= 0.5 else 1
+    return stage, (f"estimated: {trained * 100:.0f}% of the {where} linear-layer backward nodes compute a weight "
+                   f"gradient ({'LLM trains' if stage == 2 else 'LLM frozen'})")
+
+
+def _run_identity(t: Tables, ctx: pd.DataFrame, facts: dict[str, Any], stage: int | None, model: str | None,
+                  cfg: dict[str, Any], warnings: list[str]) -> None:
+    """run.stage / run.model and where each came from; --stage / --model override, and say when they contradict."""
+    notes: list[str] = []
+    est, why = estimate_stage(t, ctx)
+    if est is not None:
+        facts["run.stage_estimate"] = est
+    facts["run.stage_estimate_why"] = why
+    recorded_stage = cfg.get("stage")
+    if stage is not None:
+        facts["run.stage"], facts["run.stage_source"] = int(stage), "--stage"
+        if recorded_stage is not None and int(recorded_stage) != int(stage):
+            notes.append(f"--stage {stage} overrides stage {recorded_stage} recorded in the trace's run config")
+        elif recorded_stage is None and est is not None and est != int(stage):
+            notes.append(f"--stage {stage} contradicts the trace: {why}")
+    elif recorded_stage is not None:
+        facts["run.stage"], facts["run.stage_source"] = int(recorded_stage), "run config in the trace"
+    elif est is not None:
+        facts["run.stage"], facts["run.stage_source"] = est, why
+    recorded_model = cfg.get("model")
+    if model is not None:
+        facts["run.model"], facts["run.model_source"] = model, "--model"
+        if recorded_model is not None and recorded_model != model:
+            notes.append(f"--model {model} overrides model {recorded_model} recorded in the trace's run config")
+    elif recorded_model is not None:
+        facts["run.model"], facts["run.model_source"] = recorded_model, "run config in the trace"
+    facts["run.notes"] = notes
+    warnings.extend(notes)
+
+
+def _micro_batch_estimate(t: Tables, ctx: pd.DataFrame, windows: list[tuple[float, float]], facts: dict[str, Any]) -> None:
+    """Micro-batches per step where no token-batch shapes measured them: forward->backward transitions, or loss calls."""
+    key = "shapes.micro_batches_per_step"
+    if key in facts:
+        facts[f"{key}.source"] = "measured: one LLM embedding call per micro-batch (record_shapes)"
+        return
+    ops = t.ops
+    if ops.empty:
+        return
+    ws = np.array([s for s, _ in windows])
+    we = np.array([e for _, e in windows])
+
+    def in_windows(x: np.ndarray) -> np.ndarray:
+        k = np.searchsorted(ws, x, side="right") - 1
+        return (k >= 0) & (x <= we[np.maximum(k, 0)])
+
+    names = ops["name"].astype(str)
+    ts = ops["ts"].to_numpy()
+    fwd = ctx["fwd"].to_numpy()
+    node = names.str.startswith(BACKWARD_NODE).to_numpy()
+    if node.any() and fwd.any():
+        tid = ops["tid"].to_numpy()
+        main = np.bincount(tid[fwd]).argmax()  # the training thread: most forward ops that autograd records
+        f_ts, b_ts = ts[fwd & (tid == main)], ts[node]
+        when = np.concatenate([f_ts, b_ts])
+        kind = np.concatenate([np.zeros(len(f_ts), dtype=bool), np.ones(len(b_ts), dtype=bool)])
+        o = np.lexsort((kind, when))
+        when, kind = when[o], kind[o]
+        starts = kind & np.concatenate([[True], ~kind[:-1]])  # a backward node right after forward work
+        count = int((starts & in_windows(when)).sum())
+        if count:
+            facts[key] = count / len(windows)
+            facts[f"{key}.source"] = "estimated from forward/backward boundaries; record_shapes=True measures it"
+            return
+    loss = names.str.contains(LOSS_OPS).to_numpy() & ~ctx["in_bwd"].to_numpy()
+    if loss.any():
+        order = np.argsort(ts[loss])
+        l_ts, l_end = ts[loss][order], ops["end"].to_numpy()[loss][order]
+        outer = np.ones(len(l_ts), dtype=bool)
+        outer[1:] = l_ts[1:] >= np.maximum.accumulate(l_end)[:-1]  # not nested in the previous loss op
+        count = int((outer & in_windows(l_ts)).sum())
+        if count:
+            facts[key] = count / len(windows)
+            facts[f"{key}.source"] = "estimated from loss computations; record_shapes=True measures it"
 
 
 CUDA_DEVICE_TYPE = 1  # the profiler's [memory] events: 0 CPU, 1 CUDA
@@ -570,17 +760,27 @@ def _sync_ops(t: Tables, mask: np.ndarray, n: int) -> list[dict[str, Any]]:
     return [{"op": k, "calls": v / n} for k, v in found.most_common(5)]
 
 
-def _attention_shape_facts(t: Tables, facts: dict[str, Any], n: int) -> None:
-    """Head dims and forward attention FLOPs per model part, from the recorded SDPA input shapes."""
+def _attention_shape_facts(t: Tables, facts: dict[str, Any], n: int, ctx: pd.DataFrame | None = None) -> None:
+    """Head dims and forward attention FLOPs per model part, from the recorded SDPA input shapes.
+
+    The part is the vlmdoctor range around the call or, in a user's trace with the module
+    hierarchy, the part op_context gave the SDPA op (its forward calls only).
+    """
     if not t.shapes:
         return
     ops = t.ops
     ranges = {part: ops[ops["name"] == rng][["ts", "end"]].to_numpy() for rng, part in PART_RANGES.items()}
+    by_ts: dict[float, str] = {}
+    if ctx is not None and not any(len(r) for r in ranges.values()):
+        sdpa = (ops["name"] == SDPA_OP).to_numpy() & (ctx["phase"] == "forward").to_numpy()
+        by_ts = dict(zip(ops["ts"].to_numpy()[sdpa], ctx["part"].to_numpy()[sdpa]))
     per_part: dict[str, dict[str, Any]] = {}
     for ts, name, dims in t.shapes:
         if name != SDPA_OP or len(dims) < 2 or len(dims[0]) != 4 or len(dims[1]) != 4:
             continue
         part = next((p for p, r in ranges.items() if len(r) and ((r[:, 0] <= ts) & (r[:, 1] >= ts)).any()), None)
+        if part is None and by_ts.get(ts) in ("vision", "projector", "llm"):
+            part = by_ts[ts]
         if part is None:  # checkpoint recompute (or code outside the model's ranges): not a part's own forward
             continue
         (b, h, lq, d), lk = dims[0], dims[1][2]
@@ -671,7 +871,8 @@ def analyze(path: str | Path, stage: int | None = None, model: str | None = None
     for f in files:
         t = load_tables(f)
         if t.ops.empty and t.gpu.empty:
-            raise TraceError(f"{f}: the trace holds no CPU ops and no GPU events; expected a torch.profiler trace")
+            raise TraceError(f"{f}: the trace holds no CPU ops and no GPU events (did the profiled code run inside the "
+                             "profiler's active steps?); nothing to analyze")
         results.append({"file": str(f), "facts": compute_facts(t, stage, model), "meta": {
             k: t.meta[k] for k in ("vlmdoctor", "deviceProperties", "distributedInfo") if k in t.meta}})
     return {"path": str(path), "files": results}
