@@ -14,7 +14,9 @@ from functools import lru_cache
 KERNEL_CLASSES: list[tuple[str, str, str]] = [
     ("nccl", r"nccl", "collective communication"),
     ("gemm_tf32", r"tf32", "FP32 GEMM on TF32 tensor cores"),
-    ("gemm_fp32_simt", r"ffma|simt_sgemm|magma_sgemm|sgemm|gemm_f32f32_f32f32_f32(?!.*(tf32|bf16|f16))",
+    # a kernel whose template arguments are bf16/fp16 is not an FP32 GEMM whatever its name says
+    # (cuDNN's `implicit_convolve_sgemm<__nv_bfloat16, ...>` runs a bf16 patch-embedding convolution)
+    ("gemm_fp32_simt", r"^(?!.*(bfloat16|__half|bf16|f16)).*(ffma|simt_sgemm|magma_sgemm|sgemm|gemm_f32f32_f32f32_f32)",
      "FP32 GEMM on scalar FMA units (no tensor cores)"),
     ("attention_cudnn", r"cudnn.*sdpa|sdpa.*cudnn|fort_native_sdpa", "cuDNN fused attention"),
     ("attention_flash", r"flash_fwd|flash_bwd|pytorch_flash|flash::|flash_attn", "FlashAttention"),
