@@ -25,6 +25,7 @@ import statistics
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -67,12 +68,33 @@ def count_tokens(batch: Any, pad_id: int | None = None) -> dict[str, Any] | None
     if not isinstance(ids, torch.Tensor) and not isinstance(mask, torch.Tensor):
         return None
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-        real, padded, rows = mask.sum(), mask.numel(), mask.shape[0]
+        lengths = mask.sum(1)
+        padded, rows = mask.numel(), mask.shape[0]
+    elif pad_id is not None and ids.dim() == 2:
+        lengths = (ids != pad_id).sum(1)
+        padded, rows = ids.numel(), ids.shape[0]
     else:
-        real = (ids != pad_id).sum() if pad_id is not None else torch.tensor(ids.numel())
-        padded, rows = ids.numel(), ids.shape[0] if ids.dim() > 1 else 1
+        lengths = torch.tensor([ids.shape[-1]] * (ids.shape[0] if ids.dim() > 1 else 1))
+        padded, rows = ids.numel(), len(lengths)
     loss = (labels != IGNORE_INDEX).sum() if isinstance(labels, torch.Tensor) else None
-    return {"real": real, "loss": loss, "padded": padded, "rows": rows}
+    return {"real": lengths.sum(), "loss": loss, "padded": padded, "rows": rows, "lengths": lengths}
+
+
+def guess_sampler(batches: Sequence[Sequence[int]]) -> str | None:
+    """'length_bucketed' when samples of similar length share batches, 'random' when not; None: too little data.
+
+    Random batches keep about (B-1)/B of the lengths' variance inside each batch; bucketed ones
+    keep little of it. Read from the real lengths of the rows the model saw.
+    """
+    rows = [list(b) for b in batches if len(b) > 1]
+    flat = [x for b in rows for x in b]
+    if len(rows) < 2 or len(flat) < 8:
+        return None
+    total = statistics.pvariance(flat)
+    if total == 0:
+        return None
+    within = sum(statistics.pvariance(b) * len(b) for b in rows) / len(flat)
+    return "length_bucketed" if within / total < 0.4 else "random"
 
 
 # --- the model ----------------------------------------------------------------------------------
@@ -310,6 +332,8 @@ class Recorder:
             if i > self.warmup + self.steps + 2 and self.trace_info is not None:  # an active (recorded) step
                 self.trace_info["traced_step_ms"].append((now - self.records[-2]["t"]) * 1e3)
             self.prof.step()
+            if i == self.warmup + self.steps + 2:  # recording starts now; metadata before it is dropped
+                self._add_metadata()
             if i >= self.warmup + self.steps + 2 + self.trace_steps:
                 self._stop_profiler()
 
@@ -335,6 +359,7 @@ class Recorder:
                          sum(int(c["padded"]) for c in cs), sum(int(c["rows"]) for c in cs),
                          all(c["loss"] is not None for c in cs) and bool(cs), len(cs)))
         losses = [float(x) for r in recs[first:last] for x in r["losses"]]
+        lengths = [[int(x) for x in c["lengths"].tolist()] for r in recs[first:last] for c in r["counts"]]
         wall = prev - t0
         real = sum(t[0] for t in toks)
         padded = sum(t[2] for t in toks)
@@ -351,6 +376,7 @@ class Recorder:
             "losses": losses,
             "rows_per_step": statistics.median([t[3] for t in toks]) if toks else None,
             "forwards_per_step": statistics.median([t[5] for t in toks]) if toks else None,
+            "sampler_guess": guess_sampler(lengths),
         }
         if self.device.type == "cuda":
             w["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
@@ -363,8 +389,8 @@ class Recorder:
 
         from vlmdoctor.run.parts import mark_parts
 
-        self.out.mkdir(parents=True, exist_ok=True)
-        path = self.out / f"vlmdoctor_{self.source}_{time.strftime('%Y%m%d-%H%M%S')}.pt.trace.json.gz"
+        (self.out / "trace").mkdir(parents=True, exist_ok=True)
+        path = self.out / "trace" / f"vlmdoctor_{self.source}_{time.strftime('%Y%m%d-%H%M%S')}.pt.trace.json.gz"
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         self.trace_info = {"path": str(path), "steps": self.trace_steps, "kept": True,
                            "schedule": {"wait": 1, "warmup": 1, "active": self.trace_steps}, "record_shapes": True,
@@ -373,6 +399,9 @@ class Recorder:
         self.prof = profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=self.trace_steps, repeat=1),
                             on_trace_ready=lambda p: p.export_chrome_trace(str(path)), record_shapes=True)
         self.prof.__enter__()
+
+    def _add_metadata(self) -> None:
+        """What is known of the run travels in the trace (as vlmdoctor's own runs do), so the rules see it."""
         meta = {"schema_version": SCHEMA_VERSION, "tool_version": __version__, "config": self.rule_config(),
                 "model": self.desc, "source": self.source}
         self.prof.add_metadata_json("vlmdoctor", json.dumps(meta, default=str))
@@ -405,7 +434,9 @@ class Recorder:
         wd = _weight_dtype(self.desc)
         if wd:
             cfg["weight_dtype"] = wd
-        gc = getattr(self.model, "is_gradient_checkpointing", None)
+        with warnings.catch_warnings():  # transformers 5 renamed it; read whichever there is, quietly
+            warnings.simplefilter("ignore")
+            gc = getattr(self.model, "is_activation_checkpointing", getattr(self.model, "is_gradient_checkpointing", None))
         if isinstance(gc, bool):
             cfg["gradient_checkpointing"] = gc
         cfg["device"] = self.device.type
@@ -414,6 +445,9 @@ class Recorder:
         if self.window and self.window.get("rows_per_step") and "batch_size" not in cfg:
             fw = self.window.get("forwards_per_step") or 1
             cfg["batch_size"] = int(self.window["rows_per_step"] / max(fw, 1))
+        if self.window and self.window.get("sampler_guess") and "sampler" not in cfg:
+            cfg["sampler"] = self.window["sampler_guess"]
+            cfg["sampler_source"] = "measured: spread of the real lengths inside batches"
         return cfg
 
     def finish(self) -> dict[str, Any]:
@@ -450,7 +484,7 @@ class Recorder:
             first = min(self.warmup, n - 1) if n > 1 else 0
             if n > 1 and first == 0:
                 first = 1  # the first step carries one-time costs; leave it out when there is another
-            window = self._summarize(first, n)
+            window = self.window = self._summarize(first, n)
             notes.append(f"the loop ran {n} step(s), fewer than the {self.warmup} warm-up + {self.steps} timed "
                          f"asked for: the numbers are over steps {first + 1}..{n}"
                          + (" (warm-up steps included)" if first < self.warmup else ""))
