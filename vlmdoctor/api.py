@@ -65,6 +65,8 @@ def count_tokens(batch: Any, pad_id: int | None = None) -> dict[str, Any] | None
     window's end. Real tokens: the attention mask's sum, else input_ids that are not padding.
     """
     ids, mask, labels = _get(batch, "input_ids"), _get(batch, "attention_mask"), _get(batch, "labels")
+    if isinstance(ids, torch.Tensor) and (ids.is_floating_point() or ids.dim() == 0):
+        ids = None  # features, not token ids
     if not isinstance(ids, torch.Tensor) and not isinstance(mask, torch.Tensor):
         return None
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
@@ -263,7 +265,7 @@ class Recorder:
         if self.done or not self.model.training:
             return
         batch = dict(kwargs)
-        if "input_ids" not in batch and args and isinstance(args[0], torch.Tensor):
+        if "input_ids" not in batch and args and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point():
             batch["input_ids"] = args[0]
         c = count_tokens(batch, self.pad_id)
         if c is not None:
@@ -481,9 +483,8 @@ class Recorder:
         notes = list(self.notes)
         window = self.window
         if window is None and n >= 1:  # the loop ended before the window: measure what ran
-            first = min(self.warmup, n - 1) if n > 1 else 0
-            if n > 1 and first == 0:
-                first = 1  # the first step carries one-time costs; leave it out when there is another
+            # inside the warm-up: every step but the first (one-time costs), when there is another
+            first = self.warmup if n > self.warmup else (1 if n > 1 else 0)
             window = self.window = self._summarize(first, n)
             notes.append(f"the loop ran {n} step(s), fewer than the {self.warmup} warm-up + {self.steps} timed "
                          f"asked for: the numbers are over steps {first + 1}..{n}"

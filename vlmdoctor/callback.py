@@ -24,7 +24,7 @@ def training_args_config(args: Any) -> dict[str, Any]:
     optim = getattr(g("optim"), "value", optim)
     liger = bool(g("use_liger_kernel", False))
     lcfg = g("liger_kernel_config") or {}
-    raw = {k: g(k) for k in ("bf16", "fp16", "tf32", "gradient_checkpointing", "group_by_length",
+    raw = {k: g(k) for k in ("bf16", "fp16", "tf32", "gradient_checkpointing", "group_by_length", "train_sampling_strategy",
                              "dataloader_num_workers", "dataloader_pin_memory", "torch_compile", "torch_compile_mode",
                              "use_liger_kernel", "liger_kernel_config", "per_device_train_batch_size",
                              "gradient_accumulation_steps", "optim", "logging_steps", "max_steps")}
@@ -32,7 +32,9 @@ def training_args_config(args: Any) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "autocast": "bf16" if raw["bf16"] else ("fp16" if raw["fp16"] else "off"),
         "gradient_checkpointing": bool(raw["gradient_checkpointing"]),
-        "sampler": "length_bucketed" if raw["group_by_length"] else "random",
+        # transformers 4.x: group_by_length=True; 5.x: train_sampling_strategy="group_by_length"
+        "sampler": "length_bucketed" if raw["group_by_length"] or raw["train_sampling_strategy"] == "group_by_length"
+        else "random",
         "num_workers": int(raw["dataloader_num_workers"] or 0),
         "pin_memory": bool(raw["dataloader_pin_memory"]),
         "compile": (raw["torch_compile_mode"] or "default") if raw["torch_compile"] else "off",

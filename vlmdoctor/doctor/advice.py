@@ -24,6 +24,21 @@ def _liger_family(context: dict[str, Any]) -> str:
     return "<your_llm_family>"
 
 
+def _sampling_field() -> str:
+    """How this transformers spells length grouping: `group_by_length=True` (4.x) or the sampling strategy (5.x)."""
+    try:
+        import dataclasses
+
+        from transformers import TrainingArguments
+
+        names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    except Exception:
+        return "group_by_length=True"
+    if "group_by_length" not in names and "train_sampling_strategy" in names:
+        return 'train_sampling_strategy="group_by_length"'
+    return "group_by_length=True"
+
+
 def _one(knob: str, value: Any, audience: str, ctx: dict[str, Any]) -> list[str]:
     trainer = audience == "trainer"
     if knob == "weight_dtype":
@@ -45,10 +60,11 @@ def _one(knob: str, value: Any, audience: str, ctx: dict[str, Any]) -> list[str]
         return [kw] if trainer else [f"model.gradient_checkpointing_enable({kw})"]
     if knob == "sampler":
         if value == "length_bucketed":
-            return (["group_by_length=True"] if trainer else
+            return ([_sampling_field()] if trainer else
                     ["from transformers.trainer_pt_utils import LengthGroupedSampler",
                      "DataLoader(ds, batch_size=B, sampler=LengthGroupedSampler(B, lengths=lengths))"])
-        return ["group_by_length=False"] if trainer else ["DataLoader(ds, batch_size=B, shuffle=True)"]
+        off = "group_by_length=False" if _sampling_field().startswith("group") else 'train_sampling_strategy="random"'
+        return [off] if trainer else ["DataLoader(ds, batch_size=B, shuffle=True)"]
     if knob in LIGER_KNOBS:
         return []  # said once for all Liger knobs, below
     if knob == "compile":
