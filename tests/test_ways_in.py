@@ -449,8 +449,8 @@ def test_advice_trainer_and_loop():
     liger = advise({"liger_rms_norm": True, "liger_swiglu": True}, "trainer")
     assert "use_liger_kernel=True" in liger
     assert any("liger_kernel_config=" in x and "'rms_norm': True" in x for x in liger)
-    assert any("apply_liger_kernel_to_qwen2(" in x
-               for x in advise({"liger_rms_norm": True}, "loop", {"llm": "Qwen2Model"}))
+    lines = advise({"liger_rms_norm": True}, "loop", {"llm": "Qwen2Model"})
+    assert "apply_liger_kernel_to_qwen2(" in lines and "    rms_norm=True," in lines
 
 
 @pytest.mark.parametrize("audience", ["trainer", "loop"])
@@ -463,8 +463,10 @@ def test_advice_covers_every_knob_and_every_rule(audience):
     for row in knob_table():
         if row["layer"] == 0:
             continue
-        lines = advise({row["name"]: sample[row["name"]]}, audience)
-        assert lines and all(isinstance(x, str) and x for x in lines), row["name"]
+        for value in {sample[row["name"]], *(row.get("choices") or ())}:
+            lines = advise({row["name"]: value}, audience, {"llm": "Qwen2Model"})
+            assert lines and all(isinstance(x, str) and x for x in lines), row["name"]
+            assert max(map(len, lines)) <= 74, lines  # printed whole, indented, in 80 columns
     rules, _ = load_rules()
     for rule in rules:
         patch = {k: v for k, v in rule.patch.items() if not (isinstance(v, str) and v.startswith("="))}

@@ -441,6 +441,9 @@ class Recorder:
             gc = getattr(self.model, "is_activation_checkpointing", getattr(self.model, "is_gradient_checkpointing", None))
         if isinstance(gc, bool):
             cfg["gradient_checkpointing"] = gc
+        impl = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
+        if impl in ("sdpa", "eager", "flash_attention_2"):
+            cfg["attention"] = {"flash_attention_2": "flash"}.get(impl, impl)
         cfg["device"] = self.device.type
         cfg["warmup"], cfg["steps"], cfg["trace_steps"] = self.warmup, self.steps, self.trace_steps
         cfg.update(self.extra_config)

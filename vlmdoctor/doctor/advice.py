@@ -57,12 +57,13 @@ def _one(knob: str, value: Any, audience: str, ctx: dict[str, Any]) -> list[str]
         return ["model.gradient_checkpointing_enable()" if value else "model.gradient_checkpointing_disable()"]
     if knob == "checkpoint_use_reentrant":
         kw = f"gradient_checkpointing_kwargs={{'use_reentrant': {bool(value)}}}"
-        return [kw] if trainer else [f"model.gradient_checkpointing_enable({kw})"]
+        return [kw] if trainer else ["model.gradient_checkpointing_enable(", f"    {kw})"]
     if knob == "sampler":
         if value == "length_bucketed":
             return ([_sampling_field()] if trainer else
                     ["from transformers.trainer_pt_utils import LengthGroupedSampler",
-                     "DataLoader(ds, batch_size=B, sampler=LengthGroupedSampler(B, lengths=lengths))"])
+                     "sampler = LengthGroupedSampler(B, lengths=lengths)",
+                     "DataLoader(ds, batch_size=B, sampler=sampler)"])
         off = "group_by_length=False" if _sampling_field().startswith("group") else 'train_sampling_strategy="random"'
         return [off] if trainer else ["DataLoader(ds, batch_size=B, shuffle=True)"]
     if knob in LIGER_KNOBS:
@@ -104,16 +105,20 @@ def _one(knob: str, value: Any, audience: str, ctx: dict[str, Any]) -> list[str]
             return [f'from_pretrained(..., attn_implementation="{impl}")']
         backend = {"cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}.get(value, value)
         return ["from torch.nn.attention import sdpa_kernel, SDPBackend",
-                f"with sdpa_kernel(SDPBackend.{backend}):  # around forward and backward"]
+                f"with sdpa_kernel(SDPBackend.{backend}):  # forward + backward"]
     if knob == "pad_to_multiple_of":
-        return [f"pad batches to a multiple of {value}: processor(..., padding=True, pad_to_multiple_of={value})"]
+        return [f"processor(..., padding=True, pad_to_multiple_of={value})  # or the collator's"]
     if knob == "packing":
         return (["SFTConfig(packing=True)  # TRL"] if trainer and value else
                 [f"{'pack samples into rows' if value else 'stop packing samples'} in the collator"])
     if knob == "lm_head_labeled_only":
-        return ["compute the LM head and loss only where labels != -100:",
-                "    h = outputs.hidden_states[-1][labels[:, 1:] != -100]  # shifted",
-                "    loss = F.cross_entropy(model.lm_head(h), targets)"]
+        head = ["in Trainer.compute_loss (a subclass):"] if trainer else []
+        if not value:
+            return head + ["loss = model(**batch).loss  # the LM head over every position"]
+        return head + ["out = model.model(**inputs)  # no LM head over every position",
+                       "keep = labels[:, 1:] != -100  # next token is a label",
+                       "h = out.last_hidden_state[:, :-1][keep]",
+                       "loss = F.cross_entropy(model.lm_head(h), labels[:, 1:][keep])"]
     if knob == "cache_vision_features":
         return ["compute image features in the step instead of caching them" if not value
                 else "precompute the frozen tower's image features once and load them with the batch"]
@@ -146,9 +151,9 @@ def advise(patch: dict[str, Any], audience: str, context: dict[str, Any] | None 
                 lines.append(f"liger_kernel_config={liger!r}")
         else:
             fam = _liger_family(ctx)
-            args = ", ".join(f"{k}={v}" for k, v in liger.items())
             lines += [f"from liger_kernel.transformers import apply_liger_kernel_to_{fam}",
-                      f"apply_liger_kernel_to_{fam}({args})  # before building the model"]
+                      "# before the model is built:", f"apply_liger_kernel_to_{fam}("]
+            lines += [f"    {k}={v}," for k, v in liger.items()] + [")"]
     return lines
 
 
