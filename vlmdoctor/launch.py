@@ -278,8 +278,7 @@ def run_script(command: Sequence[str], out: str = "doctor-out", warmup: int = 5,
         say(f"the script failed (exit code {code}); its output is in {log}")
         return EXIT_FAILED_RUN, report
     if err.get("type") in ("NoSteps", "NotStarted"):
-        say(f"{err['message']}: nothing to measure. vlmdoctor counts a training step at each "
-            f"torch.optim optimizer step; its output is in {log}")
+        say(f"{err['message']}: nothing to measure (its output: {log})")
         return EXIT_FAILED_RUN, report
     diagnose_report(report, report.get("audience") or "loop", rules_dirs)
     write_outputs(report, folder, json_path)
