@@ -473,3 +473,25 @@ def test_advice_covers_every_knob_and_every_rule(audience):
         patch = patch or {k: 8 for k in rule.patch}
         if set(patch) - own:
             assert advise(patch, audience), rule.id
+
+
+def test_guess_sampler_reads_the_lengths_inside_batches():
+    from vlmdoctor.api import guess_sampler
+
+    lengths = [(i * 37) % 200 + 20 for i in range(64)]  # a spread of lengths, in no order
+    random_batches = [lengths[i:i + 8] for i in range(0, 64, 8)]
+    s = sorted(lengths)
+    bucketed = [s[i:i + 8] for i in range(0, 64, 8)]
+    assert guess_sampler(random_batches) == "random"
+    assert guess_sampler(bucketed) == "length_bucketed"
+    assert guess_sampler([[10, 10], [10, 10], [10, 10], [10, 10]]) is None  # one length: nothing to say
+    assert guess_sampler([[5, 9]]) is None  # too little data
+
+
+def test_run_json_to_stdout(tmp_path, cli_runner):
+    script = _script(tmp_path, 6)
+    r = cli_runner.invoke(app, ["run", "--out", str(tmp_path / "o"), "--warmup", "1", "--steps", "2",
+                                "--trace-steps", "1", "--json", "-", "--", "python", str(script)])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)  # stdout is the report alone; the script's output went to stderr
+    assert report["config"]["source"] == "script" and "step 0" in r.stderr

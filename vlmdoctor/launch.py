@@ -209,7 +209,9 @@ def child_main() -> None:
 
 # --- the parent ----------------------------------------------------------------------------------
 
-def _tee(proc: subprocess.Popen, log: Path, echo: bool) -> None:
+def _tee(proc: subprocess.Popen, log: Path, to_stderr: bool) -> None:
+    """The script's output, as it comes, to the terminal (stderr when stdout carries the JSON) and the log."""
+    sink = sys.stderr if to_stderr else sys.stdout
     with log.open("wb") as f:
         assert proc.stdout is not None
         while True:
@@ -218,9 +220,8 @@ def _tee(proc: subprocess.Popen, log: Path, echo: bool) -> None:
                 break
             f.write(chunk)
             f.flush()
-            if echo:
-                sys.stdout.buffer.write(chunk)
-                sys.stdout.buffer.flush()
+            sink.buffer.write(chunk)
+            sink.buffer.flush()
 
 
 def run_script(command: Sequence[str], out: str = "doctor-out", warmup: int = 5, steps: int = 20,
@@ -255,12 +256,13 @@ def run_script(command: Sequence[str], out: str = "doctor-out", warmup: int = 5,
     proc = subprocess.Popen([sys.executable, "-c", BOOTSTRAP, *argv], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, env=env)
     try:
-        _tee(proc, log, echo=json_path != "-")
+        _tee(proc, log, to_stderr=json_path == "-")
     except KeyboardInterrupt:
         proc.terminate()
         proc.wait()
         raise
     rc = proc.wait()
+    copy = json_path if json_path != "-" else None  # '-': the caller prints the report, once
     say = (lambda m: print(f"vlmdoctor: {m}", file=sys.stderr, flush=True))
     if not report_path.exists():
         say(f"the script exited with code {rc} and left no report; its output is in {log}")
@@ -274,14 +276,14 @@ def run_script(command: Sequence[str], out: str = "doctor-out", warmup: int = 5,
             report["status"] = "error"
         report["error"] = {"type": "ScriptFailed", "message": f"the script exited with code {code}"
                            + (f" ({script['error']})" if script.get("error") else ""), "exit_code": code}
-        write_outputs(report, folder, json_path)
+        write_outputs(report, folder, copy)
         say(f"the script failed (exit code {code}); its output is in {log}")
         return EXIT_FAILED_RUN, report
     if err.get("type") in ("NoSteps", "NotStarted"):
         say(f"{err['message']}: nothing to measure (its output: {log})")
         return EXIT_FAILED_RUN, report
     diagnose_report(report, report.get("audience") or "loop", rules_dirs)
-    write_outputs(report, folder, json_path)
+    write_outputs(report, folder, copy)
     if not quiet and json_path != "-":
         show(report)
         print(f"vlmdoctor: report {report_path}, script output {log}", flush=True)
