@@ -393,6 +393,10 @@ def test_run_missing_script(tmp_path, cli_runner):
     assert r.exit_code == 2 and "no such script file" in r.output
     r = cli_runner.invoke(app, ["run", "--out", str(tmp_path / "o"), "--", str(tmp_path / "nope.py")])
     assert r.exit_code == 2
+    for cmd in (["torchrun", "--nproc-per-node", "2", "train.py"], ["python", "-c", "print(1)"], []):
+        r = cli_runner.invoke(app, ["run", "--out", str(tmp_path / "o"), "--", *cmd])
+        assert r.exit_code == 2, (cmd, r.output)
+    assert not (tmp_path / "o").exists()  # refused before anything was written
 
 
 @pytest.mark.parametrize("case", ["fails", pytest.param("exits_3", marks=pytest.mark.slow), "no_step", "short"])

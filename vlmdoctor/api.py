@@ -301,7 +301,7 @@ class Recorder:
         self._safe(self._step, batch, loss, inputs)
 
     def _step(self, batch: Any, loss: Any, inputs: dict[str, Any]) -> None:
-        if self.done:
+        if self.done or self.window_done:  # measured: the rest of the run costs nothing
             return
         now = time.perf_counter()
         if self.t_start is None:
@@ -338,6 +338,7 @@ class Recorder:
                 self._add_metadata()
             if i >= self.warmup + self.steps + 2 + self.trace_steps:
                 self._stop_profiler()
+                self._detach()
 
     @property
     def window_done(self) -> bool:
@@ -455,14 +456,18 @@ class Recorder:
             cfg["sampler_source"] = "measured: spread of the real lengths inside batches"
         return cfg
 
+    def _detach(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+        self.pending, self.pending_losses = [], []
+
     def finish(self) -> dict[str, Any]:
         """Stop measuring and build the report of what was measured (the analysis comes after)."""
         if self.done:
             return self.report
         self.done = True
-        for h in self.hooks:
-            h.remove()
-        self.hooks = []
+        self._detach()
         self._stop_profiler()
         self.report = self._build_report()
         return self.report
@@ -624,8 +629,14 @@ class Doctor:
         return self
 
     def step(self, batch: Any = None, *, loss: Any = None, **inputs: Any) -> None:
-        """Call once per optimizer step, after it; the batch (or its tensors as keywords) is optional."""
+        """Call once per optimizer step, after it; the batch (or its tensors as keywords) is optional.
+
+        Once the traced window is over, the report is written and printed at once (the loop
+        goes on, unmeasured), so a long training does not hold it back until its end.
+        """
         self.rec.step(batch, loss, **inputs)
+        if self.report is None and self.rec.window_done:
+            self.finish()
 
     @property
     def window_done(self) -> bool:

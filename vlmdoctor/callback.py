@@ -82,7 +82,7 @@ class DoctorCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         if self.doc is None:
             return None
-        self.doc.step()
+        self.doc.step()  # writes the report once the traced window is over
         if self.doc.window_done and self.report is None:
             self.report = self.doc.finish()
             if self.stop_after_window:

@@ -28,6 +28,7 @@ BOOTSTRAP = "from vlmdoctor.launch import child_main; child_main()"
 #: interpreter options that take no value and can be dropped (the child is a fresh interpreter)
 PY_FLAGS = {"-u", "-O", "-OO", "-B", "-s", "-E", "-I", "-q", "-b", "-bb"}
 PY_FLAGS_WITH_VALUE = {"-W", "-X"}
+MULTI_PROCESS_LAUNCHERS = {"torchrun", "accelerate", "deepspeed", "mpirun", "srun"}
 
 
 def parse_command(command: Sequence[str]) -> list[str]:
@@ -35,6 +36,9 @@ def parse_command(command: Sequence[str]) -> list[str]:
     cmd = list(command)
     if not cmd:
         raise UsageError("give the training command after --, e.g.: vlmdoctor run -- python train.py --epochs 1")
+    if Path(cmd[0]).name in MULTI_PROCESS_LAUNCHERS:
+        raise UsageError(f"{Path(cmd[0]).name} starts several processes, which vlmdoctor run does not follow yet; "
+                         "doctor one process: vlmdoctor run -- python train.py ARGS")
     if Path(cmd[0]).name.startswith("python") and not cmd[0].endswith(".py"):
         cmd = cmd[1:]
         while cmd and cmd[0].startswith("-") and cmd[0] != "-m":
