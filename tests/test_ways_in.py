@@ -401,11 +401,14 @@ def test_run_missing_script(tmp_path, cli_runner):
 
 @pytest.mark.parametrize("case", ["fails", pytest.param("exits_3", marks=pytest.mark.slow), "no_step", "short"])
 def test_run_bad_scripts(case, tmp_path, cli_runner):
-    steps, tail = {"fails": (3, "raise RuntimeError('boom in the user script')"), "exits_3": (3, "sys.exit(3)"),
+    # "fails" fails after the windows were measured (1 + 2 timed + 2 + 1 traced, after the first step)
+    steps, tail = {"fails": (8, "raise RuntimeError('boom in the user script')"), "exits_3": (3, "sys.exit(3)"),
                    "no_step": (0, "print('no training here')"), "short": (4, "")}[case]
+    window = ["1", "2", "1"] if case == "fails" else ["5", "20", "2"]
     script = _script(tmp_path, steps, tail)
     out = tmp_path / "doc"
-    r = cli_runner.invoke(app, ["run", "--out", str(out), "--warmup", "5", "--steps", "20", "--", "python", str(script)])
+    r = cli_runner.invoke(app, ["run", "--out", str(out), "--warmup", window[0], "--steps", window[1], "--trace-steps",
+                                window[2], "--", "python", str(script)])
     proc = subprocess.CompletedProcess([], r.exit_code, r.stdout, r.stderr)
     log = (out / "script.log").read_text()
     if case in ("fails", "exits_3"):
@@ -414,6 +417,8 @@ def test_run_bad_scripts(case, tmp_path, cli_runner):
         report = json.loads((out / "report.json").read_text())
         assert report["status"] == "error" and report["error"]["exit_code"] == (1 if case == "fails" else 3)
         assert "step 2" in log and ("boom in the user script" in log if case == "fails" else True)
+        if case == "fails":  # what was measured before the failure is kept, and diagnosed
+            assert report["metrics"]["steps_per_repeat"] == 2 and "facts" in report and "diagnosis" in report
     elif case == "no_step":
         assert proc.returncode == 1 and "never called an optimizer step" in proc.stderr
         assert "no training here" in log

@@ -276,7 +276,10 @@ def run_script(command: Sequence[str], out: str = "doctor-out", warmup: int = 5,
     err = report.get("error") or {}
     if rc != 0 or script.get("exit_code"):
         code = script.get("exit_code") if script.get("exit_code") is not None else rc
-        if report.get("status") == "ok":
+        if report.get("status") == "ok":  # measured before it failed: the diagnosis still stands
+            diagnose_report(report, report.get("audience") or "loop", rules_dirs)
+            if not quiet and json_path != "-" and "diagnosis" in report:
+                show(report)
             report["status"] = "error"
         report["error"] = {"type": "ScriptFailed", "message": f"the script exited with code {code}"
                            + (f" ({script['error']})" if script.get("error") else ""), "exit_code": code}
