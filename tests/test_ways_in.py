@@ -500,7 +500,9 @@ def test_guess_sampler_reads_the_lengths_inside_batches():
 def test_run_json_to_stdout(tmp_path, cli_runner):
     script = _script(tmp_path, 6)
     r = cli_runner.invoke(app, ["run", "--out", str(tmp_path / "o"), "--warmup", "1", "--steps", "2",
-                                "--trace-steps", "1", "--json", "-", "--", "python", str(script)])
+                                "--trace-steps", "1", "--json", "-", "--html", str(tmp_path / "r.html"), "--",
+                                "python", str(script)])
     assert r.exit_code == 0, r.output
     report = json.loads(r.stdout)  # stdout is the report alone; the script's output went to stderr
     assert report["config"]["source"] == "script" and "step 0" in r.stderr
+    assert "<html" in (tmp_path / "r.html").read_text().lower()

@@ -251,8 +251,9 @@ def run(
     stage: Optional[int] = typer.Option(None, "--stage", help="1 or 2, when the estimate from the frozen parts "
                                         "is wrong"),
     json_path: Optional[str] = typer.Option(None, "--json", help="also write the report JSON here ('-' for stdout)"),
+    html_path: Optional[str] = typer.Option(None, "--html", help="write a self-contained HTML report here"),
     rules_dirs: Optional[list[str]] = typer.Option(None, "--rules", help="extra folder of rule files (repeatable)"),
-    force: bool = typer.Option(False, "--force", help="overwrite a report already in --out"),
+    force: bool = typer.Option(False, "--force", help="overwrite a report already in --out, --json or --html"),
     quiet: bool = typer.Option(False, "--quiet", help="no metrics and prescriptions on the console"),
 ) -> None:
     """Doctor your own training script, unchanged: vlmdoctor run -- python train.py ARGS.
@@ -264,7 +265,7 @@ def run(
 
     with _user_errors():
         code, report = run_script(command, out_dir, warmup, steps, trace_steps, stop_after_window, stage, json_path,
-                                  rules_dirs or [], force, quiet)
+                                  rules_dirs or [], force, quiet, html_path)
         if json_path == "-" and report is not None:
             from vlmdoctor.files import write_json
 

@@ -231,7 +231,7 @@ def _tee(proc: subprocess.Popen, log: Path, to_stderr: bool) -> None:
 def run_script(command: Sequence[str], out: str = "doctor-out", warmup: int = 5, steps: int = 20,
                trace_steps: int = 2, stop_after_window: bool = False, stage: int | None = None,
                json_path: str | None = None, rules_dirs: Sequence[str] = (), force: bool = False,
-               quiet: bool = False) -> tuple[int, dict[str, Any] | None]:
+               quiet: bool = False, html_path: str | None = None) -> tuple[int, dict[str, Any] | None]:
     """Run the script under the bootstrap, then diagnose; returns (exit code, report)."""
     from vlmdoctor.api import diagnose_report, show, write_outputs
     from vlmdoctor.files import check_writable
@@ -247,6 +247,7 @@ def run_script(command: Sequence[str], out: str = "doctor-out", warmup: int = 5,
     if report_path.exists() and not force:
         raise UsageError(f"{report_path} exists; pass --force to overwrite it, or --out another folder")
     check_writable(json_path, force)
+    check_writable(html_path, force)
     folder.mkdir(parents=True, exist_ok=True)
     if report_path.exists():
         report_path.unlink()
@@ -291,6 +292,10 @@ def run_script(command: Sequence[str], out: str = "doctor-out", warmup: int = 5,
         return EXIT_FAILED_RUN, report
     diagnose_report(report, report.get("audience") or "loop", rules_dirs)
     write_outputs(report, folder, copy)
+    if html_path:
+        from vlmdoctor.report.html import profile_html, write_html
+
+        write_html(profile_html(report), Path(html_path), force=True)  # refused up front unless --force
     if not quiet and json_path != "-":
         show(report)
         print(f"vlmdoctor: report {report_path}, script output {log}", flush=True)
