@@ -286,8 +286,9 @@ class Recorder:
             return fn(*a)
         except Exception as e:  # never the user's training: log once, switch off
             self.broken = True
-            _log(f"internal error, measurement switched off, training goes on: {type(e).__name__}: {e}")
-            _log(traceback.format_exc(limit=4).strip().splitlines()[-1])
+            frame = traceback.extract_tb(e.__traceback__)[-1]
+            _log(f"internal error, measurement switched off, training goes on: {type(e).__name__}: {e} "
+                 f"({Path(frame.filename).name}:{frame.lineno})")
             self._stop_profiler()
             return None
 
@@ -509,8 +510,8 @@ class Recorder:
             report["notes"] = notes
             return report
         if window["real_tokens_per_s"] is None:
-            notes.append("no tokens seen: pass the batch to doc.step(batch), or call the model with input_ids / "
-                         "attention_mask keyword arguments")
+            notes.append("no tokens seen: the model was not called with input_ids / attention_mask keyword "
+                         "arguments (with vlmdoctor.Doctor, pass the batch: doc.step(batch))")
         report["metrics"] = _metrics(window, self.device)
         report["stats"] = _stats(window)
         report["repeats"] = [{k: v for k, v in window.items() if k != "losses"}
