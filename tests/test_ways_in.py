@@ -515,3 +515,17 @@ def test_run_json_to_stdout(tmp_path, cli_runner):
     report = json.loads(r.stdout)  # stdout is the report alone; the script's output went to stderr
     assert report["config"]["source"] == "script" and "step 0" in r.stderr
     assert "<html" in (tmp_path / "r.html").read_text().lower()
+
+
+def test_run_reports_at_the_window_end_and_the_script_goes_on(tmp_path, cli_runner):
+    script = _script(tmp_path, 10, "print('script finished', flush=True)")
+    out = tmp_path / "o"
+    r = cli_runner.invoke(app, ["run", "--out", str(out), "--warmup", "1", "--steps", "2", "--trace-steps", "1", "--",
+                                "python", str(script)])
+    assert r.exit_code == 0, r.output
+    text = r.stdout
+    # 1 + 2 timed + 2 + 1 traced steps after the first optimizer step: the report comes at step 6 of 0..9
+    assert text.index("the script goes on, unmeasured") < text.index("step 7") < text.index("script finished")
+    report = json.loads((out / "report.json").read_text())
+    assert report["script"]["exit_code"] == 0 and report["diagnosed_while_running"]
+    assert text.count("vlmdoctor: Sequential (script)") == 1  # the report is printed once, not again at the end

@@ -110,6 +110,7 @@ class _Child:
         self.s = settings
         self.optimizer: Any = None
         self.rec: Any = None
+        self.report: dict[str, Any] | None = None  # set once written (at the window's end)
         self.steps_of_others = 0
 
     def on_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
@@ -120,8 +121,30 @@ class _Child:
             self.steps_of_others += 1
             return
         self.rec.step()
-        if self.s.get("stop_after_window") and self.rec.window_done:
-            raise _StopAfterWindow()
+        if self.rec.window_done and self.report is None:
+            self._report_now()
+            if self.s.get("stop_after_window"):
+                raise _StopAfterWindow()
+
+    def _report_now(self) -> None:
+        """Diagnose and print as soon as the windows are measured, while the script trains on unmeasured."""
+        from vlmdoctor.api import _log, diagnose_report, show, write_outputs
+
+        try:
+            report = self.rec.finish()
+            report["audience"] = self.rec.audience
+            report["script"] = {"argv": self.s["argv"], "exit_code": None, "error": None}
+            diagnose_report(report, self.rec.audience, self.s.get("rules_dirs") or [])
+            report["diagnosed_while_running"] = True
+            write_outputs(report, Path(self.s["out"]))
+            self.report = report
+            if not self.s.get("quiet"):
+                show(report, sys.stdout)
+                print(f"vlmdoctor: report written to {Path(self.s['out']) / 'report.json'}"
+                      + ("" if self.s.get("stop_after_window") else "; the script goes on, unmeasured"), flush=True)
+        except Exception as e:  # the analysis must not end the user's training
+            self.report = {}
+            _log(f"could not write the report now, training goes on: {type(e).__name__}: {e}")
 
     def _start(self, optimizer: Any) -> None:
         from vlmdoctor.api import Recorder, _log
@@ -153,6 +176,11 @@ class _Child:
         from vlmdoctor.api import write_outputs
 
         out = Path(self.s["out"])
+        if self.report:  # written at the window's end: add how the script ended
+            self.report["script"] |= {"exit_code": exit_code, "error": error,
+                                      "steps_of_other_optimizers": self.steps_of_others}
+            write_outputs(self.report, out)
+            return
         if self.rec is None:
             report: dict[str, Any] = {"status": "error", "error": {
                 "type": "NoSteps" if self.optimizer is None else "NotStarted",
@@ -253,7 +281,8 @@ def run_script(command: Sequence[str], out: str = "doctor-out", warmup: int = 5,
         report_path.unlink()
     env = dict(os.environ)
     env[ENV_KEY] = json.dumps({"out": str(folder), "warmup": warmup, "steps": steps, "trace_steps": trace_steps,
-                               "stop_after_window": stop_after_window, "stage": stage})
+                               "stop_after_window": stop_after_window, "stage": stage,
+                               "rules_dirs": [str(Path(d).resolve()) for d in rules_dirs], "quiet": quiet})
     pkg_root = str(Path(__file__).resolve().parent.parent)  # this vlmdoctor, importable in the child
     env["PYTHONPATH"] = os.pathsep.join([pkg_root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env["PYTHONUNBUFFERED"] = "1"
@@ -278,9 +307,10 @@ def run_script(command: Sequence[str], out: str = "doctor-out", warmup: int = 5,
     if rc != 0 or script.get("exit_code"):
         code = script.get("exit_code") if script.get("exit_code") is not None else rc
         if report.get("status") == "ok":  # measured before it failed: the diagnosis still stands
-            diagnose_report(report, report.get("audience") or "loop", rules_dirs)
-            if not quiet and json_path != "-" and "diagnosis" in report:
-                show(report)
+            if not report.get("diagnosed_while_running"):
+                diagnose_report(report, report.get("audience") or "loop", rules_dirs)
+                if not quiet and json_path != "-" and "diagnosis" in report:
+                    show(report)
             report["status"] = "error"
         report["error"] = {"type": "ScriptFailed", "message": f"the script exited with code {code}"
                            + (f" ({script['error']})" if script.get("error") else ""), "exit_code": code}
@@ -290,13 +320,16 @@ def run_script(command: Sequence[str], out: str = "doctor-out", warmup: int = 5,
     if err.get("type") in ("NoSteps", "NotStarted"):
         say(f"{err['message']}: nothing to measure (its output: {log})")
         return EXIT_FAILED_RUN, report
-    diagnose_report(report, report.get("audience") or "loop", rules_dirs)
+    shown = bool(report.get("diagnosed_while_running"))  # the child printed it when the window ended
+    if not shown:
+        diagnose_report(report, report.get("audience") or "loop", rules_dirs)
     write_outputs(report, folder, copy)
     if html_path:
         from vlmdoctor.report.html import profile_html, write_html
 
         write_html(profile_html(report), Path(html_path), force=True)  # refused up front unless --force
     if not quiet and json_path != "-":
-        show(report)
+        if not shown:
+            show(report)
         print(f"vlmdoctor: report {report_path}, script output {log}", flush=True)
     return EXIT_OK, report
