@@ -140,8 +140,9 @@ class _Child:
             self.report = report
             if not self.s.get("quiet"):
                 show(report, sys.stdout)
-                print(f"vlmdoctor: report written to {Path(self.s['out']) / 'report.json'}"
-                      + ("" if self.s.get("stop_after_window") else "; the script goes on, unmeasured"), flush=True)
+                if not self.s.get("stop_after_window"):
+                    print(f"vlmdoctor: report written to {Path(self.s['out']) / 'report.json'}; "
+                          "the script goes on, unmeasured", flush=True)
         except Exception as e:  # the analysis must not end the user's training
             self.report = {}
             _log(f"could not write the report now, training goes on: {type(e).__name__}: {e}")
