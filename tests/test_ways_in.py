@@ -275,7 +275,6 @@ def test_trainer_callback_llava(trainer_llava):
         assert any("group_by_length" in x for x in padding[0]["advice"]["lines"])
 
 
-@pytest.mark.slow
 def test_trainer_callback_qwen2vl_grad_accum(trainer_qwen2vl):
     report, _ = trainer_qwen2vl
     _check_report(report, "trainer", "Qwen2VLForConditionalGeneration")
