@@ -115,7 +115,8 @@ def describe_model(model: nn.Module | None) -> dict[str, Any]:
     out: dict[str, Any] = {
         "class": type(model).__name__,
         "parts": {k: type(m).__name__ for k, m in parts.items()},
-        "params": {"total": sum(p.numel() for p in params), "trainable": sum(p.numel() for p in params if p.requires_grad),
+        "params": {"total": sum(p.numel() for p in params),
+                   "trainable": sum(p.numel() for p in params if p.requires_grad),
                    "by_part": {k: {"total": sum(p.numel() for p in m.parameters()),
                                    "trainable": sum(p.numel() for p in m.parameters() if p.requires_grad)}
                                for k, m in parts.items()}},
@@ -400,7 +401,8 @@ class Recorder:
                            "schedule": {"wait": 1, "warmup": 1, "active": self.trace_steps}, "record_shapes": True,
                            "with_stack": False, "profile_memory": False, "traced_step_ms": []}
         self.unmark = mark_parts(self.model) if self.model is not None else None
-        self.prof = profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=self.trace_steps, repeat=1),
+        plan = schedule(wait=1, warmup=1, active=self.trace_steps, repeat=1)
+        self.prof = profile(activities=activities, schedule=plan,
                             on_trace_ready=lambda p: p.export_chrome_trace(str(path)), record_shapes=True)
         self.prof.__enter__()
 
@@ -440,7 +442,8 @@ class Recorder:
             cfg["weight_dtype"] = wd
         with warnings.catch_warnings():  # transformers 5 renamed it; read whichever there is, quietly
             warnings.simplefilter("ignore")
-            gc = getattr(self.model, "is_activation_checkpointing", getattr(self.model, "is_gradient_checkpointing", None))
+            gc = getattr(self.model, "is_activation_checkpointing",
+                         getattr(self.model, "is_gradient_checkpointing", None))
         if isinstance(gc, bool):
             cfg["gradient_checkpointing"] = gc
         impl = getattr(getattr(self.model, "config", None), "_attn_implementation", None)

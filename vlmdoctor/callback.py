@@ -24,7 +24,8 @@ def training_args_config(args: Any) -> dict[str, Any]:
     optim = getattr(g("optim"), "value", optim)
     liger = bool(g("use_liger_kernel", False))
     lcfg = g("liger_kernel_config") or {}
-    raw = {k: g(k) for k in ("bf16", "fp16", "tf32", "gradient_checkpointing", "group_by_length", "train_sampling_strategy",
+    raw = {k: g(k) for k in ("bf16", "fp16", "tf32", "gradient_checkpointing", "group_by_length",
+                             "train_sampling_strategy",
                              "dataloader_num_workers", "dataloader_pin_memory", "torch_compile", "torch_compile_mode",
                              "use_liger_kernel", "liger_kernel_config", "per_device_train_batch_size",
                              "gradient_accumulation_steps", "optim", "logging_steps", "max_steps")}
