@@ -330,6 +330,40 @@ def rules_show(rule_id: str = typer.Argument(..., help="rule id (vlmdoctor rules
             render_rule_page(page, out)
 
 
+@app.command(context_settings={"allow_interspersed_args": False})
+def run(
+    command: list[str] = typer.Argument(..., help="the training command, after --: python train.py ARGS"),
+    out_dir: str = typer.Option("doctor-out", "--out", help="folder for report.json, trace/ and script.log"),
+    warmup: int = typer.Option(5, "--warmup", help="optimizer steps before the timed window"),
+    steps: int = typer.Option(20, "--steps", help="timed optimizer steps"),
+    trace_steps: int = typer.Option(2, "--trace-steps", help="steps traced with torch.profiler after the timed ones"),
+    stop_after_window: bool = typer.Option(False, "--stop-after-window", help="stop the script once the windows "
+                                           "are measured, instead of letting it train on"),
+    stage: Optional[int] = typer.Option(None, "--stage", help="1 or 2, when the estimate from the frozen parts "
+                                        "is wrong"),
+    json_path: Optional[str] = typer.Option(None, "--json", help="also write the report JSON here ('-' for stdout)"),
+    html_path: Optional[str] = typer.Option(None, "--html", help="write a self-contained HTML report here"),
+    rules_dirs: Optional[list[str]] = typer.Option(None, "--rules", help="extra folder of rule files (repeatable)"),
+    force: bool = typer.Option(False, "--force", help="overwrite a report already in --out, --json or --html"),
+    quiet: bool = typer.Option(False, "--quiet", help="no metrics and prescriptions on the console"),
+) -> None:
+    """Doctor your own training script, unchanged: vlmdoctor run -- python train.py ARGS.
+
+    Each optimizer step is a training step. The script's output goes to the terminal and to
+    OUT/script.log; the report to OUT/report.json. Exit 1 when the script fails or never steps.
+    """
+    from vlmdoctor.launch import run_script
+
+    with _user_errors():
+        code, report = run_script(command, out_dir, warmup, steps, trace_steps, stop_after_window, stage, json_path,
+                                  rules_dirs or [], force, quiet, html_path)
+        if json_path == "-" and report is not None:
+            from vlmdoctor.files import write_json
+
+            write_json(report, "-")
+        raise typer.Exit(code)
+
+
 @app.command()
 def models(json_path: Optional[str] = _json_opt("catalogue"),
            force: bool = typer.Option(False, "--force", help="overwrite an existing --json file")) -> None:

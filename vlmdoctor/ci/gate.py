@@ -23,6 +23,8 @@ from vlmdoctor.errors import UsageError
 SEVERITY_ORDER = ("low", "medium", "high")
 #: below this many samples a side the Mann-Whitney normal approximation is too coarse
 MIN_SAMPLES_FOR_TEST = 8
+#: config["source"] of reports of the user's own training (vlmdoctor.Doctor, DoctorCallback, `vlmdoctor run`)
+OWN_TRAINING_SOURCES = ("api", "trainer", "script")
 
 
 # --- loading ----------------------------------------------------------------------------------
@@ -75,6 +77,10 @@ def run_current(base: dict[str, Any], diagnose: bool = True, timeout: float | No
     from vlmdoctor.run.config import RunConfig
     from vlmdoctor.run.runner import run_isolated
 
+    source = base["config"].get("source")
+    if source in OWN_TRAINING_SOURCES:
+        raise UsageError(f"the baseline measures your own training (recorded by the {source} way in), which "
+                         "vlmdoctor cannot re-run by itself; record the current run the same way and pass --current")
     cfg = RunConfig.from_dict(base["config"], source="baseline config")
     return validate_report(run_isolated(cfg, timeout=timeout, diagnose=diagnose), "current run")
 

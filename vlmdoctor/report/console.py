@@ -208,6 +208,13 @@ def render_findings(diagnosis: dict[str, Any], console: Console,
         console.print(t)
         for i, f in enumerate(findings, 1):
             patch = f["config_patch"]
+            advice = f.get("advice")  # the user's own training: the fix in their terms, not vlmdoctor knobs
+            if advice and advice.get("lines"):
+                console.print(f"#{i} {f['id']}, in your {advice.get('audience', 'code')}:", highlight=False,
+                              markup=False, soft_wrap=True)
+                for line in advice["lines"]:
+                    console.print(f"  {line}", style="cyan", highlight=False, markup=False, soft_wrap=True)
+                continue
             if not patch:
                 continue
             knobs = ", ".join(f"{k}={v}" for k, v in patch.items())
@@ -315,3 +322,89 @@ def render_sweep(rows: list[dict[str, Any]], console: Console) -> None:
                   _fmt(r["mfu"] * 100 if r.get("mfu") else None, " %"), _fmt(r.get("peak_mem_gb"), "", 1),
                   r["status"] if ok else f"{r['status']}: {(r.get('error') or '')[:50]}")
     console.print(t)
+
+
+def render_own(report: dict[str, Any], console: Console) -> None:
+    """A report of the user's own training (Doctor, DoctorCallback, `vlmdoctor run`): what was seen, what to change."""
+    cfg, env, model = report.get("config") or {}, report.get("env") or {}, report.get("model") or {}
+    where = env.get("gpu") or f"CPU ({env.get('cpu_count')} cores)"
+    stage = cfg.get("stage")
+    stage_text = f"stage {stage} ({cfg.get('stage_source')})" if stage else "stage unknown"
+    console.print(f"[bold]vlmdoctor: {model.get('class') or 'your model'} ({cfg.get('source')}), {stage_text}, "
+                  f"on {where}[/bold]", highlight=False)
+    parts = model.get("parts") or {}
+    if parts:
+        console.print("parts: " + ", ".join(f"{k} {v}" for k, v in parts.items()), highlight=False)
+    for n in report.get("notes") or []:
+        console.print(f"[yellow]note:[/yellow] {escape(n)}", highlight=False)
+    if report.get("status") not in ("ok", "nan_loss"):
+        console.print(f"[bold red]{report.get('status')}[/bold red]: {escape(str((report.get('error') or {}).get('message')))}")
+        return
+    m = report["metrics"]
+    t = Table(show_header=True, header_style="bold")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    t.add_row("real tokens/s", _fmt(m.get("real_tokens_per_s"), "", 0))
+    t.add_row("loss tokens/s", _fmt(m.get("loss_tokens_per_s"), "", 0))
+    pad = m.get("pad_fraction")
+    t.add_row("pad fraction", _fmt(pad * 100 if pad is not None else None, " %"))
+    t.add_row("ms/step (median)", f"{_fmt(m['step_ms'], ' ms')} (p10 {_fmt(m['step_ms_p10'])}, "
+              f"p90 {_fmt(m['step_ms_p90'])}, n={m['steps_per_repeat']})")
+    if m.get("peak_mem_gb") is not None:
+        t.add_row("peak memory allocated", _fmt(m["peak_mem_gb"], " GiB", 2))
+    if m.get("final_loss") is not None:
+        t.add_row("last loss", _fmt(m["final_loss"], "", 4))
+    facts = report.get("facts") or {}
+    for p in ("vision", "projector", "llm"):
+        key = f"part.{p}.ms" if f"part.{p}.ms" in facts else f"cpu.part.{p}.ms"
+        if key in facts:
+            label = "GPU" if key.startswith("part.") else "CPU op"
+            t.add_row(f"{p} ({label} time/step)", _fmt(facts[key], " ms", 2))
+    console.print(t)
+    if "trace.error" in facts:
+        console.print(f"[yellow]the trace could not be analyzed:[/yellow] {escape(str(facts['trace.error']))}")
+    tr = report.get("trace") or {}
+    if tr.get("path"):
+        console.print(f"trace: {tr['path']}", highlight=False)
+    if "diagnosis" in report:
+        render_own_findings(report["diagnosis"], console)
+
+
+def _gain_text(gain: dict[str, Any]) -> str:
+    if gain.get("saves_ms_per_step") is not None:
+        share = f", {gain['share_of_step'] * 100:.0f}% of the step" if gain.get("share_of_step") else ""
+        return f"expected: -{gain['saves_ms_per_step']:.1f} ms/step{share}"
+    if gain.get("throughput_x"):
+        return f"expected: x{gain['throughput_x']:.2f} throughput"
+    return "expected gain: n/a"
+
+
+def render_own_findings(diagnosis: dict[str, Any], console: Console) -> None:
+    """Prescriptions as a list (not a table), so that code lines print whole in 80 columns."""
+    findings = diagnosis["findings"]
+    if not findings:
+        console.print("[bold green]no prescriptions[/bold green]: no rule fired on the measured facts")
+    else:
+        console.print("[bold]prescriptions, in layer order[/bold]")
+    for i, f in enumerate(findings, 1):
+        console.print(f"[bold]{i}. {escape(f['title'])}[/bold] [dim](layer {f['layer']} {f['layer_name']}, "
+                      f"{f['severity']}; {_gain_text(f['expected_gain'])})[/dim]", highlight=False)
+        for e in f["evidence"]:
+            console.print(f"   seen: {escape(e)}", highlight=False)
+        console.print(f"   fix: {escape(f['fix'])}", highlight=False)
+        advice = f.get("advice") or {}
+        lines = advice.get("lines")
+        if lines:
+            where = "in TrainingArguments / from_pretrained" if advice.get("audience") == "trainer" else "in your loop"
+            console.print(f"   change {where}:", highlight=False)
+            for line in lines:
+                console.print(f"     [cyan]{escape(line)}[/cyan]", highlight=False, overflow="fold")
+        elif f.get("config_patch"):
+            console.print("   knobs: [cyan]" + escape(", ".join(f"{k}={v}" for k, v in f["config_patch"].items()))
+                          + "[/cyan]", highlight=False)
+    for s in diagnosis.get("superseded") or []:
+        console.print(f"[dim]superseded: {s['id']} (covered by {s['superseded_by']})[/dim]")
+    skipped = [n["id"] for n in diagnosis.get("not_evaluated") or []]
+    if skipped:
+        console.print(f"[dim]not evaluated ({len(skipped)} rules need facts this trace lacks, e.g. GPU kernels): "
+                      f"{', '.join(skipped)}[/dim]")

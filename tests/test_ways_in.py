@@ -1,0 +1,535 @@
+"""Three ways in, one report: vlmdoctor.Doctor in a loop, DoctorCallback in a Trainer, `vlmdoctor run -- script`.
+
+Real tiny native VLMs (LLaVA: SigLIP + Qwen2; Qwen2-VL) trained on CPU; every trace is recorded by
+torch.profiler in the test. Recorded runs are shared through module-scoped fixtures.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from vlmdoctor.cli import app
+from vlmdoctor.ci.gate import check_comparable, gate, validate_report
+from vlmdoctor.doctor.advice import advise
+from vlmdoctor.run.config import RunConfig, knob_table
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+from train_llava_loop import batches, build_model  # noqa: E402
+
+WINDOW = dict(warmup=1, steps=3, trace_steps=1)
+PARTS = ("vision", "projector", "llm")
+
+
+# --- tiny models and data ----------------------------------------------------------------------
+
+def qwen2vl():
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    cfg = Qwen2VLConfig(
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=4,
+                           spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
+        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=512, max_position_embeddings=512, pad_token_id=0,
+                         bos_token_id=1, eos_token_id=2, rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]}),
+        image_token_id=3, video_token_id=4, vision_start_token_id=5, vision_end_token_id=6, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    return Qwen2VLForConditionalGeneration(cfg)
+
+
+def qwen2vl_batch(i: int, b: int = 2) -> dict[str, torch.Tensor]:
+    """An 8x8-patch image (16 tokens after the 2x2 merge) and text of varying length, right-padded."""
+    g = torch.Generator().manual_seed(i)
+    rows, labels = [], []
+    for _ in range(b):
+        n = int(torch.randint(6, 30, (1,), generator=g))
+        text = torch.randint(10, 500, (n,), generator=g).tolist()
+        rows.append([1, 5] + [3] * 16 + [6] + text)
+        labels.append([-100] * 19 + text)
+    n = max(map(len, rows))
+    ids = torch.tensor([r + [0] * (n - len(r)) for r in rows])
+    return {"input_ids": ids, "attention_mask": (ids != 0).long(), "mm_token_type_ids": (ids == 3).long(),
+            "labels": torch.tensor([r + [-100] * (n - len(r)) for r in labels]),
+            "pixel_values": torch.randn(b * 64, 3 * 2 * 4 * 4, generator=g),
+            "image_grid_thw": torch.tensor([[1, 8, 8]] * b)}
+
+
+def freeze_tower(model) -> None:
+    from vlmdoctor.run.parts import find_parts
+
+    parts = find_parts(model)
+    parts["vision"].requires_grad_(False)
+    if "projector" in parts:  # Qwen2-VL's merger sits inside the tower and trains
+        parts["projector"].requires_grad_(True)
+
+
+def loop(model, data, doc, n: int, pass_batch: bool) -> list[float]:
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    losses = []
+    for i in range(n):
+        batch = data(i)
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if doc is not None:
+            doc.step(batch) if pass_batch else doc.step()
+    return losses
+
+
+def llava_data():
+    it = batches(4)
+    return lambda i: next(it)
+
+
+# --- recorded runs (module scope: each trains once) -------------------------------------------
+
+@pytest.fixture(scope="module")
+def api_llava(tmp_path_factory):
+    import vlmdoctor
+
+    out = tmp_path_factory.mktemp("api_llava")
+    model = build_model()
+    freeze_tower(model)
+    with vlmdoctor.Doctor(model, out=out, quiet=True, **WINDOW) as doc:
+        loop(model, llava_data(), doc, 8, pass_batch=True)
+    return doc.report, out
+
+
+@pytest.fixture(scope="module")
+def api_qwen2vl_hook(tmp_path_factory):
+    """Qwen2-VL, the batch never passed: tokens come from the forward pre-hook."""
+    import vlmdoctor
+
+    out = tmp_path_factory.mktemp("api_qwen2vl")
+    model = qwen2vl()
+    freeze_tower(model)
+    with vlmdoctor.Doctor(model, out=out, quiet=True, **WINDOW) as doc:
+        loop(model, qwen2vl_batch, doc, 8, pass_batch=False)
+    return doc.report, out
+
+
+class _DS(torch.utils.data.Dataset):
+    def __init__(self, make, n: int) -> None:
+        self.items = [make(i) for i in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int):
+        return self.items[i]
+
+
+def _trainer_run(model, dataset, collate, out, **args):
+    from transformers import Trainer, TrainingArguments
+
+    from vlmdoctor import DoctorCallback
+
+    targs = TrainingArguments(output_dir=str(out / "hf"), max_steps=7, report_to=[], use_cpu=True, save_strategy="no",
+                              logging_steps=100, disable_tqdm=True, **args)
+    cb = DoctorCallback(out=out / "doctor", quiet=True, **WINDOW)
+    Trainer(model=model, args=targs, train_dataset=dataset, data_collator=collate, callbacks=[cb]).train()
+    return cb.report
+
+
+def _pad_collate(items):
+    n = max(len(x["input_ids"]) for x in items)
+
+    def pad(t, v):
+        return torch.cat([t, torch.full((n - len(t),), v, dtype=t.dtype)])
+
+    return {"input_ids": torch.stack([pad(x["input_ids"], 0) for x in items]),
+            "attention_mask": torch.stack([pad(x["attention_mask"], 0) for x in items]),
+            "labels": torch.stack([pad(x["labels"], -100) for x in items]),
+            "pixel_values": torch.stack([x["pixel_values"] for x in items])}
+
+
+@pytest.fixture(scope="module")
+def trainer_llava(tmp_path_factory):
+    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate")
+    out = tmp_path_factory.mktemp("trainer_llava")
+    it = batches(1)
+    ds = _DS(lambda i: {k: v[0] for k, v in next(it).items()}, 32)
+    model = build_model()
+    freeze_tower(model)
+    report = _trainer_run(model, ds, _pad_collate, out, per_device_train_batch_size=4,
+                          dataloader_num_workers=0, dataloader_pin_memory=False, gradient_accumulation_steps=1)
+    return report, out
+
+
+@pytest.fixture(scope="module")
+def trainer_qwen2vl(tmp_path_factory):
+    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate")
+    out = tmp_path_factory.mktemp("trainer_qwen2vl")
+    ds = _DS(qwen2vl_batch, 16)  # each item already a batch of 2: the collator passes it through
+    model = qwen2vl()
+    freeze_tower(model)
+    report = _trainer_run(model, ds, lambda items: items[0], out, per_device_train_batch_size=1,
+                          gradient_accumulation_steps=2)
+    return report, out
+
+
+def _vlmdoctor(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vlmdoctor", *args], capture_output=True, text=True, cwd=cwd,
+                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT), "COLUMNS": "80"})
+
+
+@pytest.fixture(scope="module")
+def script_llava(tmp_path_factory):
+    out = tmp_path_factory.mktemp("script") / "doctor"
+    proc = _vlmdoctor("run", "--out", str(out), "--warmup", "1", "--steps", "3", "--trace-steps", "1",
+                      "--stop-after-window", "--", "python", str(ROOT / "examples" / "train_llava_loop.py"),
+                      "--steps", "40")
+    return proc, out
+
+
+# --- every way in gives the same kind of report ----------------------------------------------
+
+def _check_report(report, source: str, model_class: str) -> None:
+    validate_report(report, source)  # what gate and compare accept
+    assert report["status"] == "ok"
+    assert report["config"]["source"] == source
+    assert report["config"]["model"] == model_class
+    m = report["metrics"]
+    assert m["real_tokens_per_s"] > 0 and m["loss_tokens_per_s"] > 0
+    assert 0 < m["pad_fraction"] < 1  # the batches are right-padded to their longest row
+    assert m["step_ms"] > 0 and m["step_ms_p10"] <= m["step_ms"] <= m["step_ms_p90"]
+    rep = report["repeats"][0]
+    assert len(rep["step_ms"]) == len(rep["step_real_tokens"]) == m["steps_per_repeat"] == 3
+    assert Path(report["trace"]["path"]).is_file() and report["trace"]["path"].endswith(".json.gz")
+    facts = report["facts"]
+    assert "trace.error" not in facts, facts.get("trace.error")
+    assert facts["trace.steps"] >= 1
+    for part in PARTS:  # CPU op time attributed to each part, from the vlmdoctor::<part> ranges
+        assert facts[f"cpu.part.{part}.forward_ms"] > 0, part
+        assert facts[f"cpu.part.{part}.ms"] >= facts[f"cpu.part.{part}.forward_ms"]
+    assert facts["cpu.part.llm.backward_ms"] > 0  # the LLM trains: its backward is attributed too
+    assert "diagnosis" in report and isinstance(report["findings"], list)
+    for f in report["findings"]:
+        assert f["advice"]["lines"], f["id"]
+
+
+def test_api_loop_llava(api_llava):
+    report, out = api_llava
+    _check_report(report, "api", "LlavaForConditionalGeneration")
+    assert json.loads((out / "report.json").read_text())["metrics"] == report["metrics"]
+    assert report["data"]["tokens_from"] == "batch"
+    assert report["config"]["stage"] == 2 and report["config"]["stage_source"] == "estimated"
+    assert report["config"]["batch_size"] == 4
+
+
+def test_api_qwen2vl_tokens_from_the_forward_hook(api_qwen2vl_hook):
+    report, _ = api_qwen2vl_hook
+    _check_report(report, "api", "Qwen2VLForConditionalGeneration")
+    assert report["data"]["tokens_from"] == "forward hook"
+    assert report["model"]["parts"] == {"projector": "PatchMerger", "vision": "Qwen2VisionTransformerPretrainedModel",
+                                        "llm": "Qwen2VLTextModel"}
+    # the merger runs inside the tower: its range nests in the vision range, and its time is counted once
+    import gzip
+
+    events = json.load(gzip.open(report["trace"]["path"], "rt"))["traceEvents"]
+    spans = {p: [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == f"vlmdoctor::{p}" and "dur" in e]
+             for p in ("vision", "projector")}
+    assert spans["projector"] and all(any(vs <= ps and pe <= ve for vs, ve in spans["vision"])
+                                      for ps, pe in spans["projector"])
+    vision_range_ms = sum(e - s for s, e in spans["vision"]) / 1e3 / report["facts"]["trace.steps"]
+    f = report["facts"]
+    own = f["cpu.part.vision.forward_ms"] + f["cpu.part.projector.forward_ms"]
+    assert own == pytest.approx(vision_range_ms, rel=1e-6)
+
+
+def test_hook_counts_match_the_batch():
+    """Tokens read by the hook equal those of the batch passed by hand (same data, same model)."""
+    from vlmdoctor.api import Recorder, count_tokens
+
+    model = build_model()
+    rec = Recorder(model, warmup=0, steps=1)
+    rec.attach()
+    batch = next(batches(3))
+    model(**batch)
+    c = rec.pending[0]
+    direct = count_tokens(batch)
+    assert int(c["real"]) == int(direct["real"]) == int(batch["attention_mask"].sum())
+    assert int(c["loss"]) == int((batch["labels"] != -100).sum())
+    assert c["padded"] == batch["input_ids"].numel()
+    no_mask = count_tokens({"input_ids": batch["input_ids"]}, pad_id=0)  # no mask: pad id decides
+    assert int(no_mask["real"]) == int(direct["real"])
+
+
+def test_trainer_callback_llava(trainer_llava):
+    report, out = trainer_llava
+    _check_report(report, "trainer", "LlavaForConditionalGeneration")
+    cfg = report["config"]
+    assert cfg["batch_size"] == 4 and cfg["sampler"] == "random" and cfg["num_workers"] == 0
+    assert (out / "doctor" / "report.json").is_file()
+    for f in report["findings"]:
+        assert f["advice"]["audience"] == "trainer"
+    padding = [f for f in report["findings"] if f["config_patch"].get("sampler") == "length_bucketed"]
+    if padding:
+        assert any("group_by_length" in x for x in padding[0]["advice"]["lines"])
+
+
+def test_trainer_callback_qwen2vl_grad_accum(trainer_qwen2vl):
+    report, _ = trainer_qwen2vl
+    _check_report(report, "trainer", "Qwen2VLForConditionalGeneration")
+    assert report["config"]["grad_accum"] == 2
+    assert report["repeats"][0]["forwards_per_step"] == 2  # both micro-batches counted in one step
+
+
+def test_script_run_llava(script_llava):
+    proc, out = script_llava
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((out / "report.json").read_text())
+    _check_report(report, "script", "LlavaForConditionalGeneration")
+    log = (out / "script.log").read_text()
+    assert "step 0 loss" in log and "step 0 loss" in proc.stdout  # passed through and kept
+    assert "training done" not in log  # --stop-after-window stopped it
+    assert "prescriptions" in proc.stdout or "no prescriptions" in proc.stdout
+    ours = proc.stdout[proc.stdout.index("vlmdoctor: LlavaForConditionalGeneration"):]  # after the script's output
+    assert max(len(line) for line in ours.splitlines() if str(out) not in line) <= 80  # long paths aside
+
+
+# --- gate, compare, export and HTML read these reports -------------------------------------
+
+def test_gate_and_compare_two_reports_of_the_same_script(api_llava, script_llava, tmp_path, cli_runner):
+    report_a, out_a = api_llava
+    _, out_b = script_llava
+    b = json.loads((out_b / "report.json").read_text())
+    notes = check_comparable(report_a, b, allow_env_change=False)
+    assert any("source" in n for n in notes)
+    verdict = gate(report_a, b)
+    assert {c["name"] for c in verdict["checks"]} == {"throughput", "memory", "findings"}
+    a, b_path = str(out_a / "report.json"), str(out_b / "report.json")
+    r = cli_runner.invoke(app, ["gate", "--baseline", a, "--current", b_path,
+                                "--max-regression", "0.99"])
+    assert r.exit_code == 0, r.output
+    r = cli_runner.invoke(app, ["gate", "--baseline", a, "--current", b_path])  # judged: pass or fail, not refused
+    assert r.exit_code in (0, 1) and "throughput" in r.output, r.output
+    r = cli_runner.invoke(app, ["compare", str(out_a / "report.json"), str(out_b / "report.json")])
+    assert r.exit_code == 0, r.output
+    r = cli_runner.invoke(app, ["gate", "--baseline", str(out_a / "report.json")])  # cannot re-run the user's loop
+    assert r.exit_code == 2 and "--current" in r.output
+
+
+def test_gate_refuses_different_models(api_llava, api_qwen2vl_hook):
+    import vlmdoctor.errors as errors
+
+    with pytest.raises(errors.UsageError, match="different things"):
+        check_comparable(api_llava[0], api_qwen2vl_hook[0])
+
+
+def test_export_and_html_read_a_user_report(api_llava, tmp_path, cli_runner):
+    from vlmdoctor.report.html import profile_html
+
+    report, out = api_llava
+    r = cli_runner.invoke(app, ["export", str(out / "report.json"), "--chrome", str(tmp_path / "t.json.gz")])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "t.json.gz").stat().st_size > 0
+    page = profile_html(report)
+    assert "LlavaForConditionalGeneration" in page
+
+
+# --- the user's training comes first ------------------------------------------------------
+
+def test_internal_errors_do_not_stop_the_loop(tmp_path, monkeypatch, capsys):
+    import vlmdoctor
+    from vlmdoctor.api import Recorder
+
+    def broken(*_a, **_k):
+        raise KeyError("vlmdoctor bug")
+
+    monkeypatch.setattr(Recorder, "_step", broken)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with vlmdoctor.Doctor(model, out=tmp_path, quiet=True, warmup=0, steps=2) as doc:
+        for _ in range(3):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            doc.step()
+    assert "measurement switched off, training goes on" in capsys.readouterr().err
+    assert doc.report["status"] == "error"  # nothing was measured, and the report says so
+
+
+def test_user_exceptions_pass_through_unchanged(tmp_path):
+    import vlmdoctor
+
+    class Mine(Exception):
+        pass
+
+    with pytest.raises(Mine, match="from the user"):
+        with vlmdoctor.Doctor(torch.nn.Linear(2, 2), out=tmp_path, quiet=True):
+            raise Mine("from the user")
+
+
+def test_loop_shorter_than_the_window(tmp_path):
+    import vlmdoctor
+
+    model = build_model()
+    with vlmdoctor.Doctor(model, out=tmp_path, quiet=True, warmup=5, steps=20) as doc:
+        loop(model, llava_data(), doc, 3, pass_batch=True)
+    r = doc.report
+    assert r["status"] == "ok" and r["metrics"]["steps_per_repeat"] == 2  # steps 2..3, the first left out
+    assert any("fewer than" in n for n in r["notes"]) and "trace" not in r
+
+
+# --- `vlmdoctor run`: bad input -------------------------------------------------------------
+
+PLAIN = """
+import sys, torch
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for i in range({steps}):
+    ids = torch.randint(1, 50, (4, 8))
+    model(ids.float()).sum().backward()
+    opt.step(); opt.zero_grad()
+    print("step", i, flush=True)
+{tail}
+"""
+
+
+def _script(tmp_path: Path, steps: int, tail: str = "") -> Path:
+    p = tmp_path / "train.py"
+    p.write_text(textwrap.dedent(PLAIN.format(steps=steps, tail=tail)))
+    return p
+
+
+def test_run_missing_script(tmp_path, cli_runner):
+    r = cli_runner.invoke(app, ["run", "--out", str(tmp_path / "o"), "--", "python", str(tmp_path / "nope.py")])
+    assert r.exit_code == 2 and "no such script file" in r.output
+    r = cli_runner.invoke(app, ["run", "--out", str(tmp_path / "o"), "--", str(tmp_path / "nope.py")])
+    assert r.exit_code == 2
+    for cmd in (["torchrun", "--nproc-per-node", "2", "train.py"], ["python", "-c", "print(1)"], []):
+        r = cli_runner.invoke(app, ["run", "--out", str(tmp_path / "o"), "--", *cmd])
+        assert r.exit_code == 2, (cmd, r.output)
+    assert not (tmp_path / "o").exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize("case", ["fails", pytest.param("exits_3", marks=pytest.mark.slow), "no_step", "short"])
+def test_run_bad_scripts(case, tmp_path, cli_runner):
+    # "fails" fails after the windows were measured (1 + 2 timed + 2 + 1 traced, after the first step)
+    steps, tail = {"fails": (8, "raise RuntimeError('boom in the user script')"), "exits_3": (3, "sys.exit(3)"),
+                   "no_step": (0, "print('no training here')"), "short": (4, "")}[case]
+    window = ["1", "2", "1"] if case == "fails" else ["5", "20", "2"]
+    script = _script(tmp_path, steps, tail)
+    out = tmp_path / "doc"
+    r = cli_runner.invoke(app, ["run", "--out", str(out), "--warmup", window[0], "--steps", window[1], "--trace-steps",
+                                window[2], "--", "python", str(script)])
+    proc = subprocess.CompletedProcess([], r.exit_code, r.stdout, r.stderr)
+    log = (out / "script.log").read_text()
+    if case in ("fails", "exits_3"):
+        assert proc.returncode == 1
+        assert "failed (exit code" in proc.stderr and "script.log" in proc.stderr
+        report = json.loads((out / "report.json").read_text())
+        assert report["status"] == "error" and report["error"]["exit_code"] == (1 if case == "fails" else 3)
+        assert "step 2" in log and ("boom in the user script" in log if case == "fails" else True)
+        if case == "fails":  # what was measured before the failure is kept, and diagnosed
+            assert report["metrics"]["steps_per_repeat"] == 2 and "facts" in report and "diagnosis" in report
+    elif case == "no_step":
+        assert proc.returncode == 1 and "never called an optimizer step" in proc.stderr
+        assert "no training here" in log
+    else:  # 4 optimizer steps: steps 2..4 measured, said so; no tokens in a plain MLP's input, said so
+        assert proc.returncode == 0, proc.stderr
+        report = json.loads((out / "report.json").read_text())
+        assert report["status"] == "ok" and report["metrics"]["steps_per_repeat"] == 2
+        assert any("fewer than" in n for n in report["notes"])
+        assert any("no tokens seen" in n for n in report["notes"])
+        assert "fewer than" in proc.stdout
+
+
+def test_run_refuses_to_overwrite_a_report(tmp_path, cli_runner):
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "report.json").write_text("{}")
+    script = _script(tmp_path, 1)
+    r = cli_runner.invoke(app, ["run", "--out", str(tmp_path / "o"), "--", "python", str(script)])
+    assert r.exit_code == 2 and "--force" in r.output
+    assert (tmp_path / "o" / "report.json").read_text() == "{}"
+
+
+# --- advice: a patch in the user's terms --------------------------------------------------
+
+def test_advice_trainer_and_loop():
+    t = advise({"weight_dtype": "bf16", "gradient_checkpointing": False, "sampler": "length_bucketed",
+                "fused_optimizer": True, "num_workers": 4, "pin_memory": True, "compile": "default",
+                "batch_size": 16}, "trainer")
+    for line in ("from_pretrained(..., dtype=torch.bfloat16)", "gradient_checkpointing=False", "group_by_length",
+                 'optim="adamw_torch_fused"', "dataloader_num_workers=4", "dataloader_pin_memory=True",
+                 "torch_compile=True", "per_device_train_batch_size=16"):
+        assert any(line in x for x in t), line
+    lp = advise({"weight_dtype": "bf16", "gradient_checkpointing": False, "fused_optimizer": True,
+                 "num_workers": 4, "vision_no_grad": True}, "loop")
+    for line in ("model.to(torch.bfloat16)", "model.gradient_checkpointing_disable()", "fused=True",
+                 "num_workers=4", "with torch.no_grad():"):
+        assert any(line in x for x in lp), line
+    liger = advise({"liger_rms_norm": True, "liger_swiglu": True}, "trainer")
+    assert "use_liger_kernel=True" in liger
+    assert any("liger_kernel_config=" in x and "'rms_norm': True" in x for x in liger)
+    lines = advise({"liger_rms_norm": True}, "loop", {"llm": "Qwen2Model"})
+    assert "apply_liger_kernel_to_qwen2(" in lines and "    rms_norm=True," in lines
+
+
+@pytest.mark.parametrize("audience", ["trainer", "loop"])
+def test_advice_covers_every_knob_and_every_rule(audience):
+    """No knob (and no shipped rule's patch) leaves the user without a line to write, or crashes."""
+    from vlmdoctor.doctor.rules import load_rules
+
+    own = {"warmup", "steps", "repeats"}
+    sample = RunConfig().to_dict()
+    for row in knob_table():
+        if row["layer"] == 0:
+            continue
+        for value in {sample[row["name"]], *(row.get("choices") or ())}:
+            lines = advise({row["name"]: value}, audience, {"llm": "Qwen2Model"})
+            assert lines and all(isinstance(x, str) and x for x in lines), row["name"]
+            assert max(map(len, lines)) <= 74, lines  # printed whole, indented, in 80 columns
+    rules, _ = load_rules()
+    for rule in rules:
+        patch = {k: v for k, v in rule.patch.items() if not (isinstance(v, str) and v.startswith("="))}
+        patch = patch or {k: 8 for k in rule.patch}
+        if set(patch) - own:
+            assert advise(patch, audience), rule.id
+
+
+def test_guess_sampler_reads_the_lengths_inside_batches():
+    from vlmdoctor.api import guess_sampler
+
+    lengths = [(i * 37) % 200 + 20 for i in range(64)]  # a spread of lengths, in no order
+    random_batches = [lengths[i:i + 8] for i in range(0, 64, 8)]
+    s = sorted(lengths)
+    bucketed = [s[i:i + 8] for i in range(0, 64, 8)]
+    assert guess_sampler(random_batches) == "random"
+    assert guess_sampler(bucketed) == "length_bucketed"
+    assert guess_sampler([[10, 10], [10, 10], [10, 10], [10, 10]]) is None  # one length: nothing to say
+    assert guess_sampler([[5, 9]]) is None  # too little data
+
+
+def test_run_json_to_stdout(tmp_path, cli_runner):
+    script = _script(tmp_path, 6)
+    r = cli_runner.invoke(app, ["run", "--out", str(tmp_path / "o"), "--warmup", "1", "--steps", "2",
+                                "--trace-steps", "1", "--json", "-", "--html", str(tmp_path / "r.html"), "--",
+                                "python", str(script)])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)  # stdout is the report alone; the script's output went to stderr
+    assert report["config"]["source"] == "script" and "step 0" in r.stderr
+    assert "<html" in (tmp_path / "r.html").read_text().lower()
+
+
+def test_run_reports_at_the_window_end_and_the_script_goes_on(tmp_path, cli_runner):
+    script = _script(tmp_path, 10, "print('script finished', flush=True)")
+    out = tmp_path / "o"
+    r = cli_runner.invoke(app, ["run", "--out", str(out), "--warmup", "1", "--steps", "2", "--trace-steps", "1", "--",
+                                "python", str(script)])
+    assert r.exit_code == 0, r.output
+    text = r.stdout
+    # 1 + 2 timed + 2 + 1 traced steps after the first optimizer step: the report comes at step 6 of 0..9
+    assert text.index("the script goes on, unmeasured") < text.index("step 7") < text.index("script finished")
+    report = json.loads((out / "report.json").read_text())
+    assert report["script"]["exit_code"] == 0 and report["diagnosed_while_running"]
+    assert text.count("vlmdoctor: Sequential (script)") == 1  # the report is printed once, not again at the end

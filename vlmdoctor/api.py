@@ -1,0 +1,670 @@
+"""`vlmdoctor.Doctor`: measure and diagnose the user's own training loop from inside it.
+
+    with vlmdoctor.Doctor(model, out="doctor-out") as doc:
+        for batch in loader:
+            ...; opt.step(); opt.zero_grad()
+            doc.step(batch)
+
+Steps are the intervals between `doc.step()` calls. After `warmup` steps comes a timed window of
+`steps` steps (the device is synchronized at its two ends only, so the loop runs as it always
+does), then a traced window (torch.profiler: 1 wait, 1 warm-up, `trace_steps` active steps) with
+the model's parts marked. Tokens come from the batch passed to `step()`, or, when none is passed,
+from a forward pre-hook that reads the model's `input_ids` / `attention_mask` / `labels`.
+
+The user's training comes first: an error in vlmdoctor's own bookkeeping is logged once and
+switches vlmdoctor off; errors from the user's code pass through unchanged. The callback
+(`vlmdoctor.callback`) and the launcher (`vlmdoctor.launch`) use the same `Recorder`.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import resource
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from vlmdoctor import SCHEMA_VERSION, __version__
+
+IGNORE_INDEX = -100
+
+
+def _log(msg: str) -> None:
+    print(f"vlmdoctor: {msg}", file=sys.stderr, flush=True)
+
+
+# --- tokens -------------------------------------------------------------------------------------
+
+def _get(batch: Any, key: str) -> Any:
+    if isinstance(batch, Mapping):
+        return batch.get(key)
+    return getattr(batch, key, None)
+
+
+def _pad_id(model: nn.Module | None) -> int | None:
+    cfg = getattr(model, "config", None)
+    for c in (cfg, getattr(cfg, "text_config", None)):
+        pid = getattr(c, "pad_token_id", None) if c is not None else None
+        if isinstance(pid, int):
+            return pid
+    return None
+
+
+def count_tokens(batch: Any, pad_id: int | None = None) -> dict[str, Any] | None:
+    """Real, loss and padded token counts of one micro-batch, as (possibly device) tensors.
+
+    Counts stay on the device so that counting never synchronizes; `.item()` happens once, at the
+    window's end. Real tokens: the attention mask's sum, else input_ids that are not padding.
+    """
+    ids, mask, labels = _get(batch, "input_ids"), _get(batch, "attention_mask"), _get(batch, "labels")
+    if isinstance(ids, torch.Tensor) and (ids.is_floating_point() or ids.dim() == 0):
+        ids = None  # features, not token ids
+    if not isinstance(ids, torch.Tensor) and not isinstance(mask, torch.Tensor):
+        return None
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        lengths = mask.sum(1)
+        padded, rows = mask.numel(), mask.shape[0]
+    elif pad_id is not None and ids.dim() == 2:
+        lengths = (ids != pad_id).sum(1)
+        padded, rows = ids.numel(), ids.shape[0]
+    else:
+        lengths = torch.tensor([ids.shape[-1]] * (ids.shape[0] if ids.dim() > 1 else 1))
+        padded, rows = ids.numel(), len(lengths)
+    loss = (labels != IGNORE_INDEX).sum() if isinstance(labels, torch.Tensor) else None
+    return {"real": lengths.sum(), "loss": loss, "padded": padded, "rows": rows, "lengths": lengths}
+
+
+def guess_sampler(batches: Sequence[Sequence[int]]) -> str | None:
+    """'length_bucketed' when samples of similar length share batches, 'random' when not; None: too little data.
+
+    Random batches keep about (B-1)/B of the lengths' variance inside each batch; bucketed ones
+    keep little of it. Read from the real lengths of the rows the model saw.
+    """
+    rows = [list(b) for b in batches if len(b) > 1]
+    flat = [x for b in rows for x in b]
+    if len(rows) < 2 or len(flat) < 8:
+        return None
+    total = statistics.pvariance(flat)
+    if total == 0:
+        return None
+    within = sum(statistics.pvariance(b) * len(b) for b in rows) / len(flat)
+    return "length_bucketed" if within / total < 0.4 else "random"
+
+
+# --- the model ----------------------------------------------------------------------------------
+
+def describe_model(model: nn.Module | None) -> dict[str, Any]:
+    """Class names of the model and its parts, parameter counts and the dtype the weights are in."""
+    from vlmdoctor.run.parts import find_parts
+
+    if model is None:
+        return {"class": None, "parts": {}}
+    parts = find_parts(model)
+    params = list(model.parameters())
+    dtypes: dict[str, int] = {}
+    for p in params:
+        dtypes[str(p.dtype).replace("torch.", "")] = dtypes.get(str(p.dtype).replace("torch.", ""), 0) + p.numel()
+    out: dict[str, Any] = {
+        "class": type(model).__name__,
+        "parts": {k: type(m).__name__ for k, m in parts.items()},
+        "params": {"total": sum(p.numel() for p in params),
+                   "trainable": sum(p.numel() for p in params if p.requires_grad),
+                   "by_part": {k: {"total": sum(p.numel() for p in m.parameters()),
+                                   "trainable": sum(p.numel() for p in m.parameters() if p.requires_grad)}
+                               for k, m in parts.items()}},
+        "param_dtypes": dtypes,
+    }
+    for k in ("vision", "projector", "llm"):
+        out[k] = out["parts"].get(k)
+    return out
+
+
+def estimate_stage(desc: dict[str, Any]) -> int | None:
+    """1 when only the projector trains, 2 when the LLM trains; None when the parts are not known."""
+    by = (desc.get("params") or {}).get("by_part") or {}
+    llm = by.get("llm")
+    if llm is None:
+        return None
+    if llm["trainable"] > 0:
+        return 2
+    proj = by.get("projector")
+    return 1 if proj and proj["trainable"] > 0 else None
+
+
+def _weight_dtype(desc: dict[str, Any]) -> str | None:
+    d = desc.get("param_dtypes") or {}
+    if not d:
+        return None
+    main = max(d, key=d.get)
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(main, main)
+
+
+def _device_of(model: nn.Module | None) -> torch.device:
+    if model is not None:
+        for p in model.parameters():
+            return p.device
+    return torch.device("cpu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --- CPU-side part times (the trace analyzer attributes GPU kernels; a CPU run has none) ---------
+
+PART_NAMES = ("vision", "projector", "llm")
+
+
+def cpu_part_facts(path: str | Path) -> dict[str, Any]:
+    """Host (CPU op) time per model part per traced step, from the `vlmdoctor::<part>` ranges.
+
+    Forward: the range's own time, minus nested part ranges (Qwen2-VL's merger inside its tower).
+    Backward: autograd `evaluate_function` events, given the part of the forward op that made
+    their node (matched by sequence number). On a GPU these are host times, not kernel times.
+    """
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        events = json.load(f).get("traceEvents", [])
+    xs = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    steps = [e for e in xs if str(e.get("name", "")).startswith("ProfilerStep#")]
+    n = max(len(steps), 1)
+    ranges = sorted(((e["ts"], e["ts"] + e["dur"], e["name"].split("::", 1)[1], e.get("tid"))
+                     for e in xs if str(e.get("name", "")).startswith("vlmdoctor::")
+                     and e["name"].split("::", 1)[1] in PART_NAMES), key=lambda r: (r[0], -r[1]))
+    fwd = {p: 0.0 for p in PART_NAMES}
+    for i, (s, e, part, tid) in enumerate(ranges):
+        inner = sum(e2 - s2 for s2, e2, p2, t2 in ranges[i + 1:] if t2 == tid and s2 >= s and e2 <= e and p2 != part)
+        fwd[part] += (e - s) - inner
+    seq_part: dict[Any, str] = {}
+    for e in xs:
+        seq = (e.get("args") or {}).get("Sequence number")
+        if seq is None or "evaluate_function" in e["name"] or "Backward" in e["name"]:
+            continue
+        t = e["ts"]
+        inside = [r for r in ranges if r[3] == e.get("tid") and r[0] <= t <= r[1]]
+        if inside:
+            seq_part.setdefault(seq, min(inside, key=lambda r: r[1] - r[0])[2])
+    bwd = {p: 0.0 for p in PART_NAMES}
+    for e in xs:
+        if not e["name"].startswith("autograd::engine::evaluate_function"):
+            continue
+        part = seq_part.get((e.get("args") or {}).get("Sequence number"))
+        if part:
+            bwd[part] += e["dur"]
+    facts: dict[str, Any] = {}
+    step_us = sum(e["dur"] for e in steps) / n if steps else None
+    for p in PART_NAMES:
+        if not any(r[2] == p for r in ranges):
+            continue
+        facts[f"cpu.part.{p}.forward_ms"] = fwd[p] / 1e3 / n
+        facts[f"cpu.part.{p}.backward_ms"] = bwd[p] / 1e3 / n
+        facts[f"cpu.part.{p}.ms"] = (fwd[p] + bwd[p]) / 1e3 / n
+        if step_us:
+            facts[f"cpu.part.{p}.share"] = (fwd[p] + bwd[p]) / n / step_us
+    facts["cpu.part.ranges_per_step"] = len(ranges) / n
+    return facts
+
+
+# --- the recorder --------------------------------------------------------------------------------
+
+class Recorder:
+    """Counts tokens and times steps of a loop it does not own, then traces a window of it."""
+
+    def __init__(self, model: nn.Module | None, out: str | Path = "doctor-out", warmup: int = 5, steps: int = 20,
+                 trace_steps: int = 2, stage: int | None = None, source: str = "api",
+                 config: dict[str, Any] | None = None, audience: str = "loop") -> None:
+        self.model = model
+        self.out = Path(out)
+        self.warmup, self.steps, self.trace_steps = max(0, int(warmup)), max(1, int(steps)), max(1, int(trace_steps))
+        self.stage_given = stage
+        self.source = source
+        self.extra_config = dict(config or {})
+        self.audience = audience
+        self.device = _device_of(model)
+        self.pad_id = _pad_id(model)
+        self.broken = False
+        self.done = False
+        self.n = 0  # steps completed
+        self.pending: list[dict[str, Any]] = []  # micro-batch counts since the last step
+        self.pending_losses: list[torch.Tensor] = []
+        self.records: list[dict[str, Any]] = []  # per step: t_end, counts, losses
+        self.t_start: float | None = None
+        self.window: dict[str, Any] | None = None
+        self.prof: Any = None
+        self.unmark: Any = None
+        self.trace_info: dict[str, Any] | None = None
+        self.notes: list[str] = []
+        self.hooks: list[Any] = []
+        self.batch_seen = False
+        self.desc = describe_model(model) if model is not None else {"class": None, "parts": {}}
+
+    # -- hooks ------------------------------------------------------------------------------------
+    def attach(self) -> None:
+        """Forward hooks on the model: tokens from its inputs, the loss from its output."""
+        if self.model is None:
+            return
+
+        def pre(_m: nn.Module, args: tuple, kwargs: dict) -> None:
+            self._safe(self._on_forward, args, kwargs)
+
+        def post(_m: nn.Module, _args: tuple, _kwargs: dict, output: Any) -> None:
+            self._safe(self._on_output, output)
+
+        self.hooks.append(self.model.register_forward_pre_hook(pre, with_kwargs=True))
+        self.hooks.append(self.model.register_forward_hook(post, with_kwargs=True))
+
+    def _on_forward(self, args: tuple, kwargs: dict) -> None:
+        if self.done or not self.model.training:
+            return
+        batch = dict(kwargs)
+        if "input_ids" not in batch and args and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point():
+            batch["input_ids"] = args[0]
+        c = count_tokens(batch, self.pad_id)
+        if c is not None:
+            c["from"] = "hook"
+            self.pending.append(c)
+
+    def _on_output(self, output: Any) -> None:
+        if self.done or not self.model.training:
+            return
+        loss = _get(output, "loss")
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            self.pending_losses.append(loss.detach())
+
+    def _safe(self, fn: Any, *a: Any) -> Any:
+        if self.broken:
+            return None
+        try:
+            return fn(*a)
+        except Exception as e:  # never the user's training: log once, switch off
+            self.broken = True
+            frame = traceback.extract_tb(e.__traceback__)[-1]
+            _log(f"internal error, measurement switched off, training goes on: {type(e).__name__}: {e} "
+                 f"({Path(frame.filename).name}:{frame.lineno})")
+            self._stop_profiler()
+            return None
+
+    # -- steps ------------------------------------------------------------------------------------
+    def begin(self) -> None:
+        """Where the first step starts (the first interval is measured from here)."""
+        if self.t_start is None:
+            self.t_start = time.perf_counter()
+
+    def step(self, batch: Any = None, loss: Any = None, **inputs: Any) -> None:
+        self._safe(self._step, batch, loss, inputs)
+
+    def _step(self, batch: Any, loss: Any, inputs: dict[str, Any]) -> None:
+        if self.done or self.window_done:  # measured: the rest of the run costs nothing
+            return
+        now = time.perf_counter()
+        if self.t_start is None:
+            self.t_start = now
+        if batch is None and inputs:
+            batch = inputs
+        counts = self.pending
+        if batch is not None:
+            c = count_tokens(batch, self.pad_id)
+            if c is not None:  # the batch the user passed replaces what the hook saw
+                counts = [c]
+                self.batch_seen = True
+        losses = self.pending_losses
+        if isinstance(loss, torch.Tensor):
+            losses = [loss.detach()]
+        self.pending, self.pending_losses = [], []
+        self.n += 1
+        i = self.n
+        boundary = i == self.warmup or i == self.warmup + self.steps
+        if boundary:
+            _sync(self.device)
+            now = time.perf_counter()
+        self.records.append({"t": now, "counts": counts, "losses": losses[-1:]})
+        if i == self.warmup and self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        if i == self.warmup + self.steps:
+            self.window = self._summarize(self.warmup, i)
+            self._start_profiler()
+        elif self.prof is not None:
+            if i > self.warmup + self.steps + 2 and self.trace_info is not None:  # an active (recorded) step
+                self.trace_info["traced_step_ms"].append((now - self.records[-2]["t"]) * 1e3)
+            self.prof.step()
+            if i == self.warmup + self.steps + 2:  # recording starts now; metadata before it is dropped
+                self._add_metadata()
+            if i >= self.warmup + self.steps + 2 + self.trace_steps:
+                self._stop_profiler()
+                self._detach()
+
+    @property
+    def window_done(self) -> bool:
+        """The timed and traced windows are over: the rest of the run is not measured."""
+        return self.window is not None and self.prof is None and self.trace_info is not None
+
+    # -- the timed window -------------------------------------------------------------------------
+    def _summarize(self, first: int, last: int) -> dict[str, Any]:
+        """Steps first+1..last (1-based): their end times minus the previous step's end."""
+        recs = self.records
+        t0 = recs[first - 1]["t"] if first >= 1 else self.t_start
+        step_s = []
+        prev = t0
+        for r in recs[first:last]:
+            step_s.append(r["t"] - prev)
+            prev = r["t"]
+        toks = []
+        for r in recs[first:last]:
+            cs = r["counts"]
+            toks.append((sum(int(c["real"]) for c in cs), sum(int(c["loss"]) for c in cs if c["loss"] is not None),
+                         sum(int(c["padded"]) for c in cs), sum(int(c["rows"]) for c in cs),
+                         all(c["loss"] is not None for c in cs) and bool(cs), len(cs)))
+        losses = [float(x) for r in recs[first:last] for x in r["losses"]]
+        lengths = [[int(x) for x in c["lengths"].tolist()] for r in recs[first:last] for c in r["counts"]]
+        wall = prev - t0
+        real = sum(t[0] for t in toks)
+        padded = sum(t[2] for t in toks)
+        w: dict[str, Any] = {
+            "steps": last - first,
+            "wall_s": wall,
+            "real_tokens_per_s": real / wall if wall > 0 and real else None,
+            "loss_tokens_per_s": (sum(t[1] for t in toks) / wall) if wall > 0 and all(t[4] for t in toks) else None,
+            "pad_fraction": 1.0 - real / padded if padded else None,
+            "step_ms": [s * 1e3 for s in step_s],
+            "step_real_tokens": [t[0] for t in toks],
+            "model_tflops_per_s": None,
+            "mfu": None,
+            "losses": losses,
+            "rows_per_step": statistics.median([t[3] for t in toks]) if toks else None,
+            "forwards_per_step": statistics.median([t[5] for t in toks]) if toks else None,
+            "sampler_guess": guess_sampler(lengths),
+        }
+        if self.device.type == "cuda":
+            w["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            w["peak_mem_reserved_gb"] = torch.cuda.max_memory_reserved(self.device) / 2**30
+        return w
+
+    # -- the traced window ------------------------------------------------------------------------
+    def _start_profiler(self) -> None:
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        from vlmdoctor.run.parts import mark_parts
+
+        (self.out / "trace").mkdir(parents=True, exist_ok=True)
+        path = self.out / "trace" / f"vlmdoctor_{self.source}_{time.strftime('%Y%m%d-%H%M%S')}.pt.trace.json.gz"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        self.trace_info = {"path": str(path), "steps": self.trace_steps, "kept": True,
+                           "schedule": {"wait": 1, "warmup": 1, "active": self.trace_steps}, "record_shapes": True,
+                           "with_stack": False, "profile_memory": False, "traced_step_ms": []}
+        self.unmark = mark_parts(self.model) if self.model is not None else None
+        plan = schedule(wait=1, warmup=1, active=self.trace_steps, repeat=1)
+        self.prof = profile(activities=activities, schedule=plan,
+                            on_trace_ready=lambda p: p.export_chrome_trace(str(path)), record_shapes=True)
+        self.prof.__enter__()
+
+    def _add_metadata(self) -> None:
+        """What is known of the run travels in the trace (as vlmdoctor's own runs do), so the rules see it."""
+        meta = {"schema_version": SCHEMA_VERSION, "tool_version": __version__, "config": self.rule_config(),
+                "model": self.desc, "source": self.source}
+        self.prof.add_metadata_json("vlmdoctor", json.dumps(meta, default=str))
+
+    def _stop_profiler(self) -> None:
+        prof, self.prof = self.prof, None
+        if prof is not None:
+            try:
+                prof.__exit__(None, None, None)
+            except Exception as e:
+                _log(f"the profiler did not stop cleanly: {type(e).__name__}: {e}")
+        if self.unmark is not None:
+            self.unmark()
+            self.unmark = None
+        if self.trace_info is not None:
+            p = Path(self.trace_info["path"])
+            self.trace_info["bytes"] = p.stat().st_size if p.exists() else None
+            if not p.exists():
+                self.trace_info["path"] = None
+
+    # -- the report -------------------------------------------------------------------------------
+    def rule_config(self) -> dict[str, Any]:
+        """What is known of the run, under run-config knob names where one applies (rules read them)."""
+        cfg: dict[str, Any] = {"source": self.source, "model": self.desc.get("class"),
+                               "vision": self.desc.get("vision"), "llm": self.desc.get("llm"),
+                               "projector": self.desc.get("projector")}
+        stage = self.stage_given if self.stage_given is not None else estimate_stage(self.desc)
+        cfg["stage"] = stage
+        cfg["stage_source"] = "given" if self.stage_given is not None else ("estimated" if stage else "unknown")
+        wd = _weight_dtype(self.desc)
+        if wd:
+            cfg["weight_dtype"] = wd
+        with warnings.catch_warnings():  # transformers 5 renamed it; read whichever there is, quietly
+            warnings.simplefilter("ignore")
+            gc = getattr(self.model, "is_activation_checkpointing",
+                         getattr(self.model, "is_gradient_checkpointing", None))
+        if isinstance(gc, bool):
+            cfg["gradient_checkpointing"] = gc
+        impl = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
+        if impl in ("sdpa", "eager", "flash_attention_2"):
+            cfg["attention"] = {"flash_attention_2": "flash"}.get(impl, impl)
+        cfg["device"] = self.device.type
+        cfg["warmup"], cfg["steps"], cfg["trace_steps"] = self.warmup, self.steps, self.trace_steps
+        cfg.update(self.extra_config)
+        if self.window and self.window.get("rows_per_step") and "batch_size" not in cfg:
+            fw = self.window.get("forwards_per_step") or 1
+            cfg["batch_size"] = int(self.window["rows_per_step"] / max(fw, 1))
+        if self.window and self.window.get("sampler_guess") and "sampler" not in cfg:
+            cfg["sampler"] = self.window["sampler_guess"]
+            cfg["sampler_source"] = "measured: spread of the real lengths inside batches"
+        return cfg
+
+    def _detach(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+        self.pending, self.pending_losses = [], []
+
+    def finish(self) -> dict[str, Any]:
+        """Stop measuring and build the report of what was measured (the analysis comes after)."""
+        if self.done:
+            return self.report
+        self.done = True
+        self._detach()
+        self._stop_profiler()
+        self.report = self._build_report()
+        return self.report
+
+    def _build_report(self) -> dict[str, Any]:
+        from vlmdoctor.run import envinfo
+
+        env = envinfo.collect(self.device)
+        report: dict[str, Any] = {
+            "schema_version": SCHEMA_VERSION,
+            "tool": {"name": "vlmdoctor", "version": __version__},
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "status": "ok",
+            "kind": "profile",
+            "model": self.desc,
+            "env": env,
+            "flops": {"formula": "not counted for a user's model", "peak_flops": None,
+                      "peak_source": "MFU is not computed for a user's own model"},
+        }
+        n = self.n
+        notes = list(self.notes)
+        window = self.window
+        if window is None and n >= 1:  # the loop ended before the window: measure what ran
+            # inside the warm-up: every step but the first (one-time costs), when there is another
+            first = self.warmup if n > self.warmup else (1 if n > 1 else 0)
+            window = self.window = self._summarize(first, n)
+            notes.append(f"the loop ran {n} step(s), fewer than the {self.warmup} warm-up + {self.steps} timed "
+                         f"asked for: the numbers are over steps {first + 1}..{n}"
+                         + (" (warm-up steps included)" if first < self.warmup else ""))
+        if window is not None and self.trace_info is None:
+            notes.append("no traced window: the loop ended first, so there are no facts and no diagnosis")
+        elif self.trace_info is not None and self.n < self.warmup + self.steps + 2 + self.trace_steps:
+            notes.append("the loop ended inside the traced window: the trace holds fewer steps than asked")
+        report["config"] = self.rule_config()
+        if window is None:
+            report["status"] = "error"
+            report["error"] = {"type": "NoSteps", "message": "no training step was seen: call doc.step() once per "
+                               "optimizer step (or check that the optimizer steps)"}
+            report["notes"] = notes
+            return report
+        if window["real_tokens_per_s"] is None:
+            notes.append("no tokens seen: the model was not called with input_ids / attention_mask keyword "
+                         "arguments (with vlmdoctor.Doctor, pass the batch: doc.step(batch))")
+        report["metrics"] = _metrics(window, self.device)
+        report["stats"] = _stats(window)
+        report["repeats"] = [{k: v for k, v in window.items() if k != "losses"}
+                             | {"final_loss": window["losses"][-1] if window["losses"] else None}]
+        report["data"] = {"source": self.source, "tokens_from": "batch" if self.batch_seen else "forward hook",
+                          "steps_seen": n}
+        if self.trace_info is not None:
+            report["trace"] = dict(self.trace_info) | {"untraced_step_ms_median": report["metrics"]["step_ms"]}
+        report["notes"] = notes
+        if report["metrics"]["loss_finite"] is False:
+            report["status"] = "nan_loss"
+            report["error"] = {"type": "NonFiniteLoss", "message": "the loss was NaN or inf in a timed step"}
+        return report
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def _metrics(w: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """The same metric names as vlmdoctor's own runs, so gate, compare and HTML read both."""
+    ms = w["step_ms"]
+    losses = w["losses"]
+    total = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
+    return {
+        "real_tokens_per_s": w["real_tokens_per_s"], "loss_tokens_per_s": w["loss_tokens_per_s"],
+        "pad_fraction": w["pad_fraction"], "model_tflops_per_s": None, "mfu": None,
+        "step_ms": statistics.median(ms), "step_ms_p10": _percentile(ms, 0.1), "step_ms_p90": _percentile(ms, 0.9),
+        "peak_mem_gb": w.get("peak_mem_gb"), "peak_mem_reserved_gb": w.get("peak_mem_reserved_gb"),
+        "device_mem_total_gb": total,
+        "host_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "final_loss": losses[-1] if losses else None,
+        "loss_finite": all(math.isfinite(x) for x in losses) if losses else None,
+        "repeats": 1, "steps_per_repeat": w["steps"],
+    }
+
+
+def _stats(w: dict[str, Any]) -> dict[str, Any]:
+    ms = w["step_ms"]
+    out: dict[str, Any] = {"step_ms": {"median": statistics.median(ms), "min": min(ms), "max": max(ms), "n": len(ms),
+                                       "p10": _percentile(ms, 0.1), "p90": _percentile(ms, 0.9), "n_repeats": 1}}
+    for k in ("real_tokens_per_s", "loss_tokens_per_s", "pad_fraction"):
+        if w.get(k) is not None:
+            out[k] = {"median": w[k], "min": w[k], "max": w[k], "n": 1}
+    return out
+
+
+# --- from a measured report to prescriptions ---------------------------------------------------
+
+def diagnose_report(report: dict[str, Any], audience: str, rules_dirs: Sequence[str] = ()) -> dict[str, Any]:
+    """Trace -> facts -> findings, plus CPU part times and the fix in the user's terms, in place.
+
+    A trace the analyzer cannot read leaves `facts = {"trace.error": ...}`, never an exception.
+    """
+    from vlmdoctor.doctor.advice import add_advice
+    from vlmdoctor.doctor.diagnosis import examine
+
+    trace = report.get("trace") or {}
+    if report.get("status") not in ("ok", "nan_loss") or not trace.get("path"):
+        return report
+    try:
+        examine(report, rules_dirs)
+    except Exception as e:  # the analyzer on a trace it was not written for
+        report["facts"] = {"trace.error": f"{type(e).__name__}: {e}"}
+        report.pop("diagnosis", None)
+        report.pop("findings", None)
+    try:
+        extra = cpu_part_facts(trace["path"])
+        report.setdefault("facts", {}).update(extra)
+    except Exception as e:
+        report.setdefault("facts", {})["cpu.part.error"] = f"{type(e).__name__}: {e}"
+    if "diagnosis" in report:
+        add_advice(report, audience)
+    return report
+
+
+def write_outputs(report: dict[str, Any], out: Path, json_path: str | None = None) -> Path:
+    """out/report.json (and a copy at --json) through the one file writer."""
+    from vlmdoctor.files import write_json
+
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "report.json"
+    write_json(report, str(path))
+    if json_path:
+        write_json(report, json_path)
+    return path
+
+
+def show(report: dict[str, Any], file: Any = None) -> None:
+    """The metrics and the prescriptions, 80 columns wide."""
+    from rich.console import Console
+
+    from vlmdoctor.report.console import render_own
+
+    render_own(report, Console(file=file or sys.stdout, width=80))
+
+
+class Doctor:
+    """Measure and diagnose a training loop from inside it; see the module docstring."""
+
+    def __init__(self, model: nn.Module | None = None, out: str | Path = "doctor-out", warmup: int = 5,
+                 steps: int = 20, trace_steps: int = 2, stage: int | None = None,
+                 config: dict[str, Any] | None = None, audience: str = "loop", quiet: bool = False,
+                 rules_dirs: Sequence[str] = (), source: str = "api") -> None:
+        self.rec = Recorder(model, out, warmup, steps, trace_steps, stage, source, config, audience)
+        self.quiet = quiet
+        self.rules_dirs = list(rules_dirs)
+        self.report: dict[str, Any] | None = None
+
+    def __enter__(self) -> "Doctor":
+        self.rec._safe(self.rec.attach)
+        self.rec.begin()
+        return self
+
+    def step(self, batch: Any = None, *, loss: Any = None, **inputs: Any) -> None:
+        """Call once per optimizer step, after it; the batch (or its tensors as keywords) is optional.
+
+        Once the traced window is over, the report is written and printed at once (the loop
+        goes on, unmeasured), so a long training does not hold it back until its end.
+        """
+        self.rec.step(batch, loss, **inputs)
+        if self.report is None and self.rec.window_done:
+            self.finish()
+
+    @property
+    def window_done(self) -> bool:
+        return self.rec.window_done
+
+    def finish(self) -> dict[str, Any] | None:
+        """Stop, analyze, write out/report.json and print the prescriptions; returns the report."""
+        if self.report is not None:
+            return self.report
+        try:
+            report = self.rec.finish()
+            if self.rec.broken:
+                report.setdefault("notes", []).append("vlmdoctor hit an internal error during the run and stopped "
+                                                      "measuring; the numbers may be partial")
+            diagnose_report(report, self.rec.audience, self.rules_dirs)
+            path = write_outputs(report, self.rec.out)
+            self.report = report
+            if not self.quiet:
+                show(report)
+                print(f"vlmdoctor: report written to {path}", flush=True)
+        except Exception as e:
+            _log(f"could not finish the report: {type(e).__name__}: {e}")
+        return self.report
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        self.finish()
+        return False  # the user's exception, if any, goes on unchanged
