@@ -283,23 +283,28 @@ def treat(
     warmup: Optional[int] = typer.Option(None, "--warmup", help="warm-up steps [default: 5]"),
     repeats: Optional[int] = typer.Option(None, "--repeats", help="timed windows per run; the noise the decisions "
                                           "use comes from their spread [default: 3]"),
-    max_trials: int = typer.Option(8, "--max-trials", help="prescriptions to try at most"),
-    time_budget: Optional[float] = typer.Option(None, "--time-budget", help="seconds; no new trial starts after this"),
-    min_gain: float = typer.Option(0.03, "--min-gain", help="smallest throughput gain worth keeping (0.03 = 3%)"),
+    max_trials: int = typer.Option(24, "--max-trials", help="trials at most (a trial: one composition or one "
+                                   "ablation, measured in several paired runs)"),
+    time_budget: Optional[float] = typer.Option(540, "--time-budget", help="seconds; no run starts after this and a "
+                                                "run's limit is cut to what is left (0 = no limit)"),
+    min_gain: float = typer.Option(0.02, "--min-gain", help="smallest throughput gain worth keeping (0.02 = 2%): "
+                                   "kept when the paired interval's lower bound is above it"),
     trial_timeout: float = typer.Option(900, "--trial-timeout", help="seconds one run may take"),
+    max_pairs: int = typer.Option(6, "--max-pairs", help="paired runs per comparison at most (3 at least)"),
     rules_dirs: Optional[list[str]] = typer.Option(None, "--rules", help="extra folder of rule files (repeatable)"),
     out_dir: Optional[str] = typer.Option(None, "--out", help="folder for treat.json, final_config.yaml, ladder.png "
                                           "[default: treat-MODEL-stageN]"),
     html_path: Optional[str] = typer.Option(None, "--html", help="also write the HTML report here (it is always "
                                             "written as treat.html in --out)"),
     force: bool = typer.Option(False, "--force", help="write into an --out folder that already holds results"),
+    json_path: Optional[str] = typer.Option(None, "--json", help="also write the result JSON here ('-' = stdout)"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress and no tables"),
 ) -> None:
-    """Apply the prescriptions one at a time, re-measure each in a fresh process, keep what helped.
+    """Apply the prescriptions together, verify on paired runs, confirm each change by ablation.
 
-    Prints the ladder (each kept change with real tokens/s, speedup, MFU, peak memory) and the
-    trials that did not help, and writes the final run config, which `vlmdoctor profile --config`
-    runs again.
+    Prints the ladder (each adopted round with its paired speedup, each change with its own
+    measured contribution) and the trials not kept, and writes the final run config, which
+    `vlmdoctor profile --config` runs again.
     """
     import shutil
     from pathlib import Path
@@ -327,12 +332,19 @@ def treat(
         _, problems = load_rules(*(rules_dirs or []))
         for p in problems:
             err.print(f"rule problem: {p}", highlight=False)
-        opts = TreatOptions(max_trials, time_budget, min_gain, trial_timeout, list(rules_dirs or []))
+        if max_pairs < 3:
+            raise VlmdoctorError("--max-pairs must be at least 3 (the least evidence a decision is made on)")
+        check_writable(json_path if json_path != "-" else None, force)
+        opts = TreatOptions(max_trials=max_trials, time_budget_s=time_budget or None, min_gain=min_gain,
+                            trial_timeout_s=trial_timeout, rules_dirs=list(rules_dirs or []), max_pairs=max_pairs)
+        from vlmdoctor.run.compile import cache_env
 
-        def run_one(c: RunConfig) -> dict[str, Any]:
-            return run_isolated(c, timeout=opts.trial_timeout_s, rules_dirs=opts.rules_dirs)
+        compile_env = cache_env(folder / "compile-cache")  # trials of one treatment reuse each other's compiled kernels
 
-        if quiet:
+        def run_one(c: RunConfig, diagnose: bool, timeout: float | None) -> dict[str, Any]:
+            return run_isolated(c, timeout=timeout, diagnose=diagnose, rules_dirs=opts.rules_dirs, env=compile_env)
+
+        if quiet or json_path == "-":
             result = run_treat(cfg, run_one, opts)
         else:
             import time
@@ -348,7 +360,11 @@ def treat(
         paths = write_outputs(result, folder)
         if html_path:
             shutil.copyfile(paths["html"], html_path)
-        if not quiet:
+        if json_path:
+            from vlmdoctor.files import write_json
+
+            write_json(result, json_path)
+        if not quiet and json_path != "-":
             render_ladder(result, out)
             out.print(f"written: {', '.join(str(p) for p in paths.values())}")
             out.print(f"run the final config again: vlmdoctor profile --config {paths['config']}")
