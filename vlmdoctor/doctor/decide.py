@@ -167,7 +167,7 @@ def interleaved(arms: dict[str, Arm], reference: str, opts: PairedOptions,
                 on_round: Callable[[dict[str, ArmResult]], None] = lambda _: None) -> dict[str, Any]:
     """Measure the arms in rounds, each arm once per round, and decide each candidate against the reference.
 
-    The order within a round rotates (A B, B A, A B ... for two arms) so that a steady drift of the
+    The order within a round rotates (A B, B A, A B ... for two arms; R A B, A B R, B R A for three) so that a steady drift of the
     host does not always favour the arm that runs second. A round's ratio is candidate / reference
     of that round. After `min_pairs` rounds, another round runs only while some candidate is
     undecided, `max_pairs` is not reached and the last round's wall time still fits in
@@ -192,7 +192,7 @@ def interleaved(arms: dict[str, Arm], reference: str, opts: PairedOptions,
         # only the reference and the undecided arms run again
         order = [n for n in names if n == reference or n in undecided]
         k = rounds % len(order)
-        order = order[k:] + order[:k] if rounds % 2 == 0 else list(reversed(order[k:] + order[:k]))
+        order = order[k:] + order[:k]
         t0 = time.time()
         for n in order:
             notify(f"round {rounds + 1}: {n}")
