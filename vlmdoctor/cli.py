@@ -422,54 +422,96 @@ def gate(
     max_memory_growth: float = typer.Option(0.10, "--max-memory-growth", help="fail when peak memory grew more"),
     fail_on: str = typer.Option("high", "--fail-on", help="fail on a new finding of this severity or above "
                                 "(high, medium, low)"),
-    allow_env_change: bool = typer.Option(False, "--allow-env-change", help="compare across GPU, driver, torch or "
-                                          "transformers versions"),
+    allow_env_change: bool = typer.Option(False, "--allow-env-change", help="compare across GPU models too (torch, "
+                                          "transformers, liger-kernel and driver changes are always compared, "
+                                          "and named)"),
+    remeasure_baseline: bool = typer.Option(False, "--remeasure-baseline", help="measure the baseline's config again "
+                                            "in this job, alternating with the current run in fresh processes, and "
+                                            "judge on the paired ratios instead of the stored numbers"),
+    baseline_python: Optional[str] = typer.Option(None, "--baseline-python", help="with --remeasure-baseline: the "
+                                                  "Python interpreter of the baseline's install (another code version)"),
+    baseline_env: Optional[list[str]] = typer.Option(None, "--baseline-env", help="with --remeasure-baseline: "
+                                                     "KEY=VALUE for the baseline's runs, e.g. PYTHONPATH=old/checkout "
+                                                     "(repeatable)"),
+    max_pairs: int = typer.Option(16, "--max-pairs", help="with --remeasure-baseline: paired runs at most (3 at least; "
+                                  "more only while undecided)"),
+    timeout: float = typer.Option(900, "--timeout", help="seconds one run may take"),
     update_baseline: bool = typer.Option(False, "--update-baseline", help="write the current report over the baseline, "
                                          "on purpose, and pass"),
     junit: Optional[str] = typer.Option(None, "--junit", help="write JUnit XML here"),
     json_path: Optional[str] = typer.Option(None, "--json", help="write the verdict JSON here"),
 ) -> None:
     """Fail (exit 1) when training got slower than the baseline, beyond the noise; exit 2 on unusable input."""
-    import os
-
-    from rich.table import Table
-
-    from vlmdoctor.ci.gate import check_comparable, junit_xml, load_report, markdown, run_current
+    from vlmdoctor.ci.gate import check_comparable, load_report, run_current
     from vlmdoctor.ci.gate import gate as judge
+    from vlmdoctor.files import write_json
     from vlmdoctor.files import write_json
 
     with _user_errors():
         base = load_report(baseline)
+        if remeasure_baseline:
+            if current or update_baseline:
+                raise VlmdoctorError("--remeasure-baseline measures both sides now; it takes no --current "
+                                     "or --update-baseline")
+            if max_pairs < 3:
+                raise VlmdoctorError("--max-pairs must be at least 3")
+            env = {}
+            for item in baseline_env or []:
+                key, eq, value = item.partition("=")
+                if not eq or not key:
+                    raise VlmdoctorError(f"--baseline-env {item!r}: expected KEY=VALUE")
+                env[key] = value
+            from vlmdoctor.ci.gate import remeasure
+
+            with err.status("paired runs: baseline and current, alternating") as status:
+                result = remeasure(base, baseline_python, env or None, timeout, max_regression=max_regression,
+                                   max_pairs=max_pairs, max_memory_growth=max_memory_growth, fail_on=fail_on,
+                                   allow_env_change=allow_env_change, notify=lambda m: status.update(m))
+            result.pop("reports", None)
+            _gate_outputs(result, junit, json_path)
+            raise typer.Exit(0 if result["passed"] else 1)
         if current:
             cur = load_report(current)
         else:
             with err.status("profiling the baseline's config"):
-                cur = run_current(base)
+                cur = run_current(base, timeout=timeout)
         if update_baseline:
             write_json(cur, baseline)
             out.print(f"baseline updated: {baseline} ({cur['metrics']['real_tokens_per_s']:,.0f} real tokens/s)")
             return
         notes = check_comparable(base, cur, allow_env_change)
         result = judge(base, cur, max_regression, alpha, max_memory_growth, fail_on, notes)
-        t = Table(title=f"vlmdoctor gate: {result['summary']}", header_style="bold")
-        for col in ("check", "verdict", "detail"):
-            t.add_column(col)
-        for c in result["checks"]:
-            t.add_row(c["name"], c["verdict"], str(c["detail"]))
-        out.print(t)
-        for n in result.get("notes") or []:
-            out.print(f"note: {n}")
-        summary = os.environ.get("GITHUB_STEP_SUMMARY")
-        if summary:
-            with open(summary, "a") as f:
-                f.write(markdown(result) + "\n")
-        if junit:
-            from pathlib import Path
-
-            Path(junit).write_text(junit_xml(result))
-        if json_path:
-            write_json(result, json_path)
+        _gate_outputs(result, junit, json_path)
         raise typer.Exit(0 if result["passed"] else 1)
+
+
+def _gate_outputs(result: dict[str, Any], junit: str | None, json_path: str | None) -> None:
+    """The verdict table, notes, step summary, JUnit and JSON of a gate result."""
+    import os
+
+    from rich.table import Table
+
+    from vlmdoctor.ci.gate import junit_xml, markdown
+    from vlmdoctor.files import write_json
+
+    t = Table(title=f"vlmdoctor gate: {result['summary']}", header_style="bold")
+    for col in ("check", "verdict", "detail"):
+        t.add_column(col)
+    for c in result["checks"]:
+        t.add_row(c["name"], c["verdict"], str(c["detail"]))
+    out.print(t)
+    for n in result.get("notes") or []:
+        out.print(f"note: {n}")
+    summary = os.environ.get("GITHUB_STEP_SUMMARY")
+    if summary:
+        with open(summary, "a") as f:
+            f.write(markdown(result) + "\n")
+    if junit:
+        from pathlib import Path
+
+        Path(junit).write_text(junit_xml(result))
+    if json_path:
+        write_json(result, json_path)
 
 
 @app.command()

@@ -102,15 +102,22 @@ def apply(cfg: RunConfig, changes: list[dict[str, Any]]) -> RunConfig:
     return cfg.replace(source="composed prescriptions", **merged)
 
 
-def compose(cfg: RunConfig, report: dict[str, Any], skipped: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The compositions a diagnosis supports: the findings in layer order, and for each declared
-    alternative (a superseded finding whose patch is not a subset of the one that superseded it,
-    like Liger vs torch.compile) one more composition with the alternative instead.
+def compose(cfg: RunConfig, report: dict[str, Any], skipped: list[dict[str, Any]],
+            validate: Callable[[RunConfig], Any] = lambda c: None) -> list[dict[str, Any]]:
+    """The compositions a diagnosis supports: the findings in layer order, and for each alternative
+    (a superseded finding whose patch contradicts the one that superseded it, like Liger on vs
+    torch.compile with Liger off) one more composition with the alternative instead.
 
-    A change that would make an invalid config is left out and reported in `skipped`.
+    A change that would make an invalid config, or one this machine refuses (`validate`: a GPU-only
+    knob on a CPU), is left out and reported in `skipped`, so one such change cannot sink the others.
     """
     findings = report.get("findings") or []
     superseded = report.get("superseded") or []
+
+    def skip(f: dict[str, Any], why: str) -> None:
+        entry = {"rule": f["id"], "config_patch": f["config_patch"], "why": why}
+        if entry not in skipped:
+            skipped.append(entry)
 
     def build(chosen: list[dict[str, Any]], note: bool) -> tuple[list[dict[str, Any]], RunConfig] | None:
         changes: list[dict[str, Any]] = []
@@ -118,13 +125,13 @@ def compose(cfg: RunConfig, report: dict[str, Any], skipped: list[dict[str, Any]
             c = _change(f, cfg)
             if c is None:
                 if note:
-                    skipped.append({"rule": f["id"], "config_patch": f["config_patch"], "why": "the config already has it"})
+                    skip(f, "the config already has it")
                 continue
             try:
-                apply(cfg, changes + [c])
+                validate(apply(cfg, changes + [c]))
             except UsageError as e:
                 if note:
-                    skipped.append({"rule": f["id"], "config_patch": f["config_patch"], "why": e.message})
+                    skip(f, e.message)
                 continue
             changes.append(c)
         return (changes, apply(cfg, changes)) if changes else None
@@ -136,7 +143,7 @@ def compose(cfg: RunConfig, report: dict[str, Any], skipped: list[dict[str, Any]
     ids = [f["id"] for f in findings]
     for s in superseded:
         by = next((f for f in findings if f["id"] == s.get("superseded_by")), None)
-        if by is None or set(s["config_patch"]) <= set(by["config_patch"]):
+        if by is None or all(by["config_patch"].get(k, object()) == v for k, v in s["config_patch"].items()):
             continue  # a repeat of the earlier fix, not an alternative to it
         alt = build([s if f["id"] == by["id"] else f for f in findings], note=False)
         if alt and all(alt[1] != o["config"] for o in out):
@@ -169,9 +176,15 @@ def _outcome(decision: dict[str, Any], arm: ArmResult) -> str:
     return o
 
 
-def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lambda _: None) -> dict[str, Any]:
+def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lambda _: None,
+          validate: Callable[[RunConfig], Any] | None = None) -> dict[str, Any]:
     """The ladder: each adopted round with its measured speedup and each change's own contribution,
-    and every trial with its paired evidence. Ctrl-C returns what was measured, marked interrupted."""
+    and every trial with its paired evidence. Ctrl-C returns what was measured, marked interrupted.
+
+    `validate` refuses configs this machine cannot run (default: the runner's preflight check).
+    """
+    if validate is None:
+        from vlmdoctor.run.runner import check as validate
     t0 = time.time()
     po = opts.paired()
     out: dict[str, Any] = {
@@ -199,6 +212,7 @@ def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lamb
     current_cfg = cfg
     speedup = 1.0
     tried: set[str] = set()
+    dropped_before: dict[str, int] = {}  # changes an ablation dropped (rule + patch -> round): not composed again
     live: dict[str, Any] = {}  # what the round in flight has measured, for Ctrl-C
     try:
         notify("measuring the start config")
@@ -221,7 +235,7 @@ def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lamb
             if time_left() <= 0:
                 out["stopped_because"] = f"--time-budget {opts.time_budget_s:.0f} s spent"
                 break
-            comps = [c for c in compose(current_cfg, current, out["skipped"])
+            comps = [c for c in compose(current_cfg, _without(current, dropped_before), out["skipped"], validate)
                      if json.dumps(c["config"].to_dict(), sort_keys=True) not in tried][:budget]
             if not comps:
                 break
@@ -247,10 +261,10 @@ def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lamb
                     best = (c, d, arm)
             if best is None:
                 rnd["adopted"] = None
-                out["stopped_because"] = "no composition paid off" if time_left() > 0 else \
-                    f"--time-budget {opts.time_budget_s:.0f} s spent"
-                if time_left() <= 0:
+                if any(res["decisions"][c["name"]].get("outcome") == "undecided" for c in comps):
+                    out["stopped_because"] = f"--time-budget {opts.time_budget_s:.0f} s: too little left to decide"
                     break
+                out["stopped_because"] = "no composition paid off"
                 continue  # the same diagnosis yields nothing new: compose() finds every config tried and stops
             comp, d, arm = best
             composed_cfg = comp["config"]
@@ -285,16 +299,22 @@ def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lamb
                     contributions[ch["rule"]] = {"outcome": "undecided", "how": "not ablated: --max-trials reached"}
             keep = [ch for ch in comp["changes"] if contributions[ch["rule"]]["outcome"] in ("kept", "undecided")]
             dropped = [ch for ch in comp["changes"] if ch not in keep]
-            speedup *= d["ratio"]
+            # the composition's paired ratio, without what the dropped changes measured in their ablation
+            adjust = math.prod(1 / contributions[ch["rule"]]["ratio"] for ch in dropped
+                               if contributions[ch["rule"]].get("ratio"))
+            speedup *= d["ratio"] * adjust
             new_cfg = apply(current_cfg, keep) if keep else current_cfg
             rnd["adopted"] = comp["name"]
             rnd["dropped"] = [ch["rule"] for ch in dropped]
+            dropped_before.update({_key(ch["rule"], ch["config_patch"]): rnd["round"] for ch in dropped})
             rnd["ended_s"] = time.time() - t0
             out["ladder"].append({
                 "step": len(out["ladder"]), "change": _label(_merged(keep)) or "(nothing confirmed)",
                 "rule": ", ".join(ch["rule"] for ch in keep), "config_patch": _merged(keep),
                 **summary(composed_report), "real_tokens_per_s": throughput(composed_report),
                 "speedup": speedup, "paired_ratio": d["ratio"], "ci": [d["ci_low"], d["ci_high"]],
+                "speedup_how": "paired ratio of the composition vs the rung before"
+                               + (", times 1/contribution of each dropped change" if dropped else ""),
                 "composed_of": [ch["rule"] for ch in comp["changes"]], "dropped": rnd["dropped"],
                 "changes": [{**ch, "contribution": contributions[ch["rule"]]} for ch in comp["changes"]],
                 "elapsed_s": time.time() - t0,
@@ -319,6 +339,18 @@ def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lamb
     out["final_config"] = current_cfg.to_dict()
     out["wall_s"] = time.time() - t0
     return out
+
+
+def _key(rule: str, patch: dict[str, Any]) -> str:
+    return rule + json.dumps(patch, sort_keys=True, default=str)
+
+
+def _without(report: dict[str, Any], dropped: dict[str, int]) -> dict[str, Any]:
+    """The report with the findings an earlier ablation dropped left out (their patch, unchanged, did not pay)."""
+    if not dropped:
+        return report
+    keep = [f for f in report.get("findings") or [] if _key(f["id"], f["config_patch"]) not in dropped]
+    return {**report, "findings": keep}
 
 
 def _merged(changes: list[dict[str, Any]]) -> dict[str, Any]:

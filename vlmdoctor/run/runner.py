@@ -442,15 +442,17 @@ def exit_code(report: dict[str, Any]) -> int:
 
 
 def run_isolated(cfg: RunConfig, timeout: float | None = None, diagnose: bool = True,
-                 rules_dirs: list[str] | None = None, env: dict[str, str] | None = None) -> dict[str, Any]:
+                 rules_dirs: list[str] | None = None, env: dict[str, str] | None = None,
+                 python: str | None = None) -> dict[str, Any]:
     """Run one configuration in a fresh Python process and return its report (diagnosed unless asked not to).
 
-    `env` adds to the child's environment (compile cache folders shared by a treatment's trials).
+    `env` adds to the child's environment (compile cache folders shared by a treatment's trials);
+    `python` is another interpreter (the gate's baseline: another vlmdoctor or torch install).
     """
     with tempfile.TemporaryDirectory(prefix="vlmdoctor-") as tmp:
         cfg_path, out_path = Path(tmp) / "config.json", Path(tmp) / "report.json"
         cfg.dump(cfg_path)
-        cmd = [sys.executable, "-m", "vlmdoctor", "profile", "--config", str(cfg_path), "--json", str(out_path), "--quiet"]
+        cmd = [python or sys.executable, "-m", "vlmdoctor", "profile", "--config", str(cfg_path), "--json", str(out_path), "--quiet"]
         cmd += [] if diagnose else ["--no-diagnose"]
         for d in rules_dirs or []:
             cmd += ["--rules", str(d)]
