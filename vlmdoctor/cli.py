@@ -445,7 +445,6 @@ def gate(
     from vlmdoctor.ci.gate import check_comparable, load_report, run_current
     from vlmdoctor.ci.gate import gate as judge
     from vlmdoctor.files import write_json
-    from vlmdoctor.files import write_json
 
     with _user_errors():
         base = load_report(baseline)
