@@ -246,7 +246,7 @@ def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lamb
                 tried.add(json.dumps(c["config"].to_dict(), sort_keys=True))
             # 1. the compositions against the current config
             arms = {"current": runner(current_cfg, False)}
-            arms.update({c["name"]: runner(c["config"], True) for c in comps})
+            arms.update({c["name"]: _first_diagnosed(runner, c["config"]) for c in comps})
             notify(f"round {rnd['round']}: " + "; ".join(f"{c['name']} ({len(c['changes'])} changes)" for c in comps))
             live.clear()
             res = interleaved(arms, "current", po, time_left, first={"current": current},
@@ -268,7 +268,9 @@ def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lamb
                 continue  # the same diagnosis yields nothing new: compose() finds every config tried and stops
             comp, d, arm = best
             composed_cfg = comp["config"]
-            composed_report = next(r for r in reversed(arm.reports) if r.get("status") == "ok")
+            # its diagnosed run: the next round composes from its findings
+            composed_report = next((r for r in arm.reports if r.get("findings") is not None),
+                                   next(r for r in reversed(arm.reports) if r.get("status") == "ok"))
             # 2. each change's own contribution: the composition minus that change, against the composition
             contributions: dict[str, dict[str, Any]] = {}
             if len(comp["changes"]) == 1:
@@ -339,6 +341,18 @@ def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lamb
     out["final_config"] = current_cfg.to_dict()
     out["wall_s"] = time.time() - t0
     return out
+
+
+def _first_diagnosed(runner: Callable[[RunConfig, bool], Callable[[], dict[str, Any]]],
+                     cfg: RunConfig) -> Callable[[], dict[str, Any]]:
+    """A composition's first run is traced and diagnosed (the next round needs its findings); the
+    pairs after it are timed only, which saves the trace window and its analysis."""
+    calls = {"n": 0}
+
+    def go() -> dict[str, Any]:
+        calls["n"] += 1
+        return runner(cfg, calls["n"] == 1)()
+    return go
 
 
 def _key(rule: str, patch: dict[str, Any]) -> str:
