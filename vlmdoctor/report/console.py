@@ -201,7 +201,7 @@ def render_ladder(result: dict[str, Any], console: Console) -> None:
     t = Table(title="ladder (adopted rounds)", header_style="bold")
     for col, just in (("#", "right"), ("change", "left"), ("tokens/s", "right"), ("x start", "right"),
                       ("ms/step", "right"), ("MFU", "right"), ("GiB", "right"), ("at s", "right")):
-        t.add_column(col, justify=just)
+        t.add_column(col, justify=just, overflow="fold")
     for r in result["ladder"]:
         t.add_row(str(r["step"]), r["change"], _fmt(r.get("real_tokens_per_s"), "", 0), f"{r['speedup']:.2f}",
                   _fmt(r.get("step_ms")), _fmt(r["mfu"] * 100 if r.get("mfu") else None, " %"),
@@ -222,8 +222,9 @@ def render_ladder(result: dict[str, Any], console: Console) -> None:
         for col in ("trial", "what", "outcome", "x [95% CI]"):
             t.add_column(col)
         for x in rejected:
+            old = f"{x['gain'] * 100:+.1f}% vs +/-{x['margin'] * 100:.1f}%" if "margin" in x else None
             t.add_row(str(x["trial"]), x.get("name") or x["rule"], x["outcome"],
-                      _ci(x) if "ratio" in x else (x.get("error") or x.get("why") or "")[:40])
+                      _ci(x) if "ratio" in x else old or (x.get("error") or x.get("why") or "")[:40])
         console.print(t)
     for s in result.get("skipped") or []:
         console.print(f"skipped {s['rule']}: {s['why']}")
