@@ -124,9 +124,32 @@ def test_a_failing_candidate_stops_and_says_why():
 
 def test_time_budget_stops_before_the_least_evidence_and_says_so():
     ok = {"status": "ok", "repeats": [{"real_tokens_per_s": 100.0}]}
-    r = interleaved({"cur": lambda: ok, "cand": lambda: ok}, "cur", PairedOptions(), time_left=lambda: -1.0)
+    calls = []
+
+    def arm():
+        calls.append(1)
+        return ok
+
+    r = interleaved({"cur": arm, "cand": arm}, "cur", PairedOptions(),
+                    time_left=lambda: 100.0 if len(calls) < 2 else -1.0)
     d = r["decisions"]["cand"]
-    assert r["rounds"] == 1 and d["outcome"] == "undecided" and "time" in d["why"]
+    assert r["rounds"] == 1 and len(calls) == 2 and d["outcome"] == "undecided" and "time" in d["why"]
+
+
+def test_no_run_starts_after_the_budget_and_a_cut_round_pairs_nothing():
+    ok = {"status": "ok", "repeats": [{"real_tokens_per_s": 100.0}]}
+    calls = []
+
+    def arm():
+        calls.append(1)
+        return ok
+
+    # two full rounds, then the budget runs out after the first run of round 3
+    r = interleaved({"cur": arm, "cand": arm}, "cur", PairedOptions(),
+                    time_left=lambda: 100.0 if len(calls) < 5 else -1.0)
+    assert len(calls) == 5 and r["rounds"] == 2
+    assert [len(a.values) for a in r["arms"].values()] == [2, 2]  # the cut round's run is not paired
+    assert r["decisions"]["cand"]["pairs"] == 2
 
 
 def test_contribution_reads_the_ratio_the_other_way():

@@ -222,21 +222,31 @@ def interleaved(arms: dict[str, Arm], reference: str, opts: PairedOptions,
         undecided = [n for n in live if n != reference and decisions.get(n, {}).get("outcome", "undecided") == "undecided"]
         if res[reference].failed is not None or not undecided:
             break
-        if rounds >= opts.max_pairs or (rounds > 0 and round_s > time_left()):
+        if rounds >= opts.max_pairs or time_left() <= 0 or (rounds > 0 and round_s > time_left()):
             break  # the time budget is a hard limit, also before min_pairs: then there is no decision
         # only the reference and the undecided arms run again
         order = [n for n in names if n == reference or n in undecided]
         k = rounds % len(order)
         order = order[k:] + order[:k]
         t0 = time.time()
+        done: list[str] = []
         for n in order:
+            reuse = rounds == 0 and n in (first or {})
+            if done and not reuse and time_left() <= 0:
+                break  # the budget ran out inside the round: no run starts after it
             notify(f"round {rounds + 1}: {n}")
-            rep = (first or {}).get(n) if rounds == 0 and n in (first or {}) else arms[n]()
+            rep = (first or {})[n] if reuse else arms[n]()
             v = throughput(rep)
             res[n].reports.append(rep)
             res[n].values.append(v)
+            done.append(n)
             if v is None:
                 res[n].failed = rep
+        if len(done) < len(order):  # an incomplete round pairs nothing: its runs are kept, not counted
+            for n in done:
+                if res[n].failed is None:
+                    res[n].values.pop()
+            break
         round_s = time.time() - t0
         rounds += 1
         ref_ok = res[reference].failed is None

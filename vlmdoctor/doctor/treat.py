@@ -285,7 +285,8 @@ def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lamb
                     others = [o for o in comp["changes"] if o is not ch]
                     arms[f"without {ch['rule']}"] = runner(apply(current_cfg, others), False)
                 notify(f"round {rnd['round']}: ablation of {len(ablate)} changes")
-                ab = interleaved(arms, "composed", po, time_left, contribution=True, first={"composed": composed_report},
+                latest = next(r for r in reversed(arm.reports) if r.get("status") == "ok")  # next to the new runs
+                ab = interleaved(arms, "composed", po, time_left, contribution=True, first={"composed": latest},
                                  notify=notify, on_round=lambda r: live.update(arms=r, kind="ablation"))
                 for ch in ablate:
                     name = f"without {ch['rule']}"
