@@ -303,3 +303,23 @@ def test_seed_grid_is_48_runs_over_models_and_stages():
     plan = load_grid(Path(__file__).resolve().parents[1] / "bench" / "grids" / "seed_48.yaml")
     assert len(plan) == 48
     assert {(c.model, c.stage) for _, c in plan} == {("0.5b", 1), ("0.5b", 2), ("1.5b", 1), ("1.5b", 2)}
+
+
+def test_ablations_are_sized_to_the_time_left(monkeypatch):
+    """900 s at 40 s a run: the start and the compositions take 360 s; 540 s fit 3 rounds of 4 runs,
+    so 3 of the 5 changes are ablated and 2 stay, marked not ablated."""
+    clock = {"t": 0.0}
+    monkeypatch.setattr(time, "time", lambda: clock["t"])
+    runner = FakeRunner()
+
+    def timed(c, d, timeout):
+        clock["t"] += 40.0
+        return runner(c, d, timeout)
+
+    result = treat(BASE, timed, TreatOptions(time_budget_s=900), validate=lambda c: None)
+    r1 = result["rounds"][0]
+    assert len(r1["ablations"]) == 3
+    contrib = {c["rule"]: c["contribution"] for c in result["ladder"][1]["changes"]}
+    unmeasured = [r for r, c in contrib.items() if c["how"].startswith("not ablated")]
+    assert len(unmeasured) == 2 and all(contrib[r]["outcome"] == "undecided" for r in unmeasured)
+    assert result["wall_s"] <= 900 + 40

@@ -202,11 +202,16 @@ def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lamb
     def time_left() -> float:
         return math.inf if opts.time_budget_s is None else opts.time_budget_s - (time.time() - t0)
 
+    run_s: list[float] = []  # wall time of each run, to size what still fits in the budget
+
     def runner(c: RunConfig, diagnose: bool) -> Callable[[], dict[str, Any]]:
         def go() -> dict[str, Any]:
             left = time_left()
             limit = opts.trial_timeout_s if math.isinf(left) else max(30.0, min(opts.trial_timeout_s, left + 60))
-            return run(c, diagnose, limit)
+            t = time.time()
+            rep = run(c, diagnose, limit)
+            run_s.append(time.time() - t)
+            return rep
         return go
 
     current_cfg = cfg
@@ -278,8 +283,14 @@ def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lamb
                 contributions[ch["rule"]] = {"outcome": "kept", "ratio": d["ratio"], "ci_low": d["ci_low"],
                                              "ci_high": d["ci_high"], "pairs": d["pairs"], "how": "the composition"}
             else:
+                # as many ablations as --max-trials and the time allow (min_pairs rounds of them plus the
+                # composition's own runs); the most doubtful changes (smallest expected gain) first
                 left = max(0, opts.max_trials - len(out["trials"]))
-                ablate = comp["changes"][:left]
+                if run_s and not math.isinf(time_left()):
+                    left = min(left, max(0, int(time_left() / (statistics.fmean(run_s) * opts.min_pairs)) - 1))
+                by_doubt = sorted(comp["changes"], key=_expected_x)
+                ablate = [ch for ch in comp["changes"] if ch in by_doubt[:left]]
+                why_not = "not ablated: --max-trials or the time budget left no room"
                 arms = {"composed": runner(composed_cfg, False)}
                 for ch in ablate:
                     others = [o for o in comp["changes"] if o is not ch]
@@ -298,8 +309,9 @@ def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lamb
                     rnd["ablations"].append(entry["trial"])
                     contributions[ch["rule"]] = {k: dd.get(k) for k in ("ratio", "ci_low", "ci_high", "pairs")} | \
                         {"outcome": o, "how": "leave-one-out ablation", "trial": entry["trial"]}
-                for ch in comp["changes"][left:]:
-                    contributions[ch["rule"]] = {"outcome": "undecided", "how": "not ablated: --max-trials reached"}
+                for ch in comp["changes"]:
+                    if ch not in ablate:
+                        contributions[ch["rule"]] = {"outcome": "undecided", "how": why_not}
             keep = [ch for ch in comp["changes"] if contributions[ch["rule"]]["outcome"] in ("kept", "undecided")]
             dropped = [ch for ch in comp["changes"] if ch not in keep]
             # the composition's paired ratio, without what the dropped changes measured in their ablation
@@ -354,6 +366,12 @@ def _first_diagnosed(runner: Callable[[RunConfig, bool], Callable[[], dict[str, 
         calls["n"] += 1
         return runner(cfg, calls["n"] == 1)()
     return go
+
+
+def _expected_x(change: dict[str, Any]) -> float:
+    """The throughput factor the rule expected (1 when it gave none): ablations start with the smallest."""
+    g = change.get("expected_gain") or {}
+    return float(g.get("throughput_x") or 1.0)
 
 
 def _key(rule: str, patch: dict[str, Any]) -> str:
