@@ -323,3 +323,26 @@ def test_ablations_are_sized_to_the_time_left(monkeypatch):
     unmeasured = [r for r, c in contrib.items() if c["how"].startswith("not ablated")]
     assert len(unmeasured) == 2 and all(contrib[r]["outcome"] == "undecided" for r in unmeasured)
     assert result["wall_s"] <= 900 + 40
+
+
+def test_treat_json_to_stdout_with_the_runs_faked(tmp_path, monkeypatch):
+    """`--json -`: the result on stdout and nothing else (the runs are faked; the CLI, the compile
+    cache folder and the outputs are real)."""
+    import vlmdoctor.run.runner as runner_mod
+
+    fake = FakeRunner()
+    envs = []
+
+    def run_isolated(cfg, timeout=None, diagnose=True, rules_dirs=None, env=None, python=None):
+        envs.append(env)
+        return fake(cfg, diagnose, timeout)
+
+    monkeypatch.setattr(runner_mod, "run_isolated", run_isolated)
+    out = tmp_path / "out"
+    r = CliRunner().invoke(app, ["treat", "--model", "tiny", "--device", "cpu", "--set", "autocast=off",
+                                 "--max-trials", "2", "--out", str(out), "--json", "-"])
+    assert r.exit_code == 0, r.output
+    result = json.loads(r.stdout)
+    assert result["kind"] == "treat" and result["trials"][0]["kind"] == "composition"
+    assert all(e["TORCHINDUCTOR_CACHE_DIR"] == str((out / "compile-cache" / "inductor").resolve()) for e in envs)
+    assert (out / "treat.json").exists()
