@@ -292,9 +292,12 @@ def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lamb
                 ablate = [ch for ch in comp["changes"] if ch in by_doubt[:left]]
                 why_not = "not ablated: --max-trials or the time budget left no room"
                 arms = {"composed": runner(composed_cfg, False)}
-                for ch in ablate:
+                for ch in list(ablate):
                     others = [o for o in comp["changes"] if o is not ch]
-                    arms[f"without {ch['rule']}"] = runner(apply(current_cfg, others), False)
+                    try:
+                        arms[f"without {ch['rule']}"] = runner(apply(current_cfg, others), False)
+                    except UsageError:  # the others need it to make a valid config: it stays
+                        ablate.remove(ch)
                 notify(f"round {rnd['round']}: ablation of {len(ablate)} changes")
                 latest = next(r for r in reversed(arm.reports) if r.get("status") == "ok")  # next to the new runs
                 ab = interleaved(arms, "composed", po, time_left, contribution=True, first={"composed": latest},
@@ -335,6 +338,7 @@ def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lamb
                 "elapsed_s": time.time() - t0,
             })
             if not keep:
+                out["stopped_because"] = "no change of the composition paid off on its own"
                 break
             current_cfg = new_cfg
             # 3. the config now kept is measured (with its diagnosis) when something was dropped from what was run
