@@ -346,3 +346,26 @@ def test_treat_json_to_stdout_with_the_runs_faked(tmp_path, monkeypatch):
     assert result["kind"] == "treat" and result["trials"][0]["kind"] == "composition"
     assert all(e["TORCHINDUCTOR_CACHE_DIR"] == str((out / "compile-cache" / "inductor").resolve()) for e in envs)
     assert (out / "treat.json").exists()
+
+
+def test_changes_that_pay_only_together_are_kept_as_a_group():
+    """Two +4% changes under a 5% bar: together (+8%) they clear it, alone neither does."""
+    def speed(c):
+        return 1000.0 * (1.04 if c.fused_optimizer else 1.0) * (1.04 if c.sampler == "length_bucketed" else 1.0)
+
+    class Runner(FakeRunner):
+        def __call__(self, c, diagnose, timeout):
+            self.calls.append((c, diagnose, timeout))
+            v = speed(c) * float(np.exp(self.rng.normal(0, 0.003)))
+            findings = [F(k, 5, p) for k, p in (("fused", {"fused_optimizer": True}),
+                                                 ("bucket", {"sampler": "length_bucketed"}))
+                        if getattr(c, next(iter(p))) != next(iter(p.values()))]
+            return {"status": "ok", "repeats": [{"real_tokens_per_s": v}], "metrics": {"real_tokens_per_s": v},
+                    "findings": findings if diagnose else None, "superseded": []}
+
+    result = run_fake(Runner(seed=3), min_gain=0.05)
+    assert result["trials"][0]["outcome"] == "kept"
+    contrib = {c["rule"]: c["contribution"] for c in result["ladder"][1]["changes"]}
+    assert {c["outcome"] for c in contrib.values()} == {"no_gain"}
+    assert all(c["kept_as_group"] for c in contrib.values())
+    assert result["final_config"]["fused_optimizer"] and result["final_config"]["sampler"] == "length_bucketed"

@@ -316,6 +316,10 @@ def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lamb
                     if ch not in ablate:
                         contributions[ch["rule"]] = {"outcome": "undecided", "how": why_not}
             keep = [ch for ch in comp["changes"] if contributions[ch["rule"]]["outcome"] in ("kept", "undecided")]
+            if not keep:  # the composition paid, but no change could be resolved alone (two +8% changes, say):
+                keep = [ch for ch in comp["changes"] if contributions[ch["rule"]]["outcome"] != "harmful"]
+                for ch in keep:  # keep them as the group that was measured to pay, and say so
+                    contributions[ch["rule"]]["kept_as_group"] = True
             dropped = [ch for ch in comp["changes"] if ch not in keep]
             # the composition's paired ratio, without what the dropped changes measured in their ablation
             adjust = math.prod(1 / contributions[ch["rule"]]["ratio"] for ch in dropped
