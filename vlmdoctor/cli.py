@@ -302,9 +302,7 @@ def treat(
 ) -> None:
     """Apply the prescriptions together, verify on paired runs, confirm each change by ablation.
 
-    Prints the ladder (each adopted round with its paired speedup, each change with its own
-    measured contribution) and the trials not kept, and writes the final run config, which
-    `vlmdoctor profile --config` runs again.
+    Prints the ladder (each adopted round with its paired speedup, each change with its own measured contribution) and the trials not kept, and writes the final run config, which `vlmdoctor profile --config` runs again.
     """
     import shutil
     from pathlib import Path
