@@ -369,3 +369,29 @@ def test_changes_that_pay_only_together_are_kept_as_a_group():
     assert {c["outcome"] for c in contrib.values()} == {"no_gain"}
     assert all(c["kept_as_group"] for c in contrib.values())
     assert result["final_config"]["fused_optimizer"] and result["final_config"]["sampler"] == "length_bucketed"
+
+
+def test_a_composition_that_runs_out_of_memory_is_retried_with_a_smaller_batch():
+    """The batch was sized from the current config's memory; the composition's other changes need more."""
+    result = run_fake(FakeRunner(fail={"batch_size": (8, "oom")}), max_trials=4)
+    trials = result["trials"]
+    assert [t["outcome"] for t in trials[:2]] == ["oom", "oom"]
+    retry = trials[2]
+    # batch 4 -> 8 halved is the current 4: the batch step goes, the rest of the composition is measured
+    assert retry["name"].endswith("(batch halved after OOM)") and "batch_size" not in retry["config_patch"]
+    assert retry["outcome"] == "kept" and result["final_config"]["batch_size"] == 4
+    assert result["final_config"]["compile"] == "default"
+
+
+def test_smaller_batch_halves_the_batch_step():
+    from vlmdoctor.doctor.treat import _smaller_batch
+
+    cfg = BASE.replace(batch_size=2)
+    comp = {"name": "composition", "changes": [{"rule": "batch", "layer": 2, "title": "b",
+                                                "config_patch": {"batch_size": 48}}], "config": None}
+    sizes = []
+    while comp is not None:
+        comp = _smaller_batch(cfg, comp)
+        if comp:
+            sizes.append(comp["config"].batch_size)
+    assert sizes == [24, 12, 6, 3]

@@ -217,6 +217,7 @@ def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lamb
     current_cfg = cfg
     speedup = 1.0
     tried: set[str] = set()
+    pending: list[dict[str, Any]] = []  # a composition to retry with a smaller batch after an OOM
     dropped_before: dict[str, int] = {}  # changes an ablation dropped (rule + patch -> round): not composed again
     live: dict[str, Any] = {}  # what the round in flight has measured, for Ctrl-C
     try:
@@ -240,8 +241,9 @@ def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lamb
             if time_left() <= 0:
                 out["stopped_because"] = f"--time-budget {opts.time_budget_s:.0f} s spent"
                 break
-            comps = [c for c in compose(current_cfg, _without(current, dropped_before), out["skipped"], validate)
-                     if json.dumps(c["config"].to_dict(), sort_keys=True) not in tried][:budget]
+            found = pending or compose(current_cfg, _without(current, dropped_before), out["skipped"], validate)
+            pending = []
+            comps = [c for c in found if json.dumps(c["config"].to_dict(), sort_keys=True) not in tried][:budget]
             if not comps:
                 break
             rnd: dict[str, Any] = {"round": len(out["rounds"]) + 1, "started_s": time.time() - t0,
@@ -266,6 +268,14 @@ def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lamb
                     best = (c, d, arm)
             if best is None:
                 rnd["adopted"] = None
+                oom = next((c for c in comps if res["decisions"][c["name"]].get("outcome") == "oom"), None)
+                retry = _smaller_batch(current_cfg, oom) if oom else None
+                if retry is not None:
+                    # the batch was sized from the current config's memory; the composition's other changes (no
+                    # checkpointing, say) need more per sample: halve the batch step and measure again
+                    pending = [retry]
+                    out["stopped_because"] = "no composition paid off"
+                    continue
                 if any(res["decisions"][c["name"]].get("outcome") == "undecided" for c in comps):
                     out["stopped_because"] = f"--time-budget {opts.time_budget_s:.0f} s: too little left to decide"
                     break
@@ -362,6 +372,32 @@ def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lamb
     out["final_config"] = current_cfg.to_dict()
     out["wall_s"] = time.time() - t0
     return out
+
+
+def _smaller_batch(cfg: RunConfig, comp: dict[str, Any]) -> dict[str, Any] | None:
+    """The composition with its batch-size change halved (dropped when that reaches the current batch)."""
+    changes = []
+    found = False
+    for ch in comp["changes"]:
+        bs = ch["config_patch"].get("batch_size")
+        if isinstance(bs, int) and bs > cfg.batch_size:
+            found = True
+            smaller = max(cfg.batch_size, bs // 2)
+            if smaller == cfg.batch_size:
+                rest = {k: v for k, v in ch["config_patch"].items() if k != "batch_size"}
+                if rest:
+                    changes.append({**ch, "config_patch": rest})
+                continue
+            ch = {**ch, "config_patch": {**ch["config_patch"], "batch_size": smaller}}
+        changes.append(ch)
+    if not found or not changes:
+        return None
+    try:
+        config = apply(cfg, changes)
+    except UsageError:
+        return None
+    base = comp["name"].split(" (batch")[0]
+    return {"name": f"{base} (batch halved after OOM)", "changes": changes, "config": config}
 
 
 def _first_diagnosed(runner: Callable[[RunConfig, bool], Callable[[], dict[str, Any]]],
