@@ -11,13 +11,15 @@ longer than a pair cancels out of it.
 The statistic. For n pairs with ratios r_i, take l_i = log r_i and a Student-t interval on their
 mean: exp(mean(l) +- t(n-1) * sd(l) / sqrt(n)). Log ratios, because the noise is multiplicative
 (a loaded host slows everything by a factor) and a log ratio is symmetric (2x and 0.5x are
-equally far from 1). A t-interval rather than a bootstrap, because a treatment affords 2-6 pairs:
+equally far from 1). A t-interval rather than a bootstrap, because a treatment affords 3-6 pairs:
 a bootstrap over 3 pairs has 10 distinct resamples and its interval is far too narrow (it
 cannot see beyond the spread of the pairs it has); the t-interval widens correctly for few
-pairs (t(1) = 12.7 at 95%), which is what keeps a same-config pair from being "kept".
+pairs (t(2) = 4.30 at 95%), which is what keeps a same-config pair from being "kept". At least
+3 pairs (`min_pairs`): with 2, the sample sd is often tiny by luck.
 
 The gate (`robust`): with 6 pairs or more, a pair far from the others (5 robust standard
-deviations: a load burst during one of its runs) is set aside before the interval, and reported.
+deviations: a load burst during one of its runs) is set aside before the interval; the verdict
+keeps every ratio, so that can be checked.
 
 The decision, with the interval at `confidence` (two-sided 95% by default):
     kept     when  lower bound > 1 + min_gain
