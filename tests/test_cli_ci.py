@@ -43,6 +43,38 @@ def test_gate_unusable_input_exits_2(tmp_path):
         assert r.exit_code == 2, (args, r.output)
 
 
+def test_gate_remeasure_refuses_a_current_report_and_bad_env(tmp_path):
+    r = CliRunner().invoke(app, ["gate", "--baseline", BF16, "--current", FP32, "--remeasure-baseline"])
+    assert r.exit_code == 2 and "--remeasure-baseline" in r.output
+    r = CliRunner().invoke(app, ["gate", "--baseline", BF16, "--remeasure-baseline", "--baseline-env", "NOEQUALS"])
+    assert r.exit_code == 2 and "KEY=VALUE" in r.output
+
+
+def test_gate_remeasure_judges_paired_runs(tmp_path, monkeypatch):
+    """The CLI path of --remeasure-baseline, with the runs faked: the baseline side gets its own python/env."""
+    import copy
+
+    import vlmdoctor.run.runner as runner
+
+    base = json.loads(Path(BF16).read_text())
+    calls = []
+
+    def fake(cfg, timeout=None, diagnose=True, rules_dirs=None, env=None, python=None):
+        calls.append((python, env))
+        rep = copy.deepcopy(base)
+        rep["repeats"] = [{"real_tokens_per_s": 1000.0 if python else 800.0 + len(calls)}]
+        return rep
+
+    monkeypatch.setattr(runner, "run_isolated", fake)
+    out = tmp_path / "verdict.json"
+    r = CliRunner().invoke(app, ["gate", "--baseline", BF16, "--remeasure-baseline", "--baseline-python", "/old/python",
+                                 "--baseline-env", "PYTHONPATH=/old", "--json", str(out)])
+    assert r.exit_code == 1, r.output
+    verdict = json.loads(out.read_text())
+    assert verdict["remeasured"] and verdict["checks"][0]["method"].startswith("paired")
+    assert ("/old/python", {"PYTHONPATH": "/old"}) in calls and (None, None) in calls
+
+
 def test_gate_update_baseline_writes_on_purpose(tmp_path):
     base = tmp_path / "base.json"
     base.write_text(Path(FP32).read_text())

@@ -45,7 +45,6 @@ CASES = {
     "data-padding-waste": ("default_s2", "bf16_s2"),
     "data-shape-churn": ("default_s2", "bf16_s2"),
     "fusion-fusedce-stage2": ("liger_fce_s2", "bf16_s2"),
-    "fusion-unfused-norm-activation": ("cache_s1", "healthy_s2"),
     "system-checkpoint-recompute": ("ckpt_s2", "bf16_s2"),
     "system-data-loader": ("ckpt_reentrant_s2", "healthy_s2"),
     "system-non-fused-optimizer": ("bf16_s2", "healthy_s2"),
@@ -53,6 +52,7 @@ CASES = {
     "fusion-liger-with-compile": ("liger_compile_s2", "compile_s2"),
     "precision-frozen-tower-graph": ("input_grads_s2", "bf16_s2"),
     "batching-host-bound": ("bf16_s2", "compile_s2"),
+    "fusion-compile-launch-bound": ("healthy_1.5b_s2", "compile_s2"),
     "data-packing": ("bf16_s2", "healthy_s2"),
     "fusion-eager-attention": ("eager_s2", "bf16_s2"),
     "fusion-lm-head-unlabeled": ("healthy_s2", "labeled_s2"),
@@ -76,6 +76,8 @@ VARIATION_CASES = {
 
 # rules whose fix another finding already covers: (fixture where it fires, the finding that supersedes it, a no-fire fixture)
 SUPERSEDED_CASES = {
+    # a launch-bound step gets compile first; Liger stays as the alternative `treat` also measures
+    "fusion-unfused-norm-activation": ("cache_s1", "fusion-compile-launch-bound", "healthy_s2"),
     "precision-no-tf32": ("fp32_noautocast_s2", "precision-fp32-gemms", "bf16_s2"),
     "fusion-fp32-attention": ("fp32_noautocast_s2", "precision-fp32-gemms", "bf16_s2"),
 }
@@ -104,6 +106,14 @@ def test_compile_for_a_host_bound_step_supersedes_liger():
     host = next(f for f in d["findings"] if f["id"] == "batching-host-bound")
     assert host["config_patch"]["compile"] == "default" and host["config_patch"]["liger_rms_norm"] is False
     assert "aten::mm" in " ".join(host["evidence"])  # names the host ops
+
+
+def test_compile_is_prescribed_for_a_launch_bound_step_that_keeps_the_gpu_busy():
+    """healthy_1.5b_s2 keeps the GPU 72% busy (the host-bound rule stays quiet) with 2,405 launches per step."""
+    d = diagnose(measured("healthy_1.5b_s2"), RULES)
+    assert "batching-host-bound" not in {f["id"] for f in d["findings"]}
+    f = next(f for f in d["findings"] if f["id"] == "fusion-compile-launch-bound")
+    assert f["config_patch"]["compile"] == "default" and f["config_patch"]["warmup"] >= 10
 
 
 @pytest.mark.parametrize("rule_id", sorted(VARIATION_CASES))

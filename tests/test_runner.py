@@ -114,6 +114,37 @@ def test_report_ok_run(ok_report):
     assert r["data"]["source"] == "synthetic"
 
 
+def test_warmup_time_is_reported_apart_from_step_time(ok_report):
+    _, r = ok_report
+    assert r["metrics"]["warmup_s"] > 0 and r["metrics"]["compile_s"] is None  # compile off: nothing to compile
+    assert r["warmup"]["steps"] == 1 and r["warmup"]["warmup_s"] == pytest.approx(sum(r["warmup"]["step_s"]))
+    assert "graphs_compiled" not in r["warmup"] and not r.get("warnings")
+
+
+def test_warmup_times_split_compilation_from_steady_steps():
+    from vlmdoctor.run.runner import _warmup_times
+
+    w = _warmup_times([30.0, 2.0, 0.5, 0.5])
+    assert w["warmup_s"] == pytest.approx(33.0) and w["compile_s"] == pytest.approx(29.5 + 1.5)
+    assert _warmup_times([])["compile_s"] == 0.0
+
+
+def test_compile_helpers_mark_lengths_dynamic_and_name_cache_folders(tmp_path):
+    from vlmdoctor.run.compile import cache_env, graphs_compiled, mark_lengths_dynamic
+
+    batch = {"input_ids": torch.zeros(2, 64, dtype=torch.long), "attention_mask": torch.ones(2, 64),
+             "loss_index": torch.arange(10), "pixel_values": torch.zeros(2, 3, 8, 8)}
+    mark_lengths_dynamic(batch)
+    assert 1 in getattr(batch["input_ids"], "_dynamo_weak_dynamic_indices", set()) | \
+        getattr(batch["input_ids"], "_dynamo_dynamic_indices", set())
+    assert 0 in getattr(batch["loss_index"], "_dynamo_weak_dynamic_indices", set()) | \
+        getattr(batch["loss_index"], "_dynamo_dynamic_indices", set())
+    assert not hasattr(batch["pixel_values"], "_dynamo_weak_dynamic_indices")  # images keep their shape
+    env = cache_env(tmp_path / "cc")
+    assert env["TORCHINDUCTOR_CACHE_DIR"].startswith(str(tmp_path)) and env["TRITON_CACHE_DIR"].endswith("triton")
+    assert graphs_compiled() >= 0
+
+
 def test_report_token_counts_come_from_the_real_batches(ok_report):
     """Pad fraction and the loss/real token ratio equal what the sampler's timed batches hold."""
     cfg, r = ok_report

@@ -412,23 +412,26 @@ def treat(
     warmup: Optional[int] = typer.Option(None, "--warmup", help="warm-up steps [default: 5]"),
     repeats: Optional[int] = typer.Option(None, "--repeats", help="timed windows per run; the noise the decisions "
                                           "use comes from their spread [default: 3]"),
-    max_trials: int = typer.Option(8, "--max-trials", help="prescriptions to try at most"),
-    time_budget: Optional[float] = typer.Option(None, "--time-budget", help="seconds; no new trial starts after this"),
-    min_gain: float = typer.Option(0.03, "--min-gain", help="smallest throughput gain worth keeping (0.03 = 3%)"),
+    max_trials: int = typer.Option(24, "--max-trials", help="trials at most (a trial: one composition or one "
+                                   "ablation, measured in several paired runs)"),
+    time_budget: Optional[float] = typer.Option(540, "--time-budget", help="seconds; no run starts after this and a "
+                                                "run's limit is cut to what is left (0 = no limit)"),
+    min_gain: float = typer.Option(0.02, "--min-gain", help="smallest throughput gain worth keeping (0.02 = 2%): "
+                                   "kept when the paired interval's lower bound is above it"),
     trial_timeout: float = typer.Option(900, "--trial-timeout", help="seconds one run may take"),
+    max_pairs: int = typer.Option(6, "--max-pairs", help="paired runs per comparison at most (3 at least)"),
     rules_dirs: Optional[list[str]] = typer.Option(None, "--rules", help="extra folder of rule files (repeatable)"),
     out_dir: Optional[str] = typer.Option(None, "--out", help="folder for treat.json, final_config.yaml, ladder.png "
                                           "[default: treat-MODEL-stageN]"),
     html_path: Optional[str] = typer.Option(None, "--html", help="also write the HTML report here (it is always "
                                             "written as treat.html in --out)"),
     force: bool = typer.Option(False, "--force", help="write into an --out folder that already holds results"),
+    json_path: Optional[str] = typer.Option(None, "--json", help="also write the result JSON here ('-' = stdout)"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress and no tables"),
 ) -> None:
-    """Apply the prescriptions one at a time, re-measure each in a fresh process, keep what helped.
+    """Apply the prescriptions together, verify on paired runs, confirm each change by ablation.
 
-    Prints the ladder (each kept change with real tokens/s, speedup, MFU, peak memory) and the
-    trials that did not help, and writes the final run config, which `vlmdoctor profile --config`
-    runs again.
+    Prints the ladder (each adopted round with its paired speedup, each change with its own measured contribution) and the trials not kept, and writes the final run config, which `vlmdoctor profile --config` runs again.
     """
     import shutil
     from pathlib import Path
@@ -456,12 +459,19 @@ def treat(
         _, problems = load_rules(*(rules_dirs or []))
         for p in problems:
             err.print(f"rule problem: {p}", highlight=False)
-        opts = TreatOptions(max_trials, time_budget, min_gain, trial_timeout, list(rules_dirs or []))
+        if max_pairs < 3:
+            raise VlmdoctorError("--max-pairs must be at least 3 (the least evidence a decision is made on)")
+        check_writable(json_path if json_path != "-" else None, force)
+        opts = TreatOptions(max_trials=max_trials, time_budget_s=time_budget or None, min_gain=min_gain,
+                            trial_timeout_s=trial_timeout, rules_dirs=list(rules_dirs or []), max_pairs=max_pairs)
+        from vlmdoctor.run.compile import cache_env
 
-        def run_one(c: RunConfig) -> dict[str, Any]:
-            return run_isolated(c, timeout=opts.trial_timeout_s, rules_dirs=opts.rules_dirs)
+        compile_env = cache_env(folder / "compile-cache")  # trials of one treatment reuse each other's compiled kernels
 
-        if quiet:
+        def run_one(c: RunConfig, diagnose: bool, timeout: float | None) -> dict[str, Any]:
+            return run_isolated(c, timeout=timeout, diagnose=diagnose, rules_dirs=opts.rules_dirs, env=compile_env)
+
+        if quiet or json_path == "-":
             result = run_treat(cfg, run_one, opts)
         else:
             import time
@@ -477,7 +487,11 @@ def treat(
         paths = write_outputs(result, folder)
         if html_path:
             shutil.copyfile(paths["html"], html_path)
-        if not quiet:
+        if json_path:
+            from vlmdoctor.files import write_json
+
+            write_json(result, json_path)
+        if not quiet and json_path != "-":
             render_ladder(result, out)
             out.print(f"written: {', '.join(str(p) for p in paths.values())}")
             out.print(f"run the final config again: vlmdoctor profile --config {paths['config']}")
@@ -543,55 +557,96 @@ def gate(
     max_memory_growth: float = typer.Option(0.10, "--max-memory-growth", help="fail when peak memory grew more"),
     fail_on: str = typer.Option("high", "--fail-on", help="fail on a new finding of this severity or above "
                                 "(high, medium, low)"),
-    allow_env_change: bool = typer.Option(False, "--allow-env-change", help="compare across GPU, driver, torch or "
-                                          "transformers versions"),
+    allow_env_change: bool = typer.Option(False, "--allow-env-change", help="compare across GPU models too (torch, "
+                                          "transformers, liger-kernel and driver changes are always compared, "
+                                          "and named)"),
+    remeasure_baseline: bool = typer.Option(False, "--remeasure-baseline", help="measure the baseline's config again "
+                                            "in this job, alternating with the current run in fresh processes, and "
+                                            "judge on the paired ratios instead of the stored numbers"),
+    baseline_python: Optional[str] = typer.Option(None, "--baseline-python", help="with --remeasure-baseline: the "
+                                                  "Python interpreter of the baseline's install (another code version)"),
+    baseline_env: Optional[list[str]] = typer.Option(None, "--baseline-env", help="with --remeasure-baseline: "
+                                                     "KEY=VALUE for the baseline's runs, e.g. PYTHONPATH=old/checkout "
+                                                     "(repeatable)"),
+    max_pairs: int = typer.Option(16, "--max-pairs", help="with --remeasure-baseline: paired runs at most (3 at least; "
+                                  "more only while undecided)"),
+    timeout: float = typer.Option(900, "--timeout", help="seconds one run may take"),
     update_baseline: bool = typer.Option(False, "--update-baseline", help="write the current report over the baseline, "
                                          "on purpose, and pass"),
     junit: Optional[str] = typer.Option(None, "--junit", help="write JUnit XML here"),
     json_path: Optional[str] = _json_opt("verdict"),
 ) -> None:
     """Fail (exit 1) when training got slower than the baseline, beyond the noise; exit 2 on unusable input."""
-    import os
-
-    from rich.table import Table
-
-    from vlmdoctor.ci.gate import check_comparable, junit_xml, load_report, markdown, run_current
+    from vlmdoctor.ci.gate import check_comparable, load_report, run_current
     from vlmdoctor.ci.gate import gate as judge
     from vlmdoctor.files import write_json
 
     with _user_errors():
         base = load_report(baseline)
+        if remeasure_baseline:
+            if current or update_baseline:
+                raise VlmdoctorError("--remeasure-baseline measures both sides now; it takes no --current "
+                                     "or --update-baseline")
+            if max_pairs < 3:
+                raise VlmdoctorError("--max-pairs must be at least 3")
+            env = {}
+            for item in baseline_env or []:
+                key, eq, value = item.partition("=")
+                if not eq or not key:
+                    raise VlmdoctorError(f"--baseline-env {item!r}: expected KEY=VALUE")
+                env[key] = value
+            from vlmdoctor.ci.gate import remeasure
+
+            with err.status("paired runs: baseline and current, alternating") as status:
+                result = remeasure(base, baseline_python, env or None, timeout, max_regression=max_regression,
+                                   max_pairs=max_pairs, max_memory_growth=max_memory_growth, fail_on=fail_on,
+                                   allow_env_change=allow_env_change, notify=lambda m: status.update(m))
+            result.pop("reports", None)
+            _gate_outputs(result, junit, json_path)
+            raise typer.Exit(0 if result["passed"] else 1)
         if current:
             cur = load_report(current)
         else:
             with err.status("profiling the baseline's config"):
-                cur = run_current(base)
+                cur = run_current(base, timeout=timeout)
         if update_baseline:
             write_json(cur, baseline)
             (err if json_path == "-" else out).print(f"baseline updated: {baseline} ({cur['metrics']['real_tokens_per_s']:,.0f} real tokens/s)")
             return
         notes = check_comparable(base, cur, allow_env_change)
         result = judge(base, cur, max_regression, alpha, max_memory_growth, fail_on, notes)
-        if json_path != "-":
-            t = Table(title=f"vlmdoctor gate: {result['summary']}", header_style="bold")
-            for col in ("check", "verdict", "detail"):
-                t.add_column(col)
-            for c in result["checks"]:
-                t.add_row(c["name"], c["verdict"], str(c["detail"]))
-            out.print(t)
-            for n in result.get("notes") or []:
-                out.print(f"note: {n}")
-        summary = os.environ.get("GITHUB_STEP_SUMMARY")
-        if summary:
-            with open(summary, "a") as f:
-                f.write(markdown(result) + "\n")
-        if junit:
-            from pathlib import Path
-
-            Path(junit).write_text(junit_xml(result))
-        if json_path:
-            write_json(result, json_path)
+        _gate_outputs(result, junit, json_path)
         raise typer.Exit(0 if result["passed"] else 1)
+
+
+def _gate_outputs(result: dict[str, Any], junit: str | None, json_path: str | None) -> None:
+    """The verdict table, notes, step summary, JUnit and JSON of a gate result."""
+    import os
+
+    from rich.table import Table
+
+    from vlmdoctor.ci.gate import junit_xml, markdown
+    from vlmdoctor.files import write_json
+
+    if json_path != "-":  # stdout is the JSON's
+        t = Table(title=f"vlmdoctor gate: {result['summary']}", header_style="bold")
+        for col in ("check", "verdict", "detail"):
+            t.add_column(col)
+        for c in result["checks"]:
+            t.add_row(c["name"], c["verdict"], str(c["detail"]))
+        out.print(t)
+        for n in result.get("notes") or []:
+            out.print(f"note: {n}")
+    summary = os.environ.get("GITHUB_STEP_SUMMARY")
+    if summary:
+        with open(summary, "a") as f:
+            f.write(markdown(result) + "\n")
+    if junit:
+        from pathlib import Path
+
+        Path(junit).write_text(junit_xml(result))
+    if json_path:
+        write_json(result, json_path)
 
 
 @app.command()

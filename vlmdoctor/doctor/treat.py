@@ -1,45 +1,61 @@
-"""Apply the prescriptions one at a time, re-measure each in a fresh process, keep what helped.
+"""Compose the prescriptions, verify the composition, confirm each change by ablation.
 
-A doctor whose advice is never checked is a blog post. `treat` profiles the start config, takes
-the first prescription in layer order, applies its config patch, profiles again in a new
-process, and keeps the change only when real tokens/s rose by more than the noise:
+A doctor whose advice is never checked is a blog post. Trying prescriptions one at a time (what
+`treat` did first) spends a whole time budget on the first few rungs and judges each change
+in a config where the others are missing (bf16 weights measured no gain at batch 4, where the
+step was host-bound, and +30% at batch 48). So a round of `treat`:
 
-    keep     when  median(trial) / median(current) - 1  >  margin
-    harmful  when  median(trial) / median(current) - 1  < -margin
-    no gain  otherwise,   margin = max(min_gain, spread(current), spread(trial))
+1. diagnoses the current config and applies every prescription it supports at once, in layer
+   order (a finding the diagnosis marked superseded stays out); where two findings are declared
+   alternatives (torch.compile and Liger's kernels), both compositions are built and measured;
+2. compares each composition with the current config on paired evidence
+   (`vlmdoctor.doctor.decide`: interleaved fresh-process runs, a t-interval on the paired
+   ratio) and adopts the best one that is kept;
+3. confirms each change of the adopted composition by leave-one-out ablation: the composition
+   minus that change, paired against the composition. A change whose own contribution is not
+   above `min_gain` is dropped; one the time budget left unconfirmed stays, marked so;
+4. re-diagnoses and repeats while time and `--max-trials` allow.
 
-where median and spread are taken over the repeats (timed windows) of each run, spread being
-(max - min) / median. A trial that runs out of memory, crashes or diverges is recorded with that
-outcome and reverted. The next prescription comes from the diagnosis of the run now kept, so a
-fix that changes the picture (a bigger batch, compile) changes what is prescribed next; a
-prescription that did not help may be tried again once another change was kept.
+A trial is one arm of a comparison (a composition, or one ablation). Ctrl-C ends the treatment
+and keeps what was measured.
 """
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 from vlmdoctor import SCHEMA_VERSION, __version__
-from vlmdoctor.run.config import RunConfig
+from vlmdoctor.doctor.decide import ArmResult, PairedOptions, interleaved, throughput
 from vlmdoctor.errors import EXIT_USAGE, UsageError
+from vlmdoctor.run.config import RunConfig
 
-Runner = Callable[[RunConfig], dict[str, Any]]
+#: run(cfg, diagnose, timeout) -> a profile report; treat calls run_isolated through the CLI
+Runner = Callable[[RunConfig, bool, "float | None"], dict[str, Any]]
 PROFILE_FACTS = ("gpu.busy_frac", "gpu.busy_tflops", "launch.kernels", "idle.other_host.ms", "idle.data_loader.ms",
                  "idle.op.cudnn_attention.ms", "gemm.ms", "gpu.busy_ms", "step.ms")
 Notify = Callable[[str], None]
+#: knobs that only say how a run is measured, never what it trains: a patch may raise them (compile needs a
+#: longer warm-up) and an ablation does not remove them
+MEASUREMENT_KNOBS = ("warmup", "steps", "repeats")
 
 
 @dataclass
 class TreatOptions:
-    max_trials: int = 8
-    time_budget_s: float | None = None
-    min_gain: float = 0.03  # below 3% a change is not worth a config line, whatever the noise
+    max_trials: int = 24
+    time_budget_s: float | None = 540.0  # 9 minutes: with the runs' own limit, one treatment ends within 10
+    min_gain: float = 0.02
     trial_timeout_s: float = 900.0
     rules_dirs: list[str] = field(default_factory=list)
+    confidence: float = 0.95
+    min_pairs: int = 3
+    max_pairs: int = 6
+
+    def paired(self) -> PairedOptions:
+        return PairedOptions(self.min_gain, self.confidence, self.min_pairs, self.max_pairs)
 
 
 def tokens(report: dict[str, Any]) -> list[float]:
@@ -47,117 +63,390 @@ def tokens(report: dict[str, Any]) -> list[float]:
     return [r["real_tokens_per_s"] for r in report.get("repeats") or []]
 
 
-def spread(values: list[float]) -> float:
-    return (max(values) - min(values)) / statistics.median(values) if len(values) > 1 else 0.0
-
-
-def decide(current: dict[str, Any], trial: dict[str, Any], min_gain: float) -> dict[str, Any]:
-    """Kept, no gain or harmful, with the numbers the decision used."""
-    a, b = tokens(current), tokens(trial)
-    gain = statistics.median(b) / statistics.median(a) - 1
-    margin = max(min_gain, spread(a), spread(b))
-    outcome = "kept" if gain > margin else "harmful" if gain < -margin else "no_gain"
-    return {"outcome": outcome, "gain": gain, "margin": margin, "current_median": statistics.median(a),
-            "trial_median": statistics.median(b), "current_spread": spread(a), "trial_spread": spread(b)}
-
-
 def summary(report: dict[str, Any]) -> dict[str, Any]:
     """What the ladder shows of one run."""
     m = report.get("metrics") or {}
     facts = report.get("facts") or {}
     return {"status": report.get("status"), "real_tokens_per_s": m.get("real_tokens_per_s"),
-            # what limits this rung, from its traced window: how busy the GPU was, and how fast while busy
             "profile": {k: facts.get(k) for k in PROFILE_FACTS if k in facts},
             "tokens_per_s_repeats": tokens(report), "step_ms": m.get("step_ms"), "mfu": m.get("mfu"),
             "peak_mem_gb": m.get("peak_mem_gb"), "pad_fraction": m.get("pad_fraction"),
+            "compile_s": m.get("compile_s"), "warmup_s": m.get("warmup_s"),
             "findings": [f["id"] for f in report.get("findings") or []],
+            "warnings": report.get("warnings") or [],
             "error": (report.get("error") or {}).get("message")}
 
 
-def _next(current_cfg: RunConfig, report: dict[str, Any], tried: set[str],
-          skipped: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any], RunConfig] | None:
-    """The first untried prescription whose patch changes something and makes a valid config:
-    (finding, the knobs it changes, the new config)."""
-    state = json.dumps(current_cfg.to_dict(), sort_keys=True, default=str)
-    for f in report.get("findings") or []:
-        # a prescription is tried once per config: after a kept change (the picture changed: a bigger
-        # batch can make bf16 weights pay off where the host-bound step hid it) it may be tried again
-        key = f["id"] + json.dumps(f["config_patch"], sort_keys=True, default=str) + state
-        if key in tried:
-            continue
-        tried.add(key)
-        changes = {k: v for k, v in f["config_patch"].items() if getattr(current_cfg, k, None) != v}
-        if not changes:
-            skipped.append({"rule": f["id"], "config_patch": f["config_patch"], "why": "the config already has it"})
-            continue
-        try:
-            return f, changes, current_cfg.replace(source=f"prescription {f['id']}", **changes)
-        except UsageError as e:
-            skipped.append({"rule": f["id"], "config_patch": f["config_patch"], "why": e.message})
-    return None
+def _label(patch: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in patch.items())
 
 
-def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lambda _: None) -> dict[str, Any]:
-    """The ladder: each kept step with its numbers, and every trial with its outcome.
+# --- composing ----------------------------------------------------------------------------------
 
-    Ctrl-C ends the treatment; the ladder measured so far is returned, marked interrupted.
+def _change(f: dict[str, Any], cfg: RunConfig) -> dict[str, Any] | None:
+    patch = {k: v for k, v in f["config_patch"].items() if getattr(cfg, k, None) != v}
+    if not {k for k in patch if k not in MEASUREMENT_KNOBS}:
+        return None
+    return {"rule": f["id"], "layer": f["layer"], "title": f["title"], "config_patch": patch,
+            "expected_gain": f.get("expected_gain")}
+
+
+def apply(cfg: RunConfig, changes: list[dict[str, Any]]) -> RunConfig:
+    """The config with every change's patch; an earlier (lower-layer) change wins a knob both set."""
+    merged: dict[str, Any] = {}
+    for c in changes:
+        for k, v in c["config_patch"].items():
+            if k in MEASUREMENT_KNOBS and k in merged:
+                merged[k] = max(merged[k], v)
+            merged.setdefault(k, v)
+    return cfg.replace(source="composed prescriptions", **merged)
+
+
+def compose(cfg: RunConfig, report: dict[str, Any], skipped: list[dict[str, Any]],
+            validate: Callable[[RunConfig], Any] = lambda c: None) -> list[dict[str, Any]]:
+    """The compositions a diagnosis supports: the findings in layer order, and for each alternative
+    (a superseded finding whose patch contradicts the one that superseded it, like Liger on vs
+    torch.compile with Liger off) one more composition with the alternative instead.
+
+    A change that would make an invalid config, or one this machine refuses (`validate`: a GPU-only
+    knob on a CPU), is left out and reported in `skipped`, so one such change cannot sink the others.
     """
+    findings = report.get("findings") or []
+    superseded = report.get("superseded") or []
+
+    def skip(f: dict[str, Any], why: str) -> None:
+        entry = {"rule": f["id"], "config_patch": f["config_patch"], "why": why}
+        if entry not in skipped:
+            skipped.append(entry)
+
+    def build(chosen: list[dict[str, Any]], note: bool) -> tuple[list[dict[str, Any]], RunConfig] | None:
+        changes: list[dict[str, Any]] = []
+        for f in chosen:
+            c = _change(f, cfg)
+            if c is None:
+                if note:
+                    skip(f, "the config already has it")
+                continue
+            try:
+                validate(apply(cfg, changes + [c]))
+            except UsageError as e:
+                if note:
+                    skip(f, e.message)
+                continue
+            changes.append(c)
+        return (changes, apply(cfg, changes)) if changes else None
+
+    out = []
+    primary = build(findings, note=True)
+    if primary:
+        out.append({"name": "composition", "changes": primary[0], "config": primary[1]})
+    ids = [f["id"] for f in findings]
+    for s in superseded:
+        by = next((f for f in findings if f["id"] == s.get("superseded_by")), None)
+        if by is None or all(by["config_patch"].get(k, object()) == v for k, v in s["config_patch"].items()):
+            continue  # a repeat of the earlier fix, not an alternative to it
+        alt = build([s if f["id"] == by["id"] else f for f in findings], note=False)
+        if alt and all(alt[1] != o["config"] for o in out):
+            out.append({"name": f"composition with {s['id']} instead of {by['id']}", "changes": alt[0],
+                        "config": alt[1]})
+        if len(out) >= 3 or s["id"] in ids:
+            break
+    return out
+
+
+# --- the treatment ------------------------------------------------------------------------------
+
+def _arm_numbers(arm: ArmResult) -> dict[str, Any]:
+    vals = [v for v in arm.values if v]
+    ok = [r for r in arm.reports if r.get("status") == "ok"]
+    last = ok[-1] if ok else (arm.reports[-1] if arm.reports else {})
+    out = summary(last)
+    out["real_tokens_per_s"] = statistics.median(vals) if vals else None
+    out["tokens_per_s_runs"] = vals
+    out["runs"] = len(arm.reports)
+    return out
+
+
+def _outcome(decision: dict[str, Any], arm: ArmResult) -> str:
+    o = decision.get("outcome", "error")
+    failed = arm.failed or {}
+    if o not in ("kept", "harmful", "no_gain", "undecided", "reference_failed") and failed.get("status") == "error" \
+            and (failed.get("error") or {}).get("exit_code") == EXIT_USAGE:
+        return "not_applicable"  # the run refused the config (a GPU-only knob on CPU, say)
+    return o
+
+
+def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lambda _: None,
+          validate: Callable[[RunConfig], Any] | None = None) -> dict[str, Any]:
+    """The ladder: each adopted round with its measured speedup and each change's own contribution,
+    and every trial with its paired evidence. Ctrl-C returns what was measured, marked interrupted.
+
+    `validate` refuses configs this machine cannot run (default: the runner's preflight check).
+    """
+    if validate is None:
+        from vlmdoctor.run.runner import check as validate
     t0 = time.time()
+    po = opts.paired()
     out: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION, "kind": "treat", "tool": {"name": "vlmdoctor", "version": __version__},
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "start_config": cfg.to_dict(),
-        "decision": {"min_gain": opts.min_gain, "rule": "keep when the median real tokens/s over the trial's repeats "
-                     "beats the current run's by more than max(min_gain, the relative spread (max-min)/median of "
-                     "either run's repeats); harmful when it loses by more than that; each trial in a fresh process"},
-        "ladder": [], "trials": [], "skipped": [], "interrupted": False,
+        "decision": {"min_gain": opts.min_gain, "confidence": opts.confidence, "min_pairs": opts.min_pairs,
+                     "max_pairs": opts.max_pairs,
+                     "rule": "paired: candidate and current run alternately in fresh processes; the ratio "
+                             "candidate/current of each pair; kept when the lower bound of the t-interval on the "
+                             "mean log ratio is above 1 + min_gain, harmful when its upper bound is below 1; "
+                             "changes of a kept composition are confirmed by leave-one-out ablation"},
+        "ladder": [], "trials": [], "rounds": [], "skipped": [], "interrupted": False,
     }
+
+    def time_left() -> float:
+        return math.inf if opts.time_budget_s is None else opts.time_budget_s - (time.time() - t0)
+
+    run_s: list[float] = []  # wall time of each run, to size what still fits in the budget
+
+    def runner(c: RunConfig, diagnose: bool) -> Callable[[], dict[str, Any]]:
+        def go() -> dict[str, Any]:
+            left = time_left()
+            limit = opts.trial_timeout_s if math.isinf(left) else max(30.0, min(opts.trial_timeout_s, left + 60))
+            t = time.time()
+            rep = run(c, diagnose, limit)
+            run_s.append(time.time() - t)
+            return rep
+        return go
+
     current_cfg = cfg
+    speedup = 1.0
+    tried: set[str] = set()
+    pending: list[dict[str, Any]] = []  # a composition to retry with a smaller batch after an OOM
+    dropped_before: dict[str, int] = {}  # changes an ablation dropped (rule + patch -> round): not composed again
+    live: dict[str, Any] = {}  # what the round in flight has measured, for Ctrl-C
     try:
         notify("measuring the start config")
-        current = run(cfg)
+        current = runner(cfg, True)()
         out["env"] = current.get("env")
         out["start"] = summary(current)
-        if current.get("status") != "ok" or not tokens(current):
+        if throughput(current) is None:
             out["stopped_because"] = f"the start config did not run: {current.get('status')}"
             out["final_config"] = cfg.to_dict()
+            out["wall_s"] = time.time() - t0
             return out
-        base = statistics.median(tokens(current))
-        out["ladder"].append({"step": 0, "change": "start", "rule": None, "config_patch": {},
-                              **summary(current), "speedup": 1.0})
-        tried: set[str] = set()
+        out["ladder"].append({"step": 0, "change": "start", "rule": None, "config_patch": {}, **summary(current),
+                              "speedup": 1.0, "elapsed_s": time.time() - t0})
         out["stopped_because"] = "no prescription left"
         while True:
-            if len(out["trials"]) >= opts.max_trials:
+            budget = opts.max_trials - len(out["trials"])
+            if budget <= 0:
                 out["stopped_because"] = f"--max-trials {opts.max_trials} reached"
                 break
-            if opts.time_budget_s is not None and time.time() - t0 > opts.time_budget_s:
+            if time_left() <= 0:
                 out["stopped_because"] = f"--time-budget {opts.time_budget_s:.0f} s spent"
                 break
-            pick = _next(current_cfg, current, tried, out["skipped"])
-            if pick is None:
+            found = pending or compose(current_cfg, _without(current, dropped_before), out["skipped"], validate)
+            pending = []
+            comps = [c for c in found if json.dumps(c["config"].to_dict(), sort_keys=True) not in tried][:budget]
+            if not comps:
                 break
-            finding, patch, trial_cfg = pick
-            label = ", ".join(f"{k}={v}" for k, v in patch.items())
-            notify(f"trial {len(out['trials']) + 1}: {finding['id']} ({label})")
-            report = run(trial_cfg)
-            entry = {"trial": len(out["trials"]) + 1, "rule": finding["id"], "layer": finding["layer"],
-                     "title": finding["title"], "config_patch": patch,
-                     "expected_gain": finding.get("expected_gain"), **summary(report)}
-            if report.get("status") == "ok" and tokens(report):
-                entry.update(decide(current, report, opts.min_gain))
-            elif report.get("status") == "error" and (report.get("error") or {}).get("exit_code") == EXIT_USAGE:
-                entry["outcome"] = "not_applicable"  # the run refused the config (a GPU-only knob on CPU, say)
+            rnd: dict[str, Any] = {"round": len(out["rounds"]) + 1, "started_s": time.time() - t0,
+                                   "current_config": current_cfg.to_dict(), "compositions": [], "ablations": []}
+            out["rounds"].append(rnd)
+            for c in comps:
+                tried.add(json.dumps(c["config"].to_dict(), sort_keys=True))
+            # 1. the compositions against the current config
+            arms = {"current": runner(current_cfg, False)}
+            arms.update({c["name"]: _first_diagnosed(runner, c["config"]) for c in comps})
+            notify(f"round {rnd['round']}: " + "; ".join(f"{c['name']} ({len(c['changes'])} changes)" for c in comps))
+            live.clear()
+            res = interleaved(arms, "current", po, time_left, first={"current": current},
+                              notify=notify, on_round=lambda r: live.update(arms=r, kind="composition", comps=comps))
+            live.clear()
+            best = None
+            for c in comps:
+                d, arm = res["decisions"][c["name"]], res["arms"][c["name"]]
+                entry = _trial(out, "composition", c["name"], c["changes"], _outcome(d, arm), d, arm)
+                rnd["compositions"].append(entry["trial"])
+                if entry["outcome"] == "kept" and (best is None or d["ratio"] > best[1]["ratio"]):
+                    best = (c, d, arm)
+            if best is None:
+                rnd["adopted"] = None
+                oom = next((c for c in comps if res["decisions"][c["name"]].get("outcome") == "oom"), None)
+                retry = _smaller_batch(current_cfg, oom) if oom else None
+                if retry is not None:
+                    # the batch was sized from the current config's memory; the composition's other changes (no
+                    # checkpointing, say) need more per sample: halve the batch step and measure again
+                    pending = [retry]
+                    out["stopped_because"] = "no composition paid off"
+                    continue
+                if any(res["decisions"][c["name"]].get("outcome") == "undecided" for c in comps):
+                    out["stopped_because"] = f"--time-budget {opts.time_budget_s:.0f} s: too little left to decide"
+                    break
+                out["stopped_because"] = "no composition paid off"
+                continue  # the same diagnosis yields nothing new: compose() finds every config tried and stops
+            comp, d, arm = best
+            composed_cfg = comp["config"]
+            # its diagnosed run: the next round composes from its findings
+            composed_report = next((r for r in arm.reports if r.get("findings") is not None),
+                                   next(r for r in reversed(arm.reports) if r.get("status") == "ok"))
+            # 2. each change's own contribution: the composition minus that change, against the composition
+            contributions: dict[str, dict[str, Any]] = {}
+            if len(comp["changes"]) == 1:
+                ch = comp["changes"][0]
+                contributions[ch["rule"]] = {"outcome": "kept", "ratio": d["ratio"], "ci_low": d["ci_low"],
+                                             "ci_high": d["ci_high"], "pairs": d["pairs"], "how": "the composition"}
             else:
-                entry["outcome"] = report.get("status") or "error"  # oom, nan_loss, error: reverted
-            out["trials"].append(entry)
-            if entry["outcome"] == "kept":
-                current_cfg, current = trial_cfg, report
-                out["ladder"].append({"step": len(out["ladder"]), "change": label, "rule": finding["id"],
-                                      "config_patch": patch, **summary(report),
-                                      "speedup": statistics.median(tokens(report)) / base})
+                # as many ablations as --max-trials and the time allow (min_pairs rounds of them plus the
+                # composition's own runs); the most doubtful changes (smallest expected gain) first
+                left = max(0, opts.max_trials - len(out["trials"]))
+                if run_s and not math.isinf(time_left()):
+                    left = min(left, max(0, int(time_left() / (statistics.fmean(run_s) * opts.min_pairs)) - 1))
+                by_doubt = sorted(comp["changes"], key=_expected_x)
+                ablate = [ch for ch in comp["changes"] if ch in by_doubt[:left]]
+                why_not = "not ablated: --max-trials or the time budget left no room"
+                arms = {"composed": runner(composed_cfg, False)}
+                for ch in list(ablate):
+                    others = [o for o in comp["changes"] if o is not ch]
+                    try:
+                        arms[f"without {ch['rule']}"] = runner(apply(current_cfg, others), False)
+                    except UsageError:  # the others need it to make a valid config: it stays
+                        ablate.remove(ch)
+                notify(f"round {rnd['round']}: ablation of {len(ablate)} changes")
+                latest = next(r for r in reversed(arm.reports) if r.get("status") == "ok")  # next to the new runs
+                ab = interleaved(arms, "composed", po, time_left, contribution=True, first={"composed": latest},
+                                 notify=notify, on_round=lambda r: live.update(arms=r, kind="ablation"))
+                for ch in ablate:
+                    name = f"without {ch['rule']}"
+                    dd, a = ab["decisions"][name], ab["arms"][name]
+                    o = _outcome(dd, a)
+                    # a change whose removal breaks the run (OOM without bf16 weights, say) is needed
+                    o = "kept" if o in ("oom", "nan_loss", "error", "timeout") else o
+                    entry = _trial(out, "ablation", name, [ch], o, dd, a)
+                    rnd["ablations"].append(entry["trial"])
+                    contributions[ch["rule"]] = {k: dd.get(k) for k in ("ratio", "ci_low", "ci_high", "pairs")} | \
+                        {"outcome": o, "how": "leave-one-out ablation", "trial": entry["trial"]}
+                for ch in comp["changes"]:
+                    if ch not in ablate:
+                        contributions[ch["rule"]] = {"outcome": "undecided", "how": why_not}
+            keep = [ch for ch in comp["changes"] if contributions[ch["rule"]]["outcome"] in ("kept", "undecided")]
+            if not keep:  # the composition paid, but no change could be resolved alone (two +8% changes, say):
+                keep = [ch for ch in comp["changes"] if contributions[ch["rule"]]["outcome"] != "harmful"]
+                for ch in keep:  # keep them as the group that was measured to pay, and say so
+                    contributions[ch["rule"]]["kept_as_group"] = True
+            dropped = [ch for ch in comp["changes"] if ch not in keep]
+            # the composition's paired ratio, without what the dropped changes measured in their ablation
+            adjust = math.prod(1 / contributions[ch["rule"]]["ratio"] for ch in dropped
+                               if contributions[ch["rule"]].get("ratio"))
+            speedup *= d["ratio"] * adjust
+            new_cfg = apply(current_cfg, keep) if keep else current_cfg
+            rnd["adopted"] = comp["name"]
+            rnd["dropped"] = [ch["rule"] for ch in dropped]
+            dropped_before.update({_key(ch["rule"], ch["config_patch"]): rnd["round"] for ch in dropped})
+            rnd["ended_s"] = time.time() - t0
+            out["ladder"].append({
+                "step": len(out["ladder"]), "change": _label(_merged(keep)) or "(nothing confirmed)",
+                "rule": ", ".join(ch["rule"] for ch in keep), "config_patch": _merged(keep),
+                **summary(composed_report), "real_tokens_per_s": throughput(composed_report),
+                "speedup": speedup, "paired_ratio": d["ratio"], "ci": [d["ci_low"], d["ci_high"]],
+                "speedup_how": "paired ratio of the composition vs the rung before"
+                               + (", times 1/contribution of each dropped change" if dropped else ""),
+                "composed_of": [ch["rule"] for ch in comp["changes"]], "dropped": rnd["dropped"],
+                "changes": [{**ch, "contribution": contributions[ch["rule"]]} for ch in comp["changes"]],
+                "elapsed_s": time.time() - t0,
+            })
+            if not keep:
+                out["stopped_because"] = "no change of the composition paid off on its own"
+                break
+            current_cfg = new_cfg
+            # 3. the config now kept is measured (with its diagnosis) when something was dropped from what was run
+            if current_cfg == composed_cfg:
+                current = composed_report
+            else:
+                notify("measuring the confirmed config")
+                current = runner(current_cfg, True)()
+                if throughput(current) is None:
+                    out["stopped_because"] = f"the confirmed config did not run: {current.get('status')}"
+                    break
     except KeyboardInterrupt:
         out["interrupted"] = True
         out["stopped_because"] = "interrupted (Ctrl-C)"
+        if live.get("arms"):
+            out["interrupted_round"] = {n: [v for v in a.values] for n, a in live["arms"].items()}
     out["final_config"] = current_cfg.to_dict()
     out["wall_s"] = time.time() - t0
     return out
+
+
+def _smaller_batch(cfg: RunConfig, comp: dict[str, Any]) -> dict[str, Any] | None:
+    """The composition with its batch-size change halved (dropped when that reaches the current batch)."""
+    changes = []
+    found = False
+    for ch in comp["changes"]:
+        bs = ch["config_patch"].get("batch_size")
+        if isinstance(bs, int) and bs > cfg.batch_size:
+            found = True
+            smaller = max(cfg.batch_size, bs // 2)
+            if smaller == cfg.batch_size:
+                rest = {k: v for k, v in ch["config_patch"].items() if k != "batch_size"}
+                if rest:
+                    changes.append({**ch, "config_patch": rest})
+                continue
+            ch = {**ch, "config_patch": {**ch["config_patch"], "batch_size": smaller}}
+        changes.append(ch)
+    if not found or not changes:
+        return None
+    try:
+        config = apply(cfg, changes)
+    except UsageError:
+        return None
+    base = comp["name"].split(" (batch")[0]
+    return {"name": f"{base} (batch halved after OOM)", "changes": changes, "config": config}
+
+
+def _first_diagnosed(runner: Callable[[RunConfig, bool], Callable[[], dict[str, Any]]],
+                     cfg: RunConfig) -> Callable[[], dict[str, Any]]:
+    """A composition's first run is traced and diagnosed (the next round needs its findings); the
+    pairs after it are timed only, which saves the trace window and its analysis."""
+    calls = {"n": 0}
+
+    def go() -> dict[str, Any]:
+        calls["n"] += 1
+        return runner(cfg, calls["n"] == 1)()
+    return go
+
+
+def _expected_x(change: dict[str, Any]) -> float:
+    """The throughput factor the rule expected (1 when it gave none): ablations start with the smallest."""
+    g = change.get("expected_gain") or {}
+    return float(g.get("throughput_x") or 1.0)
+
+
+def _key(rule: str, patch: dict[str, Any]) -> str:
+    return rule + json.dumps(patch, sort_keys=True, default=str)
+
+
+def _without(report: dict[str, Any], dropped: dict[str, int]) -> dict[str, Any]:
+    """The report with the findings an earlier ablation dropped left out (their patch, unchanged, did not pay)."""
+    if not dropped:
+        return report
+    keep = [f for f in report.get("findings") or [] if _key(f["id"], f["config_patch"]) not in dropped]
+    return {**report, "findings": keep}
+
+
+def _merged(changes: list[dict[str, Any]]) -> dict[str, Any]:
+    merged: dict[str, Any] = {}
+    for c in changes:
+        for k, v in c["config_patch"].items():
+            merged.setdefault(k, v)
+    return merged
+
+
+def _trial(out: dict[str, Any], kind: str, name: str, changes: list[dict[str, Any]], outcome: str,
+           decision: dict[str, Any], arm: ArmResult) -> dict[str, Any]:
+    entry = {"trial": len(out["trials"]) + 1, "kind": kind, "name": name,
+             "rule": ", ".join(c["rule"] for c in changes) if kind == "composition" else changes[0]["rule"],
+             "layer": min(c["layer"] for c in changes), "title": changes[0]["title"] if len(changes) == 1 else name,
+             "config_patch": _merged(changes), "expected_gain": changes[0].get("expected_gain") if len(changes) == 1
+             else None, **_arm_numbers(arm), "outcome": outcome}
+    for k in ("ratio", "gain", "ci_low", "ci_high", "pairs", "ratios", "why"):
+        if k in decision:
+            entry[k] = decision[k]
+    out["trials"].append(entry)
+    return entry

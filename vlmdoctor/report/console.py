@@ -284,29 +284,47 @@ def render_ladder(result: dict[str, Any], console: Console) -> None:
         start = result.get("start") or {}
         console.print(f"[bold red]the start config did not run[/bold red]: {start.get('status')} {start.get('error') or ''}")
         return
-    t = Table(title="ladder (kept changes, in order)", header_style="bold")
-    for col, just in (("#", "right"), ("change", "left"), ("rule", "left"), ("real tokens/s", "right"),
-                      ("x start", "right"), ("ms/step", "right"), ("MFU", "right"), ("peak GiB", "right")):
-        t.add_column(col, justify=just)
+    t = Table(title="ladder (adopted rounds)", header_style="bold")
+    for col, just in (("#", "right"), ("change", "left"), ("tokens/s", "right"), ("x start", "right"),
+                      ("ms/step", "right"), ("MFU", "right"), ("GiB", "right"), ("at s", "right")):
+        t.add_column(col, justify=just, overflow="fold")
     for r in result["ladder"]:
-        reps = r.get("tokens_per_s_repeats") or []
-        spread = f" ({min(reps):,.0f}-{max(reps):,.0f})" if len(reps) > 1 else ""
-        t.add_row(str(r["step"]), r["change"], r["rule"] or "", f"{r['real_tokens_per_s']:,.0f}{spread}",
-                  f"{r['speedup']:.2f}", _fmt(r.get("step_ms")), _fmt(r["mfu"] * 100 if r.get("mfu") else None, " %"),
-                  _fmt(r.get("peak_mem_gb"), "", 1))
+        t.add_row(str(r["step"]), r["change"], _fmt(r.get("real_tokens_per_s"), "", 0), f"{r['speedup']:.2f}",
+                  _fmt(r.get("step_ms")), _fmt(r["mfu"] * 100 if r.get("mfu") else None, " %"),
+                  _fmt(r.get("peak_mem_gb"), "", 1), _fmt(r.get("elapsed_s"), "", 0))
     console.print(t)
+    own = [(r["step"], c) for r in result["ladder"] for c in r.get("changes") or []]
+    if own:
+        t = Table(title="each change's own contribution (leave-one-out)", header_style="bold")
+        for col in ("#", "rule", "x own [95% CI]", "pairs", "verdict"):
+            t.add_column(col)
+        for step, c in own:
+            k = c["contribution"]
+            t.add_row(str(step), c["rule"], _ci(k), str(k.get("pairs") or ""), k["outcome"])
+        console.print(t)
     rejected = [x for x in result["trials"] if x.get("outcome") != "kept"]
     if rejected:
         t = Table(title="trials not kept", header_style="bold")
-        for col in ("trial", "rule", "change", "outcome", "real tokens/s", "gain vs margin"):
+        for col in ("trial", "what", "outcome", "x [95% CI]"):
             t.add_column(col)
         for x in rejected:
-            gain = f"{x['gain'] * 100:+.1f}% vs +/-{x['margin'] * 100:.1f}%" if "gain" in x else (x.get("error") or "")[:60]
-            t.add_row(str(x["trial"]), x["rule"], ", ".join(f"{k}={v}" for k, v in x["config_patch"].items()),
-                      x["outcome"], _fmt(x.get("real_tokens_per_s"), "", 0), gain)
+            old = f"{x['gain'] * 100:+.1f}% vs +/-{x['margin'] * 100:.1f}%" if "margin" in x else None
+            t.add_row(str(x["trial"]), x.get("name") or x["rule"], x["outcome"],
+                      _ci(x) if "ratio" in x else old or (x.get("error") or x.get("why") or "")[:40])
         console.print(t)
     for s in result.get("skipped") or []:
         console.print(f"skipped {s['rule']}: {s['why']}")
+    if result.get("wall_s"):
+        console.print(f"treatment took {result['wall_s']:.0f} s")
+
+
+def _ci(d: dict[str, Any]) -> str:
+    if d.get("ratio") is None:
+        return ""
+    lo, hi = d.get("ci_low"), d.get("ci_high")
+    if lo is None or hi is None or hi == float("inf"):
+        return f"{d['ratio']:.2f}"
+    return f"{d['ratio']:.2f} [{lo:.2f}-{hi:.2f}]"
 
 
 def render_sweep(rows: list[dict[str, Any]], console: Console) -> None:

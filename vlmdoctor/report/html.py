@@ -586,8 +586,12 @@ def treat_html(result: dict[str, Any]) -> str:
         for t in trials:
             outcome = str(t.get("outcome"))
             cls = outcome if outcome in ("kept", "no_gain", "harmful") else "failed"
-            measured = (f"{t['gain'] * 100:+.1f}% vs ±{(t.get('margin') or 0) * 100:.1f}%" if "gain" in t
-                        else esc(str(t.get("error") or "")))
+            if "ratio" in t:
+                measured = esc(_paired(t))
+            elif "gain" in t:  # a treat.json of the first treat: gain against the spread-based margin
+                measured = f"{t['gain'] * 100:+.1f}% vs ±{(t.get('margin') or 0) * 100:.1f}%"
+            else:
+                measured = esc(str(t.get("error") or t.get("why") or ""))
             rows.append((esc(str(t.get("trial"))), f"{esc(str(t.get('layer', '')))}",
                          f"<b>{esc(str(t.get('title') or ''))}</b><br><code>{esc(str(t.get('rule')))}</code>",
                          _patch_html(t.get("config_patch")), _gain(t.get("expected_gain")),
@@ -595,7 +599,8 @@ def treat_html(result: dict[str, Any]) -> str:
                          f'<span class="badge {cls}">{esc(outcome)}</span>'))
         body.append("<h2>Trials, in the order tried</h2>")
         body.append(_table(("trial", "layer", "prescription", "config patch", "expected gain", "real tokens/s",
-                            "gain vs margin", "outcome"), rows, numeric=(0, 5, 6), cls="wide"))
+                            "measured: paired ratio [95% CI] (pairs)", "outcome"), rows, numeric=(0, 5, 6),
+                           cls="wide"))
     dec = result.get("decision") or {}
     if dec.get("rule"):
         body.append(f'<p class="note">decision: {esc(str(dec["rule"]))} (min gain {esc(_pct(dec.get("min_gain"), 0))})'
@@ -615,6 +620,13 @@ def treat_html(result: dict[str, Any]) -> str:
     if cfg:
         body.append("<details><summary>start config</summary>" + _kv(sorted(cfg.items())) + "</details>")
     return _page(title, subtitle, body)
+
+
+def _paired(t: dict[str, Any]) -> str:
+    """x1.23 [1.10-1.38] (3): the paired ratio, its interval and the pairs it rests on."""
+    lo, hi = t.get("ci_low"), t.get("ci_high")
+    ci = f" [{lo:.2f}-{hi:.2f}]" if lo is not None and hi is not None and hi != float("inf") else ""
+    return f"x{t['ratio']:.2f}{ci} ({t.get('pairs')})"
 
 
 def write_html(text: str, path: Path, force: bool = False) -> None:

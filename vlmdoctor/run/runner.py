@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import re
 import resource
 import statistics
@@ -30,6 +31,7 @@ import torch
 from vlmdoctor import SCHEMA_VERSION, __version__
 from vlmdoctor.run import envinfo, flops
 from vlmdoctor.run.capture import TraceOptions, capture, trace_path
+from vlmdoctor.run.compile import compile_model, graphs_compiled, mark_lengths_dynamic
 from vlmdoctor.run.config import RunConfig
 from vlmdoctor.run.data import BatchSampler, Collator, LlavaFile, SyntheticVQA
 from vlmdoctor.errors import EXIT_FAILED_RUN, EXIT_NAN, EXIT_OK, EXIT_OOM, UsageError
@@ -192,7 +194,7 @@ def build_patient(cfg: RunConfig, device: torch.device, progress: Progress = _qu
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, **opt_kwargs)
     model: torch.nn.Module = vlm
     if cfg.compile != "off":
-        model = torch.compile(vlm, mode=None if cfg.compile == "default" else cfg.compile)
+        model = compile_model(vlm, cfg.compile)
     return Patient(cfg, spec, device, model, vlm, optimizer, _cycle(loader), flops.FlopModel.from_spec(spec), data_info)
 
 
@@ -261,6 +263,8 @@ def train_step(p: Patient) -> tuple[torch.Tensor, dict[str, Any]]:
             total[k] += counts[k]
         total["lengths"] += counts["lengths"]
         batch = _to_device(batch, p.device, dtype)
+        if cfg.compile != "off":
+            mark_lengths_dynamic(batch)  # one graph for every length, no recompile per new length
         with _attention_context(cfg.attention):
             with _autocast(cfg, p.device):
                 loss = p.model(**batch).loss / cfg.grad_accum
@@ -381,11 +385,24 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
         report["model"]["params"] = (native.native_param_counts(patient.vlm) if isinstance(patient.vlm, native.NativeVLM)
                                      else param_counts(patient.vlm))
         report["data"] = patient.data_info
+        warm_s = []
         for i in range(cfg.warmup):
+            t0 = time.perf_counter()
             train_step(patient)
             _sync(device)
+            warm_s.append(time.perf_counter() - t0)
             progress("warm-up", i + 1, cfg.warmup)
+        graphs = graphs_compiled() if cfg.compile != "off" else 0
         windows = [_window(patient, cfg.steps, peak, progress, f"timed {r + 1}/{cfg.repeats}") for r in range(cfg.repeats)]
+        report["warmup"] = _warmup_times(warm_s)
+        if cfg.compile != "off":
+            report["warmup"]["graphs_compiled"] = graphs
+            new = graphs_compiled() - graphs
+            report["warmup"]["graphs_compiled_in_timed_windows"] = new
+            if new:
+                report.setdefault("warnings", []).append(
+                    f"torch.compile compiled {new} new graph(s) during the timed windows: their compile time counts "
+                    f"as step time; raise --warmup or pad to fewer lengths (pad_to_multiple_of)")
         if trace is not None:
             def step() -> None:
                 train_step(patient)
@@ -410,6 +427,8 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
         return report
     total = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
     metrics, stats = summarize(windows, total)
+    metrics["warmup_s"] = report.get("warmup", {}).get("warmup_s")
+    metrics["compile_s"] = report.get("warmup", {}).get("compile_s") if cfg.compile != "off" else None
     report["metrics"] = metrics
     report["stats"] = stats
     if "trace" in report:  # profiler overhead, visible next to the untraced numbers it stayed out of
@@ -419,6 +438,18 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
         report["status"] = "nan_loss"
         report["error"] = {"type": "NonFiniteLoss", "message": "the loss was NaN or inf in a timed step"}
     return report
+
+
+def _warmup_times(warm_s: list[float]) -> dict[str, Any]:
+    """Warm-up wall time, and the part of it beyond steady steps: compilation, autotuning, first-call setup.
+
+    A steady step is the last warm-up step; what the earlier steps took beyond it is `compile_s`.
+    """
+    if not warm_s:
+        return {"warmup_s": 0.0, "compile_s": 0.0, "steps": 0}
+    steady = warm_s[-1]
+    return {"warmup_s": sum(warm_s), "compile_s": sum(max(0.0, s - steady) for s in warm_s[:-1]),
+            "steps": len(warm_s), "step_s": warm_s}
 
 
 def _release(device: torch.device) -> None:
@@ -452,17 +483,23 @@ def exit_code(report: dict[str, Any]) -> int:
 
 
 def run_isolated(cfg: RunConfig, timeout: float | None = None, diagnose: bool = True,
-                 rules_dirs: list[str] | None = None) -> dict[str, Any]:
-    """Run one configuration in a fresh Python process and return its report (diagnosed unless asked not to)."""
+                 rules_dirs: list[str] | None = None, env: dict[str, str] | None = None,
+                 python: str | None = None) -> dict[str, Any]:
+    """Run one configuration in a fresh Python process and return its report (diagnosed unless asked not to).
+
+    `env` adds to the child's environment (compile cache folders shared by a treatment's trials);
+    `python` is another interpreter (the gate's baseline: another vlmdoctor or torch install).
+    """
     with tempfile.TemporaryDirectory(prefix="vlmdoctor-") as tmp:
         cfg_path, out_path = Path(tmp) / "config.json", Path(tmp) / "report.json"
         cfg.dump(cfg_path)
-        cmd = [sys.executable, "-m", "vlmdoctor", "profile", "--config", str(cfg_path), "--json", str(out_path), "--quiet"]
+        cmd = [python or sys.executable, "-m", "vlmdoctor", "profile", "--config", str(cfg_path), "--json", str(out_path), "--quiet"]
         cmd += [] if diagnose else ["--no-diagnose"]
         for d in rules_dirs or []:
             cmd += ["--rules", str(d)]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                                  env={**os.environ, **env} if env else None)
         except subprocess.TimeoutExpired:
             return {"schema_version": SCHEMA_VERSION, "status": "timeout", "config": cfg.to_dict(),
                     "error": {"type": "Timeout", "message": f"the run took longer than {timeout:.0f} s"}}

@@ -1,0 +1,168 @@
+"""The paired decision engine on synthetic noise: false keeps, power, and the statistics under it.
+
+The noise model is this host's, as measured: a run's throughput is the true value times
+- lognormal jitter per process (sigma 2%: what is left between two fresh processes run back to back),
+- a host speed that wanders from run to run (a random walk, 2% per run: over a treatment's 16 runs
+  it spreads the same config over +-5-15%, as the H100 showed: 45,651 / 48,581 / 50,360, and the
+  ladders' 29,085 vs 24,888 an hour apart),
+- load bursts: 5% of runs slowed by 5-20% (a neighbour taking the host during one run).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from vlmdoctor.doctor.decide import PairedOptions, interleaved, ratio_interval, t_quantile, verdict
+
+
+def host(rng: np.random.Generator, jitter: float = 0.02, walk: float = 0.02, burst_p: float = 0.05,
+         burst: tuple[float, float] = (0.80, 0.95), trend: float = 0.0):
+    """A measuring function: true tokens/s -> a report, with the host's state carried between runs."""
+    state = {"level": 0.0, "runs": 0}
+
+    def measure(true: float) -> dict:
+        state["runs"] += 1
+        state["level"] += rng.normal(0, walk) + trend
+        v = true * math.exp(state["level"] + rng.normal(0, jitter))
+        if rng.random() < burst_p:
+            v *= rng.uniform(*burst)
+        return {"status": "ok", "repeats": [{"real_tokens_per_s": v}]}
+
+    return measure, state
+
+
+def simulate(gain: float, trials: int, seed: int, opts: PairedOptions = PairedOptions(), **noise) -> dict[str, float]:
+    rng = np.random.default_rng(seed)
+    counts: dict[str, int] = {}
+    runs = 0
+    for _ in range(trials):
+        m, state = host(rng, **noise)
+        r = interleaved({"cur": lambda: m(1000.0), "cand": lambda: m(1000.0 * (1 + gain))}, "cur", opts)
+        o = r["decisions"]["cand"]["outcome"]
+        counts[o] = counts.get(o, 0) + 1
+        runs += state["runs"]
+    return {k: v / trials for k, v in counts.items()} | {"runs_per_decision": runs / trials}
+
+
+def test_t_quantiles_match_the_tables():
+    assert t_quantile(0.975, 1) == pytest.approx(12.706, abs=1e-3)
+    assert t_quantile(0.975, 4) == pytest.approx(2.776, abs=1e-3)
+    assert t_quantile(0.95, 10) == pytest.approx(1.812, abs=1e-3)
+    assert t_quantile(0.025, 4) == pytest.approx(-2.776, abs=1e-3)
+
+
+def test_interval_is_geometric_and_symmetric_in_log():
+    ratio, lo, hi = ratio_interval([1.1, 1.2, 1.15])
+    assert lo < ratio < hi and ratio == pytest.approx((1.1 * 1.2 * 1.15) ** (1 / 3))
+    assert math.log(ratio) - math.log(lo) == pytest.approx(math.log(hi) - math.log(ratio))
+    _, lo2, hi2 = ratio_interval([1 / 1.1, 1 / 1.2, 1 / 1.15])
+    assert lo2 == pytest.approx(1 / hi) and hi2 == pytest.approx(1 / lo)
+
+
+@pytest.mark.parametrize("ratios,outcome", [
+    ([1.30, 1.28, 1.33], "kept"),
+    ([0.70, 0.72, 0.69], "harmful"),
+    ([1.005, 0.995, 1.0], "no_gain"),          # the whole interval is under 1 + min_gain
+    ([1.10, 0.95, 1.20], "undecided"),         # straddles the threshold: more pairs wanted
+    ([1.30, 1.31], "kept"),                    # two tight pairs of a large gain are enough
+])
+def test_verdict_classes(ratios, outcome):
+    assert verdict(ratios, 0.02)["outcome"] == outcome
+    assert verdict(ratios, 0.02, final=True)["outcome"] == ("no_gain" if outcome == "undecided" else outcome)
+
+
+def test_same_config_is_kept_in_under_1_percent():
+    r = simulate(0.0, 1500, seed=1)
+    assert r.get("kept", 0) < 0.01, r
+
+
+def test_a_true_10_percent_gain_is_found_in_95_percent():
+    r = simulate(0.10, 1500, seed=2)
+    assert r.get("kept", 0) >= 0.95, r
+    assert r.get("harmful", 0) == 0
+
+
+def test_a_true_10_percent_loss_is_never_kept_and_mostly_called_harmful():
+    """The engine stops once the interval is under 1 + min_gain (no gain either way reverts it), so a
+    loss is not always measured long enough to be called harmful."""
+    r = simulate(-0.10, 600, seed=3)
+    assert r.get("kept", 0) == 0 and r.get("harmful", 0) >= 0.75, r
+
+
+@pytest.mark.parametrize("noise,limit", [
+    ({"jitter": 0.03}, 0.01),                                          # 3% per process: still under 1%
+    ({"jitter": 0.02, "walk": 0.0, "trend": 0.02}, 0.01),              # a steady drift (thermal, a growing load)
+    ({"jitter": 0.02, "burst_p": 0.15, "burst": (0.5, 0.9)}, 0.01),    # frequent heavy bursts (the 2-core CI machine)
+    # 5% per process and a faster-wandering host: measured 3.7% false keeps (docs/treat.md); more
+    # looks at a noisier mean. The bound here says how far it degrades, not that it meets 1%.
+    ({"jitter": 0.05, "walk": 0.03}, 0.05),
+])
+def test_same_config_is_rarely_kept_under_harsher_noise(noise, limit):
+    r = simulate(0.0, 600, seed=4, **noise)
+    assert r.get("kept", 0) < limit, r
+
+
+def test_a_large_gain_is_decided_with_the_least_pairs():
+    """A composition that doubles the speed needs no extra pairs: 3 pairs, 6 runs."""
+    r = simulate(1.0, 200, seed=5)
+    assert r["kept"] == 1.0 and r["runs_per_decision"] == 6
+
+
+def test_a_failing_candidate_stops_and_says_why():
+    ok = {"status": "ok", "repeats": [{"real_tokens_per_s": 100.0}]}
+    calls = []
+
+    def cand():
+        calls.append(1)
+        return {"status": "oom", "error": {"message": "CUDA out of memory"}}
+
+    r = interleaved({"cur": lambda: ok, "cand": cand}, "cur", PairedOptions())
+    assert r["decisions"]["cand"]["outcome"] == "oom" and len(calls) == 1 and r["rounds"] == 1
+
+
+def test_time_budget_stops_before_the_least_evidence_and_says_so():
+    ok = {"status": "ok", "repeats": [{"real_tokens_per_s": 100.0}]}
+    calls = []
+
+    def arm():
+        calls.append(1)
+        return ok
+
+    r = interleaved({"cur": arm, "cand": arm}, "cur", PairedOptions(),
+                    time_left=lambda: 100.0 if len(calls) < 2 else -1.0)
+    d = r["decisions"]["cand"]
+    assert r["rounds"] == 1 and len(calls) == 2 and d["outcome"] == "undecided" and "time" in d["why"]
+
+
+def test_no_run_starts_after_the_budget_and_a_cut_round_pairs_nothing():
+    ok = {"status": "ok", "repeats": [{"real_tokens_per_s": 100.0}]}
+    calls = []
+
+    def arm():
+        calls.append(1)
+        return ok
+
+    # two full rounds, then the budget runs out after the first run of round 3
+    r = interleaved({"cur": arm, "cand": arm}, "cur", PairedOptions(),
+                    time_left=lambda: 100.0 if len(calls) < 5 else -1.0)
+    assert len(calls) == 5 and r["rounds"] == 2
+    assert [len(a.values) for a in r["arms"].values()] == [2, 2]  # the cut round's run is not paired
+    assert r["decisions"]["cand"]["pairs"] == 2
+
+
+def test_contribution_reads_the_ratio_the_other_way():
+    """Ablation: the reference is the full composition; a candidate lacks one change."""
+    full = {"status": "ok", "repeats": [{"real_tokens_per_s": 130.0}]}
+    minus = {"status": "ok", "repeats": [{"real_tokens_per_s": 100.0}]}
+    r = interleaved({"full": lambda: full, "minus": lambda: minus}, "full", PairedOptions(), contribution=True)
+    assert r["decisions"]["minus"]["outcome"] == "kept" and r["decisions"]["minus"]["ratio"] == pytest.approx(1.3)
+
+
+def test_order_alternates_within_rounds():
+    order = []
+    ok = {"status": "ok", "repeats": [{"real_tokens_per_s": 100.0}]}
+    arms = {n: (lambda n=n: (order.append(n), ok)[1]) for n in ("A", "B")}
+    interleaved(arms, "A", PairedOptions(min_pairs=4, max_pairs=4, min_gain=-1.0))  # never decided early... forced 4
+    assert order[:8] == ["A", "B", "B", "A", "A", "B", "B", "A"]

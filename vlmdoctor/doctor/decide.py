@@ -1,0 +1,280 @@
+"""Decide on paired evidence: is a candidate config faster than the current one, beyond the noise?
+
+Why paired. On a shared host the speed of a whole process drifts with load: on the H100 the same
+config measured 45,651 / 48,581 / 50,360 real tokens/s in three fresh processes, and on the 2-core
+CI machine a same-config rerun came out 19% slower. A rule that compares one run of each config
+against their within-run spread (what `treat` did before) reads that drift as a gain or a loss.
+So both configs are measured in alternation, each in a fresh process, and what is judged is the
+ratio candidate / current *within each pair* of runs taken next to each other: load that lasts
+longer than a pair cancels out of it.
+
+The statistic. For n pairs with ratios r_i, take l_i = log r_i and a Student-t interval on their
+mean: exp(mean(l) +- t(n-1) * sd(l) / sqrt(n)). Log ratios, because the noise is multiplicative
+(a loaded host slows everything by a factor) and a log ratio is symmetric (2x and 0.5x are
+equally far from 1). A t-interval rather than a bootstrap, because a treatment affords 3-6 pairs:
+a bootstrap over 3 pairs has 10 distinct resamples and its interval is far too narrow (it
+cannot see beyond the spread of the pairs it has); the t-interval widens correctly for few
+pairs (t(2) = 4.30 at 95%), which is what keeps a same-config pair from being "kept". At least
+3 pairs (`min_pairs`): with 2, the sample sd is often tiny by luck.
+
+The gate (`robust`): with 6 pairs or more, a pair far from the others (5 robust standard
+deviations: a load burst during one of its runs) is set aside before the interval; the verdict
+keeps every ratio, so that can be checked.
+
+The decision, with the interval at `confidence` (two-sided 95% by default):
+    kept     when  lower bound > 1 + min_gain
+    harmful  when  upper bound < 1
+    no gain  when  upper bound < 1 + min_gain (it cannot pay what a config line costs) or
+                   no more pairs are allowed
+    undecided otherwise: another pair is measured while `max_pairs` and the time allow.
+
+The false-keep rate and the power under this host's noise are checked by simulation in
+tests/test_decide.py; docs/treat.md ("How a change is decided") has the numbers.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Callable, Sequence
+
+#: a report comes back from a run; its throughput is the median over its timed windows
+Report = dict[str, Any]
+Arm = Callable[[], Report]
+
+
+@dataclass
+class PairedOptions:
+    min_gain: float = 0.02      # below 2% a change is not worth a config line
+    confidence: float = 0.95    # two-sided level of the interval on the paired ratio
+    min_pairs: int = 3          # the least evidence a decision is made on (two pairs' spread is often tiny by luck)
+    max_pairs: int = 10         # adaptive extra pairs stop here
+
+
+# --- Student t quantile, without scipy --------------------------------------------------------
+
+def _betacf(a: float, b: float, x: float) -> float:
+    """Continued fraction of the regularized incomplete beta (Numerical Recipes, Lentz's method)."""
+    tiny = 1e-300
+    qab, qap, qam = a + b, a + 1.0, a - 1.0
+    c, d = 1.0, 1.0 - qab * x / qap
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 300):
+        m2 = 2 * m
+        aa = m * (b - m) * x / ((qam + m2) * (a + m2))
+        d = 1.0 + aa * d
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + aa / c if abs(1.0 + aa / c) > tiny else tiny
+        h *= d * c
+        aa = -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))
+        d = 1.0 + aa * d
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + aa / c if abs(1.0 + aa / c) > tiny else tiny
+        delta = d * c
+        h *= delta
+        if abs(delta - 1.0) < 1e-12:
+            break
+    return h
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    if x <= 0:
+        return 0.0
+    if x >= 1:
+        return 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1) / (a + b + 2):
+        return front * _betacf(a, b, x) / a
+    return 1.0 - front * _betacf(b, a, 1.0 - x) / b
+
+
+def t_cdf(t: float, df: float) -> float:
+    """P(T <= t) for Student's t with df degrees of freedom."""
+    tail = 0.5 * _betainc(df / 2, 0.5, df / (df + t * t))
+    return 1.0 - tail if t > 0 else tail
+
+
+@lru_cache(maxsize=256)
+def t_quantile(p: float, df: float) -> float:
+    """The t with P(T <= t) = p (bisection on the CDF: slow-ish, exact, dependency-free)."""
+    if not 0 < p < 1:
+        raise ValueError("p must be in (0, 1)")
+    if p < 0.5:
+        return -t_quantile(1 - p, df)
+    lo, hi = 0.0, 1.0
+    while t_cdf(hi, df) < p:
+        hi *= 2
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_cdf(mid, df) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+# --- the interval and the verdict -------------------------------------------------------------
+
+#: a pair farther than this many robust standard deviations (1.4826 x MAD) from the median pair is
+#: taken as measured during a load burst and set aside (Iglewicz and Hoaglin suggest 3.5 for a
+#: modified z-score; on 6-16 pairs the MAD is unsteady, and 3.5 set aside ordinary pairs too often)
+OUTLIER_Z = 5.0
+#: below this many pairs the median and MAD are too unsteady to call anything an outlier
+MIN_PAIRS_FOR_OUTLIERS = 6
+
+
+def outliers(ratios: Sequence[float]) -> list[int]:
+    """Indices of pairs measured during a load burst: far from the others on a robust scale."""
+    if len(ratios) < MIN_PAIRS_FOR_OUTLIERS:
+        return []
+    logs = [math.log(r) for r in ratios]
+    med = statistics.median(logs)
+    mad = 1.4826 * statistics.median(abs(x - med) for x in logs)
+    if mad == 0:
+        return []
+    return [i for i, x in enumerate(logs) if abs(x - med) / mad > OUTLIER_Z]
+
+
+def ratio_interval(ratios: Sequence[float], confidence: float = 0.95,
+                   robust: bool = False) -> tuple[float, float, float]:
+    """(geometric mean ratio, lower, upper): the t-interval on the mean log ratio, back in ratio units.
+
+    `robust`: pairs that `outliers` names are left out first (a neighbour's job during one run
+    moves one pair by 10-50%; kept, it widens the interval of the decision it touches). The gate
+    uses it on the loaded CI host; treat does not (on few pairs it narrows the interval too often:
+    1.0% false keeps instead of 0.3% in tests/test_decide.py's noise model)."""
+    drop = set(outliers(ratios)) if robust else set()
+    logs = [math.log(r) for i, r in enumerate(ratios) if i not in drop]
+    n = len(logs)
+    mean = statistics.fmean(logs)
+    if n < 2:
+        return math.exp(mean), 0.0, math.inf
+    half = t_quantile(1 - (1 - confidence) / 2, n - 1) * statistics.stdev(logs) / math.sqrt(n)
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
+def verdict(ratios: Sequence[float], min_gain: float = 0.02, confidence: float = 0.95,
+            final: bool = False) -> dict[str, Any]:
+    """kept / harmful / no_gain / undecided, with the interval that decided it.
+
+    `final`: no more pairs will come, so an undecided interval is a no gain.
+    """
+    ratio, lo, hi = ratio_interval(ratios, confidence)
+    if lo > 1 + min_gain:
+        outcome = "kept"
+    elif hi < 1:
+        outcome = "harmful"
+    elif hi < 1 + min_gain or final:
+        outcome = "no_gain"
+    else:
+        outcome = "undecided"
+    return {"outcome": outcome, "ratio": ratio, "gain": ratio - 1, "ci_low": lo, "ci_high": hi,
+            "pairs": len(ratios), "ratios": list(ratios), "confidence": confidence, "min_gain": min_gain}
+
+
+def throughput(report: Report) -> float | None:
+    """Median real tokens/s over a run's timed windows; None when the run did not finish cleanly."""
+    if report.get("status") != "ok":
+        return None
+    reps = [r["real_tokens_per_s"] for r in report.get("repeats") or [] if r.get("real_tokens_per_s")]
+    if reps:
+        return statistics.median(reps)
+    return (report.get("metrics") or {}).get("real_tokens_per_s")
+
+
+# --- the engine -------------------------------------------------------------------------------
+
+@dataclass
+class ArmResult:
+    name: str
+    reports: list[Report]
+    values: list[float | None]
+    failed: Report | None = None  # the first run that did not finish cleanly: the arm stops there
+
+
+def interleaved(arms: dict[str, Arm], reference: str, opts: PairedOptions,
+                time_left: Callable[[], float] = lambda: math.inf, contribution: bool = False,
+                first: dict[str, Report] | None = None,
+                judge: Callable[[list[float], bool], dict[str, Any]] | None = None,
+                notify: Callable[[str], None] = lambda _: None,
+                on_round: Callable[[dict[str, ArmResult]], None] = lambda _: None) -> dict[str, Any]:
+    """Measure the arms in rounds, each arm once per round, and decide each candidate against the reference.
+
+    The order within a round rotates (A B, B A, A B ... for two arms; R A B, A B R, B R A for three) so that a steady drift of the
+    host does not always favour the arm that runs second. A round's ratio is candidate / reference
+    of that round. After `min_pairs` rounds, another round runs only while some candidate is
+    undecided, `max_pairs` is not reached and the last round's wall time still fits in
+    `time_left()`. With `contribution`, a candidate's ratio is reference / candidate: what the
+    reference has that the candidate lacks (a leave-one-out ablation). `judge(ratios, final)`
+    replaces the keep/harmful verdict (the gate judges slowdowns). `first` holds reports
+    already measured for round 1 (the diagnosed run a treatment starts from). An arm whose run fails (OOM, crash, timeout) leaves the comparison with that
+    outcome; when the reference fails, nothing can be decided. `on_round` sees the results after
+    every round (treat uses it to keep what was measured on Ctrl-C).
+    """
+    if judge is None:
+        def judge(ratios: list[float], final: bool) -> dict[str, Any]:
+            return verdict(ratios, opts.min_gain, opts.confidence, final)
+    names = [reference, *[n for n in arms if n != reference]]
+    res = {n: ArmResult(n, [], []) for n in names}
+    round_s = 0.0
+    rounds = 0
+    decisions: dict[str, dict[str, Any]] = {}
+    while True:
+        live = [n for n in names if res[n].failed is None]
+        undecided = [n for n in live if n != reference and decisions.get(n, {}).get("outcome", "undecided") == "undecided"]
+        if res[reference].failed is not None or not undecided:
+            break
+        if rounds >= opts.max_pairs or time_left() <= 0 or (rounds > 0 and round_s > time_left()):
+            break  # the time budget is a hard limit, also before min_pairs: then there is no decision
+        # only the reference and the undecided arms run again
+        order = [n for n in names if n == reference or n in undecided]
+        k = rounds % len(order)
+        order = order[k:] + order[:k]
+        t0 = time.time()
+        done: list[str] = []
+        for n in order:
+            reuse = rounds == 0 and n in (first or {})
+            if done and not reuse and time_left() <= 0:
+                break  # the budget ran out inside the round: no run starts after it
+            notify(f"round {rounds + 1}: {n}")
+            rep = (first or {})[n] if reuse else arms[n]()
+            v = throughput(rep)
+            res[n].reports.append(rep)
+            res[n].values.append(v)
+            done.append(n)
+            if v is None:
+                res[n].failed = rep
+        if len(done) < len(order):  # an incomplete round pairs nothing: its runs are kept, not counted
+            for n in done:
+                if res[n].failed is None:
+                    res[n].values.pop()
+            break
+        round_s = time.time() - t0
+        rounds += 1
+        ref_ok = res[reference].failed is None
+        for n in undecided:
+            if res[n].failed is not None or not ref_ok:
+                continue
+            decisions[n] = judge(_ratios(res[n], res[reference], contribution), False) \
+                if rounds >= opts.min_pairs else {"outcome": "undecided"}
+        on_round(res)
+    out: dict[str, Any] = {"rounds": rounds, "arms": res, "decisions": {}}
+    for n in names[1:]:
+        a = res[n]
+        if a.failed is not None:
+            out["decisions"][n] = {"outcome": a.failed.get("status") or "error"}
+        elif res[reference].failed is not None:
+            out["decisions"][n] = {"outcome": "reference_failed"}
+        else:
+            ratios = _ratios(a, res[reference], contribution)
+            if len(ratios) < opts.min_pairs:
+                out["decisions"][n] = {"outcome": "undecided", "pairs": len(ratios), "ratios": ratios,
+                                       "why": f"{len(ratios)} pair(s) measured before the time ran out"}
+            else:
+                out["decisions"][n] = judge(ratios, True)
+    return out
+
+
+def _ratios(arm: ArmResult, ref: ArmResult, contribution: bool = False) -> list[float]:
+    """Per-round ratios, over the rounds where both ran cleanly."""
+    return [(b / a if contribution else a / b) for a, b in zip(arm.values, ref.values) if a and b]

@@ -1,0 +1,63 @@
+"""torch.compile that finishes: one graph for every sequence length, caches kept, compile time apart.
+
+Three ladders on the H100 had their compile trial time out (200-240 s) and one profile spent six
+minutes of its run compiling: every new sequence length was a new graph. So when compile is on:
+
+- the sequence dimension of every batch tensor is marked dynamic before the first call, so
+  Inductor compiles one graph with a symbolic length instead of one per length (the rule that
+  prescribes compile also pads to a multiple of 64, which leaves few lengths to see anyway);
+- the compile caches can live in a folder the caller names (`cache_env`), so that the trials of
+  one treatment reuse what the first compiled;
+- the graphs compiled are counted before and after the timed windows: a recompile inside them is
+  reported, because its seconds would count as step time.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: batch entries whose dimension 1 is the token sequence
+SEQUENCE_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")
+#: 1-D entries whose length is the number of labeled tokens (the LM head on labeled positions)
+FLAT_KEYS = ("loss_index", "loss_targets")
+
+
+def cache_env(folder: str | Path) -> dict[str, str]:
+    """Environment for child processes: Inductor's and Triton's caches in `folder` (made absolute)."""
+    root = Path(folder).resolve()
+    return {"TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"), "TRITON_CACHE_DIR": str(root / "triton")}
+
+
+def compile_model(model: torch.nn.Module, mode: str) -> torch.nn.Module:
+    """torch.compile with the run config's mode ('default' is torch's None)."""
+    return torch.compile(model, mode=None if mode == "default" else mode)
+
+
+def mark_lengths_dynamic(batch: dict[str, Any]) -> None:
+    """Mark the sequence dimension dynamic, so a new length reuses the compiled graph.
+
+    `maybe_mark_dynamic`: where the model's code needs a fixed length, dynamo specializes
+    instead of raising.
+    """
+    for k in SEQUENCE_KEYS:
+        t = batch.get(k)
+        if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] > 1:
+            torch._dynamo.maybe_mark_dynamic(t, 1)
+    for k in FLAT_KEYS:
+        t = batch.get(k)
+        if isinstance(t, torch.Tensor) and t.dim() == 1 and t.shape[0] > 1:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+
+
+def graphs_compiled() -> int:
+    """Graphs dynamo has compiled in this process so far (each recompile adds one)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def compile_cache_dirs() -> dict[str, str | None]:
+    return {k: os.environ.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
