@@ -84,14 +84,25 @@ def run_sweep(plan: Plan, timeout: float, diagnose: bool, jsonl: str | None,
         notify(i, len(plan), name)
         report = run_isolated(cfg, timeout=timeout, diagnose=diagnose)
         if jsonl:
-            with open(jsonl, "a") as f:
-                f.write(json.dumps({**report, "sweep": {"name": name}}, default=str) + "\n")
+            from vlmdoctor.files import append_text, json_text
+
+            append_text(jsonl, json_text({**report, "sweep": {"name": name}}, indent=None))
         rows.append(row(name, report))
     return rows
 
 
+def csv_text(rows: list[dict[str, Any]]) -> str:
+    import io
+
+    buf = io.StringIO(newline="")
+    w = csv.DictWriter(buf, fieldnames=list(rows[0]) if rows else ["name"])
+    w.writeheader()
+    w.writerows(rows)
+    return buf.getvalue()
+
+
 def write_csv(rows: list[dict[str, Any]], path: str) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["name"])
-        w.writeheader()
-        w.writerows(rows)
+    """Through the one writer: a full disk leaves the old file (or none), never a 0-byte one."""
+    from vlmdoctor.files import write_text
+
+    write_text(path, csv_text(rows))

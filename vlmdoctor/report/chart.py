@@ -66,7 +66,10 @@ def ladder_png(result: dict[str, Any], path: Path) -> None:
             d.line([(cx - 6, yy + 6), (cx + 6, yy - 6)], fill=FAILED, width=3)
     d.text((LEFT, H - 22), "green: kept; grey dot: tried, not kept (no gain or harmful); red x: OOM / crash / refused",
            fill=INK, font=small)
-    img.save(path)
+    from vlmdoctor.files import atomic_writer
+
+    with atomic_writer(path) as f:
+        img.save(f, format="PNG")
 
 
 def _vertical_text(img: Image.Image, text: str, at: tuple[int, int], font) -> None:

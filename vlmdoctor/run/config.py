@@ -163,9 +163,14 @@ class RunConfig:
         return cls.from_dict(data or {}, source=str(p))
 
     def dump(self, path: str | Path) -> None:
-        p = Path(path)
+        from vlmdoctor.files import write_text
+
+        write_text(path, self.dump_text(path))
+
+    def dump_text(self, path: str | Path = "config.yaml") -> str:
+        """The config as JSON (for a .json path) or YAML, as `dump` writes it."""
         data = self.to_dict()
-        p.write_text(json.dumps(data, indent=2) + "\n" if p.suffix == ".json" else yaml.safe_dump(data, sort_keys=False))
+        return json.dumps(data, indent=2) + "\n" if Path(path).suffix == ".json" else yaml.safe_dump(data, sort_keys=False)
 
 
 def _base_type(annotation: Any) -> type:
