@@ -99,7 +99,7 @@ def test_interrupt_keeps_the_ladder_measured_so_far(tmp_path):
 def test_a_start_config_that_fails_is_reported(tmp_path):
     cfg = RunConfig(model="tiny", device="cpu", steps=2, warmup=0, num_samples=64, autocast="off")
     result = treat(cfg, lambda c: {"status": "oom", "error": {"message": "CUDA out of memory"}}, TreatOptions())
-    assert result["ladder"] == [] and "did not run: oom" in result["stopped_because"]
+    assert result["ladder"] == [] and "did not run (oom)" in result["stopped_because"]
 
 
 @pytest.mark.parametrize("a,b,outcome", [

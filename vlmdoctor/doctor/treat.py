@@ -118,7 +118,8 @@ def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lamb
         out["env"] = current.get("env")
         out["start"] = summary(current)
         if current.get("status") != "ok" or not tokens(current):
-            out["stopped_because"] = f"the start config did not run: {current.get('status')}"
+            why = (current.get("error") or {}).get("message") or "it measured no throughput"
+            out["stopped_because"] = f"the start config did not run ({current.get('status') or 'no report'}): {why}"
             out["final_config"] = cfg.to_dict()
             return out
         base = statistics.median(tokens(current))

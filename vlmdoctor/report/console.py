@@ -21,7 +21,9 @@ def _fmt(v: Any, unit: str = "", digits: int = 1) -> str:
 def _changed_knobs(config: dict[str, Any]) -> list[str]:
     defaults = RunConfig().to_dict()
     layer = {row["name"]: row["layer"] for row in knob_table()}
-    return [f"{k}={v}" for k, v in config.items() if v != defaults.get(k) and layer.get(k, 0) > 0]
+    # the measurement window (steps, warmup, repeats) is shown in the table; model and stage in the title
+    shown = {"model", "stage", "device", "steps", "warmup", "repeats"}
+    return [f"{k}={v}" for k, v in config.items() if v != defaults.get(k) and k in layer and k not in shown]
 
 
 def render(report: dict[str, Any], console: Console) -> None:
@@ -33,6 +35,12 @@ def render(report: dict[str, Any], console: Console) -> None:
     console.print(f"model: {model.get('vision')} + {model.get('projector')} + {model.get('llm')}; "
                   f"{model.get('image_tokens')} image tokens")
     console.print("knobs changed from the default: " + (", ".join(changed) if changed else "none (the default config)"))
+    data = report.get("data") or {}
+    if data.get("skipped"):
+        console.print(f"[yellow]data: {data['skipped']} of {data.get('records')} records skipped[/yellow] "
+                      f"(--bad-records skip; the first: {(data.get('problems') or ['?'])[0]})", highlight=False)
+    for w in report.get("warnings") or []:
+        console.print(f"[yellow]warning:[/yellow] {w}", highlight=False)
     if report["status"] not in ("ok", "nan_loss"):
         err = report.get("error", {})
         console.print(f"[bold red]{report['status']}[/bold red]: {err.get('message')}")
