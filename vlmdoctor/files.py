@@ -58,7 +58,7 @@ def check_writable(path: str | os.PathLike | None, force: bool, flag: str = "") 
             raise UsageError(f"{label}: a name in the path is longer than {NAME_MAX} bytes")
     try:
         st = os.lstat(p)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # a missing name, or a file where a folder should be: below
         st = None
     except OSError as e:
         raise UsageError(f"{label}: cannot use this path ({e.strerror})") from None
