@@ -362,7 +362,6 @@ def diagnose(facts: dict[str, Any], rules: list[Rule], problems: list[str] | Non
         except EVAL_ERRORS as e:
             why = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}" if str(e) else type(e).__name__
             problems = [*(problems or []), f"{rule.path}: rule {rule.id} failed while being evaluated ({why})"]
-            not_evaluated.append({"id": rule.id, "error": why})
             continue
         if finding is not None:
             fired.append(finding)
