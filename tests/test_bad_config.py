@@ -70,3 +70,43 @@ def test_an_empty_config_is_the_default(tmp_path):
 
     (tmp_path / "empty.yaml").write_text("")
     assert RunConfig.load(tmp_path / "empty.yaml") == RunConfig()
+
+
+def test_a_fifo_is_refused_not_read_forever(tmp_path):
+    import os
+
+    fifo = tmp_path / "run.yaml"
+    os.mkfifo(fifo)
+    assert_one_line(invoke(["profile", "--config", fifo, *FAST]), 2, "not a regular file")
+    assert_one_line(invoke(["gate", "--baseline", fifo, "--current", REPORT]), 2, "not a regular file")
+    assert_one_line(invoke(["sweep", fifo]), 2, "not a regular file")
+
+
+GRIDS = [
+    ("rows-not-mappings", b"runs: [1, 2]\n", "each run must be a mapping"),
+    ("set-not-mapping", b"runs: [{name: a, set: [1]}]\n", "each run must be a mapping"),
+    ("stages-scalar", b"stages: 2\nruns: [{name: a}]\n", "'stages' must be a list"),
+    ("row-stages-scalar", b"runs: [{name: a, stages: 2}]\n", "'stages' must be a list"),
+    ("defaults-list", b"defaults: [1]\nruns: [{name: a}]\n", "'defaults' must be a mapping"),
+    ("latin1", b"runs: [{name: caf\xe9}]\n", "not UTF-8"),
+    ("bad-knob", b"runs: [{name: a, set: {lr: -1}}]\n", "lr"),
+    ("no-runs", b"defaults: {}\n", "'runs'"),
+    ("scalar", b"0\n", "'runs'"),
+]
+
+
+@pytest.mark.parametrize("name, content, needle", GRIDS, ids=[g[0] for g in GRIDS])
+def test_bad_sweep_grid(tmp_path, monkeypatch, name, content, needle):
+    monkeypatch.chdir(tmp_path)
+    grid = tmp_path / "grid.yaml"
+    grid.write_bytes(content)
+    before = snapshot(tmp_path)
+    assert_one_line(invoke(["sweep", grid]), 2, needle)
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("item, needle", [("lr=[", "--set lr=["), ("batch_size", "expected knob=value"),
+                                          ("nope=1", "unknown knob"), ("batch_size={a: 1}", "batch_size")])
+def test_bad_set_values(tmp_path, monkeypatch, item, needle):
+    monkeypatch.chdir(tmp_path)
+    assert_one_line(invoke(["treat", *TINY, "--set", item]), 2, needle)

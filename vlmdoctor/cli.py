@@ -324,7 +324,10 @@ def _parse_sets(sets: list[str], many: bool = False) -> dict[str, Any]:
             raise VlmdoctorError(f"--set {k}: unknown knob; valid knobs: {', '.join(sorted(RunConfig.__dataclass_fields__))}")
         kind = _base_type(RunConfig.__dataclass_fields__[k].type)
         parse = (lambda x: x.strip()) if kind is str else yaml.safe_load  # "off" is a string here, not YAML's False
-        out[k] = [parse(x) for x in v.split(",")] if many else parse(v)
+        try:
+            out[k] = [parse(x) for x in v.split(",")] if many else parse(v)
+        except yaml.YAMLError as e:
+            raise VlmdoctorError(f"--set {item}: the value does not parse ({_one_line(str(e))})") from None
     return out
 
 
@@ -377,7 +380,7 @@ def treat(
         base = RunConfig.load(config) if config else RunConfig(steps=10, repeats=3)
         flags = {k: v for k, v in dict(model=model, stage=stage, device=device, steps=steps, warmup=warmup,
                                        repeats=repeats).items() if v is not None}
-        cfg = base.replace(source="command line", **{**_parse_sets(sets or []), **flags})
+        cfg = base.replace(source="--set", **_parse_sets(sets or [])).replace(source="command line", **flags)
         check(cfg)
         from vlmdoctor.files import check_writable
 
@@ -618,7 +621,10 @@ def export(
             except ValueError as e:
                 raise VlmdoctorError(f"{src}: not readable JSON ({e})") from None
             if isinstance(report, dict) and "traceEvents" not in report:
-                kept = (report.get("trace") or {}).get("path")
+                trace_info = report.get("trace")
+                kept = trace_info.get("path") if isinstance(trace_info, dict) else None
+                if kept is not None and not isinstance(kept, str):
+                    raise VlmdoctorError(f"{src}: its trace.path is not a path")
                 if not kept:
                     raise VlmdoctorError(f"{src}: the report kept no trace; run profile with --trace-dir DIR")
                 if not (src.parent / kept).exists() and not Path(kept).exists():

@@ -55,8 +55,11 @@ def path_problem(path: Path) -> str | None:
     return None
 
 
-def read_bytes(path: str | os.PathLike, what: str = "file") -> bytes:
-    """The bytes of a file the user named; every way this fails is one line naming it."""
+def read_bytes(path: str | os.PathLike, what: str = "file", max_bytes: int | None = None) -> bytes:
+    """The bytes of a file the user named; every way this fails is one line naming it. A fifo or a
+    device is refused (reading /dev/zero or a fifo would never end), and so is a file over max_bytes."""
+    import stat
+
     p = Path(path)
     problem = path_problem(p)
     if problem:
@@ -64,9 +67,15 @@ def read_bytes(path: str | os.PathLike, what: str = "file") -> bytes:
     if p.is_dir():
         raise UsageError(f"{what} {p}: is a folder, not a file")
     try:
+        st = p.stat()
+        if not stat.S_ISREG(st.st_mode):
+            raise UsageError(f"{what} {p}: not a regular file (a device or fifo cannot be read as one)")
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise UsageError(f"{what} {p}: {st.st_size / 2**20:.0f} MiB, more than the {max_bytes / 2**20:.0f} MiB "
+                             f"a {what} can be")
         return p.read_bytes()
     except FileNotFoundError:
-        raise UsageError(f"{what} {p}: no such file") from None
+        raise UsageError(f"{what} {p}: cannot read: no such file") from None
     except MemoryError:
         raise UsageError(f"{what} {p}: too big to read into memory") from None
     except OSError as e:
@@ -85,8 +94,8 @@ def decode(data: bytes, path: str | os.PathLike, what: str = "file") -> str:
                          f"column {col})") from None
 
 
-def read_text(path: str | os.PathLike, what: str = "file") -> str:
-    return decode(read_bytes(path, what), path, what)
+def read_text(path: str | os.PathLike, what: str = "file", max_bytes: int | None = None) -> str:
+    return decode(read_bytes(path, what, max_bytes), path, what)
 
 
 def check_rules_dirs(dirs: list[str]) -> None:

@@ -29,17 +29,13 @@ MIN_SAMPLES_FOR_TEST = 8
 
 def load_report(path: str) -> dict[str, Any]:
     """Read a profile report, refusing anything a comparison would silently misread."""
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except FileNotFoundError:
-        raise UsageError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise UsageError(f"{path}: is a directory, not a report JSON") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"{path}: cannot read: {getattr(e, 'strerror', None) or e}") from None
+    from vlmdoctor.inputs import read_text
+
+    text = read_text(path, "report", max_bytes=512 * 2**20)
     try:
         report = json.loads(text)
+    except RecursionError:
+        raise UsageError(f"{path}: not a vlmdoctor profile report (JSON nested too deeply)") from None
     except json.JSONDecodeError as e:
         raise UsageError(f"{path}: not valid JSON (truncated?): {e.msg} at line {e.lineno} column {e.colno}") from None
     return validate_report(report, path)

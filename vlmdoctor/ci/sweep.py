@@ -24,25 +24,35 @@ Plan = list[tuple[str, RunConfig]]
 def grid_rows(path: str | Path, extra: dict[str, Any] | None = None,
               stages: list[int] | None = None) -> list[tuple[int, str, RunConfig]]:
     """(row index, name, config) for every row, model and stage of a grid file; bad knobs are user errors naming the row."""
+    from vlmdoctor.inputs import read_text
+
     try:
-        grid = yaml.safe_load(Path(path).read_text())
-    except FileNotFoundError:
-        raise UsageError(f"{path}: no such grid file") from None
+        grid = yaml.safe_load(read_text(path, "grid file", max_bytes=16 * 2**20))
     except yaml.YAMLError as e:
         raise UsageError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(grid, dict) or not isinstance(grid.get("runs"), list):
         raise UsageError(f"{path}: expected a mapping with a list under 'runs'")
+    if not all(isinstance(r, dict) and isinstance(r.get("set") or {}, dict) for r in grid["runs"]):
+        raise UsageError(f"{path}: each run must be a mapping with an optional 'set' mapping of knobs")
+    for key in ("models", "stages"):
+        if grid.get(key) is not None and not isinstance(grid[key], list):
+            raise UsageError(f"{path}: '{key}' must be a list")
+    if not isinstance(grid.get("defaults") or {}, dict):
+        raise UsageError(f"{path}: 'defaults' must be a mapping of knobs")
     out = []
     models = grid.get("models") or [None]  # optional axis: every row for each model preset
     for model in models:
         for stage in stages or grid.get("stages", [2]):
             for i, row in enumerate(grid["runs"]):
-                if stage not in row.get("stages", [stage]):
+                row_stages = row.get("stages", [stage])
+                if not isinstance(row_stages, list):
+                    raise UsageError(f"{path}: run {i}: 'stages' must be a list")
+                if stage not in row_stages:
                     continue
                 knobs = {**(grid.get("defaults") or {}), **(row.get("set") or {}), **(extra or {}), "stage": stage}
                 if model is not None:
                     knobs["model"] = model
-                name = row.get("name", f"row {i}") + (f" [{model}]" if len(models) > 1 else "")
+                name = str(row.get("name", f"row {i}")) + (f" [{model}]" if len(models) > 1 else "")
                 out.append((i, name, RunConfig.from_dict(knobs, source=f"{path}: run {i}")))
     return out
 

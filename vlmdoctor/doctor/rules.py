@@ -301,7 +301,7 @@ def load_rules(*dirs: str | Path) -> tuple[list[Rule], list[str]]:
             try:
                 from vlmdoctor.inputs import read_text
 
-                data = yaml.safe_load(read_text(path, "rule file"))
+                data = yaml.safe_load(read_text(path, "rule file", max_bytes=2**20))
                 rule = _rule_from(path, data)
             except yaml.YAMLError as e:
                 problems.append(f"{path}: not valid YAML ({str(e).splitlines()[0]})")

@@ -178,7 +178,7 @@ class RunConfig:
         from vlmdoctor.inputs import read_text
 
         p = Path(path)
-        text = read_text(p, "config")
+        text = read_text(p, "config", max_bytes=64 * 2**20)
         try:
             data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
         except (json.JSONDecodeError, yaml.YAMLError, ValueError, RecursionError) as e:
