@@ -625,4 +625,5 @@ def write_html(text: str, path: Path, force: bool = False) -> None:
         raise UsageError(f"{target} exists; pass --force to overwrite it")
     if target.is_dir():
         raise UsageError(f"{target} is a folder; give a file name ending in .html")
+    target.parent.mkdir(parents=True, exist_ok=True)
     write_text(target, text)
