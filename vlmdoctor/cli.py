@@ -464,14 +464,16 @@ def sweep(
             def notify(i: int, n: int, name: str) -> None:
                 status.update(f"run {i}/{n}: {name}")
 
-            rows = run_sweep(plan, timeout, diagnose_runs, jsonl_path, notify)
+            problems: list[str] = []
+            rows = run_sweep(plan, timeout, diagnose_runs, jsonl_path, notify, problems)
         render_sweep(rows, out)
         if csv_path:
             from vlmdoctor.ci.sweep import csv_text
 
             failure = save(csv_path, csv_text(rows), "results table")
-            _fail_on([failure])
+            _fail_on([failure, *problems])
             out.print(f"written: {csv_path}")
+        _fail_on(problems)
 
 
 @app.command()

@@ -85,8 +85,15 @@ def row(name: str, report: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_sweep(plan: Plan, timeout: float, diagnose: bool, jsonl: str | None,
-              notify: Callable[[int, int, str], None] = lambda *_: None) -> list[dict[str, Any]]:
-    """Run each config in its own process; each report is appended to jsonl as soon as it exists."""
+              notify: Callable[[int, int, str], None] = lambda *_: None,
+              problems: list[str] | None = None) -> list[dict[str, Any]]:
+    """Run each config in its own process; each report is appended to jsonl as soon as it exists.
+
+    An append that fails (a full disk) does not end the sweep: the report goes to a fallback file
+    and `problems` gets a line saying where.
+    """
+    from vlmdoctor.errors import VlmdoctorError
+    from vlmdoctor.files import append_text, json_text, save
     from vlmdoctor.run.runner import run_isolated
 
     rows = []
@@ -94,9 +101,14 @@ def run_sweep(plan: Plan, timeout: float, diagnose: bool, jsonl: str | None,
         notify(i, len(plan), name)
         report = run_isolated(cfg, timeout=timeout, diagnose=diagnose)
         if jsonl:
-            from vlmdoctor.files import append_text, json_text
-
-            append_text(jsonl, json_text({**report, "sweep": {"name": name}}, indent=None))
+            line = json_text({**report, "sweep": {"name": name}}, indent=None)
+            try:
+                append_text(jsonl, line)
+            except VlmdoctorError as e:
+                spare = Path.cwd() / f"vlmdoctor-rescued-{Path(jsonl).name}.run{i}.json"
+                kept = save(spare, line, "report") or f"its report was saved to {spare}"
+                if problems is not None:
+                    problems.append(f"{e.message}; run {i} ({name}): {kept}")
         rows.append(row(name, report))
     return rows
 
