@@ -114,3 +114,18 @@ def test_analyze_with_a_broken_user_rule_reports_it_and_finishes(tmp_path, text)
     problems = json.loads(out.read_text())["files"][0]["diagnosis"]["problems"]
     assert any("bad.yaml" in p for p in problems)
     assert json.loads(out.read_text())["files"][0]["findings"]  # the shipped rules still ran
+
+
+def test_rule_text_is_never_read_as_console_markup(tmp_path):
+    """A user's title, evidence or fix holding [/bold] or [red] is printed as written, not parsed."""
+    d = tmp_path / "rules"
+    d.mkdir()
+    text = rule(id="user-markup", evidence="[/bold] busy [red]{gpu.busy_frac:pct}")
+    (d / "markup.yaml").write_text(text.replace("title: test rule", "title: '[/] closes nothing'"))
+    (d / "broken.yaml").write_text(rule(id="user-broken", when="[1] * 2 == [/x]"))
+    r = invoke(["analyze", TRACE, "--rules", d])
+    assert r.exit_code == 0, r.output
+    assert "[/] closes" in r.stdout and "[/bold]" in r.stdout and "[red]" in r.stdout
+    listed = invoke(["rules", "list", "--rules", d])
+    assert listed.exit_code == 2 and "Traceback" not in listed.output and "internal error" not in listed.output
+    assert "[/] closes" in listed.stdout and "broken.yaml" in listed.stderr

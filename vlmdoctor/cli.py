@@ -270,7 +270,7 @@ def rules_list(rules_dirs: Optional[list[str]] = typer.Option(None, "--rules", h
     for col in ("layer", "id", "severity", "title", "file"):
         t.add_column(col)
     for r in sorted(rules, key=lambda r: (r.layer, r.id)):
-        t.add_row(str(r.layer), r.id, r.severity, r.title, r.path.name)
+        t.add_row(str(r.layer), escape(r.id), escape(r.severity), escape(r.title), escape(r.path.name))
     out.print(t)
     for p in problems:
         err.print(f"[yellow]rule problem:[/yellow] {escape(p)}", highlight=False)
@@ -394,7 +394,7 @@ def treat(
 
         _, problems = load_rules(*(rules_dirs or []))
         for p in problems:
-            err.print(f"rule problem: {p}", highlight=False)
+            err.print(f"rule problem: {escape(p)}", highlight=False)
         opts = TreatOptions(max_trials, time_budget, min_gain, trial_timeout, list(rules_dirs or []))
 
         def run_one(c: RunConfig) -> dict[str, Any]:
@@ -409,8 +409,8 @@ def treat(
                 t0 = time.time()
 
                 def notify(msg: str) -> None:
-                    status.update(f"{msg}  [dim]({time.time() - t0:.0f} s so far)[/dim]")
-                    err.print(f"[dim]{msg}[/dim]", highlight=False)
+                    status.update(f"{escape(msg)}  [dim]({time.time() - t0:.0f} s so far)[/dim]")
+                    err.print(f"[dim]{escape(msg)}[/dim]", highlight=False)
 
                 result = run_treat(cfg, run_one, opts, notify)
         paths, failures = write_outputs(result, folder)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from vlmdoctor.run.config import RunConfig, knob_table
@@ -38,9 +39,10 @@ def render(report: dict[str, Any], console: Console) -> None:
     data = report.get("data") or {}
     if data.get("skipped"):
         console.print(f"[yellow]data: {data['skipped']} of {data.get('records')} records skipped[/yellow] "
-                      f"(--bad-records skip; the first: {(data.get('problems') or ['?'])[0]})", highlight=False)
+                      f"(--bad-records skip; the first: {escape(str((data.get('problems') or ['?'])[0]))})",
+                      highlight=False)
     for w in report.get("warnings") or []:
-        console.print(f"[yellow]warning:[/yellow] {w}", highlight=False)
+        console.print(f"[yellow]warning:[/yellow] {escape(str(w))}", highlight=False)
     if report["status"] not in ("ok", "nan_loss"):
         err = report.get("error", {})
         console.print(f"[bold red]{report['status']}[/bold red]: {err.get('message')}")
@@ -186,15 +188,17 @@ def render_findings(diagnosis: dict[str, Any], console: Console) -> None:
             elif gain.get("throughput_x"):
                 g = f"x{gain['throughput_x']:.2f} throughput"
             patch = ", ".join(f"{k}={v}" for k, v in f["config_patch"].items())
-            t.add_row(str(i), f"{f['layer']} {f['layer_name']}", f"[bold]{f['title']}[/bold]\n" + "\n".join(f["evidence"]),
-                      f"{f['fix']}\n[cyan]{patch}[/cyan]", g)
+            # titles, evidence and fixes come from rule files, which may be a user's: never read as markup
+            t.add_row(str(i), f"{f['layer']} {f['layer_name']}",
+                      f"[bold]{escape(str(f['title']))}[/bold]\n" + "\n".join(escape(str(e)) for e in f["evidence"]),
+                      f"{escape(str(f['fix']))}\n[cyan]{escape(patch)}[/cyan]", g)
         console.print(t)
     for s in diagnosis["superseded"]:
-        console.print(f"[dim]superseded: {s['id']} (covered by {s['superseded_by']})[/dim]")
+        console.print(f"[dim]superseded: {escape(s['id'])} (covered by {escape(s['superseded_by'])})[/dim]")
     for n in diagnosis["not_evaluated"]:
-        console.print(f"[dim]not evaluated: {n['id']} (needs {', '.join(n['missing'])})[/dim]")
+        console.print(f"[dim]not evaluated: {escape(n['id'])} (needs {escape(', '.join(n.get('missing') or []))})[/dim]")
     for p in diagnosis.get("problems", []):
-        console.print(f"[yellow]rule problem:[/yellow] {p}")
+        console.print(f"[yellow]rule problem:[/yellow] {escape(str(p))}")
 
 
 def render_ladder(result: dict[str, Any], console: Console) -> None:
