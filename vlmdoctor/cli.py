@@ -171,7 +171,17 @@ def _profile(overrides: dict[str, Any], config: str | None, json_path: str | Non
     if html_path:
         from vlmdoctor.report.html import profile_html
 
-        failures.append(save(html_path, profile_html(report), "HTML report"))
+        try:
+            page = profile_html(report)
+        except Exception as e:  # a page that cannot be drawn must not cost the measurement
+            from vlmdoctor.files import fallback_path
+
+            spare = json_path if json_path and json_path != "-" else str(fallback_path("report.json"))
+            kept = None if spare == json_path else save(spare, json_text(report), "report")
+            failures.append(f"cannot draw the HTML report ({describe_error(e)[0]}); "
+                            + (kept or f"the report is in {spare}"))
+        else:
+            failures.append(save(html_path, page, "HTML report"))
     failures = [f for f in failures if f]
     if not quiet and json_path != "-":
         render(report, out)
