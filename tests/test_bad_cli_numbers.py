@@ -161,3 +161,23 @@ def test_lr_messages_name_the_flag_and_range(tmp_path):
     r = invoke(["profile", *FAST, "--lr", "-1"])
     assert_one_line(r, 2, "--lr must be a finite number > 0")
     assert math.isfinite(RunConfig().lr)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["profile", "--steps", "1e3"], "--steps"),
+    (["profile", "--nope"], "--nope"),
+    (["gate"], "--baseline"),
+    (["profile", "--model", "tiny", "--device", "cpu", "--lr", "nan"], "--lr"),
+])
+def test_the_console_entry_point_prints_usage_errors_as_one_line(tmp_path, args, needle):
+    """click's own usage errors (a value that does not parse, an unknown flag) are one line too."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run([sys.executable, "-m", "vlmdoctor", *args], capture_output=True, text=True, cwd=tmp_path,
+                          env=env, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], lines

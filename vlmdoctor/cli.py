@@ -5,8 +5,16 @@ import json
 import sys
 from typing import Any, Optional
 
-import click
 import typer
+
+try:  # typer >= 0.20 carries its own copy of click; its exceptions are those, not click's
+    from typer._click import exceptions as click_errors
+except ImportError:  # pragma: no cover
+    from click import exceptions as click_errors
+
+#: exceptions that end a command on purpose, with their own exit code
+_EXITS = tuple({typer.Exit, SystemExit, *(getattr(m, "Exit", SystemExit) for m in (click_errors, typer))})
+_ABORTS = tuple({getattr(m, "Abort", KeyboardInterrupt) for m in (click_errors, typer)})
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -672,9 +680,9 @@ class _user_errors:
         return None
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc is None or isinstance(exc, (typer.Exit, SystemExit, click.exceptions.Exit, click.exceptions.Abort)):
+        if exc is None or isinstance(exc, _EXITS):
             return False
-        if isinstance(exc, click.ClickException):
+        if isinstance(exc, click_errors.ClickException):
             return False  # click's own usage errors print themselves and exit 2
         message, code = describe_error(exc)
         err.print(f"[bold red]error:[/bold red] {escape(message)}" if code != 130 else message, highlight=False)
@@ -731,11 +739,26 @@ def _internal_error(exc: BaseException) -> str:
 
 
 def main() -> None:
+    """The console entry point: click's usage errors become one line too, not a panel."""
     try:
-        app()
-    except (SystemExit, click.exceptions.Exit):
+        code = app(standalone_mode=False)
+    except click_errors.NoArgsIsHelpError as e:  # help was asked for by giving nothing
+        print(e.ctx.get_help() if getattr(e, "ctx", None) else e.format_message())
+        sys.exit(EXIT_USAGE)
+    except _EXITS as e:
+        code = getattr(e, "exit_code", getattr(e, "code", 0))
+        sys.exit(code if isinstance(code, int) else 0)
+    except click_errors.ClickException as e:  # a usage error: bad flag, value that does not parse
+        where = f" (see: {e.ctx.command_path} --help)" if getattr(e, "ctx", None) else ""
+        err.print(f"error: {_one_line(e.format_message())}{where}", highlight=False, markup=False)
+        sys.exit(e.exit_code)
+    except _ABORTS:
+        err.print("interrupted", highlight=False, markup=False)
+        sys.exit(130)
+    except SystemExit:
         raise
     except BaseException as e:  # raised outside a command body
-        message, code = describe_error(e)
-        err.print(f"error: {message}", highlight=False, markup=False)
-        sys.exit(code)
+        message, exit_code = describe_error(e)
+        err.print(f"error: {message}" if exit_code != 130 else message, highlight=False, markup=False)
+        sys.exit(exit_code)
+    sys.exit(code if isinstance(code, int) else 0)
