@@ -66,7 +66,7 @@ class RunConfig:
     warmup: int = knob(5, 0, "warm-up steps before timing", minimum=0, maximum=100_000)
     repeats: int = knob(1, 0, "timed windows; numbers are the median over them", minimum=1, maximum=1000)
     seed: int = knob(0, 0, "random seed for weights and data", minimum=0, maximum=2**32 - 1)
-    lr: float = knob(1e-5, 0, "AdamW learning rate", above=0, maximum=1e3)
+    lr: float = knob(1e-5, 0, "AdamW learning rate", above=0)
     data: str = knob("synthetic", 0, "'synthetic' or a LLaVA-format JSON/JSONL file")
     tokenizer: str | None = knob(None, 0, "local tokenizer folder for --data FILE")
     bad_records: str = knob("stop", 0, "malformed records in --data: stop the run or skip them (counted)", ("stop", "skip"))
