@@ -285,3 +285,33 @@ def _ranks(tmp_path: Path, cut: Path) -> None:
     d.mkdir()
     (d / "a.pt.trace.json").write_text(gzip.decompress(TRACE.read_bytes()).decode())
     cut.rename(d / "b.pt.trace.json")
+
+
+def test_treat_outputs_on_a_full_disk_are_each_rescued(tmp_path, monkeypatch):
+    """A recorded treatment (H100, bench/results) written while the disk is full: every file that fails
+    is kept in a fallback file the message names; nothing half-written is left in the folder."""
+    from _badinput import ROOT
+    from vlmdoctor.report.treat_outputs import write_outputs
+
+    recorded = ROOT / "bench" / "results" / "2026-11-23-h100" / "a" / "treat_0.5b_s2" / "treat.json"
+    if not recorded.exists():
+        pytest.skip("no recorded treatment in this checkout")
+    monkeypatch.chdir(tmp_path)
+    state = {"n": 0}
+    real = files._write_all
+
+    def every_other(fd, data):  # the target write fails, the fallback that follows it succeeds
+        state["n"] += 1
+        if state["n"] % 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, data)
+
+    monkeypatch.setattr(files, "_write_all", every_other)
+    out = tmp_path / "treated"
+    paths, failures = write_outputs(json.loads(recorded.read_text()), out)
+    assert len(failures) == len(paths)
+    for line in failures:
+        assert "saved to" in line, failures
+        rescued = Path(line.split("saved to ")[1].split(" instead")[0])
+        assert rescued.exists() and rescued.stat().st_size > 0
+    assert list(out.iterdir()) == [] and not no_temp_files(tmp_path)
