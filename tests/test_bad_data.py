@@ -45,10 +45,21 @@ def test_a_bad_record_stops_with_its_line_or_is_skipped_and_counted(llava_dir, t
     assert "line 3" in ds.stats.problems[0]
 
 
-def test_a_json_list_with_a_bad_byte_names_its_line(llava_dir, tokenizer_dir, tiny_spec):
+def test_a_json_list_with_a_bad_byte_in_a_record_is_a_bad_record(llava_dir, tokenizer_dir, tiny_spec):
+    good = [json.dumps(good_record(f"images/img{k}.png", k)).encode() for k in range(3)]
     path = llava_dir / "train.json"
-    path.write_bytes(b'[\n{"image": "a.png",\n "x": "caf\xe9"}\n]\n')
-    with pytest.raises(UsageError, match=r"not UTF-8 .*line 3"):
+    path.write_bytes(b"[\n" + b",\n".join([good[0], b'{"image": "caf\xe9.png", "conversations": []}', *good[1:]])
+                     + b"\n]\n")
+    with pytest.raises(UsageError, match=r"record 1: not UTF-8"):
+        LlavaFile(str(path), str(tokenizer_dir), tiny_spec)
+    ds = LlavaFile(str(path), str(tokenizer_dir), tiny_spec, bad_records="skip")
+    assert ds.stats.skipped == 1 and len(ds) == 3
+
+
+def test_a_bad_byte_outside_any_record_names_its_line(llava_dir, tokenizer_dir, tiny_spec):
+    path = llava_dir / "train.json"
+    path.write_bytes(b'[\n{"image": "a.png"}\n\xe9]\n')
+    with pytest.raises(UsageError, match=r"line 3"):
         LlavaFile(str(path), str(tokenizer_dir), tiny_spec)
 
 

@@ -254,7 +254,10 @@ def _read_records(path: Path) -> Iterator[tuple[str, Any, str | None]]:
             except (json.JSONDecodeError, RecursionError) as e:
                 yield f"line {n}", None, f"not valid JSON ({getattr(e, 'msg', type(e).__name__)})"
         return
-    text = decode(raw, path, "--data")
+    try:
+        text = decode(raw, path, "--data")
+    except UsageError:  # bad bytes inside a record's strings make that record bad, not the whole file
+        text = raw.decode("utf-8", errors="surrogateescape")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
@@ -264,7 +267,21 @@ def _read_records(path: Path) -> Iterator[tuple[str, Any, str | None]]:
     if not isinstance(data, list):
         raise UsageError(f"{path}: expected a JSON list of LLaVA records (or a .jsonl file)")
     for n, rec in enumerate(data):
-        yield f"record {n}", rec, None
+        if _has_undecodable(rec):
+            yield f"record {n}", None, "not UTF-8 text"
+        else:
+            yield f"record {n}", rec, None
+
+
+def _has_undecodable(value: Any) -> bool:
+    """A string holding bytes that were not UTF-8 (kept as lone surrogates by surrogateescape)."""
+    if isinstance(value, str):
+        return any("\udc80" <= ch <= "\udcff" for ch in value)
+    if isinstance(value, dict):
+        return any(_has_undecodable(k) or _has_undecodable(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_undecodable(v) for v in value)
+    return False
 
 
 def _load_tokenizer(path: str):
