@@ -315,3 +315,14 @@ def test_treat_outputs_on_a_full_disk_are_each_rescued(tmp_path, monkeypatch):
         rescued = Path(line.split("saved to ")[1].split(" instead")[0])
         assert rescued.exists() and rescued.stat().st_size > 0
     assert list(out.iterdir()) == [] and not no_temp_files(tmp_path)
+
+
+def test_treat_out_folder_holding_a_link_where_a_result_goes(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "treated"
+    out.mkdir()
+    (out / "treat.json").symlink_to(_victim(tmp_path))
+    before = snapshot(tmp_path)
+    r = invoke(["treat", *TINY, "--out", out, "--force"])
+    assert_one_line(r, 2, "symbolic link")
+    assert snapshot(tmp_path) == before

@@ -408,6 +408,9 @@ def treat(
         check_rules_dirs(rules_dirs or [])
         if folder.is_dir() and any(folder.iterdir()) and not force:
             raise VlmdoctorError(f"{folder} already holds files; pass --force to write into it, or --out another folder")
+        if folder.is_dir():  # the files treat will write there: never a link, fifo or folder
+            for name in ("treat.json", "final_config.yaml", "ladder.png", "treat.html"):
+                check_writable(folder / name, True, "--out")
         from vlmdoctor.doctor.rules import load_rules
 
         _, problems = load_rules(*(rules_dirs or []))
