@@ -706,6 +706,8 @@ def describe_error(exc: BaseException) -> tuple[str, int]:
         return "interrupted", 130
     if isinstance(exc, MemoryError):
         return "out of host memory (MemoryError); use fewer samples or smaller inputs", EXIT_OOM
+    if isinstance(exc, RecursionError):
+        return "an input is nested too deeply to read (RecursionError)", EXIT_USAGE
     if isinstance(exc, UnicodeDecodeError):
         return f"an input file is not UTF-8 text ({exc.reason} at byte {exc.start})", EXIT_USAGE
     if isinstance(exc, (yaml.YAMLError, json.JSONDecodeError)):
