@@ -47,3 +47,21 @@ def test_recompilation_inside_the_timed_window_is_warned():
     assert recompile_warning(cfg, _windows([700.0, 690.0, 710.0, 705.0])) is None
     assert recompile_warning(cfg, _windows([700.0, 690.0], [690.0, 9000.0, 700.0])) is not None  # any window
     assert recompile_warning(RunConfig(compile="off"), _windows([54000.0, 700.0, 690.0])) is None
+
+
+def test_ctrl_c_during_treats_start_measurement_says_interrupted(monkeypatch):
+    """Ctrl-C reaches the child run too; its exit 130 must end the treatment as interrupted, not as
+    'the start config did not run: None'."""
+    import subprocess
+
+    import vlmdoctor.run.runner as runner
+    from vlmdoctor.doctor.treat import TreatOptions, treat
+
+    def child_interrupted(cmd, **kw):
+        return subprocess.CompletedProcess(cmd, 130, "", "interrupted\n")
+
+    monkeypatch.setattr(runner.subprocess, "run", child_interrupted)
+    cfg = RunConfig(model="tiny", device="cpu", steps=1, warmup=0)
+    result = treat(cfg, lambda c: runner.run_isolated(c, timeout=60), TreatOptions())
+    assert result["interrupted"] and result["stopped_because"] == "interrupted (Ctrl-C)"
+    assert result["ladder"] == []
