@@ -108,7 +108,7 @@ def test_unknown_model_without_device_names_valid_presets(cli_runner):
 
 def test_bad_weight_dtype(cli_runner):
     result = _invoke(cli_runner, ["profile", *FAST, "--weight-dtype", "fp16"])
-    _assert_user_error(result, "weight_dtype", "fp32", "bf16")
+    _assert_user_error(result, "--weight-dtype", "fp32", "bf16")
 
 
 @pytest.mark.parametrize("flag", ["--liger-rms-norm", "--liger", "--liger-fused-ce"])

@@ -256,7 +256,7 @@ def test_interrupt_keeps_the_ladder_measured_so_far():
 
 def test_a_start_config_that_fails_is_reported():
     result = treat(BASE, lambda c, d, t: {"status": "oom", "error": {"message": "CUDA out of memory"}}, TreatOptions())
-    assert result["ladder"] == [] and "did not run: oom" in result["stopped_because"]
+    assert result["ladder"] == [] and "did not run (oom)" in result["stopped_because"]
 
 
 def test_compose_leaves_out_what_the_machine_refuses():

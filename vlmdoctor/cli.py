@@ -6,11 +6,21 @@ import sys
 from typing import Any, Optional
 
 import typer
+
+try:  # typer >= 0.20 carries its own copy of click; its exceptions are those, not click's
+    from typer._click import exceptions as click_errors
+except ImportError:  # pragma: no cover
+    from click import exceptions as click_errors
+
+#: exceptions that end a command on purpose, with their own exit code
+_EXITS = tuple({typer.Exit, SystemExit, *(getattr(m, "Exit", SystemExit) for m in (click_errors, typer))})
+_ABORTS = tuple({getattr(m, "Abort", KeyboardInterrupt) for m in (click_errors, typer)})
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from vlmdoctor.run.config import RunConfig
-from vlmdoctor.errors import EXIT_USAGE, VlmdoctorError
+from vlmdoctor.errors import EXIT_FAILED_RUN, EXIT_USAGE, VlmdoctorError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Profiler-driven diagnosis of vision-language-model training.")
@@ -169,55 +179,106 @@ def profile(
         for k in ("liger_rope", "liger_rms_norm", "liger_swiglu"):
             overrides.setdefault(k, liger)
     with _user_errors():
+        from vlmdoctor.inputs import check_number
+
+        check_number("--trace-steps", trace_steps, minimum=1, maximum=1000, integer=True)
         _profile(overrides, config, json_path, save_config, force, quiet, trace, rules_dirs or [], html_path)
 
 
 def _profile(overrides: dict[str, Any], config: str | None, json_path: str | None, save_config: str | None,
              force: bool, quiet: bool, trace: Any = None, rules_dirs: list[str] | None = None,
              html_path: str | None = None) -> None:
-    from vlmdoctor.files import check_writable, write_json
+    from vlmdoctor.files import check_output_dir, check_writable, json_text, save, write_json
+    from vlmdoctor.inputs import check_rules_dirs
     from vlmdoctor.report.console import render
     from vlmdoctor.run.runner import check, exit_code, run_profile
 
     base = RunConfig.load(config) if config else RunConfig()
     cfg = base.replace(source="command line", **overrides)
-    check_writable(json_path, force)
-    check_writable(save_config, force)
-    check_writable(html_path, force)
+    # every output is checked before any measurement: a bad path must not cost the run
+    check_writable(json_path, force, "--json")
+    check_writable(save_config, force, "--save-config")
+    check_writable(html_path, force, "--html")
+    if trace is not None and trace.keep:
+        check_output_dir(trace.trace_dir, "--trace-dir")
+    check_rules_dirs(rules_dirs or [])
     check(cfg)  # refuse before any progress display opens
     if save_config:
-        cfg.dump(save_config)
-    if quiet:
-        report = run_profile(cfg, trace=trace)
-    else:
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=err, transient=True) as bar:
-            tasks: dict[str, Any] = {}
+        from vlmdoctor.files import write_text
 
-            def progress(phase: str, done: int, total: int) -> None:
-                if phase not in tasks:
-                    tasks[phase] = bar.add_task(phase, total=total)
-                bar.update(tasks[phase], completed=done)
+        write_text(save_config, cfg.dump_text(save_config))
+    report: dict[str, Any] = {}
+    try:
+        if quiet:
+            report = run_profile(cfg, trace=trace)
+        else:
+            with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                          console=err, transient=True) as bar:
+                tasks: dict[str, Any] = {}
 
-            report = run_profile(cfg, progress, trace)
-    from vlmdoctor.doctor.diagnosis import examine
+                def progress(phase: str, done: int, total: int) -> None:
+                    if phase not in tasks:
+                        tasks[phase] = bar.add_task(phase, total=total)
+                    bar.update(tasks[phase], completed=done)
 
-    examine(report, rules_dirs or [])
-    if json_path:
-        write_json(report, json_path)
+                report = run_profile(cfg, progress, trace)
+        from vlmdoctor.doctor.diagnosis import examine
+
+        try:
+            examine(report, rules_dirs or [])
+        except Exception as e:  # the measurement is kept whatever the diagnosis does
+            message, _ = describe_error(e)
+            report["diagnosis_error"] = message
+            err.print(f"[yellow]warning:[/yellow] the diagnosis failed, the measurement is kept: {escape(message)}",
+                      highlight=False)
+    finally:
+        _remove_temporary_trace(report)
+    failures = []
+    if json_path == "-":
+        write_json(report, "-")
+    elif json_path:
+        failures.append(save(json_path, json_text(report), "report"))
     if html_path:
-        from pathlib import Path
+        from vlmdoctor.report.html import profile_html
 
-        from vlmdoctor.report.html import profile_html, write_html
+        try:
+            page = profile_html(report)
+        except Exception as e:  # a page that cannot be drawn must not cost the measurement
+            from vlmdoctor.files import fallback_path
 
-        write_html(profile_html(report), Path(html_path), force=True)  # refused up front unless --force
+            spare = json_path if json_path and json_path != "-" else str(fallback_path("report.json"))
+            kept = None if spare == json_path else save(spare, json_text(report), "report")
+            failures.append(f"cannot draw the HTML report ({describe_error(e)[0]}); "
+                            + (kept or f"the report is in {spare}"))
+        else:
+            failures.append(save(html_path, page, "HTML report"))
+    failures = [f for f in failures if f]
     if not quiet and json_path != "-":
         render(report, out)
         if "diagnosis" in report:
             from vlmdoctor.report.console import render_findings
 
             render_findings(report["diagnosis"], out, lambda patch: run_command(report["config"], patch))
-    raise typer.Exit(exit_code(report))
+    code = exit_code(report)
+    if code and (quiet or json_path == "-"):  # a failed run always says so, even when nothing else is printed
+        why = (report.get("error") or {}).get("message") or report.get("status")
+        err.print(f"[bold red]error:[/bold red] the run ended with status {report.get('status')}: {escape(str(why))}",
+                  highlight=False)
+    for f in failures:
+        err.print(f"[bold red]error:[/bold red] {escape(f)}", highlight=False)
+    raise typer.Exit(code or (EXIT_FAILED_RUN if failures else 0))
+
+
+def _remove_temporary_trace(report: dict[str, Any]) -> None:
+    """A trace the user did not ask to keep never outlives the command (also on Ctrl-C or a failed run)."""
+    import shutil
+    from pathlib import Path
+
+    trace = report.get("trace") or {}
+    if trace.get("kept", True) or not trace.get("path"):
+        return
+    shutil.rmtree(Path(trace["path"]).parent, ignore_errors=True)
+    trace["path"] = None
 
 
 @app.command()
@@ -237,6 +298,9 @@ def analyze(
     from vlmdoctor.report.console import render_facts, render_findings
     from vlmdoctor.doctor.rules import diagnose, load_rules
 
+    from vlmdoctor.files import json_text, save
+    from vlmdoctor.inputs import check_rules_dirs
+
     with _user_errors():
         if stage is not None and stage not in (1, 2):
             raise VlmdoctorError("--stage must be 1 or 2")
@@ -245,23 +309,25 @@ def analyze(
 
             if model not in presets():
                 raise VlmdoctorError(f"unknown model preset {model!r}; valid presets: {', '.join(presets())}")
-        check_writable(json_path, force)
-        check_writable(html_path, force)
+        check_writable(json_path, force, "--json")
+        check_writable(html_path, force, "--html")
+        check_rules_dirs(rules_dirs or [])
         with err.status("reading the trace"):
             result = run_analysis(path, stage, model)
         rules, problems = load_rules(*(rules_dirs or []))
         for entry in result["files"]:
             entry["diagnosis"] = diagnose(entry["facts"], rules, problems)
             entry["findings"] = entry["diagnosis"]["findings"]
-        if json_path:
-            write_json({"schema_version": SCHEMA_VERSION, "kind": "analysis", **result}, json_path)
+        doc = {"schema_version": SCHEMA_VERSION, "kind": "analysis", **result}
+        failures = []
+        if json_path == "-":
+            write_json(doc, "-")
+        elif json_path:
+            failures.append(save(json_path, json_text(doc), "analysis JSON"))
         if html_path:
-            from pathlib import Path
+            from vlmdoctor.report.html import analyze_html
 
-            from vlmdoctor.report.html import analyze_html, write_html
-
-            write_html(analyze_html({"schema_version": SCHEMA_VERSION, "kind": "analysis", **result}), Path(html_path),
-                       force=True)
+            failures.append(save(html_path, analyze_html(doc), "HTML report"))
         if json_path != "-":
             render_facts(result, out)
             for entry in result["files"]:
@@ -270,6 +336,7 @@ def analyze(
                     if f"run.{k}" in entry["facts"]:
                         cfg[k] = entry["facts"][f"run.{k}"]
                 render_findings(entry["diagnosis"], out, lambda patch, cfg=cfg: run_command(cfg, patch))
+        _fail_on(failures)
 
 
 rules_app = typer.Typer(help="The prescription rules (rules/*.yaml).", no_args_is_help=True)
@@ -286,8 +353,11 @@ def rules_list(rules_dirs: Optional[list[str]] = typer.Option(None, "--rules", h
     from vlmdoctor.doctor.rules import load_rules
     from vlmdoctor.files import check_writable, write_json
 
+    from vlmdoctor.inputs import check_rules_dirs
+
     with _user_errors():
-        check_writable(json_path, force)
+        check_writable(json_path, force, "--json")
+        check_rules_dirs(rules_dirs or [])
         rules, problems = load_rules(*(rules_dirs or []))
         rules = sorted(rules, key=lambda r: (r.layer, r.id))
         if json_path:
@@ -298,11 +368,11 @@ def rules_list(rules_dirs: Optional[list[str]] = typer.Option(None, "--rules", h
         for col in ("layer", "id", "severity", "title"):
             t.add_column(col)
         for r in rules:
-            t.add_row(str(r.layer), r.id, r.severity, r.title)
+            t.add_row(str(r.layer), escape(r.id), escape(r.severity), escape(r.title))
         out.print(t)
         out.print("[dim]vlmdoctor rules show ID: what a rule detects, its evidence, fix and thresholds[/dim]")
     for p in problems:
-        err.print(f"[yellow]rule problem:[/yellow] {p}", highlight=False)
+        err.print(f"[yellow]rule problem:[/yellow] {escape(p)}", highlight=False)
     if problems:
         raise typer.Exit(EXIT_USAGE)
 
@@ -317,8 +387,11 @@ def rules_show(rule_id: str = typer.Argument(..., help="rule id (vlmdoctor rules
     from vlmdoctor.files import check_writable, write_json
     from vlmdoctor.report.console import render_rule_page
 
+    from vlmdoctor.inputs import check_rules_dirs
+
     with _user_errors():
-        check_writable(json_path, force)
+        check_writable(json_path, force, "--json")
+        check_rules_dirs(rules_dirs or [])
         rules, _ = load_rules(*(rules_dirs or []))
         match = [r for r in rules if r.id == rule_id]
         if not match:
@@ -397,7 +470,10 @@ def _parse_sets(sets: list[str], many: bool = False) -> dict[str, Any]:
             raise VlmdoctorError(f"--set {k}: unknown knob; valid knobs: {', '.join(sorted(RunConfig.__dataclass_fields__))}")
         kind = _base_type(RunConfig.__dataclass_fields__[k].type)
         parse = (lambda x: x.strip()) if kind is str else yaml.safe_load  # "off" is a string here, not YAML's False
-        out[k] = [parse(x) for x in v.split(",")] if many else parse(v)
+        try:
+            out[k] = [parse(x) for x in v.split(",")] if many else parse(v)
+        except yaml.YAMLError as e:
+            raise VlmdoctorError(f"--set {item}: the value does not parse ({_one_line(str(e))})") from None
     return out
 
 
@@ -433,7 +509,6 @@ def treat(
 
     Prints the ladder (each adopted round with its paired speedup, each change with its own measured contribution) and the trials not kept, and writes the final run config, which `vlmdoctor profile --config` runs again.
     """
-    import shutil
     from pathlib import Path
 
     from vlmdoctor.report.console import render_ladder
@@ -442,26 +517,39 @@ def treat(
     from vlmdoctor.report.treat_outputs import write_outputs
     from vlmdoctor.doctor.treat import treat as run_treat
 
+    from vlmdoctor.files import check_output_dir, json_text, save
+    from vlmdoctor.inputs import check_number, check_rules_dirs
+
     with _user_errors():
+        check_number("--max-trials", max_trials, minimum=0, maximum=1000, integer=True)
+        check_number("--time-budget", time_budget, minimum=0)
+        check_number("--min-gain", min_gain, minimum=0, maximum=10)
+        check_number("--trial-timeout", trial_timeout, above=0)
         base = RunConfig.load(config) if config else RunConfig(steps=10, repeats=3)
         flags = {k: v for k, v in dict(model=model, stage=stage, device=device, steps=steps, warmup=warmup,
                                        repeats=repeats).items() if v is not None}
-        cfg = base.replace(source="command line", **{**_parse_sets(sets or []), **flags})
+        cfg = base.replace(source="--set", **_parse_sets(sets or [])).replace(source="command line", **flags)
         check(cfg)
         from vlmdoctor.files import check_writable
 
-        check_writable(html_path, force)
+        check_writable(html_path, force, "--html")
         folder = Path(out_dir or f"treat-{cfg.model}-stage{cfg.stage}")
-        if folder.exists() and any(folder.iterdir()) and not force:
+        check_output_dir(folder, "--out")
+        check_rules_dirs(rules_dirs or [])
+        if folder.is_dir() and any(folder.iterdir()) and not force:
             raise VlmdoctorError(f"{folder} already holds files; pass --force to write into it, or --out another folder")
+        if folder.is_dir():  # the files treat will write there: never a link, fifo or folder
+            for name in ("treat.json", "final_config.yaml", "ladder.png", "treat.html"):
+                check_writable(folder / name, True, "--out")
         from vlmdoctor.doctor.rules import load_rules
 
         _, problems = load_rules(*(rules_dirs or []))
         for p in problems:
-            err.print(f"rule problem: {p}", highlight=False)
+            err.print(f"rule problem: {escape(p)}", highlight=False)
         if max_pairs < 3:
             raise VlmdoctorError("--max-pairs must be at least 3 (the least evidence a decision is made on)")
-        check_writable(json_path if json_path != "-" else None, force)
+        check_number("--max-pairs", max_pairs, minimum=3, maximum=1000, integer=True)
+        check_writable(json_path if json_path != "-" else None, force, "--json")
         opts = TreatOptions(max_trials=max_trials, time_budget_s=time_budget or None, min_gain=min_gain,
                             trial_timeout_s=trial_timeout, rules_dirs=list(rules_dirs or []), max_pairs=max_pairs)
         from vlmdoctor.run.compile import cache_env
@@ -480,21 +568,27 @@ def treat(
                 t0 = time.time()
 
                 def notify(msg: str) -> None:
-                    status.update(f"{msg}  [dim]({time.time() - t0:.0f} s so far)[/dim]")
-                    err.print(f"[dim]{msg}[/dim]", highlight=False)
+                    status.update(f"{escape(msg)}  [dim]({time.time() - t0:.0f} s so far)[/dim]")
+                    err.print(f"[dim]{escape(msg)}[/dim]", highlight=False)
 
                 result = run_treat(cfg, run_one, opts, notify)
-        paths = write_outputs(result, folder)
+        paths, failures = write_outputs(result, folder)
         if html_path:
-            shutil.copyfile(paths["html"], html_path)
-        if json_path:
+            from vlmdoctor.report.html import treat_html
+
+            failures.append(save(html_path, treat_html(result), "HTML report"))
+        if json_path == "-":
             from vlmdoctor.files import write_json
 
-            write_json(result, json_path)
+            write_json(result, "-")
+        elif json_path:
+            failures.append(save(json_path, json_text(result), "result JSON"))
+        failures = [f for f in failures if f]
         if not quiet and json_path != "-":
             render_ladder(result, out)
             out.print(f"written: {', '.join(str(p) for p in paths.values())}")
             out.print(f"run the final config again: vlmdoctor profile --config {paths['config']}")
+        _fail_on(failures)
         if result["interrupted"]:
             raise typer.Exit(130)
         if not result["ladder"]:
@@ -517,11 +611,16 @@ def sweep(
     """Run a list of configurations, one fresh process each, and tabulate them (the seed's 48-run table style)."""
     from vlmdoctor.files import check_writable
     from vlmdoctor.report.console import render_sweep
-    from vlmdoctor.ci.sweep import load_grid, product_grid, run_sweep, write_csv
+    from vlmdoctor.ci.sweep import load_grid, product_grid, run_sweep
+
+    from vlmdoctor.files import json_text, save
+    from vlmdoctor.inputs import check_number
 
     with _user_errors():
-        check_writable(csv_path, force)
-        check_writable(json_path, force)
+        check_number("--timeout", timeout, above=0)
+        check_writable(csv_path, force, "--csv")
+        check_writable(json_path, force, "--json")
+        check_writable(jsonl_path, True, "--jsonl")  # appended to: an existing regular file is fine
         if grid:
             plan = load_grid(grid, _parse_sets(sets or []), stages)
         elif sets:
@@ -532,17 +631,24 @@ def sweep(
             def notify(i: int, n: int, name: str) -> None:
                 status.update(f"run {i}/{n}: {name}")
 
-            rows = run_sweep(plan, timeout, diagnose_runs, jsonl_path, notify)
-        if json_path:
+            problems: list[str] = []
+            rows = run_sweep(plan, timeout, diagnose_runs, jsonl_path, notify, problems)
+        failures = []
+        if json_path == "-":
             from vlmdoctor.files import write_json
 
-            write_json({"runs": rows}, json_path)
+            write_json({"runs": rows}, "-")
+        elif json_path:
+            failures.append(save(json_path, json_text({"runs": rows}), "sweep JSON"))
         if json_path != "-":
             render_sweep(rows, out)
         if csv_path:
-            write_csv(rows, csv_path)
+            from vlmdoctor.ci.sweep import csv_text
+
+            failures.append(save(csv_path, csv_text(rows), "results table"))
             if json_path != "-":
                 out.print(f"written: {csv_path}")
+        _fail_on([*failures, *problems])
 
 
 @app.command()
@@ -575,13 +681,35 @@ def gate(
                                          "on purpose, and pass"),
     junit: Optional[str] = typer.Option(None, "--junit", help="write JUnit XML here"),
     json_path: Optional[str] = _json_opt("verdict"),
+    force: bool = typer.Option(False, "--force", help="overwrite existing --junit/--json files; with "
+                               "--update-baseline, replace a baseline of another model or stage"),
 ) -> None:
     """Fail (exit 1) when training got slower than the baseline, beyond the noise; exit 2 on unusable input."""
     from vlmdoctor.ci.gate import check_comparable, load_report, run_current
     from vlmdoctor.ci.gate import gate as judge
-    from vlmdoctor.files import write_json
+
+    import os
+
+    from vlmdoctor.files import check_writable, json_text, save
+    from vlmdoctor.inputs import check_number
 
     with _user_errors():
+        check_number("--max-regression", max_regression, minimum=0, below=1)
+        check_number("--alpha", alpha, above=0, below=1)
+        check_number("--max-memory-growth", max_memory_growth, minimum=0, maximum=100)
+        if fail_on not in ("high", "medium", "low"):
+            raise VlmdoctorError(f"--fail-on {fail_on!r} is not valid; choose one of: high, medium, low")
+        check_writable(junit, force, "--junit")
+        check_writable(json_path, force, "--json")
+        if update_baseline:
+            check_writable(baseline, True, "--baseline")
+        summary = os.environ.get("GITHUB_STEP_SUMMARY")
+        if summary:
+            try:
+                check_writable(summary, True, "GITHUB_STEP_SUMMARY")
+            except VlmdoctorError as e:
+                err.print(f"[yellow]warning:[/yellow] {escape(e.message)}; the step summary is skipped", highlight=False)
+                summary = None
         base = load_report(baseline)
         if remeasure_baseline:
             if current or update_baseline:
@@ -602,7 +730,7 @@ def gate(
                                    max_pairs=max_pairs, max_memory_growth=max_memory_growth, fail_on=fail_on,
                                    allow_env_change=allow_env_change, notify=lambda m: status.update(m))
             result.pop("reports", None)
-            _gate_outputs(result, junit, json_path)
+            _gate_outputs(result, junit, json_path, summary)
             raise typer.Exit(0 if result["passed"] else 1)
         if current:
             cur = load_report(current)
@@ -610,23 +738,27 @@ def gate(
             with err.status("profiling the baseline's config"):
                 cur = run_current(base, timeout=timeout)
         if update_baseline:
-            write_json(cur, baseline)
+            from vlmdoctor.report.compare import model_differences
+
+            diffs = model_differences(base, cur)
+            if diffs and not force:
+                raise VlmdoctorError(f"the current report measures something else than the baseline ({'; '.join(diffs)}); "
+                                     "pass --force to replace the baseline anyway")
+            _fail_on([save(baseline, json_text(cur), "new baseline")])
             (err if json_path == "-" else out).print(f"baseline updated: {baseline} ({cur['metrics']['real_tokens_per_s']:,.0f} real tokens/s)")
             return
         notes = check_comparable(base, cur, allow_env_change)
         result = judge(base, cur, max_regression, alpha, max_memory_growth, fail_on, notes)
-        _gate_outputs(result, junit, json_path)
+        _gate_outputs(result, junit, json_path, summary)
         raise typer.Exit(0 if result["passed"] else 1)
 
 
-def _gate_outputs(result: dict[str, Any], junit: str | None, json_path: str | None) -> None:
+def _gate_outputs(result: dict[str, Any], junit: str | None, json_path: str | None, summary: str | None) -> None:
     """The verdict table, notes, step summary, JUnit and JSON of a gate result."""
-    import os
-
     from rich.table import Table
 
     from vlmdoctor.ci.gate import junit_xml, markdown
-    from vlmdoctor.files import write_json
+    from vlmdoctor.files import append_text, json_text, save, write_json
 
     if json_path != "-":  # stdout is the JSON's
         t = Table(title=f"vlmdoctor gate: {result['summary']}", header_style="bold")
@@ -637,16 +769,19 @@ def _gate_outputs(result: dict[str, Any], junit: str | None, json_path: str | No
         out.print(t)
         for n in result.get("notes") or []:
             out.print(f"note: {n}")
-    summary = os.environ.get("GITHUB_STEP_SUMMARY")
+    failures = []
     if summary:
-        with open(summary, "a") as f:
-            f.write(markdown(result) + "\n")
+        try:
+            append_text(summary, markdown(result) + "\n")
+        except VlmdoctorError as e:
+            err.print(f"[yellow]warning:[/yellow] {escape(e.message)}; the step summary is skipped", highlight=False)
     if junit:
-        from pathlib import Path
-
-        Path(junit).write_text(junit_xml(result))
-    if json_path:
-        write_json(result, json_path)
+        failures.append(save(junit, junit_xml(result), "JUnit XML"))
+    if json_path == "-":
+        write_json(result, "-")
+    elif json_path:
+        failures.append(save(json_path, json_text(result), "verdict JSON"))
+    _fail_on(failures)
 
 
 @app.command()
@@ -663,15 +798,17 @@ def compare(
     from vlmdoctor.report.compare import compare as diff
     from vlmdoctor.report.compare import render_compare
     from vlmdoctor.ci.gate import load_report
-    from vlmdoctor.files import check_writable, write_json
+    from vlmdoctor.files import check_writable, json_text, save, write_json
 
     with _user_errors():
-        check_writable(json_path, force)
+        check_writable(json_path, force, "--json")
         result = diff(load_report(a), load_report(b), allow_different, labels=(Path(a).name, Path(b).name))
-        if json_path != "-":
-            render_compare(result, out)
+        if json_path == "-":
+            write_json(result, "-")
+            return
+        render_compare(result, out)
         if json_path:
-            write_json(result, json_path)
+            _fail_on([save(json_path, json_text(result), "comparison JSON")])
 
 
 @app.command()
@@ -690,17 +827,26 @@ def export(
     from vlmdoctor.trace.export import export_chrome, export_hta_folder
     from vlmdoctor.trace.read import trace_files
 
+    from vlmdoctor.files import check_output_dir, check_writable
+
     with _user_errors():
         if not chrome and not hta_dir:
             raise VlmdoctorError("say where: --chrome OUT.json.gz and/or --hta-dir DIR")
+        check_writable(chrome, force, "--chrome")
+        check_output_dir(hta_dir, "--hta-dir")
         src = Path(source)
         if src.is_file() and src.suffix == ".json" and not src.name.endswith(".pt.trace.json"):
             try:
-                report = json.loads(src.read_text())
-            except (OSError, ValueError) as e:
+                from vlmdoctor.inputs import read_text
+
+                report = json.loads(read_text(src, "report"))
+            except ValueError as e:
                 raise VlmdoctorError(f"{src}: not readable JSON ({e})") from None
             if isinstance(report, dict) and "traceEvents" not in report:
-                kept = (report.get("trace") or {}).get("path")
+                trace_info = report.get("trace")
+                kept = trace_info.get("path") if isinstance(trace_info, dict) else None
+                if kept is not None and not isinstance(kept, str):
+                    raise VlmdoctorError(f"{src}: its trace.path is not a path")
                 if not kept:
                     raise VlmdoctorError(f"{src}: the report kept no trace; run profile with --trace-dir DIR")
                 if not (src.parent / kept).exists() and not Path(kept).exists():
@@ -724,27 +870,108 @@ def export(
                 out.print(f"written: {path}")
 
 
+def _fail_on(failures: list[str | None]) -> None:
+    """Writes that failed after the work: one line each (naming where the content was kept), exit 1."""
+    failures = [f for f in failures if f]
+    for f in failures:
+        err.print(f"[bold red]error:[/bold red] {escape(f)}", highlight=False)
+    if failures:
+        raise typer.Exit(EXIT_FAILED_RUN)
+
+
 class _user_errors:
-    """Turns user-caused errors into one line on stderr and their exit code."""
+    """Turns every error into one line on stderr and its exit code, never a traceback.
+
+    Errors the user can cause (bad input files, paths, numbers) exit 2; a failed run or a write
+    that failed after the work exits 1; running out of host memory exits 3; Ctrl-C exits 130.
+    Anything else is a bug: one line, and the full traceback goes to a file the line names.
+    """
 
     def __enter__(self) -> None:
         return None
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc is None or isinstance(exc, (typer.Exit, SystemExit)):
+        if exc is None or isinstance(exc, _EXITS):
             return False
-        if isinstance(exc, VlmdoctorError):
-            err.print(f"[bold red]error:[/bold red] {exc.message}", highlight=False, markup=True)
-            raise typer.Exit(exc.exit_code)
-        if isinstance(exc, KeyboardInterrupt):
-            err.print("interrupted")
-            raise typer.Exit(130)
-        return False
+        if isinstance(exc, click_errors.ClickException):
+            return False  # click's own usage errors print themselves and exit 2
+        message, code = describe_error(exc)
+        err.print(f"[bold red]error:[/bold red] {escape(message)}" if code != 130 else message, highlight=False)
+        raise typer.Exit(code)
+
+
+def describe_error(exc: BaseException) -> tuple[str, int]:
+    """(one line, exit code) for any exception that reaches the top of a command."""
+    import errno
+
+    import yaml
+
+    from vlmdoctor.errors import EXIT_FAILED_RUN, EXIT_OOM
+
+    if isinstance(exc, VlmdoctorError):
+        return _one_line(exc.message), exc.exit_code
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted", 130
+    if isinstance(exc, MemoryError):
+        return "out of host memory (MemoryError); use fewer samples or smaller inputs", EXIT_OOM
+    if isinstance(exc, RecursionError):
+        return "an input is nested too deeply to read (RecursionError)", EXIT_USAGE
+    if isinstance(exc, UnicodeDecodeError):
+        return f"an input file is not UTF-8 text ({exc.reason} at byte {exc.start})", EXIT_USAGE
+    if isinstance(exc, (yaml.YAMLError, json.JSONDecodeError)):
+        return f"an input file does not parse: {_one_line(str(exc))}", EXIT_USAGE
+    if isinstance(exc, OSError):
+        where = f"{exc.filename}: " if exc.filename else ""
+        user = exc.errno in (errno.ENOENT, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR, errno.ENAMETOOLONG,
+                             errno.ELOOP, errno.EROFS, errno.EEXIST, errno.ENXIO)
+        return f"{where}{exc.strerror or exc}", EXIT_USAGE if user else EXIT_FAILED_RUN
+    return _internal_error(exc), EXIT_FAILED_RUN
+
+
+def _one_line(text: str) -> str:
+    lines = [x for x in str(text).strip().splitlines() if x.strip()]
+    return lines[0] if lines else "(no message)"
+
+
+def _internal_error(exc: BaseException) -> str:
+    """A bug, not the user's doing: the traceback goes to a file, the console gets one line naming it."""
+    import tempfile
+    import time
+    import traceback
+
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        fd, path = tempfile.mkstemp(prefix=f"vlmdoctor-crash-{time.strftime('%Y%m%d-%H%M%S')}-", suffix=".txt")
+        with open(fd, "w") as f:
+            f.write(text)
+        where = f"full traceback: {path}"
+    except OSError:
+        where = "the traceback could not be saved"
+    return (f"internal error: {type(exc).__name__}: {_one_line(str(exc)) if str(exc) else ''} ({where}; "
+            "please report it)")
 
 
 def main() -> None:
+    """The console entry point: click's usage errors become one line too, not a panel."""
     try:
-        app()
-    except VlmdoctorError as e:  # raised outside a command body
-        err.print(f"error: {e.message}")
+        code = app(standalone_mode=False)
+    except click_errors.NoArgsIsHelpError as e:  # help was asked for by giving nothing
+        print(e.ctx.get_help() if getattr(e, "ctx", None) else e.format_message())
         sys.exit(EXIT_USAGE)
+    except _EXITS as e:
+        code = getattr(e, "exit_code", getattr(e, "code", 0))
+        sys.exit(code if isinstance(code, int) else 0)
+    except click_errors.ClickException as e:  # a usage error: bad flag, value that does not parse
+        where = f" (see: {e.ctx.command_path} --help)" if getattr(e, "ctx", None) else ""
+        err.print(f"error: {_one_line(e.format_message())}{where}", highlight=False, markup=False)
+        sys.exit(e.exit_code)
+    except _ABORTS:
+        err.print("interrupted", highlight=False, markup=False)
+        sys.exit(130)
+    except SystemExit:
+        raise
+    except BaseException as e:  # raised outside a command body
+        message, exit_code = describe_error(e)
+        err.print(f"error: {message}" if exit_code != 130 else message, highlight=False, markup=False)
+        sys.exit(exit_code)
+    sys.exit(code if isinstance(code, int) else 0)

@@ -16,7 +16,6 @@ import json
 import math
 import statistics
 import xml.etree.ElementTree as ET
-from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from vlmdoctor import SCHEMA_VERSION
@@ -38,17 +37,13 @@ OWN_TRAINING_SOURCES = ("api", "trainer", "script")
 
 def load_report(path: str) -> dict[str, Any]:
     """Read a profile report, refusing anything a comparison would silently misread."""
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except FileNotFoundError:
-        raise UsageError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise UsageError(f"{path}: is a directory, not a report JSON") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"{path}: cannot read: {getattr(e, 'strerror', None) or e}") from None
+    from vlmdoctor.inputs import read_text
+
+    text = read_text(path, "report", max_bytes=512 * 2**20)
     try:
         report = json.loads(text)
+    except RecursionError:
+        raise UsageError(f"{path}: not a vlmdoctor profile report (JSON nested too deeply)") from None
     except json.JSONDecodeError as e:
         raise UsageError(f"{path}: not valid JSON (truncated?): {e.msg} at line {e.lineno} column {e.colno}") from None
     return validate_report(report, path)
@@ -65,6 +60,8 @@ def validate_report(report: Any, name: str) -> dict[str, Any]:
     version = report.get("schema_version")
     if version is None or isinstance(version, bool) or not isinstance(version, int):
         raise UsageError(f"{name}: not a vlmdoctor profile report (no schema_version)")
+    if version < 1:
+        raise UsageError(f"{name}: schema_version must be a positive integer, got {version}")
     if version > SCHEMA_VERSION:
         raise UsageError(f"{name}: schema_version {version} was written by a newer vlmdoctor "
                          f"(this one reads up to {SCHEMA_VERSION}); upgrade vlmdoctor")
@@ -76,7 +73,45 @@ def validate_report(report: Any, name: str) -> dict[str, Any]:
     missing = [k for k in ("config", "metrics") if not isinstance(report.get(k), dict)]
     if missing:
         raise UsageError(f"{name}: not a vlmdoctor profile report (no {' or '.join(missing)})")
+    _check_fields(report, name)
     return report
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check_fields(report: dict[str, Any], name: str) -> None:
+    """Every field a comparison reads has the type it needs, so a hand-edited report is refused here,
+    with its field named, instead of crashing the judge."""
+    m = report["metrics"]
+    tps = m.get("real_tokens_per_s")
+    if not _is_num(tps) or tps <= 0:
+        raise UsageError(f"{name}: metrics.real_tokens_per_s must be a positive number, got {tps!r}")
+    from vlmdoctor.report.compare import METRICS
+
+    for key in {"peak_mem_gb", "step_ms", "mfu", "final_loss", *(k for k, _, _ in METRICS)}:
+        if m.get(key) is not None and not _is_num(m[key]):
+            raise UsageError(f"{name}: metrics.{key} must be a number or null, got {m[key]!r}")
+    repeats = report.get("repeats")
+    if repeats is not None:
+        if not isinstance(repeats, list) or not all(isinstance(r, dict) for r in repeats):
+            raise UsageError(f"{name}: repeats must be a list of objects")
+        for i, r in enumerate(repeats):
+            if r.get("real_tokens_per_s") is not None and not (_is_num(r["real_tokens_per_s"])
+                                                               and r["real_tokens_per_s"] > 0):
+                raise UsageError(f"{name}: repeats[{i}].real_tokens_per_s must be a positive number")
+            for key in ("step_ms", "step_real_tokens"):
+                v = r.get(key)
+                if v is not None and (not isinstance(v, list) or not all(_is_num(x) and x >= 0 for x in v)):
+                    raise UsageError(f"{name}: repeats[{i}].{key} must be a list of non-negative numbers")
+    findings = report.get("findings")
+    if findings is not None and (not isinstance(findings, list) or not all(
+            isinstance(f, dict) and isinstance(f.get("id"), str) for f in findings)):
+        raise UsageError(f"{name}: findings must be a list of objects with a string id")
+    for key in ("env", "model", "facts"):
+        if report.get(key) is not None and not isinstance(report[key], dict):
+            raise UsageError(f"{name}: {key} must be an object")
 
 
 def run_current(base: dict[str, Any], diagnose: bool = True, timeout: float | None = None) -> dict[str, Any]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import csv
 import itertools
-import json
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,25 +23,35 @@ Plan = list[tuple[str, RunConfig]]
 def grid_rows(path: str | Path, extra: dict[str, Any] | None = None,
               stages: list[int] | None = None) -> list[tuple[int, str, RunConfig]]:
     """(row index, name, config) for every row, model and stage of a grid file; bad knobs are user errors naming the row."""
+    from vlmdoctor.inputs import read_text
+
     try:
-        grid = yaml.safe_load(Path(path).read_text())
-    except FileNotFoundError:
-        raise UsageError(f"{path}: no such grid file") from None
+        grid = yaml.safe_load(read_text(path, "grid file", max_bytes=16 * 2**20))
     except yaml.YAMLError as e:
         raise UsageError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(grid, dict) or not isinstance(grid.get("runs"), list):
         raise UsageError(f"{path}: expected a mapping with a list under 'runs'")
+    if not all(isinstance(r, dict) and isinstance(r.get("set") or {}, dict) for r in grid["runs"]):
+        raise UsageError(f"{path}: each run must be a mapping with an optional 'set' mapping of knobs")
+    for key in ("models", "stages"):
+        if grid.get(key) is not None and not isinstance(grid[key], list):
+            raise UsageError(f"{path}: '{key}' must be a list")
+    if not isinstance(grid.get("defaults") or {}, dict):
+        raise UsageError(f"{path}: 'defaults' must be a mapping of knobs")
     out = []
     models = grid.get("models") or [None]  # optional axis: every row for each model preset
     for model in models:
         for stage in stages or grid.get("stages", [2]):
             for i, row in enumerate(grid["runs"]):
-                if stage not in row.get("stages", [stage]):
+                row_stages = row.get("stages", [stage])
+                if not isinstance(row_stages, list):
+                    raise UsageError(f"{path}: run {i}: 'stages' must be a list")
+                if stage not in row_stages:
                     continue
                 knobs = {**(grid.get("defaults") or {}), **(row.get("set") or {}), **(extra or {}), "stage": stage}
                 if model is not None:
                     knobs["model"] = model
-                name = row.get("name", f"row {i}") + (f" [{model}]" if len(models) > 1 else "")
+                name = str(row.get("name", f"row {i}")) + (f" [{model}]" if len(models) > 1 else "")
                 out.append((i, name, RunConfig.from_dict(knobs, source=f"{path}: run {i}")))
     return out
 
@@ -75,8 +84,15 @@ def row(name: str, report: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_sweep(plan: Plan, timeout: float, diagnose: bool, jsonl: str | None,
-              notify: Callable[[int, int, str], None] = lambda *_: None) -> list[dict[str, Any]]:
-    """Run each config in its own process; each report is appended to jsonl as soon as it exists."""
+              notify: Callable[[int, int, str], None] = lambda *_: None,
+              problems: list[str] | None = None) -> list[dict[str, Any]]:
+    """Run each config in its own process; each report is appended to jsonl as soon as it exists.
+
+    An append that fails (a full disk) does not end the sweep: the report goes to a fallback file
+    and `problems` gets a line saying where.
+    """
+    from vlmdoctor.errors import VlmdoctorError
+    from vlmdoctor.files import append_text, json_text, save
     from vlmdoctor.run.runner import run_isolated
 
     rows = []
@@ -84,14 +100,30 @@ def run_sweep(plan: Plan, timeout: float, diagnose: bool, jsonl: str | None,
         notify(i, len(plan), name)
         report = run_isolated(cfg, timeout=timeout, diagnose=diagnose)
         if jsonl:
-            with open(jsonl, "a") as f:
-                f.write(json.dumps({**report, "sweep": {"name": name}}, default=str) + "\n")
+            line = json_text({**report, "sweep": {"name": name}}, indent=None)
+            try:
+                append_text(jsonl, line)
+            except VlmdoctorError as e:
+                spare = Path.cwd() / f"vlmdoctor-rescued-{Path(jsonl).name}.run{i}.json"
+                kept = save(spare, line, "report") or f"its report was saved to {spare}"
+                if problems is not None:
+                    problems.append(f"{e.message}; run {i} ({name}): {kept}")
         rows.append(row(name, report))
     return rows
 
 
+def csv_text(rows: list[dict[str, Any]]) -> str:
+    import io
+
+    buf = io.StringIO(newline="")
+    w = csv.DictWriter(buf, fieldnames=list(rows[0]) if rows else ["name"])
+    w.writeheader()
+    w.writerows(rows)
+    return buf.getvalue()
+
+
 def write_csv(rows: list[dict[str, Any]], path: str) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["name"])
-        w.writeheader()
-        w.writerows(rows)
+    """Through the one writer: a full disk leaves the old file (or none), never a 0-byte one."""
+    from vlmdoctor.files import write_text
+
+    write_text(path, csv_text(rows))

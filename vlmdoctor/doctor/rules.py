@@ -100,6 +100,15 @@ class RuleError(UsageError):
     """A rule file that cannot be used: the message names the file and the problem."""
 
 
+class RuleEvalError(Exception):
+    """An expression that cannot be computed on these facts (not a missing fact: a bad rule)."""
+
+
+#: what evaluating a user's expression may raise; each becomes a rule problem, the other rules still run
+EVAL_ERRORS = (RuleEvalError, ArithmeticError, TypeError, ValueError, KeyError, IndexError, AttributeError,
+               RecursionError, MemoryError)
+
+
 class _Missing(Exception):
     def __init__(self, name: str) -> None:
         self.name = name
@@ -218,9 +227,17 @@ def _eval(node: ast.AST, env: dict[str, Any]) -> Any:
         return all(vals) if isinstance(node.op, ast.And) else any(vals)
     if isinstance(node, ast.UnaryOp):
         v = _eval(node.operand, env)
-        return (not v) if isinstance(node.op, ast.Not) else -v
+        if isinstance(node.op, ast.Not):
+            return not v
+        if not isinstance(v, (int, float)):
+            raise RuleEvalError(f"cannot negate {type(v).__name__} {str(v)[:40]!r}")
+        return -v
     if isinstance(node, ast.BinOp):
-        return _ARITH[type(node.op)](_eval(node.left, env), _eval(node.right, env))
+        left, right = _eval(node.left, env), _eval(node.right, env)
+        for v in (left, right):  # no list or string repetition: an expression cannot allocate memory
+            if not isinstance(v, (int, float)) or (isinstance(v, int) and abs(v) > 2**256):
+                raise RuleEvalError(f"arithmetic needs numbers, got {type(v).__name__} {str(v)[:40]!r}")
+        return _ARITH[type(node.op)](left, right)
     if isinstance(node, ast.Compare):
         left = _eval(node.left, env)
         for op, comp in zip(node.ops, node.comparators):
@@ -253,7 +270,29 @@ def _rule_from(path: Path, data: Any) -> Rule:
     if extra:
         raise RuleError(f"{path}: unknown field(s) {', '.join(extra)}; valid fields: {', '.join(sorted(known))}")
     rule = Rule(path=path, **data)
-    if rule.layer not in range(1, 6):
+    if not isinstance(rule.id, str) or not rule.id:
+        raise RuleError(f"{path}: id must be a non-empty string, got {rule.id!r}")
+    for key in ("title", "fix"):
+        if not isinstance(getattr(rule, key), str):
+            raise RuleError(f"{path}: rule {rule.id}: {key} must be a string")
+    if not isinstance(rule.when, str) or (rule.unless is not None and not isinstance(rule.unless, str)):
+        raise RuleError(f"{path}: rule {rule.id}: when and unless must be expressions in a string, e.g. "
+                        "when: \"gemm.fp32_share > 0.5\"")
+    if not isinstance(rule.evidence, list) or not all(isinstance(e, str) for e in rule.evidence):
+        raise RuleError(f"{path}: rule {rule.id}: evidence must be a list of strings")
+    if not isinstance(rule.patch, dict) or not all(isinstance(k, str) for k in rule.patch):
+        raise RuleError(f"{path}: rule {rule.id}: patch must be a mapping of knob names to values")
+    if not isinstance(rule.gain, dict) or any(not isinstance(rule.gain.get(k), (str, type(None)))
+                                              for k in ("saves_ms", "speedup")):
+        raise RuleError(f"{path}: rule {rule.id}: gain must be a mapping whose saves_ms and speedup are expressions "
+                        "in strings")
+    if not isinstance(rule.stages, list) or not rule.stages or any(st not in (1, 2) for st in rule.stages):
+        raise RuleError(f"{path}: rule {rule.id}: stages must be a list of 1 and/or 2")
+    if not isinstance(rule.conflicts, list) or not isinstance(rule.sources, list):
+        raise RuleError(f"{path}: rule {rule.id}: conflicts and sources must be lists")
+    if not isinstance(rule.constants, dict):
+        raise RuleError(f"{path}: rule {rule.id}: constants must be a mapping")
+    if isinstance(rule.layer, bool) or rule.layer not in range(1, 6):
         raise RuleError(f"{path}: layer must be 1-5 (1 precision ... 5 system tuning), got {rule.layer!r}")
     if rule.severity not in SEVERITIES:
         raise RuleError(f"{path}: severity must be one of {', '.join(SEVERITIES)}")
@@ -292,15 +331,28 @@ def load_rules(*dirs: str | Path) -> tuple[list[Rule], list[str]]:
         if not d.is_dir():
             problems.append(f"{d}: not a folder of rule files")
             continue
-        for path in sorted(d.glob("*.y*ml")):
+        try:
+            paths = sorted(d.glob("*.y*ml"))
+        except OSError as e:
+            problems.append(f"{d}: cannot read the folder ({e.strerror})")
+            continue
+        for path in paths:
+            if not path.is_file():
+                problems.append(f"{path}: not a file")
+                continue
             try:
-                data = yaml.safe_load(path.read_text())
+                from vlmdoctor.inputs import read_text
+
+                data = yaml.safe_load(read_text(path, "rule file", max_bytes=2**20))
                 rule = _rule_from(path, data)
             except yaml.YAMLError as e:
                 problems.append(f"{path}: not valid YAML ({str(e).splitlines()[0]})")
                 continue
-            except (RuleError, TypeError) as e:
-                problems.append(e.message if isinstance(e, RuleError) else f"{path}: {e}")
+            except UsageError as e:
+                problems.append(e.message)
+                continue
+            except (TypeError, ValueError, AttributeError, RecursionError) as e:
+                problems.append(f"{path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
                 continue
             if rule.id in seen:
                 problems.append(f"{path}: rule id {rule.id!r} is already used by {seen[rule.id]}")
@@ -376,49 +428,14 @@ def diagnose(facts: dict[str, Any], rules: list[Rule], problems: list[str] | Non
             if stage not in rule.stages:
                 not_applicable.append({"id": rule.id, "why": f"applies in stage {', '.join(map(str, rule.stages))} only"})
                 continue
-        env = {**facts, **{k: c["value"] for k, c in rule.constants.items()}}
         try:
-            hit = bool(_eval(_tree(rule.when), env))
-        except _Missing as m:
-            if facts.get("trace.cpu_only") and GPU_ONLY.fullmatch(m.name):
-                not_applicable.append({"id": rule.id, "why": f"needs {m.name}, a fact of GPU runs (this trace ran on the CPU)"})
-            elif "gpu.busy_ms" in facts and m.name.startswith("cpu."):
-                not_applicable.append({"id": rule.id, "why": f"needs {m.name}, a fact of CPU-only runs (this trace has GPU kernels)"})
-            else:
-                hint = missing_hint(m.name, facts)
-                not_evaluated.append({"id": rule.id, "missing": [m.name], **({"hint": hint} if hint else {})})
+            finding = _fire(rule, facts, not_evaluated, not_applicable)
+        except EVAL_ERRORS as e:
+            why = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}" if str(e) else type(e).__name__
+            problems = [*(problems or []), f"{rule.path}: rule {rule.id} failed while being evaluated ({why})"]
             continue
-        if hit and rule.unless:
-            try:
-                hit = not _eval(_tree(rule.unless), env)
-            except _Missing:
-                pass  # an exception that cannot be checked does not hide a measured problem
-        if not hit:
-            continue
-        patch = {}
-        for knob, value in rule.patch.items():
-            if isinstance(value, str) and _looks_like_expr(value):
-                try:
-                    value = _eval(_tree(value), env)
-                except _Missing:
-                    continue
-            patch[knob] = value
-        env.update({f"patch.{k}": v for k, v in patch.items()})
-        saves = _gain(rule, "saves_ms", env)
-        speedup = _gain(rule, "speedup", env)
-        step = facts.get("step.ms")
-        if speedup is None and saves is not None and step and saves < step:
-            speedup = step / (step - saves)
-        equivalent = step * (1 - 1 / speedup) if speedup and step and speedup > 1 else saves
-        fired.append({
-            "id": rule.id, "layer": rule.layer, "layer_name": LAYER_NAMES[rule.layer], "title": rule.title,
-            "severity": rule.severity, "evidence": _evidence(rule, env), "fix": rule.fix,
-            "config_patch": patch,
-            "expected_gain": {"saves_ms_per_step": saves, "share_of_step": (saves / step) if saves and step else None,
-                              "throughput_x": speedup, "how": rule.gain.get("how")},
-            "_order": equivalent or 0.0,
-            "sources": rule.sources, "conflicts": rule.conflicts,
-        })
+        if finding is not None:
+            fired.append(finding)
     fired.sort(key=lambda f: (f["layer"], -f["_order"]))
     kept, superseded = [], []
     for f in fired:  # superseded: a declared conflict, or an earlier fix already sets every knob this one sets
@@ -435,12 +452,62 @@ def diagnose(facts: dict[str, Any], rules: list[Rule], problems: list[str] | Non
             "problems": list(problems or [])}
 
 
+def _fire(rule: Rule, facts: dict[str, Any], not_evaluated: list[dict[str, Any]],
+          not_applicable: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The finding of one rule, or None; errors in the rule's expressions propagate to the caller."""
+    env = {**facts, **{k: c["value"] for k, c in rule.constants.items()}}
+    try:
+        hit = bool(_eval(_tree(rule.when), env))
+    except _Missing as m:
+        if facts.get("trace.cpu_only") and GPU_ONLY.fullmatch(m.name):
+            not_applicable.append({"id": rule.id, "why": f"needs {m.name}, a fact of GPU runs (this trace ran on the CPU)"})
+        elif "gpu.busy_ms" in facts and m.name.startswith("cpu."):
+            not_applicable.append({"id": rule.id, "why": f"needs {m.name}, a fact of CPU-only runs (this trace has GPU kernels)"})
+        else:
+            hint = missing_hint(m.name, facts)
+            not_evaluated.append({"id": rule.id, "missing": [m.name], **({"hint": hint} if hint else {})})
+        return None
+    if hit and rule.unless:
+        try:
+            hit = not _eval(_tree(rule.unless), env)
+        except _Missing:
+            pass  # an exception that cannot be checked does not hide a measured problem
+    if not hit:
+        return None
+    patch = {}
+    for knob, value in rule.patch.items():
+        if isinstance(value, str) and _looks_like_expr(value):
+            try:
+                value = _eval(_tree(value), env)
+            except _Missing:
+                continue
+        patch[knob] = value
+    env.update({f"patch.{k}": v for k, v in patch.items()})
+    saves = _gain(rule, "saves_ms", env)
+    speedup = _gain(rule, "speedup", env)
+    step = facts.get("step.ms")
+    if speedup is None and saves is not None and step and saves < step:
+        speedup = step / (step - saves)
+    equivalent = step * (1 - 1 / speedup) if speedup and step and speedup > 1 else saves
+    return {
+        "id": rule.id, "layer": rule.layer, "layer_name": LAYER_NAMES[rule.layer], "title": rule.title,
+        "severity": rule.severity, "evidence": _evidence(rule, env), "fix": rule.fix,
+        "config_patch": patch,
+        "expected_gain": {"saves_ms_per_step": saves, "share_of_step": (saves / step) if saves and step else None,
+                          "throughput_x": speedup, "how": rule.gain.get("how")},
+        "_order": equivalent or 0.0,
+        "sources": rule.sources, "conflicts": rule.conflicts,
+    }
+
+
 def _gain(rule: Rule, key: str, env: dict[str, Any]) -> float | None:
     for expr in _alternatives(rule.gain.get(key)):
         try:
-            return float(_eval(_tree(expr), env))
-        except (_Missing, ZeroDivisionError, TypeError):
+            value = float(_eval(_tree(expr), env))
+        except (_Missing, ZeroDivisionError, TypeError, ValueError, OverflowError, RuleEvalError):
             continue
+        if math.isfinite(value):
+            return value
     return None
 
 

@@ -225,8 +225,9 @@ def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lamb
         current = runner(cfg, True)()
         out["env"] = current.get("env")
         out["start"] = summary(current)
-        if throughput(current) is None:
-            out["stopped_because"] = f"the start config did not run: {current.get('status')}"
+        if current.get("status") != "ok" or throughput(current) is None:
+            why = (current.get("error") or {}).get("message") or "it measured no throughput"
+            out["stopped_because"] = f"the start config did not run ({current.get('status') or 'no report'}): {why}"
             out["final_config"] = cfg.to_dict()
             out["wall_s"] = time.time() - t0
             return out

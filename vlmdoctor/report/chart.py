@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from PIL import Image, ImageDraw, ImageFont
 
@@ -18,7 +18,7 @@ def _font(size: int):
         return ImageFont.load_default()
 
 
-def ladder_png(result: dict[str, Any], path: Path) -> None:
+def ladder_png(result: dict[str, Any], path: Path | IO[bytes]) -> None:
     """One bar per kept step (real tokens/s, speedup over the start on top); trials that were not
     kept are dots at the height they measured (grey: no gain or harmful; red x: OOM or crash),
     drawn at the rung they were tried from."""
@@ -66,7 +66,13 @@ def ladder_png(result: dict[str, Any], path: Path) -> None:
             d.line([(cx - 6, yy + 6), (cx + 6, yy - 6)], fill=FAILED, width=3)
     d.text((LEFT, H - 22), "green: kept; grey dot: tried, not kept (no gain or harmful); red x: OOM / crash / refused",
            fill=INK, font=small)
-    img.save(path)
+    if isinstance(path, (str, Path)):
+        from vlmdoctor.files import atomic_writer
+
+        with atomic_writer(path) as f:
+            img.save(f, format="PNG")
+    else:  # a file object (bytes in memory, written by the caller)
+        img.save(path, format="PNG")
 
 
 def _vertical_text(img: Image.Image, text: str, at: tuple[int, int], font) -> None:

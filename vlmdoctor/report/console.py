@@ -11,7 +11,6 @@ from rich.table import Table
 from rich.text import Text
 
 from vlmdoctor.run.config import RunConfig, knob_table
-from vlmdoctor.errors import UsageError
 
 
 def _fmt(v: Any, unit: str = "", digits: int = 1) -> str:
@@ -25,7 +24,9 @@ def _fmt(v: Any, unit: str = "", digits: int = 1) -> str:
 def _changed_knobs(config: dict[str, Any]) -> list[str]:
     defaults = RunConfig().to_dict()
     layer = {row["name"]: row["layer"] for row in knob_table()}
-    return [f"{k}={v}" for k, v in config.items() if v != defaults.get(k) and layer.get(k, 0) > 0]
+    # the measurement window (steps, warmup, repeats) is shown in the table; model and stage in the title
+    shown = {"model", "stage", "device", "steps", "warmup", "repeats"}
+    return [f"{k}={v}" for k, v in config.items() if v != defaults.get(k) and k in layer and k not in shown]
 
 
 def render(report: dict[str, Any], console: Console) -> None:
@@ -37,6 +38,13 @@ def render(report: dict[str, Any], console: Console) -> None:
     console.print(f"model: {model.get('vision')} + {model.get('projector')} + {model.get('llm')}; "
                   f"{model.get('image_tokens')} image tokens")
     console.print("knobs changed from the default: " + (", ".join(changed) if changed else "none (the default config)"))
+    data = report.get("data") or {}
+    if data.get("skipped"):
+        console.print(f"[yellow]data: {data['skipped']} of {data.get('records')} records skipped[/yellow] "
+                      f"(--bad-records skip; the first: {escape(str((data.get('problems') or ['?'])[0]))})",
+                      highlight=False)
+    for w in report.get("warnings") or []:
+        console.print(f"[yellow]warning:[/yellow] {escape(str(w))}", highlight=False)
     if report["status"] not in ("ok", "nan_loss"):
         err = report.get("error", {})
         console.print(f"[bold red]{report['status']}[/bold red]: {err.get('message')}")
@@ -203,8 +211,8 @@ def render_findings(diagnosis: dict[str, Any], console: Console,
         t.add_column("change", ratio=2)
         t.add_column("expected gain", justify="right")
         for i, f in enumerate(findings, 1):
-            t.add_row(str(i), f"{f['layer']} {f['layer_name']}", f"[bold]{escape(f['title'])}[/bold]\n"
-                      + "\n".join(escape(e) for e in f["evidence"]), escape(f["fix"]), _gain_text(f["expected_gain"]))
+            t.add_row(str(i), f"{f['layer']} {f['layer_name']}", f"[bold]{escape(str(f['title']))}[/bold]\n"
+                      + "\n".join(escape(str(e)) for e in f["evidence"]), escape(str(f["fix"])), _gain_text(f["expected_gain"]))
         console.print(t)
         for i, f in enumerate(findings, 1):
             patch = f["config_patch"]
@@ -222,19 +230,19 @@ def render_findings(diagnosis: dict[str, Any], console: Console,
             line = command(patch) if command else knobs
             console.print(f"  {line}", style="cyan", highlight=False, markup=False, soft_wrap=True)
     for s in diagnosis["superseded"]:
-        console.print(f"[dim]superseded: {s['id']} (covered by {s['superseded_by']})[/dim]")
+        console.print(f"[dim]superseded: {escape(s['id'])} (covered by {escape(s['superseded_by'])})[/dim]")
     for n in diagnosis.get("not_applicable", []):
         if n.get("measured"):  # fired on the measurement, but the preset cannot take the fix
             console.print(f"[dim]seen, fix not applicable: {n['id']} ({n['why']})[/dim]")
     for n in diagnosis["not_evaluated"]:
         hint = f"; record with {n['hint']}" if n.get("hint") else ""
-        console.print(f"[dim]not evaluated: {n['id']} (needs {', '.join(n['missing'])}{hint})[/dim]")
+        console.print(f"[dim]not evaluated: {escape(n['id'])} (needs {escape(', '.join(n.get('missing') or []))}{escape(hint)})[/dim]")
     gpu_only = [n["id"] for n in diagnosis.get("not_applicable", []) if "fact of GPU runs" in n["why"]]
     if gpu_only:
         console.print(f"[dim]not applicable to a CPU run ({len(gpu_only)} rules need GPU kernel facts): "
                       f"{', '.join(gpu_only)}[/dim]")
     for p in diagnosis.get("problems", []):
-        console.print(f"[yellow]rule problem:[/yellow] {escape(p)}")
+        console.print(f"[yellow]rule problem:[/yellow] {escape(str(p))}")
 
 
 def render_rule_page(page: dict[str, Any], console: Console) -> None:
@@ -388,7 +396,7 @@ def render_own(report: dict[str, Any], console: Console) -> None:
         render_own_findings(report["diagnosis"], console)
 
 
-def _gain_text(gain: dict[str, Any]) -> str:
+def _gain_line(gain: dict[str, Any]) -> str:
     if gain.get("saves_ms_per_step") is not None:
         share = f", {gain['share_of_step'] * 100:.0f}% of the step" if gain.get("share_of_step") else ""
         return f"expected: -{gain['saves_ms_per_step']:.1f} ms/step{share}"
@@ -406,7 +414,7 @@ def render_own_findings(diagnosis: dict[str, Any], console: Console) -> None:
         console.print("[bold]prescriptions, in layer order[/bold]")
     for i, f in enumerate(findings, 1):
         console.print(f"[bold]{i}. {escape(f['title'])}[/bold] [dim](layer {f['layer']} {f['layer_name']}, "
-                      f"{f['severity']}; {_gain_text(f['expected_gain'])})[/dim]", highlight=False)
+                      f"{f['severity']}; {_gain_line(f['expected_gain'])})[/dim]", highlight=False)
         for e in f["evidence"]:
             console.print(f"   seen: {escape(e)}", highlight=False)
         console.print(f"   fix: {escape(f['fix'])}", highlight=False)

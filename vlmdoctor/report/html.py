@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import html
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -630,19 +628,13 @@ def _paired(t: dict[str, Any]) -> str:
 
 
 def write_html(text: str, path: Path, force: bool = False) -> None:
-    """Write a page atomically (temp file + rename); an existing file only with `force`."""
+    """Write a page through the one writer (atomic, regular files only); an existing file only with `force`."""
+    from vlmdoctor.files import write_text
+
     target = Path(path)
     if target.exists() and not force:
         raise UsageError(f"{target} exists; pass --force to overwrite it")
     if target.is_dir():
         raise UsageError(f"{target} is a folder; give a file name ending in .html")
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text(target, text)

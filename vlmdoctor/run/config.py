@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -31,9 +32,22 @@ LAYER_NAMES = {
 }
 
 
-def knob(default: Any, layer: int, help: str, choices: tuple | None = None, minimum: int | None = None):
-    """A config field with its layer, help text and allowed values."""
-    return field(default=default, metadata={"layer": layer, "help": help, "choices": choices, "minimum": minimum})
+def knob(default: Any, layer: int, help: str, choices: tuple | None = None, minimum: float | None = None,
+         maximum: float | None = None, above: float | None = None):
+    """A config field with its layer, help text and allowed values (numbers: bounds, all inclusive but `above`)."""
+    return field(default=default, metadata={"layer": layer, "help": help, "choices": choices, "minimum": minimum,
+                                            "maximum": maximum, "above": above})
+
+
+#: knobs whose command-line flag is not --NAME-WITH-DASHES
+FLAGS = {"liger_fused_linear_cross_entropy": "--liger-fused-ce", "checkpoint_use_reentrant": "--checkpoint-reentrant"}
+
+
+def _label(name: str, source: str) -> str:
+    """How an error names a knob: the flag on the command line, `source: knob` for a file."""
+    if source == "command line":
+        return FLAGS.get(name, "--" + name.replace("_", "-"))
+    return f"{source}: {name}"
 
 
 @dataclass
@@ -43,19 +57,20 @@ class RunConfig:
     vision: str | None = knob(None, 0, "vision tower name, overrides the preset's")
     llm: str | None = knob(None, 0, "LLM name, overrides the preset's")
     projector: str | None = knob(None, 0, "projector type, overrides the preset's", ("linear", "mlp2x_gelu"))
-    pixel_shuffle: int | None = knob(None, 0, "pixel-shuffle factor, overrides the preset's (1 = none)", minimum=1)
+    pixel_shuffle: int | None = knob(None, 0, "pixel-shuffle factor, overrides the preset's (1 = none)", minimum=1,
+                                      maximum=16)
     weights: str = knob("random", 0, "random init from shipped configs, or the real checkpoints", ("random", "pretrained"))
     stage: int = knob(2, 0, "1: projector only; 2: LLM + projector", (1, 2))
     device: str = knob("auto", 0, "where to run", ("auto", "cuda", "cpu"))
-    steps: int = knob(20, 0, "timed steps per repeat", minimum=1)
-    warmup: int = knob(5, 0, "warm-up steps before timing", minimum=0)
-    repeats: int = knob(1, 0, "timed windows; numbers are the median over them", minimum=1)
-    seed: int = knob(0, 0, "random seed for weights and data")
-    lr: float = knob(1e-5, 0, "AdamW learning rate")
+    steps: int = knob(20, 0, "timed steps per repeat", minimum=1, maximum=100_000)
+    warmup: int = knob(5, 0, "warm-up steps before timing", minimum=0, maximum=100_000)
+    repeats: int = knob(1, 0, "timed windows; numbers are the median over them", minimum=1, maximum=1000)
+    seed: int = knob(0, 0, "random seed for weights and data", minimum=0, maximum=2**32 - 1)
+    lr: float = knob(1e-5, 0, "AdamW learning rate", above=0)
     data: str = knob("synthetic", 0, "'synthetic' or a LLaVA-format JSON/JSONL file")
     tokenizer: str | None = knob(None, 0, "local tokenizer folder for --data FILE")
     bad_records: str = knob("stop", 0, "malformed records in --data: stop the run or skip them (counted)", ("stop", "skip"))
-    num_samples: int = knob(4096, 0, "synthetic samples in the data set", minimum=1)
+    num_samples: int = knob(4096, 0, "synthetic samples in the data set", minimum=1, maximum=1_000_000)
     # --- layer 1: precision --------------------------------------------------------------
     weight_dtype: str = knob("fp32", 1, "dtype the weights are stored in", ("fp32", "bf16"))
     autocast: str = knob("bf16", 1, "autocast around forward and loss", ("bf16", "off"))
@@ -65,13 +80,14 @@ class RunConfig:
                                      "the LLM, as LLaVA-style trainers do with checkpointing: the frozen tower's "
                                      "activations then require grad")
     # --- layer 2: batching ---------------------------------------------------------------
-    batch_size: int = knob(4, 2, "samples per micro-batch", minimum=1)
-    grad_accum: int = knob(1, 2, "micro-batches per optimizer step", minimum=1)
+    batch_size: int = knob(4, 2, "samples per micro-batch", minimum=1, maximum=65536)
+    grad_accum: int = knob(1, 2, "micro-batches per optimizer step", minimum=1, maximum=65536)
     # --- layer 3: data layout ------------------------------------------------------------
     sampler: str = knob("random", 3, "sample order", ("random", "length_bucketed"))
-    pad_to_multiple_of: int = knob(1, 3, "pad each batch's length up to a multiple of this (1 = none)", minimum=1)
+    pad_to_multiple_of: int = knob(1, 3, "pad each batch's length up to a multiple of this (1 = none)", minimum=1,
+                                   maximum=65536)
     packing: bool = knob(False, 3, "pack samples into rows (position ids reset, no cross-sample attention)")
-    pack_length: int = knob(2048, 3, "tokens per packed row", minimum=16)
+    pack_length: int = knob(2048, 3, "tokens per packed row", minimum=16, maximum=1 << 20)
     # --- layer 4: kernel fusion ----------------------------------------------------------
     attention: str = knob("sdpa", 4, "attention backend", ("sdpa", "flash", "efficient", "cudnn", "math", "eager"))
     liger_rope: bool = knob(False, 4, "Liger Triton RoPE")
@@ -84,7 +100,7 @@ class RunConfig:
     # --- layer 5: system tuning ----------------------------------------------------------
     gradient_checkpointing: bool = knob(True, 5, "recompute LLM activations in backward")
     checkpoint_use_reentrant: bool = knob(False, 5, "use the reentrant checkpoint implementation")
-    num_workers: int = knob(0, 5, "data-loader worker processes", minimum=0)
+    num_workers: int = knob(0, 5, "data-loader worker processes", minimum=0, maximum=256)
     pin_memory: bool = knob(False, 5, "pinned host memory for batches (async H2D copies)")
     cache_vision_features: bool = knob(False, 5, "precompute frozen vision features once, copy them H2D each step")
     fused_optimizer: bool = knob(False, 5, "AdamW(fused=True) instead of the default foreach implementation")
@@ -105,7 +121,7 @@ class RunConfig:
         if not isinstance(data, dict):
             raise UsageError(f"{source}: expected a mapping of knob names to values, got {type(data).__name__}")
         names = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - names)
+        unknown = sorted(str(k) for k in set(data) - names)
         if unknown:
             raise UsageError(f"{source}: unknown knob(s) {', '.join(unknown)}; valid knobs: {', '.join(sorted(names))}")
         data = dict(data)
@@ -128,22 +144,32 @@ class RunConfig:
         for f in fields(self):
             value = getattr(self, f.name)
             meta = f.metadata
+            name = _label(f.name, source)
             if value is None:
                 if "None" in str(f.type):
                     continue
-                raise UsageError(f"{source}: {f.name} needs a value (default: {f.default!r})")
+                raise UsageError(f"{name} needs a value (default: {f.default!r})")
             expected = _base_type(f.type)
             if expected is bool and not isinstance(value, bool):
-                raise UsageError(f"{source}: {f.name} must be true or false, got {value!r}")
+                raise UsageError(f"{name} must be true or false, got {value!r}")
             if expected is int and (isinstance(value, bool) or not isinstance(value, int)):
-                raise UsageError(f"{source}: {f.name} must be an integer, got {value!r}")
-            if expected is float and not isinstance(value, (int, float)):
-                raise UsageError(f"{source}: {f.name} must be a number, got {value!r}")
+                raise UsageError(f"{name} must be an integer, got {value!r}")
+            lo, hi, above = meta.get("minimum"), meta.get("maximum"), meta.get("above")
+            bounds = [f"> {_num(above)}"] if above is not None else []
+            bounds += [f">= {_num(lo)}"] if lo is not None else []
+            bounds += [f"<= {_num(hi)}"] if hi is not None else []
+            wanted = ("an integer" if expected is int else "a finite number") + "".join(" " + b for b in bounds[:1]) \
+                + "".join(" and " + b for b in bounds[1:])
+            if expected is float and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value)):
+                raise UsageError(f"{name} must be {wanted}, got {value!r}")
+            if expected is str and not isinstance(value, str):
+                raise UsageError(f"{name} must be a string, got {value!r}")
             if meta["choices"] is not None and value not in meta["choices"]:
                 valid = ", ".join(str(c) for c in meta["choices"])
-                raise UsageError(f"{source}: {f.name}={value!r} is not valid; choose one of: {valid}")
-            if meta["minimum"] is not None and value < meta["minimum"]:
-                raise UsageError(f"{source}: {f.name}={value!r} must be at least {meta['minimum']}")
+                raise UsageError(f"{name}={value!r} is not valid; choose one of: {valid}")
+            if (lo is not None and value < lo) or (hi is not None and value > hi) or (above is not None and value <= above):
+                raise UsageError(f"{name} must be {wanted}, got {value!r}")
         from vlmdoctor.run.zoo import refuse_composite_only
 
         try:
@@ -155,23 +181,41 @@ class RunConfig:
     @classmethod
     def load(cls, path: str | Path) -> "RunConfig":
         """Read YAML or JSON; a report JSON works too (its `config` section is used)."""
+        from vlmdoctor.inputs import read_text
+
         p = Path(path)
-        try:
-            text = p.read_text()
-        except OSError as e:
-            raise UsageError(f"cannot read config {p}: {e.strerror}") from None
+        text = read_text(p, "config", max_bytes=64 * 2**20)
         try:
             data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
-        except (json.JSONDecodeError, yaml.YAMLError) as e:
-            raise UsageError(f"config {p} does not parse: {str(e).splitlines()[0]}") from None
+        except (json.JSONDecodeError, yaml.YAMLError, ValueError, RecursionError) as e:
+            raise UsageError(f"config {p} does not parse: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
         if isinstance(data, dict) and "schema_version" in data and "config" in data:
+            from vlmdoctor import SCHEMA_VERSION
+
+            version = data["schema_version"]
+            if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+                raise UsageError(f"config {p}: schema_version must be a positive integer, got {version!r}")
+            if version > SCHEMA_VERSION:
+                raise UsageError(f"config {p}: schema_version {version} was written by a newer vlmdoctor (this one "
+                                 f"reads up to {SCHEMA_VERSION}); upgrade vlmdoctor")
             data = data["config"]
-        return cls.from_dict(data or {}, source=str(p))
+        if data is None:  # an empty file: every knob at its default
+            data = {}
+        return cls.from_dict(data, source=str(p))
 
     def dump(self, path: str | Path) -> None:
-        p = Path(path)
+        from vlmdoctor.files import write_text
+
+        write_text(path, self.dump_text(path))
+
+    def dump_text(self, path: str | Path = "config.yaml") -> str:
+        """The config as JSON (for a .json path) or YAML, as `dump` writes it."""
         data = self.to_dict()
-        p.write_text(json.dumps(data, indent=2) + "\n" if p.suffix == ".json" else yaml.safe_dump(data, sort_keys=False))
+        return json.dumps(data, indent=2) + "\n" if Path(path).suffix == ".json" else yaml.safe_dump(data, sort_keys=False)
+
+
+def _num(x: float) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
 
 
 def _base_type(annotation: Any) -> type:

@@ -133,8 +133,16 @@ class LlavaFile(Dataset):
     def __init__(self, path: str, tokenizer_dir: str | None, spec: ModelSpec, bad_records: str = "stop") -> None:
         self.spec = spec
         self.path = Path(path)
+        from vlmdoctor.inputs import path_problem
+
+        problem = path_problem(self.path)
+        if problem:
+            raise UsageError(f"--data {str(path)[:120]}: {problem}")
+        if self.path.is_dir():
+            raise UsageError(f"--data {path}: is a folder; give a LLaVA-format .json or .jsonl file")
         if not self.path.is_file():
-            raise UsageError(f"--data {path}: no such file")
+            raise UsageError(f"--data {path}: no such file" if not self.path.exists() else
+                             f"--data {path}: not a regular file")
         if tokenizer_dir is None:
             raise UsageError("--data FILE needs --tokenizer DIR (a local tokenizer folder); nothing is downloaded")
         self.tokenizer = _load_tokenizer(tokenizer_dir)
@@ -167,6 +175,7 @@ class LlavaFile(Dataset):
         img_path = Path(image) if Path(image).is_absolute() else self.path.parent / image
         if not img_path.is_file():
             raise ValueError(f"image not found: {img_path}")
+        _check_image(img_path)  # an undecodable image is a bad record (skippable), not a crash mid-run
         if not isinstance(convs, list) or len(convs) < 2:
             raise ValueError("'conversations' must be a list of at least two turns")
         t, tok = self.ids, self.tokenizer
@@ -215,26 +224,64 @@ class LlavaFile(Dataset):
         return normalize_image(np.ascontiguousarray(arr))
 
 
+def _check_image(path: Path) -> None:
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            im.verify()
+    except Exception as e:  # PIL raises many kinds for a broken file
+        raise ValueError(f"cannot decode image {path} ({type(e).__name__})") from None
+
+
 def _read_records(path: Path) -> Iterator[tuple[str, Any, str | None]]:
-    """(where, record, parse error) for each record; JSONL lines that do not parse are records too."""
-    text = path.read_text()
+    """(where, record, parse error) for each record; JSONL lines that do not parse (or are not UTF-8)
+    are records too, so --bad-records skip applies to them."""
+    from vlmdoctor.inputs import decode, read_bytes
+
+    raw = read_bytes(path, "--data")
     if path.suffix == ".jsonl":
-        for n, line in enumerate(text.splitlines(), 1):
+        for n, line in enumerate(raw.splitlines(), 1):
             if not line.strip():
                 continue
             try:
-                yield f"line {n}", json.loads(line), None
-            except json.JSONDecodeError as e:
-                yield f"line {n}", None, f"not valid JSON ({e.msg})"
+                text = line.decode("utf-8-sig" if n == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                yield f"line {n}", None, f"not UTF-8 text (byte 0x{line[e.start]:02x} at column {e.start + 1})"
+                continue
+            try:
+                yield f"line {n}", json.loads(text), None
+            except (json.JSONDecodeError, RecursionError) as e:
+                yield f"line {n}", None, f"not valid JSON ({getattr(e, 'msg', type(e).__name__)})"
         return
+    try:
+        text = decode(raw, path, "--data")
+    except UsageError:  # bad bytes inside a record's strings make that record bad, not the whole file
+        text = raw.decode("utf-8", errors="surrogateescape")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise UsageError(f"{path}: not valid JSON at line {e.lineno}: {e.msg}") from None
+    except RecursionError:
+        raise UsageError(f"{path}: JSON nested too deeply") from None
     if not isinstance(data, list):
         raise UsageError(f"{path}: expected a JSON list of LLaVA records (or a .jsonl file)")
     for n, rec in enumerate(data):
-        yield f"record {n}", rec, None
+        if _has_undecodable(rec):
+            yield f"record {n}", None, "not UTF-8 text"
+        else:
+            yield f"record {n}", rec, None
+
+
+def _has_undecodable(value: Any) -> bool:
+    """A string holding bytes that were not UTF-8 (kept as lone surrogates by surrogateescape)."""
+    if isinstance(value, str):
+        return any("\udc80" <= ch <= "\udcff" for ch in value)
+    if isinstance(value, dict):
+        return any(_has_undecodable(k) or _has_undecodable(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_undecodable(v) for v in value)
+    return False
 
 
 def _load_tokenizer(path: str):

@@ -77,6 +77,9 @@ def preflight(cfg: RunConfig, spec: ModelSpec | native.NativeSpec, device: torch
         except Exception as e:
             raise UsageError(f"Liger asked for but liger-kernel cannot be imported ({type(e).__name__}: {e}); "
                              "install it with: pip install liger-kernel") from None
+    if cfg.compile == "reduce-overhead" and device.type != "cuda":
+        raise UsageError("--compile reduce-overhead uses CUDA graphs, which exist only on CUDA; use --compile default "
+                         "on CPU")
     if cfg.attention in GPU_ONLY_ATTENTION and device.type != "cuda":
         raise UsageError(f"the {cfg.attention!r} SDPA backend exists only on CUDA; use sdpa, math or eager on CPU")
     if cfg.packing and cfg.attention == "eager":
@@ -412,7 +415,14 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
                     "model": report["model"],
                     "env": {k: env[k] for k in ("device_type", "cpu_count", "cpu_capability", "cpu_matmul_gflops") if k in env}}
             where = trace if trace.keep else replace(trace, trace_dir=tempfile.mkdtemp(prefix="vlmdoctor-trace-"))
-            report["trace"] = capture(step, where, device, trace_path(where, cfg.model, cfg.stage), meta, progress)
+            try:
+                report["trace"] = capture(step, where, device, trace_path(where, cfg.model, cfg.stage), meta, progress)
+            except BaseException:  # a temporary trace folder never outlives a failed or interrupted capture
+                if not trace.keep:
+                    import shutil
+
+                    shutil.rmtree(where.trace_dir, ignore_errors=True)
+                raise
             report["trace"]["kept"] = trace.keep
     except torch.OutOfMemoryError as e:
         _release(device)
@@ -434,6 +444,9 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
     if "trace" in report:  # profiler overhead, visible next to the untraced numbers it stayed out of
         report["trace"]["untraced_step_ms_median"] = metrics["step_ms"]
     report["repeats"] = [{k: v for k, v in w.items() if k != "losses"} | {"final_loss": w["losses"][-1]} for w in windows]
+    warning = recompile_warning(cfg, windows)
+    if warning:
+        report["warnings"] = [warning]
     if not metrics["loss_finite"]:
         report["status"] = "nan_loss"
         report["error"] = {"type": "NonFiniteLoss", "message": "the loss was NaN or inf in a timed step"}
@@ -450,6 +463,27 @@ def _warmup_times(warm_s: list[float]) -> dict[str, Any]:
     steady = warm_s[-1]
     return {"warmup_s": sum(warm_s), "compile_s": sum(max(0.0, s - steady) for s in warm_s[:-1]),
             "steps": len(warm_s), "step_s": warm_s}
+
+
+#: a first timed step this many times the median of the others means compilation ran inside the timed window
+RECOMPILE_RATIO = 5.0
+
+
+def recompile_warning(cfg: RunConfig, windows: list[dict[str, Any]]) -> str | None:
+    """torch.compile that (re)compiles inside a timed window makes its throughput meaningless; say so."""
+    if cfg.compile == "off":
+        return None
+    for r, w in enumerate(windows):
+        steps = w["step_ms"]
+        if len(steps) < 2:
+            continue
+        worst = max(range(len(steps)), key=steps.__getitem__)
+        rest = statistics.median(steps[:worst] + steps[worst + 1:])
+        if rest > 0 and steps[worst] > RECOMPILE_RATIO * rest:
+            return (f"--compile {cfg.compile}: timed step {worst + 1} of window {r + 1} took {steps[worst]:.0f} ms, "
+                    f"{steps[worst] / rest:.0f}x the median of {rest:.0f} ms: compilation ran inside the timed "
+                    "window, so tokens/s is too low; use more --warmup steps")
+    return None
 
 
 def _release(device: torch.device) -> None:
@@ -500,11 +534,18 @@ def run_isolated(cfg: RunConfig, timeout: float | None = None, diagnose: bool = 
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                                   env={**os.environ, **env} if env else None)
+            if proc.returncode in (130, -2):  # the child was interrupted (Ctrl-C reaches the whole group)
+                raise KeyboardInterrupt
         except subprocess.TimeoutExpired:
             return {"schema_version": SCHEMA_VERSION, "status": "timeout", "config": cfg.to_dict(),
                     "error": {"type": "Timeout", "message": f"the run took longer than {timeout:.0f} s"}}
         if out_path.exists():
-            return json.loads(out_path.read_text())
+            try:
+                return json.loads(out_path.read_text())
+            except (OSError, ValueError) as e:
+                return {"schema_version": SCHEMA_VERSION, "status": "error", "config": cfg.to_dict(),
+                        "error": {"type": "ProcessFailed", "message": f"the run's report is unreadable ({e})",
+                                  "exit_code": proc.returncode}}
         return {"schema_version": SCHEMA_VERSION, "status": "error", "config": cfg.to_dict(),
                 "error": {"type": "ProcessFailed", "message": (proc.stderr or proc.stdout).strip()[-2000:],
                           "exit_code": proc.returncode}}

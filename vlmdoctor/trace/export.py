@@ -11,6 +11,8 @@ import gzip
 import json
 import math
 import os
+import re
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,8 @@ from typing import Any
 from vlmdoctor.errors import UsageError
 from vlmdoctor.trace.read import TRACE_SUFFIXES, iter_events, read_metadata, trace_files
 
+#: the names export_hta_folder writes; --force replaces these and nothing else
+OURS = re.compile(r"rank\d+\.pt\.trace\.json\.gz")
 FLUSH = 4096  # events serialized before each write
 COMPRESSLEVEL = 6  # gzip's default of 9 is several times slower for a few % smaller output
 
@@ -49,36 +53,30 @@ def _check_output(out: Path, force: bool) -> None:
 
 def _write(src: Path, head: dict[str, Any], out: Path, first: dict[str, Any] | None = None) -> int:
     """Gzipped Chrome JSON: `first` keys, then the input's keys before traceEvents, the events, the keys
-    after them. Written to a temporary file beside `out`, renamed into place when complete."""
+    after them. Written through the one writer (temp file beside `out`, renamed into place when complete)."""
+    from vlmdoctor.files import atomic_writer
+
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    os.close(fd)
     tail: dict[str, Any] = {}
     count = 0
-    try:
-        with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=COMPRESSLEVEL) as f:
-            head = {**(first or {}), **{k: v for k, v in head.items() if k not in (first or {})}}
-            f.write("{\n")
-            for k, v in head.items():  # one key a line: HTA finds distributedInfo's rank by a line-wise search
-                f.write(f"{json.dumps(k)}: {json.dumps(_finite(v), allow_nan=False)},\n")
-            f.write('"traceEvents": [\n')
-            lines: list[str] = []
-            for count, ev in enumerate(iter_events(src, tail=tail), start=1):
-                lines.append(("" if count == 1 else ",\n") + _dumps(ev))
-                if len(lines) >= FLUSH:
-                    f.write("".join(lines))
-                    lines.clear()
-            f.write("".join(lines))
-            f.write("\n]")
-            for k, v in tail.items():
-                if k not in head:
-                    f.write(f",\n{json.dumps(k)}: {json.dumps(_finite(v), allow_nan=False)}")
-            f.write("\n}\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_writer(out) as raw, gzip.open(raw, "wt", encoding="utf-8", compresslevel=COMPRESSLEVEL) as f:
+        head = {**(first or {}), **{k: v for k, v in head.items() if k not in (first or {})}}
+        f.write("{\n")
+        for k, v in head.items():  # one key a line: HTA finds distributedInfo's rank by a line-wise search
+            f.write(f"{json.dumps(k)}: {json.dumps(_finite(v), allow_nan=False)},\n")
+        f.write('"traceEvents": [\n')
+        lines: list[str] = []
+        for count, ev in enumerate(iter_events(src, tail=tail), start=1):
+            lines.append(("" if count == 1 else ",\n") + _dumps(ev))
+            if len(lines) >= FLUSH:
+                f.write("".join(lines))
+                lines.clear()
+        f.write("".join(lines))
+        f.write("\n]")
+        for k, v in tail.items():
+            if k not in head:
+                f.write(f",\n{json.dumps(k)}: {json.dumps(_finite(v), allow_nan=False)}")
+        f.write("\n}\n")
     return count
 
 
@@ -134,8 +132,13 @@ def export_hta_folder(traces: list[Path], out_dir: Path, force: bool = False) ->
         raise UsageError(f"{out_dir} exists and is not a folder")
     if any(f.resolve().parent == out_dir.resolve() for f in files):
         raise UsageError(f"{out_dir} holds the input traces; export to another folder")
-    old = [p for p in out_dir.iterdir() if p.is_file() and p.name.endswith((*TRACE_SUFFIXES, ".gz"))] \
-        if out_dir.is_dir() else []
+    present = [p for p in out_dir.iterdir() if p.name.endswith((*TRACE_SUFFIXES, ".gz"))] if out_dir.is_dir() else []
+    old = [p for p in present if OURS.fullmatch(p.name) and p.is_file() and not p.is_symlink()]
+    foreign = sorted(p.name for p in present if p not in old)
+    if foreign:  # --force replaces what this export wrote before, never someone else's archives
+        raise UsageError(f"{out_dir} holds {len(foreign)} file(s) vlmdoctor did not write ({', '.join(foreign[:3])}"
+                         f"{', ...' if len(foreign) > 3 else ''}) that HTA would read too; move them or choose "
+                         "another folder")
     if old and not force:
         raise UsageError(f"{out_dir} already holds {len(old)} trace file(s) (HTA would read them too); pass --force "
                          "to replace them, or choose another folder")
@@ -151,13 +154,24 @@ def export_hta_folder(traces: list[Path], out_dir: Path, force: bool = False) ->
     free = (r for r in range(len(files) + len(seen)) if r not in seen)
     ranks = [r if r is not None else next(free) for r in given]
     width = len(str(max(ranks)))
-    for p in old:
-        p.unlink()
     out_dir.mkdir(parents=True, exist_ok=True)
-    for f, h, r, g in zip(files, heads, ranks, given):
-        info = dict(h.get("distributedInfo") or {}) if isinstance(h.get("distributedInfo"), dict) else {}
-        if g is None:  # no usable rank: set it, keeping what else the trace says (backend, process groups)
-            info = {**info, "rank": r, "world_size": info.get("world_size") or len(files),
-                    "backend": info.get("backend") or "nccl"}
-        _write(f, h, out_dir / f"rank{r:0{width}d}.pt.trace.json.gz", first={"distributedInfo": info})
+    # the new export is written complete into a staging folder first: a bad rank half-way leaves the old export
+    stage = Path(tempfile.mkdtemp(dir=out_dir, prefix=".vlmdoctor-export-"))
+    try:
+        names = []
+        for f, h, r, g in zip(files, heads, ranks, given):
+            info = dict(h.get("distributedInfo") or {}) if isinstance(h.get("distributedInfo"), dict) else {}
+            if g is None:  # no usable rank: set it, keeping what else the trace says (backend, process groups)
+                info = {**info, "rank": r, "world_size": info.get("world_size") or len(files),
+                        "backend": info.get("backend") or "nccl"}
+            name = f"rank{r:0{width}d}.pt.trace.json.gz"
+            _write(f, h, stage / name, first={"distributedInfo": info})
+            names.append(name)
+        for p in old:  # only files this export wrote before, and only now that the new one is complete
+            if p.name not in names:
+                p.unlink()
+        for name in names:
+            os.replace(stage / name, out_dir / name)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
     return out_dir
