@@ -92,3 +92,21 @@ def test_parts_come_from_the_module_hierarchy_of_a_stack_trace(diagnosed):
     assert named > 0.8 * (named + facts.get("part.other.ms", 0.0))
     hints = {n["id"]: n.get("hint") for n in diagnosed["llava_fce_s2"][1]["not_evaluated"]}
     assert any(h and "with_stack=True" in h for h in hints.values()), hints
+
+
+def test_analyze_says_the_fix_as_loop_lines_and_no_rule_file_is_broken(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from vlmdoctor.cli import app
+
+    out = tmp_path / "a.json"
+    r = CliRunner().invoke(app, ["analyze", str(TRACES / "llava_fp32_autocast_ckpt_s2.pt.trace.json.gz"),
+                                 "--json", str(out)], env={"COLUMNS": "80"})
+    assert r.exit_code == 0, r.output
+    assert "in your loop:" in r.output and "model.to(torch.bfloat16)" in r.output
+    assert "vlmdoctor profile --model" not in r.output  # not vlmdoctor's run: no command of vlmdoctor's own
+    entry = json.loads(out.read_text())["files"][0]
+    assert entry["diagnosis"]["problems"] == []
+    assert all(f["advice"]["audience"] == "loop" for f in entry["diagnosis"]["findings"])

@@ -315,9 +315,14 @@ def analyze(
         with err.status("reading the trace"):
             result = run_analysis(path, stage, model)
         rules, problems = load_rules(*(rules_dirs or []))
+        from vlmdoctor.doctor.advice import add_advice
+
         for entry in result["files"]:
             entry["diagnosis"] = diagnose(entry["facts"], rules, problems)
             entry["findings"] = entry["diagnosis"]["findings"]
+            if not entry["facts"].get("trace.written_by_vlmdoctor"):
+                # a user's own training: the fix as the lines of their loop, not a vlmdoctor command
+                add_advice({"config": {}, "diagnosis": entry["diagnosis"]}, "loop")
         doc = {"schema_version": SCHEMA_VERSION, "kind": "analysis", **result}
         failures = []
         if json_path == "-":

@@ -16,7 +16,7 @@ import json
 import math
 import statistics
 import xml.etree.ElementTree as ET
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 from vlmdoctor import SCHEMA_VERSION
 from vlmdoctor.doctor.decide import PairedOptions, interleaved, outliers, ratio_interval

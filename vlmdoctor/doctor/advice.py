@@ -149,6 +149,8 @@ def advise(patch: dict[str, Any], audience: str, context: dict[str, Any] | None 
             lines.append(f"use_liger_kernel={on}")
             if on:
                 lines.append(f"liger_kernel_config={liger!r}")
+        elif not any(liger.values()):  # the fix turns Liger off (compile fuses the same operations)
+            lines.append(f"# and drop apply_liger_kernel_to_{_liger_family(ctx)}(...) if you call it")
         else:
             fam = _liger_family(ctx)
             lines += [f"from liger_kernel.transformers import apply_liger_kernel_to_{fam}",

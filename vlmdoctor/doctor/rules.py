@@ -282,8 +282,10 @@ def _rule_from(path: Path, data: Any) -> Rule:
         raise RuleError(f"{path}: rule {rule.id}: evidence must be a list of strings")
     if not isinstance(rule.patch, dict) or not all(isinstance(k, str) for k in rule.patch):
         raise RuleError(f"{path}: rule {rule.id}: patch must be a mapping of knob names to values")
-    if not isinstance(rule.gain, dict) or any(not isinstance(rule.gain.get(k), (str, type(None)))
-                                              for k in ("saves_ms", "speedup")):
+    def _gain_forms_ok(v: Any) -> bool:  # one expression, or a list of them (a GPU form, then a CPU form)
+        return v is None or isinstance(v, str) or (isinstance(v, list) and bool(v) and all(isinstance(e, str) for e in v))
+
+    if not isinstance(rule.gain, dict) or not all(_gain_forms_ok(rule.gain.get(k)) for k in ("saves_ms", "speedup")):
         raise RuleError(f"{path}: rule {rule.id}: gain must be a mapping whose saves_ms and speedup are expressions "
                         "in strings")
     if not isinstance(rule.stages, list) or not rule.stages or any(st not in (1, 2) for st in rule.stages):
