@@ -191,6 +191,15 @@ def script_llava(tmp_path_factory):
     return proc, out
 
 
+@pytest.fixture(scope="module")
+def script_qwen2vl(tmp_path_factory):
+    out = tmp_path_factory.mktemp("script_qwen2vl") / "doctor"
+    proc = _vlmdoctor("run", "--out", str(out), "--warmup", "1", "--steps", "3", "--trace-steps", "1",
+                      "--stop-after-window", "--", "python", str(ROOT / "examples" / "train_qwen2vl_loop.py"),
+                      "--steps", "40")
+    return proc, out
+
+
 # --- every way in gives the same kind of report ----------------------------------------------
 
 def _check_report(report, source: str, model_class: str) -> None:
@@ -295,6 +304,14 @@ def test_script_run_llava(script_llava):
     assert "prescriptions" in proc.stdout or "no prescriptions" in proc.stdout
     ours = proc.stdout[proc.stdout.index("vlmdoctor: LlavaForConditionalGeneration"):]  # after the script's output
     assert max(len(line) for line in ours.splitlines() if str(out) not in line) <= 80  # long paths aside
+
+
+def test_script_run_qwen2vl(script_qwen2vl):
+    proc, out = script_qwen2vl
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((out / "report.json").read_text())
+    _check_report(report, "script", "Qwen2VLForConditionalGeneration")
+    assert "step 0 loss" in (out / "script.log").read_text()
 
 
 # --- gate, compare, export and HTML read these reports -------------------------------------
