@@ -22,6 +22,8 @@ from vlmdoctor.run.config import RunConfig, knob_table
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 from train_llava_loop import batches, build_model  # noqa: E402
+from train_qwen2vl_loop import batch as qwen2vl_example_batch  # noqa: E402
+from train_qwen2vl_loop import build_model as build_qwen2vl  # noqa: E402
 
 WINDOW = dict(warmup=1, steps=3, trace_steps=1)
 PARTS = ("vision", "projector", "llm")
@@ -30,35 +32,13 @@ PARTS = ("vision", "projector", "llm")
 # --- tiny models and data ----------------------------------------------------------------------
 
 def qwen2vl():
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-
-    cfg = Qwen2VLConfig(
-        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=4,
-                           spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
-        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, vocab_size=512, max_position_embeddings=512, pad_token_id=0,
-                         bos_token_id=1, eos_token_id=2, rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]}),
-        image_token_id=3, video_token_id=4, vision_start_token_id=5, vision_end_token_id=6, pad_token_id=0,
-        bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
-    return Qwen2VLForConditionalGeneration(cfg)
+    return build_qwen2vl()
 
 
 def qwen2vl_batch(i: int, b: int = 2) -> dict[str, torch.Tensor]:
     """An 8x8-patch image (16 tokens after the 2x2 merge) and text of varying length, right-padded."""
-    g = torch.Generator().manual_seed(i)
-    rows, labels = [], []
-    for _ in range(b):
-        n = int(torch.randint(6, 30, (1,), generator=g))
-        text = torch.randint(10, 500, (n,), generator=g).tolist()
-        rows.append([1, 5] + [3] * 16 + [6] + text)
-        labels.append([-100] * 19 + text)
-    n = max(map(len, rows))
-    ids = torch.tensor([r + [0] * (n - len(r)) for r in rows])
-    return {"input_ids": ids, "attention_mask": (ids != 0).long(), "mm_token_type_ids": (ids == 3).long(),
-            "labels": torch.tensor([r + [-100] * (n - len(r)) for r in labels]),
-            "pixel_values": torch.randn(b * 64, 3 * 2 * 4 * 4, generator=g),
-            "image_grid_thw": torch.tensor([[1, 8, 8]] * b)}
+    return qwen2vl_example_batch(i, b)
 
 
 def freeze_tower(model) -> None:
