@@ -496,7 +496,7 @@ def treat(
     max_trials: int = typer.Option(24, "--max-trials", help="trials at most (a trial: one composition or one "
                                    "ablation, measured in several paired runs)"),
     time_budget: Optional[float] = typer.Option(540, "--time-budget", help="seconds; no run starts after this and a "
-                                                "run's limit is cut to what is left (0 = no limit)"),
+                                                "run's limit is cut to what is left"),
     min_gain: float = typer.Option(0.02, "--min-gain", help="smallest throughput gain worth keeping (0.02 = 2%): "
                                    "kept when the paired interval's lower bound is above it"),
     trial_timeout: float = typer.Option(900, "--trial-timeout", help="seconds one run may take"),
@@ -527,7 +527,7 @@ def treat(
 
     with _user_errors():
         check_number("--max-trials", max_trials, minimum=0, maximum=1000, integer=True)
-        check_number("--time-budget", time_budget, minimum=0)
+        check_number("--time-budget", time_budget, above=0)
         check_number("--min-gain", min_gain, minimum=0, maximum=10)
         check_number("--trial-timeout", trial_timeout, above=0)
         base = RunConfig.load(config) if config else RunConfig(steps=10, repeats=3)
