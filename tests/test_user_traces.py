@@ -110,3 +110,16 @@ def test_analyze_says_the_fix_as_loop_lines_and_no_rule_file_is_broken(tmp_path)
     entry = json.loads(out.read_text())["files"][0]
     assert entry["diagnosis"]["problems"] == []
     assert all(f["advice"]["audience"] == "loop" for f in entry["diagnosis"]["findings"])
+
+
+def test_autocast_casts_are_found_on_a_small_model_by_casts_per_gemm():
+    """A tiny LLaVA casts only ~290 times per step under autocast: below any fixed count, but 2.5 per GEMM."""
+    rules, _ = load_rules()
+    small = TRACES.parent / "user_h100"
+    fired = {}
+    for name in ("llava_s2_ckpt_autocast", "llava_s2_plain", "llava_s1_plain"):
+        facts = analyze(small / f"{name}.pt.trace.json.gz")["files"][0]["facts"]
+        assert facts["kernels.cast.count"] < 1000
+        fired[name] = {f["id"] for f in diagnose(facts, rules)["findings"]}
+    assert "precision-autocast-casts" in fired["llava_s2_ckpt_autocast"]
+    assert "precision-autocast-casts" not in fired["llava_s2_plain"] | fired["llava_s1_plain"]

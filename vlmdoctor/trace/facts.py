@@ -462,6 +462,7 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
         facts[f"kernels.{cls}.share"] = row["sum"] / gpu_time
     gemm = by_cls.reindex(list(GEMM_CLASSES))["sum"].fillna(0.0)
     facts["gemm.ms"] = float(gemm.sum()) / 1e3 / n
+    facts["gemm.count"] = float(by_cls.reindex(list(GEMM_CLASSES))["count"].fillna(0.0).sum()) / n
     facts["gemm.fp32_share"] = float(gemm["gemm_fp32_simt"] / gemm.sum()) if gemm.sum() else 0.0
     facts["gemm.tf32_share"] = float(gemm["gemm_tf32"] / gemm.sum()) if gemm.sum() else 0.0
     facts["gemm.fp32_share_of_gpu"] = float(gemm["gemm_fp32_simt"]) / gpu_time
