@@ -110,3 +110,17 @@ def test_bad_sweep_grid(tmp_path, monkeypatch, name, content, needle):
 def test_bad_set_values(tmp_path, monkeypatch, item, needle):
     monkeypatch.chdir(tmp_path)
     assert_one_line(invoke(["treat", *TINY, "--set", item]), 2, needle)
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("runs:\n  - {batch_size: 2}\n", "run 0: unknown key(s) batch_size"),  # a knob outside `set` is not silently dropped
+    ("runs:\n  - {set: {}}\nbogus: 1\n", "unknown key(s) bogus"),
+    ("runs:\n  - {set: {model: '0.5b', device: auto}}\n", "no CUDA GPU"),  # refused before any run, not a failed row
+])
+def test_sweep_grids_that_would_run_something_else_are_refused(tmp_path, text, needle):
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(text)
+    before = snapshot(tmp_path)
+    r = invoke(["sweep", grid])
+    assert_one_line(r, 2, needle)
+    assert snapshot(tmp_path) == before

@@ -632,6 +632,13 @@ def sweep(
             plan = product_grid(_parse_sets(sets, many=True), stages)
         else:
             raise VlmdoctorError("give a grid YAML file or at least one --set knob=v1,v2")
+        from vlmdoctor.run.runner import check
+
+        for name, c in plan:  # a run this machine refuses (a GPU preset without a GPU, say) is refused up front
+            try:
+                check(c)
+            except VlmdoctorError as e:
+                raise VlmdoctorError(f"{name}: {e.message}") from None
         with err.status("sweep") as status:
             def notify(i: int, n: int, name: str) -> None:
                 status.update(f"run {i}/{n}: {name}")

@@ -20,6 +20,10 @@ from vlmdoctor.errors import UsageError
 Plan = list[tuple[str, RunConfig]]
 
 
+GRID_KEYS = {"defaults", "models", "stages", "runs"}
+ROW_KEYS = {"name", "set", "stages"}
+
+
 def grid_rows(path: str | Path, extra: dict[str, Any] | None = None,
               stages: list[int] | None = None) -> list[tuple[int, str, RunConfig]]:
     """(row index, name, config) for every row, model and stage of a grid file; bad knobs are user errors naming the row."""
@@ -33,6 +37,14 @@ def grid_rows(path: str | Path, extra: dict[str, Any] | None = None,
         raise UsageError(f"{path}: expected a mapping with a list under 'runs'")
     if not all(isinstance(r, dict) and isinstance(r.get("set") or {}, dict) for r in grid["runs"]):
         raise UsageError(f"{path}: each run must be a mapping with an optional 'set' mapping of knobs")
+    unknown = sorted(set(grid) - GRID_KEYS)
+    if unknown:
+        raise UsageError(f"{path}: unknown key(s) {', '.join(map(str, unknown))}; a grid has {', '.join(sorted(GRID_KEYS))}")
+    for i, row in enumerate(grid["runs"]):
+        unknown = sorted(set(row) - ROW_KEYS)
+        if unknown:
+            raise UsageError(f"{path}: run {i}: unknown key(s) {', '.join(map(str, unknown))}; a run has "
+                             f"{', '.join(sorted(ROW_KEYS))} (knobs go under 'set')")
     for key in ("models", "stages"):
         if grid.get(key) is not None and not isinstance(grid[key], list):
             raise UsageError(f"{path}: '{key}' must be a list")
