@@ -326,3 +326,21 @@ def test_treat_out_folder_holding_a_link_where_a_result_goes(tmp_path, monkeypat
     r = invoke(["treat", *TINY, "--out", out, "--force"])
     assert_one_line(r, 2, "symbolic link")
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("args", [
+    ["profile", "--model", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "0", "--no-diagnose",
+     "--json", "{p}", "--html", "{p}"],
+    ["profile", "--model", "tiny", "--device", "cpu", "--json", "{p}", "--save-config", "./{p}"],
+    ["gate", "--baseline", REPORT, "--current", REPORT, "--junit", "{p}", "--json", "{p}"],
+    ["analyze", TRACE, "--json", "{p}", "--html", "{p}"],
+    ["treat", "--model", "tiny", "--device", "cpu", "--json", "{p}", "--html", "{p}"],
+    ["sweep", "--set", "batch_size=1,2", "--csv", "{p}", "--json", "{p}"],
+])
+def test_two_outputs_of_one_command_on_one_file_are_refused(tmp_path, monkeypatch, args):
+    """Only the last write would survive: the other result would be lost without a word."""
+    monkeypatch.chdir(tmp_path)
+    before = snapshot(tmp_path)
+    r = invoke([str(a).replace("{p}", "out.dat") for a in args])
+    assert_one_line(r, 2, "name the same file")
+    assert snapshot(tmp_path) == before

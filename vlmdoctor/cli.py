@@ -188,7 +188,7 @@ def profile(
 def _profile(overrides: dict[str, Any], config: str | None, json_path: str | None, save_config: str | None,
              force: bool, quiet: bool, trace: Any = None, rules_dirs: list[str] | None = None,
              html_path: str | None = None) -> None:
-    from vlmdoctor.files import check_output_dir, check_writable, json_text, save, write_json
+    from vlmdoctor.files import check_distinct, check_output_dir, check_writable, json_text, save, write_json
     from vlmdoctor.inputs import check_rules_dirs
     from vlmdoctor.report.console import render
     from vlmdoctor.run.runner import check, exit_code, run_profile
@@ -196,6 +196,7 @@ def _profile(overrides: dict[str, Any], config: str | None, json_path: str | Non
     base = RunConfig.load(config) if config else RunConfig()
     cfg = base.replace(source="command line", **overrides)
     # every output is checked before any measurement: a bad path must not cost the run
+    check_distinct(json=json_path, save_config=save_config, html=html_path)
     check_writable(json_path, force, "--json")
     check_writable(save_config, force, "--save-config")
     check_writable(html_path, force, "--html")
@@ -309,6 +310,9 @@ def analyze(
 
             if model not in presets():
                 raise VlmdoctorError(f"unknown model preset {model!r}; valid presets: {', '.join(presets())}")
+        from vlmdoctor.files import check_distinct
+
+        check_distinct(json=json_path, html=html_path)
         check_writable(json_path, force, "--json")
         check_writable(html_path, force, "--html")
         check_rules_dirs(rules_dirs or [])
@@ -537,6 +541,9 @@ def treat(
         check(cfg)
         from vlmdoctor.files import check_writable
 
+        from vlmdoctor.files import check_distinct
+
+        check_distinct(json=json_path, html=html_path)
         check_writable(html_path, force, "--html")
         folder = Path(out_dir or f"treat-{cfg.model}-stage{cfg.stage}")
         check_output_dir(folder, "--out")
@@ -623,6 +630,9 @@ def sweep(
 
     with _user_errors():
         check_number("--timeout", timeout, above=0)
+        from vlmdoctor.files import check_distinct
+
+        check_distinct(csv=csv_path, json=json_path, jsonl=jsonl_path)
         check_writable(csv_path, force, "--csv")
         check_writable(json_path, force, "--json")
         check_writable(jsonl_path, True, "--jsonl")  # appended to: an existing regular file is fine
@@ -711,6 +721,9 @@ def gate(
         check_number("--max-memory-growth", max_memory_growth, minimum=0, maximum=100)
         if fail_on not in ("high", "medium", "low"):
             raise VlmdoctorError(f"--fail-on {fail_on!r} is not valid; choose one of: high, medium, low")
+        from vlmdoctor.files import check_distinct
+
+        check_distinct(junit=junit, json=json_path, baseline=baseline if update_baseline else None)
         check_writable(junit, force, "--junit")
         check_writable(json_path, force, "--json")
         if update_baseline:

@@ -45,6 +45,22 @@ def _kind(mode: int) -> str | None:
     return None if stat.S_ISREG(mode) else "not a regular file"
 
 
+def check_distinct(**outputs: str | os.PathLike | None) -> None:
+    """Two outputs of one command on the same file would leave only the last one: refuse it up front.
+
+    Keywords are the flags without dashes (`json=..., html=...`); '-' (standard output) and None are skipped.
+    """
+    seen: dict[str, str] = {}
+    for flag, path in outputs.items():
+        if path is None or str(path) in ("", "-"):
+            continue
+        key = os.path.realpath(os.path.abspath(os.fspath(path)))
+        name = "--" + flag.replace("_", "-")
+        if key in seen:
+            raise UsageError(f"{seen[key]} and {name} name the same file ({path}); give each output its own path")
+        seen[key] = name
+
+
 def check_writable(path: str | os.PathLike | None, force: bool, flag: str = "") -> None:
     """Refuse up front, before minutes of GPU time are spent, any output path the write would fail on
     or that would replace something it must not: a non-regular file, an existing file without --force,

@@ -275,8 +275,11 @@ def run_script(command: Sequence[str], out: str = "doctor-out", warmup: int = 5,
     report_path = folder / "report.json"
     if report_path.exists() and not force:
         raise UsageError(f"{report_path} exists; pass --force to overwrite it, or --out another folder")
-    check_writable(json_path, force)
-    check_writable(html_path, force)
+    from vlmdoctor.files import check_distinct
+
+    check_distinct(json=json_path, html=html_path, out=report_path)
+    check_writable(json_path, force, "--json")
+    check_writable(html_path, force, "--html")
     folder.mkdir(parents=True, exist_ok=True)
     if report_path.exists():
         report_path.unlink()
