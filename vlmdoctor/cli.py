@@ -189,6 +189,7 @@ def _profile(overrides: dict[str, Any], config: str | None, json_path: str | Non
              force: bool, quiet: bool, trace: Any = None, rules_dirs: list[str] | None = None,
              html_path: str | None = None) -> None:
     from vlmdoctor.files import check_distinct, check_output_dir, check_writable, json_text, save, write_json
+    from vlmdoctor.doctor.diagnosis import examine, remove_temporary_trace
     from vlmdoctor.inputs import check_rules_dirs
     from vlmdoctor.report.console import render
     from vlmdoctor.run.runner import check, exit_code, run_profile
@@ -223,8 +224,6 @@ def _profile(overrides: dict[str, Any], config: str | None, json_path: str | Non
                     bar.update(tasks[phase], completed=done)
 
                 report = run_profile(cfg, progress, trace)
-        from vlmdoctor.doctor.diagnosis import examine
-
         try:
             examine(report, rules_dirs or [])
         except Exception as e:  # the measurement is kept whatever the diagnosis does
@@ -233,7 +232,7 @@ def _profile(overrides: dict[str, Any], config: str | None, json_path: str | Non
             err.print(f"[yellow]warning:[/yellow] the diagnosis failed, the measurement is kept: {escape(message)}",
                       highlight=False)
     finally:
-        _remove_temporary_trace(report)
+        remove_temporary_trace(report)
     failures = []
     if json_path == "-":
         write_json(report, "-")
@@ -268,18 +267,6 @@ def _profile(overrides: dict[str, Any], config: str | None, json_path: str | Non
     for f in failures:
         err.print(f"[bold red]error:[/bold red] {escape(f)}", highlight=False)
     raise typer.Exit(code or (EXIT_FAILED_RUN if failures else 0))
-
-
-def _remove_temporary_trace(report: dict[str, Any]) -> None:
-    """A trace the user did not ask to keep never outlives the command (also on Ctrl-C or a failed run)."""
-    import shutil
-    from pathlib import Path
-
-    trace = report.get("trace") or {}
-    if trace.get("kept", True) or not trace.get("path"):
-        return
-    shutil.rmtree(Path(trace["path"]).parent, ignore_errors=True)
-    trace["path"] = None
 
 
 @app.command()
@@ -558,8 +545,6 @@ def treat(
         _, problems = load_rules(*(rules_dirs or []))
         for p in problems:
             err.print(f"rule problem: {escape(p)}", highlight=False)
-        if max_pairs < 3:
-            raise VlmdoctorError("--max-pairs must be at least 3 (the least evidence a decision is made on)")
         check_number("--max-pairs", max_pairs, minimum=3, maximum=1000, integer=True)
         check_writable(json_path if json_path != "-" else None, force, "--json")
         opts = TreatOptions(max_trials=max_trials, time_budget_s=time_budget or None, min_gain=min_gain,

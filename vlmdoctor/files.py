@@ -61,6 +61,12 @@ def check_distinct(**outputs: str | os.PathLike | None) -> None:
         seen[key] = name
 
 
+def _check_names(p: Path, label: str) -> None:
+    for part in p.parts:
+        if len(os.fsencode(part)) > NAME_MAX:
+            raise UsageError(f"{label}: a name in the path is longer than {NAME_MAX} bytes")
+
+
 def check_writable(path: str | os.PathLike | None, force: bool, flag: str = "") -> None:
     """Refuse up front, before minutes of GPU time are spent, any output path the write would fail on
     or that would replace something it must not: a non-regular file, an existing file without --force,
@@ -69,9 +75,7 @@ def check_writable(path: str | os.PathLike | None, force: bool, flag: str = "") 
         return
     label = f"{flag} {path}" if flag else str(path)
     p = Path(path)
-    for part in p.parts:
-        if len(os.fsencode(part)) > NAME_MAX:
-            raise UsageError(f"{label}: a name in the path is longer than {NAME_MAX} bytes")
+    _check_names(p, label)
     try:
         st = os.lstat(p)
     except (FileNotFoundError, NotADirectoryError):  # a missing name, or a file where a folder should be: below
@@ -103,9 +107,7 @@ def check_output_dir(path: str | os.PathLike | None, flag: str = "") -> None:
         return
     label = f"{flag} {path}" if flag else str(path)
     p = Path(path)
-    for part in p.parts:
-        if len(os.fsencode(part)) > NAME_MAX:
-            raise UsageError(f"{label}: a name in the path is longer than {NAME_MAX} bytes")
+    _check_names(p, label)
     if p.is_symlink() or (p.exists() and not p.is_dir()):
         raise UsageError(f"{label} exists and is not a folder")
     probe_dir = p

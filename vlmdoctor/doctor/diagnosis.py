@@ -14,6 +14,15 @@ from vlmdoctor.errors import VlmdoctorError
 from vlmdoctor.trace.facts import analyze, merge_measured
 
 
+def remove_temporary_trace(report: dict[str, Any]) -> None:
+    """A trace the user did not ask to keep never outlives the command (also on Ctrl-C or a failed run)."""
+    trace = report.get("trace") or {}
+    if trace.get("kept", True) or not trace.get("path"):
+        return
+    shutil.rmtree(Path(trace["path"]).parent, ignore_errors=True)
+    trace["path"] = None
+
+
 def trace_facts(report: dict[str, Any]) -> dict[str, Any] | None:
     """The facts of the report's traced window, merged with what the untraced window measured exactly.
 
@@ -30,9 +39,7 @@ def trace_facts(report: dict[str, Any]) -> dict[str, Any] | None:
     except VlmdoctorError as e:
         facts = {"trace.error": e.message}
     finally:
-        if not trace.get("kept", True):
-            shutil.rmtree(path.parent, ignore_errors=True)
-            trace["path"] = None
+        remove_temporary_trace(report)
     # measured over the untraced window (padding, memory, MFU): exact where the trace only bounds them
     return merge_measured(facts, report)
 

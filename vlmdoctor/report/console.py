@@ -397,12 +397,9 @@ def render_own(report: dict[str, Any], console: Console) -> None:
 
 
 def _gain_line(gain: dict[str, Any]) -> str:
-    if gain.get("saves_ms_per_step") is not None:
-        share = f", {gain['share_of_step'] * 100:.0f}% of the step" if gain.get("share_of_step") else ""
-        return f"expected: -{gain['saves_ms_per_step']:.1f} ms/step{share}"
-    if gain.get("throughput_x"):
-        return f"expected: x{gain['throughput_x']:.2f} throughput"
-    return "expected gain: n/a"
+    """The table cell of `_gain_text` on one line, for the list form of the findings."""
+    text = _gain_text(gain)
+    return "expected gain: n/a" if text == "n/a" else "expected: " + text.replace("\n(", ", ").removesuffix(")")
 
 
 def render_own_findings(diagnosis: dict[str, Any], console: Console) -> None:

@@ -14,7 +14,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from vlmdoctor.errors import UsageError
-from vlmdoctor.run.zoo import ModelSpec
+from vlmdoctor.run.zoo import ModelSpec, loading_checkpoints
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -176,20 +176,9 @@ def _load_pretrained(spec: ModelSpec, vcls, attn: str, dtype: torch.dtype, devic
         if not part.get("hub_id"):
             raise UsageError(f"{part['name']} has no published checkpoint; use --weights random")
     extra = {"vision_use_head": False} if spec.vision["family"] == "siglip" else {}
-    from huggingface_hub.utils import logging as hub_logging
-    from transformers.utils import logging as tf_logging
-
-    hub_logging.set_verbosity_error()  # one clear message below instead of a retry warning per attempt
-    tf_logging.set_verbosity_error()
-    try:
+    with loading_checkpoints(spec.vision["hub_id"], spec.llm["hub_id"]):
         vision = vcls.from_pretrained(spec.vision["hub_id"], attn_implementation=attn, dtype=dtype, **extra)
         llm = AutoModelForCausalLM.from_pretrained(spec.llm["hub_id"], attn_implementation=attn, dtype=dtype)
-    except Exception as e:  # the hub raises many types; all mean "not reachable / not cached"
-        raise UsageError(
-            f"could not load pretrained weights ({spec.vision['hub_id']}, {spec.llm['hub_id']}): "
-            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. The hub is not reachable and the "
-            "checkpoints are not in the local Hugging Face cache; run with --weights random (the default)."
-        ) from None
     return vision.to(device), llm.to(device)
 
 

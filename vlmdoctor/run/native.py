@@ -30,7 +30,7 @@ from torch import nn
 
 from vlmdoctor.errors import UsageError
 from vlmdoctor.run.parts import find_parts, mark_parts
-from vlmdoctor.run.zoo import llm_specs, native_presets, refuse_composite_only, vision_specs
+from vlmdoctor.run.zoo import llm_specs, loading_checkpoints, native_presets, refuse_composite_only, vision_specs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -286,21 +286,10 @@ def build_native(spec: NativeSpec, weight_dtype: str = "fp32", attention: str = 
 
 
 def _load_pretrained(spec: NativeSpec, cls: type, attn: str, dtype: torch.dtype) -> nn.Module:
-    from huggingface_hub.utils import logging as hub_logging
-    from transformers.utils import logging as tf_logging
-
     if not spec.hub_id:
         raise UsageError(f"{spec.preset} has no published checkpoint; use --weights random")
-    hub_logging.set_verbosity_error()
-    tf_logging.set_verbosity_error()
-    try:
+    with loading_checkpoints(spec.hub_id):
         return cls.from_pretrained(spec.hub_id, attn_implementation=attn, dtype=dtype)
-    except Exception as e:  # the hub raises many types; all mean "not reachable / not cached"
-        raise UsageError(
-            f"could not load pretrained weights ({spec.hub_id}): {type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''}. The hub is not reachable and the checkpoint is not in the "
-            "local Hugging Face cache; run with --weights random (the default)."
-        ) from None
 
 
 # --- stages and knobs ---------------------------------------------------------------------------

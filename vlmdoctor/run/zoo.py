@@ -7,11 +7,12 @@ the local cache cannot provide it.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
-from typing import Any
+from typing import Any, Iterator
 
 from vlmdoctor.errors import UsageError
 
@@ -153,3 +154,23 @@ def refuse_composite_only(model: str, knobs: dict[str, Any]) -> None:
         if knobs.get(name) not in (None, False):
             raise UsageError(f"--{name.replace('_', '-')} is not supported for the native preset {model!r}: {why}; "
                              "drop it or use a composite preset (0.5b, 1.5b, tiny)")
+
+
+@contextlib.contextmanager
+def loading_checkpoints(*hub_ids: str) -> Iterator[None]:
+    """`from_pretrained` inside: hub retries are quiet, and an unreachable hub is one clear UsageError."""
+    from huggingface_hub.utils import logging as hub_logging
+    from transformers.utils import logging as tf_logging
+
+    hub_logging.set_verbosity_error()  # one clear message below instead of a retry warning per attempt
+    tf_logging.set_verbosity_error()
+    try:
+        yield
+    except Exception as e:  # the hub raises many types; all mean "not reachable / not cached"
+        many = len(hub_ids) > 1
+        raise UsageError(
+            f"could not load pretrained weights ({', '.join(hub_ids)}): "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. The hub is not reachable and the "
+            f"{'checkpoints are' if many else 'checkpoint is'} not in the local Hugging Face cache; run with "
+            "--weights random (the default)."
+        ) from None
