@@ -445,8 +445,9 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
         report["trace"]["untraced_step_ms_median"] = metrics["step_ms"]
     report["repeats"] = [{k: v for k, v in w.items() if k != "losses"} | {"final_loss": w["losses"][-1]} for w in windows]
     warning = recompile_warning(cfg, windows)
-    if warning:
-        report["warnings"] = [warning]
+    if warning and not (report.get("warmup") or {}).get("graphs_compiled_in_timed_windows"):
+        # step times show compilation in the window that dynamo's graph count did not already report
+        report.setdefault("warnings", []).append(warning)
     if not metrics["loss_finite"]:
         report["status"] = "nan_loss"
         report["error"] = {"type": "NonFiniteLoss", "message": "the loss was NaN or inf in a timed step"}
