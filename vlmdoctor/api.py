@@ -17,7 +17,6 @@ switches vlmdoctor off; errors from the user's code pass through unchanged. The 
 """
 from __future__ import annotations
 
-import gzip
 import json
 import math
 import resource
@@ -157,61 +156,6 @@ def _device_of(model: nn.Module | None) -> torch.device:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-# --- CPU-side part times (the trace analyzer attributes GPU kernels; a CPU run has none) ---------
-
-PART_NAMES = ("vision", "projector", "llm")
-
-
-def cpu_part_facts(path: str | Path) -> dict[str, Any]:
-    """Host (CPU op) time per model part per traced step, from the `vlmdoctor::<part>` ranges.
-
-    Forward: the range's own time, minus nested part ranges (Qwen2-VL's merger inside its tower).
-    Backward: autograd `evaluate_function` events, given the part of the forward op that made
-    their node (matched by sequence number). On a GPU these are host times, not kernel times.
-    """
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt") as f:
-        events = json.load(f).get("traceEvents", [])
-    xs = [e for e in events if e.get("ph") == "X" and "dur" in e]
-    steps = [e for e in xs if str(e.get("name", "")).startswith("ProfilerStep#")]
-    n = max(len(steps), 1)
-    ranges = sorted(((e["ts"], e["ts"] + e["dur"], e["name"].split("::", 1)[1], e.get("tid"))
-                     for e in xs if str(e.get("name", "")).startswith("vlmdoctor::")
-                     and e["name"].split("::", 1)[1] in PART_NAMES), key=lambda r: (r[0], -r[1]))
-    fwd = {p: 0.0 for p in PART_NAMES}
-    for i, (s, e, part, tid) in enumerate(ranges):
-        inner = sum(e2 - s2 for s2, e2, p2, t2 in ranges[i + 1:] if t2 == tid and s2 >= s and e2 <= e and p2 != part)
-        fwd[part] += (e - s) - inner
-    seq_part: dict[Any, str] = {}
-    for e in xs:
-        seq = (e.get("args") or {}).get("Sequence number")
-        if seq is None or "evaluate_function" in e["name"] or "Backward" in e["name"]:
-            continue
-        t = e["ts"]
-        inside = [r for r in ranges if r[3] == e.get("tid") and r[0] <= t <= r[1]]
-        if inside:
-            seq_part.setdefault(seq, min(inside, key=lambda r: r[1] - r[0])[2])
-    bwd = {p: 0.0 for p in PART_NAMES}
-    for e in xs:
-        if not e["name"].startswith("autograd::engine::evaluate_function"):
-            continue
-        part = seq_part.get((e.get("args") or {}).get("Sequence number"))
-        if part:
-            bwd[part] += e["dur"]
-    facts: dict[str, Any] = {}
-    step_us = sum(e["dur"] for e in steps) / n if steps else None
-    for p in PART_NAMES:
-        if not any(r[2] == p for r in ranges):
-            continue
-        facts[f"cpu.part.{p}.forward_ms"] = fwd[p] / 1e3 / n
-        facts[f"cpu.part.{p}.backward_ms"] = bwd[p] / 1e3 / n
-        facts[f"cpu.part.{p}.ms"] = (fwd[p] + bwd[p]) / 1e3 / n
-        if step_us:
-            facts[f"cpu.part.{p}.share"] = (fwd[p] + bwd[p]) / n / step_us
-    facts["cpu.part.ranges_per_step"] = len(ranges) / n
-    return facts
 
 
 # --- the recorder --------------------------------------------------------------------------------
@@ -584,11 +528,6 @@ def diagnose_report(report: dict[str, Any], audience: str, rules_dirs: Sequence[
         report["facts"] = {"trace.error": f"{type(e).__name__}: {e}"}
         report.pop("diagnosis", None)
         report.pop("findings", None)
-    try:
-        extra = cpu_part_facts(trace["path"])
-        report.setdefault("facts", {}).update(extra)
-    except Exception as e:
-        report.setdefault("facts", {})["cpu.part.error"] = f"{type(e).__name__}: {e}"
     if "diagnosis" in report:
         add_advice(report, audience)
     return report

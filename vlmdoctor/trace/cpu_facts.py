@@ -75,7 +75,9 @@ def cpu_facts(t: Any, windows: list[tuple[float, float]], facts: dict[str, Any])
     mm_spans: dict[str, list[tuple[float, float]]] = {}
     mm_flop: dict[str, float] = {}
     head: list[tuple[float, float]] = []
-    parts: dict[str, list[tuple[float, float]]] = {}
+    ranges: list[tuple[float, float, str, Any]] = []  # (start, end, part, thread) of the vlmdoctor::<part> ranges
+    fwd_ops: list[tuple[float, Any, Any]] = []  # (start, thread, sequence number) of ops that made autograd nodes
+    bwd_nodes: list[tuple[Any, float]] = []  # (sequence number, duration) of the backward nodes run
     loader: list[tuple[float, float]] = []
     for ev in iter_events(t.path):
         if ev.get("ph") != "X" or ev.get("cat") not in ("cpu_op", "user_annotation"):
@@ -101,9 +103,15 @@ def cpu_facts(t: Any, windows: list[tuple[float, float]], facts: dict[str, Any])
             if vocab and any(vocab in (d or []) for d in dims[:3] if isinstance(d, list)):
                 head.append((ts, end))
         elif name in PARTS:
-            parts.setdefault(PARTS[name], []).append((ts, end))
+            ranges.append((ts, end, PARTS[name], ev.get("tid")))
         elif "DataLoader" in name:
             loader.append((ts, end))
+        seq = args.get("Sequence number")
+        if seq is not None:
+            if name.startswith("autograd::engine::evaluate_function"):
+                bwd_nodes.append((seq, end - ts))
+            elif "Backward" not in name:
+                fwd_ops.append((ts, ev.get("tid"), seq))
 
     out: dict[str, Any] = {"trace.cpu_only": True}
     env = (t.meta.get("vlmdoctor") or {}).get("env") or {}
@@ -130,10 +138,41 @@ def cpu_facts(t: Any, windows: list[tuple[float, float]], facts: dict[str, Any])
     out["cpu.bf16_cost.share"] = out["cpu.bf16_cost.ms"] / step_ms
     if vocab:
         out["cpu.lm_head.ms"] = _union_ms(head) / n
-    for part, spans in parts.items():
-        out[f"cpu.part.{part}.forward_ms"] = _union_ms(spans) / n
+    out.update(_part_facts(ranges, fwd_ops, bwd_nodes, n, step_ms))
     out["cpu.data_loader.ms"] = _union_ms(loader) / n
     out["cpu.data_loader.share"] = out["cpu.data_loader.ms"] / step_ms
+    return out
+
+
+def _part_facts(ranges: list[tuple[float, float, str, Any]], fwd_ops: list[tuple[float, Any, Any]],
+                bwd_nodes: list[tuple[Any, float]], n: int, step_ms: float) -> dict[str, Any]:
+    """Host time per model part and step: forward from the part ranges, backward through the autograd nodes.
+
+    Forward: a range's own time, less the other parts' ranges nested in it (Qwen2-VL's merger inside
+    its tower). Backward: each autograd node's evaluation, given the part of the forward op that
+    made the node (matched by sequence number; the innermost range around that op).
+    """
+    ranges = sorted(ranges, key=lambda r: (r[0], -r[1]))
+    fwd = dict.fromkeys(PARTS.values(), 0.0)
+    for i, (s, e, part, tid) in enumerate(ranges):
+        nested = sum(e2 - s2 for s2, e2, p2, t2 in ranges[i + 1:] if t2 == tid and s2 >= s and e2 <= e and p2 != part)
+        fwd[part] += (e - s) - nested
+    seq_part: dict[Any, str] = {}
+    for ts, tid, seq in fwd_ops:
+        inside = [r for r in ranges if r[3] == tid and r[0] <= ts <= r[1]]
+        if inside:
+            seq_part.setdefault(seq, min(inside, key=lambda r: r[1] - r[0])[2])
+    bwd = dict.fromkeys(PARTS.values(), 0.0)
+    for seq, dur in bwd_nodes:
+        if seq in seq_part:
+            bwd[seq_part[seq]] += dur
+    out: dict[str, Any] = {}
+    for part in sorted({r[2] for r in ranges}):
+        out[f"cpu.part.{part}.forward_ms"] = fwd[part] / 1e3 / n
+        out[f"cpu.part.{part}.backward_ms"] = bwd[part] / 1e3 / n
+        out[f"cpu.part.{part}.ms"] = (fwd[part] + bwd[part]) / 1e3 / n
+        if step_ms:
+            out[f"cpu.part.{part}.share"] = out[f"cpu.part.{part}.ms"] / step_ms
     return out
 
 
