@@ -105,8 +105,8 @@ def test_same_config_is_rarely_kept_under_harsher_noise(noise, limit):
 
 
 def test_a_large_gain_is_decided_with_the_least_pairs():
-    """A composition that doubles the speed needs no extra pairs: 3 pairs, 6 runs."""
-    r = simulate(1.0, 200, seed=5)
+    """A composition that doubles the speed needs no extra pairs: with the two-pair shortcut off, 3 pairs, 6 runs."""
+    r = simulate(1.0, 200, seed=5, opts=PairedOptions(large_effect=0))
     assert r["kept"] == 1.0 and r["runs_per_decision"] == 6
 
 
@@ -166,3 +166,64 @@ def test_order_alternates_within_rounds():
     arms = {n: (lambda n=n: (order.append(n), ok)[1]) for n in ("A", "B")}
     interleaved(arms, "A", PairedOptions(min_pairs=4, max_pairs=4, min_gain=-1.0))  # never decided early... forced 4
     assert order[:8] == ["A", "B", "B", "A", "A", "B", "B", "A"]
+
+
+@pytest.mark.parametrize("noise,early_limit", [
+    ({}, 0),                                                     # this host's model: never
+    # frequent heavy bursts (one run in seven slowed to 0.5-0.9x): two bursts in a row on the
+    # current side can fake a 1.5x pair twice; measured 2 in 600 (0.3%)
+    ({"jitter": 0.02, "burst_p": 0.15, "burst": (0.5, 0.9)}, 0.01),
+    ({"jitter": 0.05, "walk": 0.03}, 0),                         # a noisy, wandering host
+])
+def test_the_two_pair_shortcut_keeps_false_keeps_under_1_percent(noise, early_limit):
+    """Two pairs both beyond 1.5x: the shortcut must not turn host noise into keeps (the same seeds
+    with the shortcut off give the false keeps the 3-pair rule has anyway)."""
+    kept = {}
+    for le in (1.5, 0):
+        rng = np.random.default_rng(11)
+        kept[le] = early = 0
+        for _ in range(600):
+            m, _state = host(rng, **noise)
+            d = interleaved({"cur": lambda: m(1000.0), "cand": lambda: m(1000.0)}, "cur",
+                            PairedOptions(large_effect=le))["decisions"]["cand"]
+            kept[le] += d["outcome"] == "kept"
+            early += d["outcome"] == "kept" and d["pairs"] == 2
+        if le:
+            assert early / 600 <= early_limit
+    assert (kept[1.5] - kept[0]) / 600 <= early_limit
+
+
+def test_a_large_gain_is_decided_on_two_pairs_and_a_small_one_is_not():
+    assert simulate(1.0, 200, seed=6)["runs_per_decision"] == 4        # 2x: two pairs
+    r = simulate(0.3, 200, seed=7)                                     # +30%: under the shortcut, three pairs or more
+    assert r["kept"] > 0.95 and r["runs_per_decision"] >= 6
+    bad = simulate(-0.6, 100, seed=8)                                  # 0.4x: harmful on two pairs
+    assert bad["harmful"] == 1.0 and bad["runs_per_decision"] == 4
+
+
+def test_the_next_round_is_sized_without_the_first_compile(monkeypatch):
+    """A compiled arm's first run pays its compilation; later runs find the graph in the cache."""
+    import types
+
+    import vlmdoctor.doctor.decide as decide
+
+    assert decide.next_run_s(140.0, {"metrics": {"compile_s": 100.0}}) == pytest.approx(140.0 - 100.0 + decide.CACHE_HIT_S)
+    assert decide.next_run_s(40.0, {"metrics": {"compile_s": None}}) == 40.0
+    assert decide.next_run_s(40.0, {"status": "oom"}) == 40.0
+    clock = {"t": 0.0}
+    monkeypatch.setattr(decide, "time", types.SimpleNamespace(time=lambda: clock["t"]))
+
+    def arm(took: float, compile_s: float):
+        runs = []
+
+        def run():  # the first run compiles; the later ones load the graph from the cache
+            c = compile_s if not runs else min(compile_s, 12.0)
+            runs.append(1)
+            clock["t"] += took - compile_s + c
+            return {"status": "ok", "repeats": [{"real_tokens_per_s": 100.0}], "metrics": {"compile_s": c}}
+        return run
+
+    # 100 s left after round 1: a round of the 40 s reference and the candidate (140 s, 100 of them compiling) fits
+    r = decide.interleaved({"cur": arm(40.0, 0.0), "cand": arm(140.0, 100.0)}, "cur",
+                           PairedOptions(min_pairs=2, max_pairs=2, large_effect=0), time_left=lambda: 280.0 - clock["t"])
+    assert r["rounds"] == 2

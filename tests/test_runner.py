@@ -139,7 +139,10 @@ def test_compile_helpers_mark_lengths_dynamic_and_name_cache_folders(tmp_path):
         getattr(batch["input_ids"], "_dynamo_dynamic_indices", set())
     assert 0 in getattr(batch["loss_index"], "_dynamo_weak_dynamic_indices", set()) | \
         getattr(batch["loss_index"], "_dynamo_dynamic_indices", set())
-    assert not hasattr(batch["pixel_values"], "_dynamo_weak_dynamic_indices")  # images keep their shape
+    for k in ("input_ids", "attention_mask", "pixel_values"):  # the batch dimension: one graph for every batch size
+        assert 0 in getattr(batch[k], "_dynamo_weak_dynamic_indices", set()) | \
+            getattr(batch[k], "_dynamo_dynamic_indices", set())
+    assert 1 not in getattr(batch["pixel_values"], "_dynamo_weak_dynamic_indices", set())  # image sizes stay fixed
     env = cache_env(tmp_path / "cc")
     assert env["TORCHINDUCTOR_CACHE_DIR"].startswith(str(tmp_path)) and env["TRITON_CACHE_DIR"].endswith("triton")
     assert graphs_compiled() >= 0
@@ -356,3 +359,12 @@ def test_sync_loss_reads_the_loss_every_micro_batch(tiny_cfg):
     loss, counts = train_step(p)
     assert len(counts["host_losses"]) == 2
     assert sum(counts["host_losses"]) == pytest.approx(float(loss), rel=1e-5)
+
+
+def test_a_compiled_run_warms_up_until_its_time_per_token_settles():
+    from vlmdoctor.run.runner import SETTLE_RATIO, _unsettled
+
+    assert _unsettled([1.0, 1.0])                          # fewer than three steps: not yet
+    assert _unsettled([3.0, 1.5, 1.0])                     # still getting faster
+    assert not _unsettled([5.0, 1.0, 1.1, 1.0])            # the last three agree
+    assert _unsettled([1.0, 1.0, SETTLE_RATIO * 1.05])     # one slow step among them

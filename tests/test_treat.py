@@ -58,11 +58,16 @@ def test_treat_composes_verifies_on_pairs_and_skips_what_cannot_run(treated):
     assert comp["kind"] == "composition" and "t1-bigger-batch" in comp["rule"]
     assert "t3-gpu-only-knob" not in comp["rule"]
     assert any(s["rule"] == "t3-gpu-only-knob" and "Liger" in s["why"] for s in result["skipped"])
-    assert comp["pairs"] == 3 and len(comp["ratios"]) == 3 and comp["runs"] == 3  # 3 paired runs of each side
+    n = comp["pairs"]
+    assert len(comp["ratios"]) == n and comp["runs"] == n  # paired runs of each side
     # the verdict follows from the recorded pairs (whether batch 4 wins on this shared 2-core machine
-    # depends on its load; the decision rule itself is tested on the fake runner below)
-    assert comp["outcome"] == verdict(comp["ratios"], 0.02, final=True)["outcome"]
-    assert comp["ratio"] == pytest.approx(math.prod(comp["ratios"]) ** (1 / 3))
+    # depends on its load; the decision rule itself is tested on the fake runner below): three pairs,
+    # or two when both show a large effect
+    if n == 2:
+        assert comp["outcome"] == "kept" and min(comp["ratios"]) > 1.5
+    else:
+        assert n == 3 and comp["outcome"] == verdict(comp["ratios"], 0.02, final=True)["outcome"]
+    assert comp["ratio"] == pytest.approx(math.prod(comp["ratios"]) ** (1 / n))
     ladder = result["ladder"]
     assert ladder[0]["change"] == "start"
     if comp["outcome"] == "kept":
@@ -203,8 +208,9 @@ def test_paired_runs_alternate_and_only_a_compositions_first_run_is_diagnosed():
     diag = [d for _, d, _ in runner.calls]
     assert diag[0] is True  # the start, diagnosed
     kinds = ["cur" if c == BASE else "compile" if c.compile != "off" else "liger" for c, _, _ in runner.calls]
-    # round 1 reuses the start run; then the order rotates: (cur) A B, A B cur, B cur A
-    assert kinds == ["cur", "compile", "liger", "compile", "liger", "cur", "liger", "cur", "compile"]
+    # round 1 reuses the start run; then the order rotates: (cur) A B, A B cur; both compositions are
+    # large effects (> 1.5x in both pairs), decided on two pairs
+    assert kinds == ["cur", "compile", "liger", "compile", "liger", "cur"]
     comp_calls = [d for (c, d, _) in runner.calls if c != BASE]
     assert comp_calls[:2] == [True, True] and not any(comp_calls[2:])  # each composition's first run is diagnosed
     assert not any(d for (c, d, _) in runner.calls[1:] if c == BASE)
@@ -306,8 +312,9 @@ def test_seed_grid_is_48_runs_over_models_and_stages():
 
 
 def test_ablations_are_sized_to_the_time_left(monkeypatch):
-    """900 s at 40 s a run: the start and the compositions take 360 s; 540 s fit 3 rounds of 4 runs,
-    so 3 of the 5 changes are ablated and 2 stay, marked not ablated."""
+    """900 s at 40 s a run: the start and the compositions (large effects, two pairs) take 240 s;
+    the 660 s left fit 3 rounds of 5 runs, so 4 of the 5 changes are ablated and 1 stays, marked
+    not ablated."""
     clock = {"t": 0.0}
     monkeypatch.setattr(time, "time", lambda: clock["t"])
     runner = FakeRunner()
@@ -318,10 +325,10 @@ def test_ablations_are_sized_to_the_time_left(monkeypatch):
 
     result = treat(BASE, timed, TreatOptions(time_budget_s=900), validate=lambda c: None)
     r1 = result["rounds"][0]
-    assert len(r1["ablations"]) == 3
+    assert len(r1["ablations"]) == 4
     contrib = {c["rule"]: c["contribution"] for c in result["ladder"][1]["changes"]}
     unmeasured = [r for r, c in contrib.items() if c["how"].startswith("not ablated")]
-    assert len(unmeasured) == 2 and all(contrib[r]["outcome"] == "undecided" for r in unmeasured)
+    assert len(unmeasured) == 1 and all(contrib[r]["outcome"] == "undecided" for r in unmeasured)
     assert result["wall_s"] <= 900 + 40
 
 

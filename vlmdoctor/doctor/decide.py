@@ -28,6 +28,13 @@ The decision, with the interval at `confidence` (two-sided 95% by default):
                    no more pairs are allowed
     undecided otherwise: another pair is measured while `max_pairs` and the time allow.
 
+A large effect is decided on two pairs (`large_effect`): when both pair ratios are above 1.5 (or
+both below 1/1.5), the third pair is skipped (the t-interval of two pairs, t(1) = 12.7, is
+reported but too wide to decide a 2x change on its own). Compositions
+and compiled configs move throughput 2-20x, and their runs are the slowest of a treatment (a
+fresh compile each); the host's noise does not make two pairs in a row of one config differ by
+half (tests/test_decide.py: the false-keep rate is unchanged under every noise model there).
+
 The false-keep rate and the power under this host's noise are checked by simulation in
 tests/test_decide.py; docs/treat.md ("How a change is decided") has the numbers.
 """
@@ -51,6 +58,7 @@ class PairedOptions:
     confidence: float = 0.95    # two-sided level of the interval on the paired ratio
     min_pairs: int = 3          # the least evidence a decision is made on (two pairs' spread is often tiny by luck)
     max_pairs: int = 10         # adaptive extra pairs stop here
+    large_effect: float = 1.5   # two pairs both beyond this factor (either way) decide without a third
 
 
 # --- Student t quantile, without scipy --------------------------------------------------------
@@ -172,6 +180,20 @@ def verdict(ratios: Sequence[float], min_gain: float = 0.02, confidence: float =
             "pairs": len(ratios), "ratios": list(ratios), "confidence": confidence, "min_gain": min_gain}
 
 
+def large_effect(ratios: Sequence[float], opts: PairedOptions) -> dict[str, Any] | None:
+    """The verdict on two pairs when both show a large effect the same way, else None."""
+    if len(ratios) < 2 or opts.large_effect <= 1:
+        return None
+    if all(r > opts.large_effect for r in ratios):
+        outcome = "kept"
+    elif all(r < 1 / opts.large_effect for r in ratios):
+        outcome = "harmful"
+    else:
+        return None
+    return verdict(ratios, opts.min_gain, opts.confidence) | {
+        "outcome": outcome, "why": f"both pairs beyond {opts.large_effect:g}x: a large effect, decided on two pairs"}
+
+
 def throughput(report: Report) -> float | None:
     """Median real tokens/s over a run's timed windows; None when the run did not finish cleanly."""
     if report.get("status") != "ok":
@@ -211,12 +233,13 @@ def interleaved(arms: dict[str, Arm], reference: str, opts: PairedOptions,
     outcome; when the reference fails, nothing can be decided. `on_round` sees the results after
     every round (treat uses it to keep what was measured on Ctrl-C).
     """
+    early = judge is None  # a large effect may be decided on two pairs (not by a caller's own judge)
     if judge is None:
         def judge(ratios: list[float], final: bool) -> dict[str, Any]:
             return verdict(ratios, opts.min_gain, opts.confidence, final)
     names = [reference, *[n for n in arms if n != reference]]
     res = {n: ArmResult(n, [], []) for n in names}
-    round_s = 0.0
+    next_s: dict[str, float] = {}  # each arm's expected time for its next run
     rounds = 0
     decisions: dict[str, dict[str, Any]] = {}
     while True:
@@ -224,20 +247,24 @@ def interleaved(arms: dict[str, Arm], reference: str, opts: PairedOptions,
         undecided = [n for n in live if n != reference and decisions.get(n, {}).get("outcome", "undecided") == "undecided"]
         if res[reference].failed is not None or not undecided:
             break
-        if rounds >= opts.max_pairs or time_left() <= 0 or (rounds > 0 and round_s > time_left()):
-            break  # the time budget is a hard limit, also before min_pairs: then there is no decision
         # only the reference and the undecided arms run again
         order = [n for n in names if n == reference or n in undecided]
+        known = statistics.fmean(next_s.values()) if next_s else 0.0  # an arm reused from `first` has no timing
+        round_s = sum(next_s.get(n, known) for n in order)
+        if rounds >= opts.max_pairs or time_left() <= 0 or (rounds > 0 and round_s > time_left()):
+            break  # the time budget is a hard limit, also before min_pairs: then there is no decision
         k = rounds % len(order)
         order = order[k:] + order[:k]
-        t0 = time.time()
         done: list[str] = []
         for n in order:
             reuse = rounds == 0 and n in (first or {})
             if done and not reuse and time_left() <= 0:
                 break  # the budget ran out inside the round: no run starts after it
             notify(f"round {rounds + 1}: {n}")
+            t0 = time.time()
             rep = (first or {})[n] if reuse else arms[n]()
+            if not reuse:
+                next_s[n] = next_run_s(time.time() - t0, rep)
             v = throughput(rep)
             res[n].reports.append(rep)
             res[n].values.append(v)
@@ -249,14 +276,16 @@ def interleaved(arms: dict[str, Arm], reference: str, opts: PairedOptions,
                 if res[n].failed is None:
                     res[n].values.pop()
             break
-        round_s = time.time() - t0
         rounds += 1
         ref_ok = res[reference].failed is None
         for n in undecided:
             if res[n].failed is not None or not ref_ok:
                 continue
-            decisions[n] = judge(_ratios(res[n], res[reference], contribution), False) \
-                if rounds >= opts.min_pairs else {"outcome": "undecided"}
+            ratios = _ratios(res[n], res[reference], contribution)
+            if rounds >= opts.min_pairs:
+                decisions[n] = judge(ratios, False)
+            else:
+                decisions[n] = (large_effect(ratios, opts) if early else None) or {"outcome": "undecided"}
         on_round(res)
     out: dict[str, Any] = {"rounds": rounds, "arms": res, "decisions": {}}
     for n in names[1:]:
@@ -267,12 +296,29 @@ def interleaved(arms: dict[str, Arm], reference: str, opts: PairedOptions,
             out["decisions"][n] = {"outcome": "reference_failed"}
         else:
             ratios = _ratios(a, res[reference], contribution)
-            if len(ratios) < opts.min_pairs:
+            if decisions.get(n, {}).get("outcome", "undecided") != "undecided" and len(ratios) < opts.min_pairs:
+                out["decisions"][n] = decisions[n]  # a large effect, decided on two pairs
+            elif len(ratios) < opts.min_pairs:
                 out["decisions"][n] = {"outcome": "undecided", "pairs": len(ratios), "ratios": ratios,
                                        "why": f"{len(ratios)} pair(s) measured before the time ran out"}
             else:
                 out["decisions"][n] = judge(ratios, True)
     return out
+
+
+#: what a compiled run spends loading its graph from the treatment's compile cache (0.5b on the H100: 12-13 s)
+CACHE_HIT_S = 15.0
+
+
+def next_run_s(took_s: float, report: Report) -> float:
+    """How long this arm's next run should take: this one's time, less the compilation a cache hit skips.
+
+    The first compiled run of a config compiles for 100 s or more; the runs after it find the
+    graph in the treatment's compile cache. Counting the first run's compile in every later round
+    stopped a treatment with 73 s left that a 90 s round would have decided.
+    """
+    compile_s = (report.get("metrics") or {}).get("compile_s") or report.get("compile_s") or 0.0
+    return max(took_s - max(0.0, compile_s - CACHE_HIT_S), 0.0)
 
 
 def _ratios(arm: ArmResult, ref: ArmResult, contribution: bool = False) -> list[float]:

@@ -3,9 +3,10 @@
 Three ladders on the H100 had their compile trial time out (200-240 s) and one profile spent six
 minutes of its run compiling: every new sequence length was a new graph. So when compile is on:
 
-- the sequence dimension of every batch tensor is marked dynamic before the first call, so
-  Inductor compiles one graph with a symbolic length instead of one per length (the rule that
-  prescribes compile also pads to a multiple of 64, which leaves few lengths to see anyway);
+- the sequence and batch dimensions of every batch tensor are marked dynamic before the first
+  call, so Inductor compiles one graph with a symbolic length and batch instead of one per
+  shape (the rule that prescribes compile also pads to a multiple of 64, which leaves few
+  lengths to see anyway), and a later trial with a larger batch finds it in the cache;
 - the compile caches can live in a folder the caller names (`cache_env`), so that the trials of
   one treatment reuse what the first compiled;
 - the graphs compiled are counted before and after the timed windows: a recompile inside them is
@@ -37,11 +38,15 @@ def compile_model(model: torch.nn.Module, mode: str) -> torch.nn.Module:
 
 
 def mark_lengths_dynamic(batch: dict[str, Any]) -> None:
-    """Mark the sequence dimension dynamic, so a new length reuses the compiled graph.
+    """Mark the sequence and the batch dimension dynamic, so a new length or batch size reuses the graph.
 
-    `maybe_mark_dynamic`: where the model's code needs a fixed length, dynamo specializes
-    instead of raising.
+    The batch too: `treat` sizes the batch from measured memory in a later round, and a graph with
+    a fixed batch is then compiled again (about 110 s at 0.5b on the H100) where a symbolic batch
+    finds the compiled graph in the treatment's cache. `maybe_mark_dynamic`: where the model's
+    code needs a fixed size, dynamo specializes instead of raising.
     """
+    ids = batch.get("input_ids")
+    rows = ids.shape[0] if isinstance(ids, torch.Tensor) and ids.dim() >= 2 else None
     for k in SEQUENCE_KEYS:
         t = batch.get(k)
         if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] > 1:
@@ -50,6 +55,10 @@ def mark_lengths_dynamic(batch: dict[str, Any]) -> None:
         t = batch.get(k)
         if isinstance(t, torch.Tensor) and t.dim() == 1 and t.shape[0] > 1:
             torch._dynamo.maybe_mark_dynamic(t, 0)
+    if rows and rows > 1:  # every tensor with one entry per sample: the token tensors and the images
+        for k, t in batch.items():
+            if k not in FLAT_KEYS and isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[0] == rows:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
 def graphs_compiled() -> int:

@@ -388,17 +388,23 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
         report["model"]["params"] = (native.native_param_counts(patient.vlm) if isinstance(patient.vlm, native.NativeVLM)
                                      else param_counts(patient.vlm))
         report["data"] = patient.data_info
-        warm_s = []
-        for i in range(cfg.warmup):
+        warm_s: list[float] = []
+        per_token: list[float] = []
+        settle = SETTLE_MAX_STEPS if cfg.compile != "off" and cfg.warmup > 0 else 0
+        while len(warm_s) < cfg.warmup or (settle and _unsettled(per_token)):
+            if len(warm_s) >= cfg.warmup:
+                settle -= 1
             t0 = time.perf_counter()
-            train_step(patient)
+            _, counts = train_step(patient)
             _sync(device)
             warm_s.append(time.perf_counter() - t0)
-            progress("warm-up", i + 1, cfg.warmup)
+            per_token.append(warm_s[-1] / max(1, counts["padded_tokens"] or counts["real_tokens"]))
+            progress("warm-up", len(warm_s), max(cfg.warmup, len(warm_s)))
         graphs = graphs_compiled() if cfg.compile != "off" else 0
         windows = [_window(patient, cfg.steps, peak, progress, f"timed {r + 1}/{cfg.repeats}") for r in range(cfg.repeats)]
         report["warmup"] = _warmup_times(warm_s)
         if cfg.compile != "off":
+            report["warmup"]["settle_steps"] = len(warm_s) - cfg.warmup
             report["warmup"]["graphs_compiled"] = graphs
             new = graphs_compiled() - graphs
             report["warmup"]["graphs_compiled_in_timed_windows"] = new
@@ -452,6 +458,20 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
         report["status"] = "nan_loss"
         report["error"] = {"type": "NonFiniteLoss", "message": "the loss was NaN or inf in a timed step"}
     return report
+
+
+#: a compiled run warms up past --warmup, by at most this many steps, until its steps settle
+SETTLE_MAX_STEPS = 20
+#: settled: the last three warm-up steps' time per token within this factor of each other
+SETTLE_RATIO = 1.3
+
+
+def _unsettled(per_token: list[float]) -> bool:
+    """Still warming up: compiled runs kept getting faster after the warm-up on the H100 (a run that found its
+    graph in the compile cache timed windows of 9.8K, 19K and 50K tokens/s), which is not the config's speed.
+    Time per token, not per step, so that batches of different lengths do not look unsettled."""
+    last = per_token[-3:]
+    return len(last) < 3 or max(last) > SETTLE_RATIO * min(last)
 
 
 def _warmup_times(warm_s: list[float]) -> dict[str, Any]:
