@@ -13,7 +13,7 @@ def _linear_weights(module: nn.Module) -> int:
     return sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
 
 
-@pytest.fixture(scope="module", params=["0.5b", "1.5b", "llava-1.5-7b"])
+@pytest.fixture(scope="module", params=["0.5b", "1.5b", "llava-1.5-7b", "dino-135m", "dino-1.7b", "tiny-dino"])
 def spec_and_model(request):
     spec = resolve(request.param)
     return spec, build_model(spec, device="meta")

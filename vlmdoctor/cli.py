@@ -98,7 +98,7 @@ def _opt(help: str, panel: str, *names: str):
 
 @app.command()
 def profile(
-    model: Optional[str] = _opt("model preset: 0.5b, 1.5b, tiny, llava-1.5-7b; native classes: llava-siglip2-0.5b, qwen2-vl-2b, smolvlm-256m, tiny-llava, tiny-qwen2-vl, tiny-smolvlm [default: 0.5b]", P0, "--model"),
+    model: Optional[str] = _opt("model preset: 0.5b, 1.5b, tiny, llava-1.5-7b, dino-135m, dino-1.7b, tiny-dino; native classes: llava-siglip2-0.5b, qwen2-vl-2b, smolvlm-256m, tiny-llava, tiny-qwen2-vl, tiny-smolvlm [default: 0.5b]", P0, "--model"),
     stage: Optional[int] = _opt("1: projector only; 2: LLM + projector [default: 2]", P0, "--stage"),
     device: Optional[str] = _opt("auto, cuda or cpu [default: auto]", P0, "--device"),
     vision: Optional[str] = _opt("vision tower, overrides the preset's", P0, "--vision"),
@@ -137,6 +137,12 @@ def profile(
     lm_head_labeled_only: Optional[bool] = _opt("LM head + loss only on labeled positions", P4,
                                                 "--lm-head-labeled-only/--no-lm-head-labeled-only"),
     compile: Optional[str] = _opt("off (default), default, reduce-overhead, max-autotune", P4, "--compile"),
+    compile_vision: Optional[str] = _opt("model (default: the tower compiles with the model) or fullgraph (the tower on "
+                                         "its own, fullgraph=True, static shapes)", P4, "--compile-vision"),
+    compile_shape_padding: Optional[bool] = _opt("Inductor shape_padding [default: on, as torch's]", P4,
+                                                 "--compile-shape-padding/--no-compile-shape-padding"),
+    unsloth: Optional[bool] = _opt("LLM through Unsloth's fast path (CUDA; not with Liger or --compile)", P4,
+                                   "--unsloth/--no-unsloth"),
     gradient_checkpointing: Optional[bool] = _opt(
         "recompute LLM activations [default: on]", P5, "--gradient-checkpointing/--no-gradient-checkpointing"),
     checkpoint_use_reentrant: Optional[bool] = _opt(

@@ -75,6 +75,19 @@ def _one(knob: str, value: Any, audience: str, ctx: dict[str, Any]) -> list[str]
         if trainer:
             return ["torch_compile=True"] + ([f"torch_compile_mode={value!r}"] if mode else [])
         return [f"model = torch.compile(model{mode})"]
+    if knob == "compile_vision":
+        if value == "fullgraph":
+            return ["model.vision_tower = torch.compile(", "    model.vision_tower, fullgraph=True, dynamic=False)"]
+        return ["compile the vision tower with the model (no separate torch.compile)"]
+    if knob == "compile_shape_padding":
+        return ["import torch._inductor.config as inductor_config",
+                f"inductor_config.shape_padding = {bool(value)}  # before torch.compile"]
+    if knob == "unsloth":
+        if value:
+            return ["from unsloth import FastLanguageModel  # before transformers",
+                    "model, tok = FastLanguageModel.from_pretrained(NAME,",
+                    "    load_in_4bit=False, full_finetuning=True)"]
+        return ["load the model with transformers, not Unsloth's FastLanguageModel"]
     if knob == "num_workers":
         return ([f"dataloader_num_workers={value}", "dataloader_persistent_workers=True"] if trainer else
                 [f"DataLoader(..., num_workers={value}, persistent_workers=True)"])

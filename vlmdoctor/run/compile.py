@@ -37,6 +37,47 @@ def compile_model(model: torch.nn.Module, mode: str) -> torch.nn.Module:
     return torch.compile(model, mode=None if mode == "default" else mode)
 
 
+def set_shape_padding(on: bool) -> None:
+    """Inductor's shape_padding (the foveated-VLM roadmap's item 6), set before anything compiles.
+
+    Inductor pads matmul dimensions to tensor-core-friendly multiples when it is on. torch has
+    had it on by default since 2.1, so the knob's useful setting is off, for a with/without pair.
+    """
+    import torch._inductor.config as inductor_config
+
+    inductor_config.shape_padding = on
+
+
+def compile_vlm(vlm: torch.nn.Module, mode: str, vision: str = "model", shape_padding: bool = True) -> torch.nn.Module:
+    """The callable a training step runs: the whole model compiled, or its parts each on their own.
+
+    vision='model': one torch.compile over the whole model (what --compile always did).
+    vision='fullgraph' (roadmap item 5): the tower is compiled on its own with fullgraph=True and
+    dynamic=False, since its input is a fixed-size image and a graph break there is a bug to see,
+    not to paper over. A compiled outer model would inline the tower's compiled module and drop
+    those options, so then the LLM decoder (`llm.model`, which both loss paths call) is compiled
+    on its own instead of the whole model, and the projector, one linear map, stays eager. The
+    decoder's input is then the embeddings the model computes, which `mark_lengths_dynamic` does
+    not reach: dynamo recompiles once, dynamic, at the second length it sees (on CPU, tiny-dino:
+    3 graphs after 3 steps, then none), inside a warm-up of 10 steps.
+    """
+    if mode == "off" and vision == "model":
+        return vlm
+    set_shape_padding(shape_padding)
+    if vision == "model":
+        return compile_model(vlm, mode)
+    m = None if mode in ("off", "default") else mode
+    vlm.vision = torch.compile(vlm.vision, mode=m, fullgraph=True, dynamic=False)
+    if mode != "off":
+        vlm.llm.model = torch.compile(vlm.llm.model, mode=m)
+    return vlm
+
+
+def compiled(cfg: Any) -> bool:
+    """Whether a run config compiles anything (the warm-up and recompile bookkeeping need it)."""
+    return cfg.compile != "off" or getattr(cfg, "compile_vision", "model") != "model"
+
+
 def mark_lengths_dynamic(batch: dict[str, Any]) -> None:
     """Mark the sequence and the batch dimension dynamic, so a new length or batch size reuses the graph.
 

@@ -97,6 +97,14 @@ class RunConfig:
     lm_head_labeled_only: bool = knob(False, 4, "run the LM head and the loss only on positions that carry a label "
                                       "(not on image, prompt and padding tokens)")
     compile: str = knob("off", 4, "torch.compile mode for the model", ("off", "default", "reduce-overhead", "max-autotune"))
+    compile_vision: str = knob("model", 4, "how the vision tower is compiled: 'model' = with the rest of the model under "
+                               "--compile; 'fullgraph' = on its own, fullgraph=True and static shapes (the tower's input "
+                               "is a fixed-size image), in the --compile mode ('default' when --compile is off), the LLM "
+                               "decoder then compiled on its own", ("model", "fullgraph"))
+    compile_shape_padding: bool = knob(True, 4, "Inductor's shape_padding (pad matmul dims for tensor-core alignment); "
+                                       "torch's default is on, false turns it off for a with/without comparison")
+    unsloth: bool = knob(False, 4, "load the LLM through Unsloth's fast path (FastLanguageModel, llama and qwen2 "
+                         "classes; CUDA only); an alternative to Liger and torch.compile, never combined with them")
     # --- layer 5: system tuning ----------------------------------------------------------
     gradient_checkpointing: bool = knob(True, 5, "recompute LLM activations in backward")
     checkpoint_use_reentrant: bool = knob(False, 5, "use the reentrant checkpoint implementation")
@@ -170,12 +178,29 @@ class RunConfig:
                 raise UsageError(f"{name}={value!r} is not valid; choose one of: {valid}")
             if (lo is not None and value < lo) or (hi is not None and value > hi) or (above is not None and value <= above):
                 raise UsageError(f"{name} must be {wanted}, got {value!r}")
+        self._check_combinations(source)
         from vlmdoctor.run.zoo import refuse_composite_only
 
         try:
             refuse_composite_only(self.model, self.to_dict())
         except UsageError as e:
             raise UsageError(f"{source}: {e.message}") from None
+
+    def _check_combinations(self, source: str) -> None:
+        """Knobs that do not stack: one line naming both (the fusion systems each patch the same modules)."""
+        if self.unsloth:
+            liger = [f.name for f in fields(self) if f.name.startswith("liger_") and getattr(self, f.name)]
+            if liger:
+                raise UsageError(f"{_pair('unsloth', liger[0], source)} do not stack: Unsloth and "
+                                 "Liger patch the same RMSNorm, SwiGLU, RoPE and loss modules; choose one")
+            if self.compile != "off" or self.compile_vision != "model":
+                knob_name = "compile" if self.compile != "off" else "compile_vision"
+                raise UsageError(f"{_pair('unsloth', knob_name, source)} do not stack: Unsloth "
+                                 "compiles its own parts (unsloth_zoo's compiler) around hand-written Triton kernels; "
+                                 "measure Unsloth with compile off, or torch.compile without Unsloth")
+        if not self.compile_shape_padding and self.compile == "off" and self.compile_vision == "model":
+            raise UsageError(f"{_label('compile_shape_padding', source)} off changes nothing without torch.compile; "
+                             "add --compile or --compile-vision fullgraph")
 
     # --- files -----------------------------------------------------------------------------
     @classmethod
@@ -212,6 +237,13 @@ class RunConfig:
         """The config as JSON (for a .json path) or YAML, as `dump` writes it."""
         data = self.to_dict()
         return json.dumps(data, indent=2) + "\n" if Path(path).suffix == ".json" else yaml.safe_dump(data, sort_keys=False)
+
+
+def _pair(a: str, b: str, source: str) -> str:
+    """Two knobs named in one error: both flags, or the file once and both knob names."""
+    if source == "command line":
+        return f"{_label(a, source)} and {_label(b, source)}"
+    return f"{source}: {a} and {b}"
 
 
 def _num(x: float) -> str:

@@ -11,9 +11,10 @@ tokens only, so padding, recompute and casts are waste that lowers MFU:
     stage 2: forward + full backward      = 3 * F_llm            (activation + weight grads)
     stage 1: forward + activation grads   = 2 * F_lin + 3 * F_att  (no weight grads, but the
              attention backward still needs dQ, dK, dV to reach the projector)
-  Vision tower (frozen, forward only), per image of N patches (P_v = linear weights, the patch
-  convolution included as a linear map):
-    F_vis = 2 * P_v * N + 4 * n_v * d_v * N^2                        (bidirectional attention)
+  Vision tower (frozen, forward only), per image of N tokens (P_v = linear weights, the patch
+  convolution included as a linear map; CLIP and DINOv2 add a CLS token, N = patches + 1, and
+  their patch embedding, P_e weights, runs on the patches only):
+    F_vis = 2 * P_v * N - 2 * P_e * (N - patches) + 4 * n_v * d_v * N^2   (bidirectional attention)
     zero when vision features are cached (the tower does not run)
   Projector, per image of T output tokens (P_p weights): forward + weight grad = 2 * 2 * P_p * T
     (no input gradient: the tower is frozen)
@@ -90,6 +91,8 @@ class FlopModel:
     projector_params: int
     image_tokens: int
     llm_head_params: int = 0
+    vision_embed_params: int = 0  # the patch embedding, part of vision_linear_params
+    vision_extra_tokens: int = 0  # tokens the tower adds after embedding patches (CLS): no patch-embedding FLOPs
 
     @classmethod
     def from_spec(cls, spec: ModelSpec) -> "FlopModel":
@@ -104,11 +107,12 @@ class FlopModel:
         patch = vc["patch_size"]
         vision_linear = vc["num_hidden_layers"] * (4 * vh * vh + 2 * vh * vinter) + 3 * patch * patch * vh
         grid = spec.patch_grid
-        patches = grid * grid + (1 if spec.vision["family"] in ("clip", "dinov2") else 0)
+        extra = 1 if spec.vision["family"] in ("clip", "dinov2") else 0  # the CLS token
+        patches = grid * grid + extra
         d_in = spec.projector_in
         proj = d_in * spec.projector_out + (spec.projector_out**2 if spec.projector == "mlp2x_gelu" else 0)
         return cls(llm_linear, layers, q, vision_linear, vc["num_hidden_layers"], vh, patches, proj, spec.image_tokens,
-                   h * lc["vocab_size"])
+                   h * lc["vocab_size"], 3 * patch * patch * vh, extra)
 
     @classmethod
     def from_native(cls, spec: Any) -> "FlopModel":
@@ -150,7 +154,9 @@ class FlopModel:
 
     def vision_forward(self, images: int) -> float:
         n = self.vision_patches
-        return images * (2.0 * self.vision_linear_params * n + 4.0 * self.vision_layers * self.vision_dim * n * n)
+        embed_skipped = 2.0 * self.vision_embed_params * self.vision_extra_tokens  # CLS is not a patch
+        return images * (2.0 * self.vision_linear_params * n - embed_skipped
+                         + 4.0 * self.vision_layers * self.vision_dim * n * n)
 
     def step(self, lengths: list[int], stage: int, vision_cached: bool = False,
              head_tokens: int | None = None) -> dict[str, float]:

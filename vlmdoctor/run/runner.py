@@ -31,7 +31,7 @@ import torch
 from vlmdoctor import SCHEMA_VERSION, __version__
 from vlmdoctor.run import envinfo, flops
 from vlmdoctor.run.capture import TraceOptions, capture, trace_path
-from vlmdoctor.run.compile import compile_model, graphs_compiled, mark_lengths_dynamic
+from vlmdoctor.run.compile import compile_vlm, compiled, graphs_compiled, mark_lengths_dynamic, set_shape_padding
 from vlmdoctor.run.config import RunConfig
 from vlmdoctor.run.data import BatchSampler, Collator, LlavaFile, SyntheticVQA
 from vlmdoctor.errors import EXIT_FAILED_RUN, EXIT_NAN, EXIT_OK, EXIT_OOM, UsageError
@@ -77,6 +77,15 @@ def preflight(cfg: RunConfig, spec: ModelSpec | native.NativeSpec, device: torch
         except Exception as e:
             raise UsageError(f"Liger asked for but liger-kernel cannot be imported ({type(e).__name__}: {e}); "
                              "install it with: pip install liger-kernel") from None
+    if cfg.unsloth:
+        check_unsloth(cfg, spec, device)
+    if cfg.compile_vision != "model":
+        if isinstance(spec, native.NativeSpec):
+            raise UsageError(f"--compile-vision {cfg.compile_vision} compiles the composite model's tower on its own; "
+                             f"the native preset {cfg.model!r} is compiled as one module: drop it")
+        if cfg.cache_vision_features:
+            raise UsageError(f"--compile-vision {cfg.compile_vision} compiles the tower, but --cache-vision-features "
+                             "takes the tower out of the step; drop one of them")
     if cfg.compile == "reduce-overhead" and device.type != "cuda":
         raise UsageError("--compile reduce-overhead uses CUDA graphs, which exist only on CUDA; use --compile default "
                          "on CPU")
@@ -87,6 +96,54 @@ def preflight(cfg: RunConfig, spec: ModelSpec | native.NativeSpec, device: torch
                          "use --attention sdpa")
     if cfg.data == "synthetic" and cfg.num_samples < cfg.batch_size * cfg.grad_accum:
         raise UsageError("--num-samples must hold at least one optimizer step of samples")
+
+
+#: what Unsloth needs importable besides itself (its own imports; docs/unsloth.md lists the full set)
+UNSLOTH_NEEDS = ("unsloth", "unsloth_zoo", "bitsandbytes", "trl", "peft", "accelerate")
+#: LLM families whose class Unsloth patches, and the Unsloth class that patches it
+UNSLOTH_CLASSES = {"llama": ("unsloth.models.llama", "FastLlamaModel"), "qwen2": ("unsloth.models.qwen2", "FastQwen2Model")}
+
+
+def check_unsloth(cfg: RunConfig, spec: ModelSpec | native.NativeSpec, device: torch.device) -> None:
+    """Unsloth's requirements, each refused in one line before anything is built or imported."""
+    import importlib.util
+
+    if isinstance(spec, native.NativeSpec):
+        raise UsageError(f"--unsloth patches the composite model's LLM class; the native preset {cfg.model!r} is not "
+                         "supported: use a composite preset (0.5b, dino-135m, ...)")
+    if spec.llm["family"] not in UNSLOTH_CLASSES:
+        raise UsageError(f"Unsloth's fast path exists here for {', '.join(UNSLOTH_CLASSES)} LLMs, not "
+                         f"{spec.llm['family']}")
+    if device.type != "cuda":
+        raise UsageError("Unsloth needs a CUDA GPU (its kernels are Triton GPU kernels and its import refuses a "
+                         "machine without one); drop --unsloth or run on a CUDA GPU")
+    if cfg.weight_dtype != "bf16":
+        raise UsageError("Unsloth's fast path trains 16-bit weights; add --weight-dtype bf16 with --unsloth")
+    missing = [name for name in UNSLOTH_NEEDS if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UsageError(f"--unsloth asked for, but {', '.join(missing)} cannot be imported; install with: "
+                         "pip install unsloth (it brings unsloth_zoo, bitsandbytes, xformers, trl; docs/unsloth.md)")
+
+
+def apply_unsloth(family: str) -> None:
+    """Unsloth's fast forwards on the LLM's transformers class, before the LLM is built.
+
+    `FastLanguageModel.from_pretrained` needs a checkpoint and a tokenizer on disk; the composite
+    model builds its LLM from a shipped config with random weights, so the same class patches are
+    applied directly (`pre_patch`: fast attention with Unsloth's RoPE kernel, decoder layers with its
+    RMSNorm kernel, its cross entropy in the causal-LM forward). They are process-wide, so a run with
+    --unsloth is one process (profile runs one config; treat runs each trial in its own process).
+    """
+    import importlib
+
+    module, cls = UNSLOTH_CLASSES[family]
+    try:
+        import unsloth  # noqa: F401  (its import patches transformers and checks the GPU)
+
+        getattr(importlib.import_module(module), cls).pre_patch()
+    except Exception as e:
+        raise UsageError(f"Unsloth could not be loaded ({type(e).__name__}: {_first_line(e)}); see docs/unsloth.md "
+                         "for the versions it needs") from None
 
 
 def resolve_model(cfg: RunConfig) -> ModelSpec | native.NativeSpec:
@@ -157,6 +214,8 @@ def build_patient(cfg: RunConfig, device: torch.device, progress: Progress = _qu
     progress("building model", 0, 1)
     if isinstance(spec, native.NativeSpec):
         return _native_patient(cfg, spec, device)
+    if cfg.unsloth:
+        apply_unsloth(spec.llm["family"])
     vlm = build_model(spec, cfg.weight_dtype, cfg.attention, cfg.weights, device)
     apply_stage(vlm, cfg.stage)
     vlm.vision_no_grad = cfg.vision_no_grad
@@ -195,9 +254,7 @@ def build_patient(cfg: RunConfig, device: torch.device, progress: Progress = _qu
     params = [p for p in vlm.parameters() if p.requires_grad]
     opt_kwargs = {"fused": True} if cfg.fused_optimizer else {}
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, **opt_kwargs)
-    model: torch.nn.Module = vlm
-    if cfg.compile != "off":
-        model = compile_model(vlm, cfg.compile)
+    model = compile_vlm(vlm, cfg.compile, cfg.compile_vision, cfg.compile_shape_padding)
     return Patient(cfg, spec, device, model, vlm, optimizer, _cycle(loader), flops.FlopModel.from_spec(spec), data_info)
 
 
@@ -219,6 +276,7 @@ def _native_patient(cfg: RunConfig, spec: native.NativeSpec, device: torch.devic
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, **({"fused": True} if cfg.fused_optimizer else {}))
     model: torch.nn.Module = vlm
     if cfg.compile != "off":
+        set_shape_padding(cfg.compile_shape_padding)
         model = torch.compile(vlm, mode=None if cfg.compile == "default" else cfg.compile)
     return Patient(cfg, spec, device, model, vlm, optimizer, _cycle(loader), flops.FlopModel.from_native(spec), data_info)
 
@@ -390,7 +448,7 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
         report["data"] = patient.data_info
         warm_s: list[float] = []
         per_token: list[float] = []
-        settle = SETTLE_MAX_STEPS if cfg.compile != "off" and cfg.warmup > 0 else 0
+        settle = SETTLE_MAX_STEPS if compiled(cfg) and cfg.warmup > 0 else 0
         while len(warm_s) < cfg.warmup or (settle and _unsettled(per_token)):
             if len(warm_s) >= cfg.warmup:
                 settle -= 1
@@ -400,10 +458,10 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
             warm_s.append(time.perf_counter() - t0)
             per_token.append(warm_s[-1] / max(1, counts["padded_tokens"] or counts["real_tokens"]))
             progress("warm-up", len(warm_s), max(cfg.warmup, len(warm_s)))
-        graphs = graphs_compiled() if cfg.compile != "off" else 0
+        graphs = graphs_compiled() if compiled(cfg) else 0
         windows = [_window(patient, cfg.steps, peak, progress, f"timed {r + 1}/{cfg.repeats}") for r in range(cfg.repeats)]
         report["warmup"] = _warmup_times(warm_s)
-        if cfg.compile != "off":
+        if compiled(cfg):
             report["warmup"]["settle_steps"] = len(warm_s) - cfg.warmup
             report["warmup"]["graphs_compiled"] = graphs
             new = graphs_compiled() - graphs
@@ -444,7 +502,7 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
     total = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
     metrics, stats = summarize(windows, total)
     metrics["warmup_s"] = report.get("warmup", {}).get("warmup_s")
-    metrics["compile_s"] = report.get("warmup", {}).get("compile_s") if cfg.compile != "off" else None
+    metrics["compile_s"] = report.get("warmup", {}).get("compile_s") if compiled(cfg) else None
     report["metrics"] = metrics
     report["stats"] = stats
     if "trace" in report:  # profiler overhead, visible next to the untraced numbers it stayed out of
@@ -492,7 +550,7 @@ RECOMPILE_RATIO = 5.0
 
 def recompile_warning(cfg: RunConfig, windows: list[dict[str, Any]]) -> str | None:
     """torch.compile that (re)compiles inside a timed window makes its throughput meaningless; say so."""
-    if cfg.compile == "off":
+    if not compiled(cfg):
         return None
     for r, w in enumerate(windows):
         steps = w["step_ms"]
@@ -501,7 +559,8 @@ def recompile_warning(cfg: RunConfig, windows: list[dict[str, Any]]) -> str | No
         worst = max(range(len(steps)), key=steps.__getitem__)
         rest = statistics.median(steps[:worst] + steps[worst + 1:])
         if rest > 0 and steps[worst] > RECOMPILE_RATIO * rest:
-            return (f"--compile {cfg.compile}: timed step {worst + 1} of window {r + 1} took {steps[worst]:.0f} ms, "
+            what = f"--compile {cfg.compile}" if cfg.compile != "off" else f"--compile-vision {cfg.compile_vision}"
+            return (f"{what}: timed step {worst + 1} of window {r + 1} took {steps[worst]:.0f} ms, "
                     f"{steps[worst] / rest:.0f}x the median of {rest:.0f} ms: compilation ran inside the timed "
                     "window, so tokens/s is too low; use more --warmup steps")
     return None
