@@ -60,6 +60,9 @@ def cross_rank(per: list[RankComms], rank_facts: list[dict[str, Any]]) -> dict[s
     per = [p for p, _ in per_rank]
     rank_facts = [f for _, f in per_rank]
     facts: dict[str, Any] = {"dist.ranks": len(per)}
+    for key in ("trace.recorded.memory", "trace.recorded.shapes", "trace.cpu_only"):  # for the not-evaluated hints
+        if any(key in f for f in rank_facts):
+            facts[key] = all(f.get(key) for f in rank_facts)
     worlds = [r.world for r in per if r.world]
     facts["dist.world_size"] = max(worlds) if worlds else len(per)
     facts["dist.backend"] = Counter(r.backend for r in per).most_common(1)[0][0]
