@@ -24,6 +24,7 @@ import numpy as np
 from vlmdoctor.trace.comms import GRAD_SYNC, RankComms
 
 CAUSE_MIN_SHARE = 0.3  # a cause explains the skew when it accounts for at least this share of it
+BALANCED_SKEW = 0.05  # under 5% of the step the ranks count as balanced: no cause is named
 
 
 def _wait_per_step(per: list[RankComms]) -> dict[int, dict[str, float]] | None:
@@ -114,7 +115,10 @@ def cross_rank(per: list[RankComms], rank_facts: list[dict[str, Any]]) -> dict[s
         causes["host_gaps"] = facts["dist.straggler.gap_excess_ms"] - max(causes["data_loader"], 0)
         best = max(causes, key=causes.get)
         skew = facts["dist.step_skew_ms"]
-        facts["dist.straggler.cause"] = best if skew > 0 and causes[best] >= CAUSE_MIN_SHARE * skew else "unexplained"
+        if facts.get("dist.step_skew_frac", 1.0) < BALANCED_SKEW:
+            facts["dist.straggler.cause"] = "balanced"
+        else:
+            facts["dist.straggler.cause"] = best if causes[best] >= CAUSE_MIN_SHARE * skew else "unexplained"
     if waits is not None:
         w = [x["wait_ms"] for x in rows]
         facts["dist.late_wait_ms"] = float(np.mean(w))
