@@ -49,11 +49,11 @@ DIST_ADVICE = {
                                  f"layers[i].set_modules_to_backward_prefetch(layers[max(i - {v}, 0):i][::-1])"]
                                 if v else ["leave FSDP2's implicit prefetch"]),
     "ddp_bucket_cap_mb": lambda v: [f"DistributedDataParallel(model, bucket_cap_mb={v})"],
-    "accum_no_sync": lambda v: (["with model.no_sync():  # DDP, every micro-batch but the last",
+    "accum_no_sync": lambda v: (["with model.no_sync():  # DDP, all micro-batches but the last",
                                  "model.set_requires_gradient_sync(is_last_micro_batch)  # FSDP2"] if v
                                 else ["sync gradients in every micro-batch"]),
-    "balance_tokens": lambda v: (["batch by a token budget per rank (sort by length, deal batches round-robin "
-                                  "across ranks) instead of a fixed sample count"] if v else []),
+    "balance_tokens": lambda v: (["# give each rank batches of about the same token count:",
+                                  "# sort samples by length, deal batches round-robin to ranks"] if v else []),
     "nproc_per_node": lambda v: [f"torchrun --nproc-per-node {v} train.py"],
 }
 

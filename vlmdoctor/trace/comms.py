@@ -238,14 +238,15 @@ def rank_comms(t: Tables) -> RankComms:
                    pd.DataFrame(work, columns=["kind", "ts", "dur", "bytes", "issue", "group"]),
                    host=t.meta.get("host_name"))
     _per_step(t, rc, skip)
-    if backend == "none":
-        return rc
     w = rc.work
     w["end"] = w["ts"] + w["dur"]
     s0, s1 = steps["ts"].to_numpy(), steps["end"].to_numpy()
     k = np.searchsorted(s0, w["issue"].to_numpy(), side="right") - 1
     inside = (k >= 0) & (w["issue"].to_numpy() < s1[np.maximum(k, 0)])
     w["step"] = np.where(inside, k, -1)
+    if backend == "none":
+        w["exposed"] = np.zeros(0)
+        return rc
     windows = union(s0, s1)
     compute = intersect(_compute(t, backend, skip), windows)
     exposed = []

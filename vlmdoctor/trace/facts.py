@@ -51,6 +51,7 @@ MODULE_PREFIX = "nn.Module: "  # python_function events of with_stack/with_modul
 BACKWARD_NODE = "autograd::engine::evaluate_function"
 COMM_OPS = ("record_param_comms", "nccl:", "gloo:", "c10d::")  # host ops of collectives whose args trace/comms.py reads
 COMM_KERNELS = ("ncclDevKernel", "ncclKernel")
+HTA_MAX_MB = 200  # the traceinsight cross-check runs on rank folders up to this size on disk (docs/analysis.md)
 LINEAR_BACKWARD = re.compile(r": (?:Mm|Addmm)Backward0$")  # a linear layer's backward: grad input, + grad weight if trained
 
 
@@ -922,7 +923,11 @@ def _cross_rank(path: str | Path, files: list[Path], per: list[Any], results: li
                                "per rank of one job"}
         seen[rc.rank] = f.name
     doc = cross_rank(per, [r["facts"] for r in results])
-    if any(rc.backend == "nccl" for rc in per):
+    size_mb = sum(f.stat().st_size for f in files) / 2**20
+    if any(rc.backend == "nccl" for rc in per) and size_mb > HTA_MAX_MB:
+        doc["hta"] = {"skipped": f"the traces hold {size_mb:,.0f} MB; traceinsight loads them whole (about 10x "
+                                 f"vlmdoctor's memory), so it is run on folders under {HTA_MAX_MB} MB only"}
+    elif any(rc.backend == "nccl" for rc in per):
         doc["hta"] = hta_overlap(path)
         ours = {r["rank"]: (r["hidden_ms"] / r["comm_ms"] * 100 if r.get("comm_ms") else None) for r in doc["ranks"]}
         doc["hta"]["ours_overlap_pct"] = ours

@@ -71,8 +71,11 @@ def cross_rank(per: list[RankComms], rank_facts: list[dict[str, Any]]) -> dict[s
     notes: list[str] = []
     if facts["dist.ranks"] < facts["dist.world_size"]:
         notes.append(f"{len(per)} of {facts['dist.world_size']} ranks' traces: the facts cover those ranks only")
-    waits = _wait_per_step(per)
-    if waits is None:
+    waits = _wait_per_step(per) if any(len(r.work) for r in per) else None
+    if not any(len(r.work) for r in per):
+        notes.append("no collectives in the traces: the wait for late ranks is not measured (separate runs, "
+                     "or a trace window without communication?)")
+    elif waits is None:
         notes.append("the ranks ran on different hosts: their clocks are not comparable, so the wait for late ranks "
                      "is not measured")
     rows = []
@@ -169,7 +172,8 @@ def hta_overlap(folder: str | Path) -> dict[str, Any]:
     """traceinsight's (HTA's) communication/computation overlap per rank, when it is installed.
 
     HTA counts, per rank, the share of NCCL kernel time that overlaps compute kernels. It reads
-    GPU kernels only, so on CPU (gloo) traces it has nothing to say.
+    GPU kernels only, so on CPU (gloo) traces it has nothing to say. By default it drops the
+    kernels of the last ProfilerStep; it is asked to keep them, so both read the same steps.
     """
     try:
         from hta.trace_analysis import TraceAnalysis  # optional extra: traceinsight
@@ -180,7 +184,8 @@ def hta_overlap(folder: str | Path) -> dict[str, Any]:
     try:
         logging.disable(logging.WARNING)
         with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
-            df = TraceAnalysis(trace_dir=str(folder)).get_comm_comp_overlap(visualize=False)
+            ta = TraceAnalysis(trace_dir=str(folder), include_last_profiler_step=True)
+            df = ta.get_comm_comp_overlap(visualize=False)
     except Exception as e:  # HTA's own limits (no GPU kernels, unknown layout) must not fail the analysis
         return {"skipped": f"traceinsight could not read the folder ({type(e).__name__}: {str(e)[:120]})"}
     finally:
