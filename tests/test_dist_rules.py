@@ -85,7 +85,7 @@ def test_exposed_communication_rules_follow_the_wrapper_and_the_share():
     assert f["expected_gain"]["saves_ms_per_step"] == pytest.approx(0.5 * facts("fsdp2")["dist.comm.exposed_own_ms"])
     assert any("forward 0.0%" in e and "backward 100.0%" in e for e in f["evidence"])
     assert "system-comm-exposed-ddp" not in fired({**facts("ddp"), "dist.comm.exposed_share": 0.3})  # not all-reduce
-    ddp = {**facts("ddp"), "dist.comm.all_reduce.exposed_ms": 0.3 * facts("ddp")["dist.step.ms"]}
+    ddp = {**facts("ddp"), "dist.comm.all_reduce.exposed_own_ms": 0.3 * facts("ddp")["dist.step.ms"]}
     got = fired(ddp)
     assert "system-comm-exposed-fsdp" not in got
     assert got["system-comm-exposed-ddp"]["config_patch"] == {"ddp_bucket_cap_mb": 100}
@@ -93,15 +93,20 @@ def test_exposed_communication_rules_follow_the_wrapper_and_the_share():
 
 
 def test_fsdp2_on_a_small_model_goes_to_ddp_and_supersedes_prefetching():
-    f = with_memory("fsdp2", "default_s2")  # an 80 GB device; the tiny model's replica is a few MB
-    assert f["dist.comm.all_gather.exposed_ms"] > 0.05 * f["dist.step.ms"]
-    d = run({**f, "dist.comm.exposed_share": 0.3})
+    real = with_memory("fsdp2", "default_s2")  # an 80 GB device; the tiny model's replica is a few MB
+    # on 2 CPU ranks the all-gathers' own exposure (less the wait for the late rank) stays under 5%
+    assert real["dist.comm.all_gather.exposed_own_ms"] < 0.05 * real["dist.step.ms"]
+    assert "system-fsdp-small-model" not in fired(real)
+    f = {**real, "dist.comm.all_gather.exposed_own_ms": 0.2 * real["dist.step.ms"], "dist.comm.exposed_share": 0.3}
+    d = run(f)
     got = {x["id"]: x for x in d["findings"]}
     assert got["system-fsdp-small-model"]["config_patch"] == {"parallel": "ddp"}
+    assert got["system-fsdp-small-model"]["expected_gain"]["saves_ms_per_step"] == pytest.approx(0.2 * real["dist.step.ms"])
     # both are layer 5; the one that saves more comes first (the whole exposed all-gather time vs half the
     # exposed time), and the declared conflict sets the other aside
     assert {s["id"]: s["superseded_by"] for s in d["superseded"]}["system-comm-exposed-fsdp"] == "system-fsdp-small-model"
-    assert "system-fsdp-small-model" not in fired(with_memory("ddp", "default_s2"))
+    assert "system-fsdp-small-model" not in fired({**with_memory("ddp", "default_s2"),
+                                                   "dist.comm.all_gather.exposed_own_ms": 50.0})
     # a replica that does not fit easily keeps FSDP2
     assert "system-fsdp-small-model" not in fired({**f, "dist.grad_gb": 10.0})
 

@@ -36,20 +36,24 @@ def _wait_per_step(per: list[RankComms]) -> dict[int, dict[str, float]] | None:
     out: dict[int, dict[str, float]] = {r.rank: {} for r in per}
     for r in per:
         r.work["step_name"] = [str(r.steps["name"].iloc[k]) if k >= 0 else "" for k in r.work["step"]]
+        r.work["wait"] = 0.0
     for step in steps:
         seqs = []
         for r in per:
             w = r.work[r.work["step_name"] == step].sort_values("issue")
-            seqs.append({k: g[["ts", "dur"]].to_numpy() for k, g in w.groupby("kind")})
+            seqs.append({k: g for k, g in w.groupby("kind")})
         kinds = set.intersection(*(set(s) for s in seqs))
         waits = np.zeros(len(per))
         for kind in kinds:
             m = min(len(s[kind]) for s in seqs)
             if any(len(s[kind]) != m for s in seqs):
                 continue  # not the same collectives on every rank: no safe match
-            starts = np.stack([s[kind][:m, 0] for s in seqs])  # ranks x collectives
-            durs = np.stack([s[kind][:m, 1] for s in seqs])
-            waits += np.minimum(starts.max(axis=0) - starts, durs).sum(axis=1)
+            starts = np.stack([s[kind]["ts"].to_numpy() for s in seqs])  # ranks x collectives
+            durs = np.stack([s[kind]["dur"].to_numpy() for s in seqs])
+            each = np.minimum(starts.max(axis=0) - starts, durs)
+            for r, s, wk in zip(per, seqs, each):
+                r.work.loc[s[kind].index, "wait"] = wk
+            waits += each.sum(axis=1)
         for r, wt in zip(per, waits):
             out[r.rank][step] = float(wt) / 1e3
     return out
@@ -142,6 +146,13 @@ def cross_rank(per: list[RankComms], rank_facts: list[dict[str, Any]]) -> dict[s
             facts["dist.comm.exposed_share"] = facts["dist.comm.exposed_own_ms"] / facts["dist.step.ms"]
         kinds = sorted({k for _, f in comm_ranks for k in f.get("comm.kinds", [])})
         facts["dist.comm.kinds"] = kinds
+        if waits is not None:  # each kind's exposed time less its own collectives' wait for late ranks
+            for kind in kinds:
+                own = []
+                for r in per:
+                    w = r.work[(r.work["kind"] == kind) & (r.work["step"] >= 0)]
+                    own.append(float((w["exposed"] - w["wait"]).clip(lower=0).sum()) / 1e3 / max(len(r.steps), 1))
+                facts[f"dist.comm.{kind}.exposed_own_ms"] = float(np.mean(own))
         for kind in kinds:
             for what in ("ms", "exposed_ms", "bytes", "busbw_gbps", "count"):
                 v = mean(f"comm.{kind}.{what}")
