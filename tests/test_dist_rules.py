@@ -10,6 +10,7 @@ the unchanged real facts.
 from __future__ import annotations
 
 import json
+import shutil
 from functools import lru_cache
 from pathlib import Path
 
@@ -146,3 +147,17 @@ def test_one_trace_alone_makes_the_dist_rules_not_applicable_not_unevaluated():
     na = {n["id"] for n in d["not_applicable"]}
     assert {r.id for r in DIST_RULES} <= na
     assert not {r.id for r in DIST_RULES} & {n["id"] for n in d["not_evaluated"]}
+
+
+def test_a_run_report_whose_trace_is_a_rank_folder_gets_the_dist_findings(tmp_path):
+    from vlmdoctor.doctor.diagnosis import examine
+
+    folder = tmp_path / "trace"
+    shutil.copytree(DIST / "ddp_accum", folder)
+    report = {"trace": {"path": str(folder), "kept": True}, "config": {"stage": 2}, "metrics": {}}
+    examine(report)
+    assert report["facts"]["dist.synced_micro_batches_per_step"] == 2
+    assert report["cross_rank"]["facts"]["dist.ranks"] == 2
+    assert "system-accum-sync" in {f["id"] for f in report["findings"]}
+    assert "system-accum-sync" not in {f["id"] for f in diagnose({**report["facts"], "config.accum_no_sync": True},
+                                                                  RULES)["findings"]}  # the knob set: not again
