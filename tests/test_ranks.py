@@ -33,13 +33,15 @@ def cross(case: str) -> dict:
     return result(case)["cross_rank"]["facts"]
 
 
+@lru_cache(maxsize=None)
 def _trained_params() -> int:
-    sys.path.insert(0, str(DIST))
-    try:
-        from record import build_model
-    finally:
-        sys.path.pop(0)
-    return sum(p.numel() for p in build_model().parameters() if p.requires_grad)
+    """The recorder's own model, built the way it builds it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("dist_cpu_record", DIST / "record.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return sum(p.numel() for p in mod.build_model().parameters() if p.requires_grad)
 
 
 @pytest.fixture(scope="module")
@@ -241,3 +243,11 @@ def test_cli_prints_the_cross_rank_section_in_80_columns_and_json(tmp_path):
     # the per-rank diagnoses stay what they were: the job-level rules are not applicable to one trace
     na = {n["id"]: n["why"] for n in doc["files"][0]["diagnosis"]["not_applicable"]}
     assert "several ranks" in na["batching-rank-token-imbalance"]
+
+
+def test_html_report_holds_the_cross_rank_section(tmp_path):
+    out = tmp_path / "a.html"
+    res = CliRunner().invoke(app, ["analyze", str(DIST / "ddp_loader"), "--html", str(out)])
+    assert res.exit_code == 0, res.output
+    page = out.read_text()
+    assert "Cross-rank: 2 ranks of 2, ddp over gloo" in page and "data_loader" in page

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from vlmdoctor.trace.facts import Intervals, Tables, intersect, subtract, total, union
+from vlmdoctor.trace.facts import Intervals, Tables, _measure, intersect, subtract, total, union
 
 #: normalized collective name (lower case, no underscores) -> the name facts use
 KINDS = (("allreduce", "all_reduce"), ("reducescatter", "reduce_scatter"), ("allgather", "all_gather"),
@@ -41,6 +41,14 @@ GRAD_SYNC = ("all_reduce", "reduce_scatter")  # the collectives that synchronize
 MICRO_MARKS = {"ddp": ("DistributedDataParallel.forward",), "fsdp2": ("FSDP::root_pre_forward",)}
 FSDP_AG = re.compile(r"^FSDP::all_gather \((.+)\)$")
 FSDP_USE = re.compile(r"^FSDP::pre_(forward|backward) \((.+)\)$")
+
+
+def _names_where(col: pd.Series, test) -> np.ndarray:
+    """A mask of the rows whose (categorical) name passes `test`, tested once per distinct name, not per row."""
+    cats = col.cat.categories
+    good = np.array([bool(test(str(c))) for c in cats], dtype=bool)
+    codes = col.cat.codes.to_numpy()
+    return good[codes] & (codes >= 0) if len(cats) else np.zeros(len(col), dtype=bool)
 
 
 def kind_of(name: str) -> str:
@@ -193,10 +201,10 @@ def _compute(t: Tables, backend: str, skip_tids: set[int]) -> Intervals:
     """When compute ran: non-NCCL kernels on a GPU trace, ops on the compute threads of a CPU trace."""
     if backend == "nccl":
         g = t.gpu[(t.gpu["cat"] == "kernel")]
-        g = g[~g["name"].astype(str).str.startswith(("ncclDevKernel", "ncclKernel"))]
+        g = g[~_names_where(g["name"], lambda n: n.startswith(("ncclDevKernel", "ncclKernel")))]
         return union(g["ts"].to_numpy(), g["end"].to_numpy())
     o = t.ops[~t.ops["tid"].isin(list(skip_tids))]
-    o = o[o["name"].astype(str).str.startswith("aten::")]
+    o = o[_names_where(o["name"], lambda n: n.startswith("aten::"))]
     return union(o["ts"].to_numpy(), o["end"].to_numpy())
 
 
@@ -225,9 +233,9 @@ def rank_comms(t: Tables) -> RankComms:
     """The collectives of one trace and the facts about them (empty facts when it ran none)."""
     info = t.meta.get("distributedInfo") or {}
     world = info.get("world_size") if isinstance(info.get("world_size"), int) else None
-    steps = t.steps if len(t.steps) else pd.DataFrame(
-        {"name": ["trace"], "ts": [min(t.ops["ts"].min(), t.gpu["ts"].min() if len(t.gpu) else np.inf)],
-         "end": [max(t.ops["end"].max(), t.gpu["end"].max() if len(t.gpu) else -np.inf)]})
+    steps = t.steps if len(t.steps) else pd.DataFrame(  # no ProfilerStep: the whole trace is one window
+        {"name": ["trace"], "ts": [pd.Series([t.ops["ts"].min(), t.gpu["ts"].min()]).min()],
+         "end": [pd.Series([t.ops["end"].max(), t.gpu["end"].max()]).max()]})
     work = _nccl_work(t, world)
     backend, skip = ("nccl", set()) if work else ("gloo", set())
     if not work:
@@ -249,10 +257,8 @@ def rank_comms(t: Tables) -> RankComms:
         return rc
     windows = union(s0, s1)
     compute = intersect(_compute(t, backend, skip), windows)
-    exposed = []
-    for a, b in zip(w["ts"].to_numpy(), w["end"].to_numpy()):  # each collective's own exposed time
-        exposed.append(total(subtract((np.array([a]), np.array([b])), compute)))
-    w["exposed"] = exposed
+    a, b = w["ts"].to_numpy(), w["end"].to_numpy()  # each collective's own exposed time: its length less compute in it
+    w["exposed"] = (b - a) - (_measure(compute, b) - _measure(compute, a)) if len(w) else np.zeros(0)
     comm = intersect(union(w["ts"].to_numpy(), w["end"].to_numpy()), windows)
     n = len(steps)
     f = rc.facts
@@ -289,34 +295,31 @@ def rank_comms(t: Tables) -> RankComms:
 def _per_step(t: Tables, rc: RankComms, skip: set[int]) -> None:
     """Per step: time, real tokens, data-loader time and host gaps (main-thread time no op covered)."""
     ops = t.ops
-    names = ops["name"].astype(str)
-    loader = ops[names.str.contains("DataLoader", regex=False)]
+    loader = ops[_names_where(ops["name"], lambda n: "DataLoader" in n)]
     tables = [(ts, d) for ts, name, d in t.shapes if name == "aten::embedding" and len(d) > 1 and d[0] and d[1]]
     vocab = max((d[0][0] for _, d in tables), default=None)  # the LLM's token table, the largest
     emb = [(ts, int(np.prod(d[1])), d[1][0]) for ts, d in tables if d[0][0] == vocab]
-    # the thread that ran the step: the one with the most op time at depth 0 inside the windows
-    cpu = ops[~ops["tid"].isin(list(skip)) & ~names.str.startswith(("gloo:", "nccl:"))]
+    # the thread that ran the step: the one with the most op time (nested ops included), not a gloo worker
+    cpu = ops[~ops["tid"].isin(list(skip)) & ~_names_where(ops["name"], lambda n: n.startswith(("gloo:", "nccl:")))]
     main_tid = int(cpu.groupby("tid")["dur"].sum().idxmax()) if len(cpu) else -1
     mo = cpu[cpu["tid"] == main_tid]
     busy = union(mo["ts"].to_numpy(), mo["end"].to_numpy())
     rows = []
     for name, a, b in zip(rc.steps["name"], rc.steps["ts"], rc.steps["end"]):
-        win = (np.array([a]), np.array([b]))
         lw = loader[(loader["ts"] >= a) & (loader["ts"] < b)]
         rows.append({"step": str(name), "ms": (b - a) / 1e3,
                      "tokens": sum(n for ts, n, _ in emb if a <= ts < b) or None,
                      "batch": max((bs for ts, _, bs in emb if a <= ts < b), default=None),
                      "loader_ms": total(union(lw["ts"].to_numpy(), lw["end"].to_numpy())) / 1e3,
-                     "gap_ms": total(subtract(win, busy)) / 1e3})
+                     "gap_ms": float((b - a) - (_measure(busy, np.array([b])) - _measure(busy, np.array([a])))[0]) / 1e3})
     rc.per_step = pd.DataFrame(rows)
 
 
 def _fsdp_prefetch(t: Tables, f: dict[str, Any], n: int) -> None:
     """FSDP2 all-gathers issued ahead of the module that needs them (prefetched) or inside its own pre-hook."""
     ops = t.ops
-    names = ops["name"].astype(str)
-    ag = ops[names.str.match(FSDP_AG.pattern)]
-    use = ops[names.str.match(FSDP_USE.pattern)]
+    ag = ops[_names_where(ops["name"], FSDP_AG.match)]
+    use = ops[_names_where(ops["name"], FSDP_USE.match)]
     if not len(ag):
         return
     use_by_mod: dict[str, list[tuple[float, float, str]]] = {}
@@ -350,7 +353,7 @@ def _grad_sync(t: Tables, rc: RankComms, f: dict[str, Any]) -> None:
     if not marks:
         return
     ops = t.ops
-    fw = ops[ops["name"].astype(str).isin(marks)]
+    fw = ops[_names_where(ops["name"], lambda n: n in marks)]
     starts = np.sort(fw["ts"].to_numpy())
     w = rc.work[rc.work["kind"].isin(GRAD_SYNC) & (rc.work["step"] >= 0)]
     micro, synced, extra_ms, extra_bytes = [], [], 0.0, 0.0
