@@ -53,7 +53,8 @@ DIST_ADVICE = {
                                  "model.set_requires_gradient_sync(is_last_micro_batch)  # FSDP2"] if v
                                 else ["sync gradients in every micro-batch"]),
     "balance_tokens": lambda v: (["# give each rank batches of about the same token count:",
-                                  "# sort samples by length, deal batches round-robin to ranks"] if v else []),
+                                  "# sort samples by length, deal batches round-robin to ranks"] if v
+                                 else ["# batches of a fixed sample count per rank"]),
     "nproc_per_node": lambda v: [f"torchrun --nproc-per-node {v} train.py"],
 }
 
