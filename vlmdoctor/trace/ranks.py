@@ -33,6 +33,8 @@ def _wait_per_step(per: list[RankComms]) -> dict[int, dict[str, float]] | None:
     if len(hosts) > 1:
         return None  # ranks on different hosts: their clocks are not comparable
     steps = set.intersection(*(set(r.steps["name"].astype(str)) for r in per))
+    if not steps:
+        return None  # no ProfilerStep every rank recorded: nothing to match
     out: dict[int, dict[str, float]] = {r.rank: {} for r in per}
     for r in per:
         r.work["step_name"] = [str(r.steps["name"].iloc[k]) if k >= 0 else "" for k in r.work["step"]]
@@ -79,9 +81,12 @@ def cross_rank(per: list[RankComms], rank_facts: list[dict[str, Any]]) -> dict[s
     if not any(len(r.work) for r in per):
         notes.append("no collectives in the traces: the wait for late ranks is not measured (separate runs, "
                      "or a trace window without communication?)")
-    elif waits is None:
+    elif waits is None and len({r.host for r in per if r.host}) > 1:
         notes.append("the ranks ran on different hosts: their clocks are not comparable, so the wait for late ranks "
                      "is not measured")
+    elif waits is None:
+        notes.append("the ranks recorded no common ProfilerStep: collectives cannot be matched, so the wait for late "
+                     "ranks is not measured")
     rows = []
     for r, f in zip(per, rank_facts):
         ps = r.per_step
