@@ -86,9 +86,13 @@ SUPERSEDED_CASES = {
 # rules of CPU-only runs: tested on CPU traces recorded in the test (tests/test_cpu_doctor.py)
 CPU_CASES = {"precision-cpu-bf16-emulated"}
 
+# rules over several ranks' traces together: tested on real 2-rank recordings (tests/test_dist_rules.py)
+DIST_CASES = {"system-comm-exposed-fsdp", "system-comm-exposed-ddp", "batching-rank-token-imbalance",
+              "system-fsdp-small-model", "system-ddp-near-memory", "system-accum-sync", "batching-sharded-batch"}
+
 
 def test_every_rule_has_a_case():
-    assert set(CASES) | set(SUPERSEDED_CASES) | set(VARIATION_CASES) | CPU_CASES == {r.id for r in RULES}
+    assert set(CASES) | set(SUPERSEDED_CASES) | set(VARIATION_CASES) | CPU_CASES | DIST_CASES == {r.id for r in RULES}
 
 
 def test_cpu_rules_do_not_apply_to_gpu_traces():

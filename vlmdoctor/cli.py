@@ -320,6 +320,12 @@ def analyze(
             if not entry["facts"].get("trace.written_by_vlmdoctor"):
                 # a user's own training: the fix as the lines of their loop, not a vlmdoctor command
                 add_advice({"config": {}, "diagnosis": entry["diagnosis"]}, "loop")
+        cross = result.get("cross_rank")
+        if cross and "facts" in cross:  # the job as a whole: rules over the joined ranks' facts
+            cross["diagnosis"] = diagnose(cross["facts"], [r for r in rules if r.uses_dist], problems)
+            cross["findings"] = cross["diagnosis"]["findings"]
+            if not any(e["facts"].get("trace.written_by_vlmdoctor") for e in result["files"]):
+                add_advice({"config": {}, "diagnosis": cross["diagnosis"]}, "loop")
         doc = {"schema_version": SCHEMA_VERSION, "kind": "analysis", **result}
         failures = []
         if json_path == "-":
@@ -338,6 +344,12 @@ def analyze(
                     if f"run.{k}" in entry["facts"]:
                         cfg[k] = entry["facts"][f"run.{k}"]
                 render_findings(entry["diagnosis"], out, lambda patch, cfg=cfg: run_command(cfg, patch))
+            if cross:
+                from vlmdoctor.report.console import render_cross_rank
+
+                render_cross_rank(cross, out)
+                if "diagnosis" in cross:
+                    render_findings(cross["diagnosis"], out, None)
         _fail_on(failures)
 
 

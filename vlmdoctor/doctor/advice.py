@@ -39,6 +39,26 @@ def _sampling_field() -> str:
     return "group_by_length=True"
 
 
+DIST_ADVICE = {
+    "parallel": lambda v: (["model = DistributedDataParallel(model, device_ids=[local_rank])"] if v == "ddp" else
+                           ["from torch.distributed.fsdp import fully_shard",
+                            "for layer in model.model.layers: fully_shard(layer)", "fully_shard(model)"]
+                           if v == "fsdp2" else ["train in one process"]),
+    "reshard_after_forward": lambda v: [f"fully_shard(layer, reshard_after_forward={bool(v)})"],
+    "fsdp_prefetch": lambda v: ([f"layers[i].set_modules_to_forward_prefetch(layers[i + 1:i + 1 + {v}])",
+                                 f"layers[i].set_modules_to_backward_prefetch(layers[max(i - {v}, 0):i][::-1])"]
+                                if v else ["leave FSDP2's implicit prefetch"]),
+    "ddp_bucket_cap_mb": lambda v: [f"DistributedDataParallel(model, bucket_cap_mb={v})"],
+    "accum_no_sync": lambda v: (["with model.no_sync():  # DDP, all micro-batches but the last",
+                                 "model.set_requires_gradient_sync(is_last_micro_batch)  # FSDP2"] if v
+                                else ["sync gradients in every micro-batch"]),
+    "balance_tokens": lambda v: (["# give each rank batches of about the same token count:",
+                                  "# sort samples by length, deal batches round-robin to ranks"] if v
+                                 else ["# batches of a fixed sample count per rank"]),
+    "nproc_per_node": lambda v: [f"torchrun --nproc-per-node {v} train.py"],
+}
+
+
 def _one(knob: str, value: Any, audience: str, ctx: dict[str, Any]) -> list[str]:
     trainer = audience == "trainer"
     if knob == "weight_dtype":
@@ -140,6 +160,8 @@ def _one(knob: str, value: Any, audience: str, ctx: dict[str, Any]) -> list[str]
     if knob == "sync_loss":
         return (["logging_steps=50  # each log syncs the device"] if trainer else
                 ["call loss.item() every N steps, not every step (it waits for the GPU)"])
+    if knob in DIST_ADVICE:  # issue 13: several processes (same lines for Trainer users, through accelerate/FSDP config)
+        return DIST_ADVICE[knob](value)
     if knob in ("warmup", "steps", "repeats"):
         return []  # vlmdoctor's own measuring window, not the user's training
     return [f"{knob}={value!r} (no {'TrainingArguments' if trainer else 'loop'} equivalent known)"]

@@ -35,7 +35,12 @@ def trace_facts(report: dict[str, Any]) -> dict[str, Any] | None:
     path = Path(trace["path"])
     cfg = report.get("config") or {}
     try:
-        facts = analyze(path, cfg.get("stage"), cfg.get("model"))["files"][0]["facts"]
+        result = analyze(path, cfg.get("stage"), cfg.get("model"))
+        facts = result["files"][0]["facts"]
+        cross = result.get("cross_rank") or {}
+        if "facts" in cross:  # a folder of the job's rank traces: the ranks joined, for the rules on dist.* facts
+            facts = {**facts, **cross["facts"]}
+            report["cross_rank"] = cross
     except VlmdoctorError as e:
         facts = {"trace.error": e.message}
     finally:

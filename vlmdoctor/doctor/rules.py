@@ -91,6 +91,7 @@ KNOWN_FACTS = [re.compile(p) for p in (
     r"trace\.cpu_only", r"cpu\.(capability|probe\.(fp32|bf16)_gflops|cast\.(ms|count|share)|bf16_cost\.(ms|share)|lm_head\.ms)",
     r"cpu\.matmul\.(ms|share|dtypes|(fp32|bf16|fp16)_(ms|gflop|gflops))", r"cpu\.part\.[a-z_]+\.forward_ms",
     r"cpu\.data_loader\.(ms|share)",
+    r"comm\.[a-z_]+(\.[a-z_]+)*", r"dist\.[a-z_]+(\.[a-z_]+)*",  # collectives (trace/comms.py), ranks joined (trace/ranks.py)
     r"config\.(" + "|".join(RunConfig.__dataclass_fields__) + r")",
     r"patch\.(" + "|".join(RunConfig.__dataclass_fields__) + r")",  # the rule's own patch values, in gain expressions
 )]
@@ -132,6 +133,11 @@ class Rule:
     conflicts: list[str] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)
     detects: str = ""
+
+    @property
+    def uses_dist(self) -> bool:
+        """A rule about the job's ranks together: it runs on the cross-rank facts of a folder of rank traces."""
+        return any(n.startswith("dist.") for n in self.facts_used())
 
     def facts_used(self) -> set[str]:
         exprs = [self.when, self.unless or "", *_alternatives(self.gain.get("saves_ms")),
@@ -461,7 +467,10 @@ def _fire(rule: Rule, facts: dict[str, Any], not_evaluated: list[dict[str, Any]]
     try:
         hit = bool(_eval(_tree(rule.when), env))
     except _Missing as m:
-        if facts.get("trace.cpu_only") and GPU_ONLY.fullmatch(m.name):
+        if m.name.startswith("dist.") and "dist.ranks" not in facts:
+            not_applicable.append({"id": rule.id, "why": f"needs {m.name}, a fact of several ranks' traces together "
+                                                          "(analyze a folder of per-rank traces)"})
+        elif facts.get("trace.cpu_only") and GPU_ONLY.fullmatch(m.name):
             not_applicable.append({"id": rule.id, "why": f"needs {m.name}, a fact of GPU runs (this trace ran on the CPU)"})
         elif "gpu.busy_ms" in facts and m.name.startswith("cpu."):
             not_applicable.append({"id": rule.id, "why": f"needs {m.name}, a fact of CPU-only runs (this trace has GPU kernels)"})

@@ -136,6 +136,8 @@ def render_facts(result: dict[str, Any], console: Console) -> None:
         if "gpu.busy_frac" in f:
             line += f"; GPU busy {f['gpu.busy_frac'] * 100:.0f}% ({_ms(f['gpu.busy_ms'])} ms), idle {_ms(f['gpu.idle_ms'])} ms"
         console.print(line)
+        if "comm.ms" in f:
+            console.print(comm_line(f, "comm.", entry.get("rank")))
         if "gpu.busy_frac" not in f:
             continue
         causes = [(k.split(".")[1], f[k]) for k in f if k.startswith("idle.") and k.endswith(".ms")]
@@ -431,3 +433,65 @@ def render_own_findings(diagnosis: dict[str, Any], console: Console) -> None:
     if skipped:
         console.print(f"[dim]not evaluated ({len(skipped)} rules need facts this trace lacks, e.g. GPU kernels): "
                       f"{', '.join(skipped)}[/dim]")
+
+
+def comm_line(f: dict[str, Any], prefix: str, rank: int | None = None) -> str:
+    """Collective time per step, exposed vs hidden, and each collective's size and bus bandwidth."""
+    who = f"rank {rank}: " if rank is not None else ""
+    line = (f"{who}collectives {_ms(f[prefix + 'ms'])} ms/step, exposed {_ms(f[prefix + 'exposed_ms'])} ms, hidden "
+            f"{_ms(f[prefix + 'hidden_ms'])} ms")
+    kinds = f.get(prefix + "kinds") or []
+    parts = []
+    for k in kinds:
+        bw = f.get(f"{prefix}{k}.busbw_gbps")
+        size = f.get(f"{prefix}{k}.bytes")
+        parts.append(f"{k} {_ms(f.get(f'{prefix}{k}.ms'))} ms" + (f" {size / 2**20:,.1f} MiB" if size else "")
+                     + (f" busbw {bw:.2f} GB/s" if bw is not None else ""))
+    return "\n".join([line] + [f"  {p}" for p in parts])
+
+
+def render_cross_rank(cross: dict[str, Any], console: Console) -> None:
+    """The ranks of one data-parallel job side by side: who was slow, who waited, how much communication showed."""
+    if "skipped" in cross:
+        console.print(f"[yellow]cross-rank:[/yellow] {cross['skipped']}")
+        return
+    f = cross["facts"]
+    console.print(f"[bold]cross-rank[/bold]: {f['dist.ranks']} ranks of {f['dist.world_size']}, "
+                  f"{f['dist.parallel']} over {f['dist.backend']}")
+    for note in cross.get("notes", []):
+        console.print(f"[yellow]note:[/yellow] {note}")
+    t = Table(show_header=True, header_style="bold", title="per rank (ms per step)")
+    for col in ("rank", "step", "waited", "busy", "tokens", "loader", "gaps", "comm", "exposed"):
+        t.add_column(col, justify="right")
+    for r in cross["ranks"]:
+        t.add_row(str(r["rank"]), *(_ms(r.get(k)) for k in ("step_ms", "wait_ms", "busy_ms")),
+                  f"{r['tokens']:,.0f}" if r.get("tokens") else "n/a",
+                  *(_ms(r.get(k)) for k in ("loader_ms", "gap_ms", "comm_ms", "exposed_ms")))
+    console.print(t)
+    if "dist.straggler.rank" in f:
+        console.print(f"slowest rank {f['dist.straggler.rank']}: busy {_ms(f['dist.step_skew_ms'])} ms/step more than the "
+                      f"fastest ({f.get('dist.step_skew_frac', 0) * 100:.0f}%)")
+        console.print(f"  cause: {f['dist.straggler.cause'].replace('_', ' ')}")
+    if "dist.late_wait_ms" in f:
+        console.print(f"waiting for late ranks in collectives: {_ms(f['dist.late_wait_ms'])} ms/step mean, "
+                      f"{_ms(f['dist.late_wait_ms_max'])} max")
+    if "dist.comm.ms" in f:
+        console.print(comm_line(f, "dist.comm.", None).replace("collectives", "rank mean: collectives", 1))
+        console.print(f"exposed, less the wait for late ranks: {_ms(f['dist.comm.exposed_own_ms'])} ms/step"
+                      + (f" ({f['dist.comm.exposed_share'] * 100:.1f}%)" if "dist.comm.exposed_share" in f else ""))
+    if "dist.fsdp.prefetched_frac" in f:
+        console.print(f"FSDP2 all-gathers issued ahead of their module: forward "
+                      f"{f.get('dist.fsdp.forward_prefetched_frac', 0) * 100:.0f}%, backward "
+                      f"{f.get('dist.fsdp.backward_prefetched_frac', 0) * 100:.0f}%")
+    if f.get("dist.micro_batches_per_step", 1) > 1:
+        console.print(f"gradient sync in {f['dist.synced_micro_batches_per_step']:g} of {f['dist.micro_batches_per_step']:g} "
+                      f"micro-batches per step")
+        console.print(f"  {_ms(f['dist.grad_sync.extra_ms'])} ms/step of it before the last micro-batch")
+    hta = cross.get("hta") or {}
+    if "overlap_pct" in hta:
+        ours = hta.get("ours_overlap_pct") or {}
+        console.print("comm overlapped with compute, traceinsight vs vlmdoctor:")
+        for r, v in sorted(hta["overlap_pct"].items()):
+            console.print(f"  rank {r}: {v:.1f}% vs {ours.get(r) or 0:.1f}%")
+    elif "skipped" in hta:
+        console.print(f"[dim]traceinsight cross-check skipped: {hta['skipped']}[/dim]")

@@ -547,7 +547,37 @@ def analyze_html(result: dict[str, Any]) -> str:
         note = "" if env.get("torch") else ("A trace records the device, not the software: driver, torch and "
                                             "transformers versions come with a profile report.")
         body.append(_env_section(pairs, note))
+    if result.get("cross_rank"):
+        body.append(_cross_rank_section(result["cross_rank"]))
     return _page(title, subtitle, body)
+
+
+def _cross_rank_section(cross: dict[str, Any]) -> str:
+    """The ranks of a folder side by side: wait for late ranks, busy time, tokens, communication; and its findings."""
+    if "skipped" in cross:
+        return f"<h2>Cross-rank</h2><p>{esc(str(cross['skipped']))}</p>"
+    f = cross.get("facts") or {}
+    parts = [f"<h2>Cross-rank: {esc(str(f.get('dist.ranks')))} ranks of {esc(str(f.get('dist.world_size')))}, "
+             f"{esc(str(f.get('dist.parallel')))} over {esc(str(f.get('dist.backend')))}</h2>"]
+    parts += [f'<p class="warn">{esc(n)}</p>' for n in cross.get("notes") or []]
+    keys = ("step_ms", "wait_ms", "busy_ms", "tokens", "loader_ms", "gap_ms", "comm_ms", "exposed_ms", "hidden_ms")
+    parts.append(_table(("rank", "step ms", "waited ms", "busy ms", "tokens", "loader ms", "gaps ms", "comm ms",
+                         "exposed ms", "hidden ms"),
+                        [[esc(str(r.get("rank")))] + [_num(r.get(k), 0 if k == "tokens" else 1) for k in keys]
+                         for r in cross.get("ranks") or []], numeric=range(10)))
+    hta = cross.get("hta") or {}
+    overlap = "; ".join(f"rank {r}: {_num(v, 1, '%')} vs {_num((hta.get('ours_overlap_pct') or {}).get(r), 1, '%')}"
+                        for r, v in sorted((hta.get("overlap_pct") or {}).items())) or hta.get("skipped")
+    parts.append(_kv([("slowest rank", f.get("dist.straggler.rank")), ("cause", f.get("dist.straggler.cause")),
+                      ("busy-time skew", _pct(f.get("dist.step_skew_frac")) if "dist.step_skew_frac" in f else None),
+                      ("wait for late ranks, ms/step", _num(f.get("dist.late_wait_ms")) if "dist.late_wait_ms" in f
+                       else None),
+                      ("exposed communication less the wait, ms/step",
+                       _num(f.get("dist.comm.exposed_own_ms")) if "dist.comm.exposed_own_ms" in f else None),
+                      ("overlap, traceinsight vs vlmdoctor", overlap)]))
+    if cross.get("diagnosis") is not None:
+        parts.append(findings_section(cross.get("findings") or [], cross["diagnosis"]))
+    return "\n".join(parts)
 
 
 def treat_html(result: dict[str, Any]) -> str:

@@ -49,6 +49,9 @@ TINY_KERNEL_US = 10.0  # under this a kernel is mostly launch overhead on curren
 SHAPE_OPS = ("aten::embedding",)  # its first input is the token-id batch: (batch, length)
 MODULE_PREFIX = "nn.Module: "  # python_function events of with_stack/with_modules traces: `nn.Module: Qwen2Model_0`
 BACKWARD_NODE = "autograd::engine::evaluate_function"
+COMM_OPS = ("record_param_comms", "nccl:", "gloo:", "c10d::")  # host ops of collectives whose args trace/comms.py reads
+COMM_KERNELS = ("ncclDevKernel", "ncclKernel")
+HTA_MAX_MB = 200  # the traceinsight cross-check runs on rank folders up to this size on disk (docs/analysis.md)
 LINEAR_BACKWARD = re.compile(r": (?:Mm|Addmm)Backward0$")  # a linear layer's backward: grad input, + grad weight if trained
 
 
@@ -66,6 +69,7 @@ class Tables:
     types: dict[str, Any] = field(default_factory=dict)
     memory: dict[int, list[float]] = field(default_factory=dict)  # device type -> [max allocated, max reserved]
     recorded: dict[str, bool] = field(default_factory=dict)  # which profiler options left their marks (shapes, memory, stack)
+    comm: list[tuple[str, str, int, float, float, dict[str, Any]]] = field(default_factory=list)  # (kind, name, tid, ts, dur, args) of collectives (trace/comms.py)
 
 
 class _Column:
@@ -95,13 +99,14 @@ def load_tables(path: Path) -> Tables:
     gpu_cats = {"kernel": 0.0, "gpu_memcpy": 1.0, "gpu_memset": 2.0}
     memory: dict[int, list[float]] = {}
     recorded = {"shapes": False, "memory": False, "stack": False}
+    comm: list[tuple[str, str, int, float, float, dict[str, Any]]] = []
     count = 0
     try:
         for count, ev in enumerate(iter_events(path), 1):
             if not isinstance(ev, dict):
                 raise TraceError(f"{path}: traceEvents item {count} is a JSON {type(ev).__name__}, not an event object; "
                                  "expected a torch.profiler Chrome trace")
-            _take(ev, names, gpu, ops, rt, tids, steps, shapes, types, gpu_cats, memory, recorded)
+            _take(ev, names, gpu, ops, rt, tids, steps, shapes, types, gpu_cats, memory, recorded, comm)
     except (AttributeError, TypeError, ValueError, KeyError) as e:
         raise TraceError(f"{path}: event {count} is not a torch.profiler event ({type(e).__name__}: {e}); expected "
                          "objects with a name, a category and numeric ts/dur") from None
@@ -122,12 +127,13 @@ def load_tables(path: Path) -> Tables:
     rt_df["end"] = rt_df["ts"] + rt_df["dur"]
     for col in ("tid", "corr"):
         rt_df[col] = rt_df[col].astype(np.int64)
-    return Tables(path, meta, steps_df, gpu_df, ops_df, rt_df, shapes, types, memory, recorded)
+    return Tables(path, meta, steps_df, gpu_df, ops_df, rt_df, shapes, types, memory, recorded, comm)
 
 
 def _take(ev: dict[str, Any], names: dict[str, int], gpu: _Column, ops: _Column, rt: _Column, tids: dict[Any, int],
           steps: list[tuple[str, float, float]], shapes: list[tuple[float, str, Any]], types: dict[str, Any],
-          gpu_cats: dict[str, float], memory: dict[int, list[float]], recorded: dict[str, bool]) -> None:
+          gpu_cats: dict[str, float], memory: dict[int, list[float]], recorded: dict[str, bool],
+          comm: list[tuple[str, str, int, float, float, dict[str, Any]]]) -> None:
     """One trace event into the tables (a non-object or a non-numeric time raises, and the caller says where)."""
     intern = names.setdefault
     cat = ev.get("cat")
@@ -153,8 +159,11 @@ def _take(ev: dict[str, Any], names: dict[str, int], gpu: _Column, ops: _Column,
             steps.append((name, ts, ts + dur))
             return
         args = ev.get("args") or {}
-        _op_row(ops, intern(name, len(names)), tids.setdefault(ev.get("tid"), len(tids)), ts, dur,
+        tid = tids.setdefault(ev.get("tid"), len(tids))
+        _op_row(ops, intern(name, len(names)), tid, ts, dur,
                 int(args.get("Sequence number", -1)), int(args.get("Fwd thread id", -1)))
+        if name.startswith(COMM_OPS):
+            comm.append(("op", name, tid, ts, dur, args))
         if "Input Dims" in args:
             recorded["shapes"] = True
             if name in SHAPE_OPS or name in LOGITS_OPS or name == SDPA_OP:
@@ -177,6 +186,8 @@ def _take(ev: dict[str, Any], names: dict[str, int], gpu: _Column, ops: _Column,
         n["corr"].append(args.get("correlation", -1))
         n["bytes"].append(args.get("bytes", 0) or 0)
         n["cat"].append(gpu_cats[cat])
+        if cat == "kernel" and ev.get("name", "").startswith(COMM_KERNELS):
+            comm.append(("kernel", ev["name"], -1, n["ts"][-1], n["dur"][-1], args))
 
 
 def _op_row(ops: _Column, code: int, tid: int, ts: float, dur: float, seq: int, fwd_tid: int) -> None:
@@ -866,17 +877,63 @@ def _host_facts(t: Tables, facts: dict[str, Any], n: int) -> None:
 
 
 def analyze(path: str | Path, stage: int | None = None, model: str | None = None) -> dict[str, Any]:
-    """Facts of every trace file a path names (one per rank in a folder)."""
+    """Facts of every trace file a path names (one per rank in a folder), and the ranks joined.
+
+    A trace with collectives gets `comm.*` facts (trace/comms.py); a folder of two or more rank
+    traces gets a `cross_rank` section (trace/ranks.py).
+    """
+    from vlmdoctor.trace.comms import rank_comms, rank_of
+
     files = trace_files(path)
-    results = []
+    results, per = [], []
     for f in files:
         t = load_tables(f)
         if t.ops.empty and t.gpu.empty:
             raise TraceError(f"{f}: the trace holds no CPU ops and no GPU events (did the profiled code run inside the "
                              "profiler's active steps?); nothing to analyze")
-        results.append({"file": str(f), "facts": compute_facts(t, stage, model), "meta": {
-            k: t.meta[k] for k in ("vlmdoctor", "deviceProperties", "distributedInfo") if k in t.meta}})
-    return {"path": str(path), "files": results}
+        facts = compute_facts(t, stage, model)
+        rc = rank_comms(t)
+        facts.update(rc.facts)
+        entry = {"file": str(f), "facts": facts, "meta": {
+            k: t.meta[k] for k in ("vlmdoctor", "deviceProperties", "distributedInfo") if k in t.meta}}
+        if rc.rank is not None and (len(files) > 1 or rc.facts):
+            entry["rank"] = rc.rank
+        results.append(entry)
+        rc.work = rc.work.copy()
+        per.append(rc)
+        del t
+    out = {"path": str(path), "files": results}
+    if len(files) > 1:
+        out["cross_rank"] = _cross_rank(path, files, per, results)
+    return out
+
+
+def _cross_rank(path: str | Path, files: list[Path], per: list[Any], results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ranks joined, or why a folder of several traces cannot be read as one job's ranks."""
+    from vlmdoctor.trace.ranks import cross_rank, hta_overlap
+
+    missing = [f.name for f, rc in zip(files, per) if rc.rank is None]
+    if missing:
+        return {"skipped": f"{missing[0]}: no rank in its distributedInfo.rank or its file name (trace_rank<R>.json.gz); "
+                           "cross-rank facts need one trace per rank"}
+    seen: dict[int, str] = {}
+    for f, rc in zip(files, per):
+        if rc.rank in seen:
+            return {"skipped": f"{seen[rc.rank]} and {f.name} are both rank {rc.rank}: cross-rank facts need one trace "
+                               "per rank of one job"}
+        seen[rc.rank] = f.name
+    doc = cross_rank(per, [r["facts"] for r in results])
+    size_mb = sum(f.stat().st_size for f in files) / 2**20
+    if any(rc.backend == "nccl" for rc in per) and size_mb > HTA_MAX_MB:
+        doc["hta"] = {"skipped": f"the traces hold {size_mb:,.0f} MB; traceinsight loads them whole (about 10x "
+                                 f"vlmdoctor's memory), so it is run on folders under {HTA_MAX_MB} MB only"}
+    elif any(rc.backend == "nccl" for rc in per):
+        doc["hta"] = hta_overlap(path)
+        ours = {r["rank"]: (r["hidden_ms"] / r["comm_ms"] * 100 if r.get("comm_ms") else None) for r in doc["ranks"]}
+        doc["hta"]["ours_overlap_pct"] = ours
+    else:
+        doc["hta"] = {"skipped": "traceinsight reads GPU NCCL kernels only; these traces ran their collectives on the CPU"}
+    return doc
 
 
 def merge_measured(facts: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:

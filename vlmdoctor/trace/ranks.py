@@ -1,0 +1,214 @@
+"""Several ranks' traces of one data-parallel job, joined: the slowest rank, the skew, and who waited for whom.
+
+In synchronous data parallelism every rank's step ends at the same gradient collective, so step
+times barely differ; a slow rank shows instead as time the *other* ranks spend inside collectives
+waiting for it. On one node all ranks share the host clock, so matching collectives (the k-th
+collective of a kind in the same ProfilerStep) can be compared directly: each rank's wait is how
+much later the last rank started the same collective (bounded by its own duration). A rank's busy
+time is its step time minus that wait; the straggler is the rank with the most busy time, and the
+skew is its excess over the mean (what perfect balance would save). The cause is read from what
+differs on that rank: more real tokens, more data-loader time, or more host gaps.
+Which fact comes from where: docs/analysis.md ("Several ranks").
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from vlmdoctor.trace.comms import GRAD_SYNC, RankComms
+
+CAUSE_MIN_SHARE = 0.3  # a cause explains the skew when it accounts for at least this share of it
+BALANCED_SKEW = 0.05  # under 5% of the step the ranks count as balanced: no cause is named
+
+
+def _wait_per_step(per: list[RankComms]) -> dict[int, dict[str, float]] | None:
+    """rank -> step name -> ms spent waiting for later ranks inside matched collectives."""
+    hosts = {r.host for r in per if r.host}
+    if len(hosts) > 1:
+        return None  # ranks on different hosts: their clocks are not comparable
+    steps = set.intersection(*(set(r.steps["name"].astype(str)) for r in per))
+    if not steps:
+        return None  # no ProfilerStep every rank recorded: nothing to match
+    out: dict[int, dict[str, float]] = {r.rank: {} for r in per}
+    for r in per:
+        r.work["step_name"] = [str(r.steps["name"].iloc[k]) if k >= 0 else "" for k in r.work["step"]]
+        r.work["wait"] = 0.0
+    for step in steps:
+        seqs = []
+        for r in per:
+            w = r.work[r.work["step_name"] == step].sort_values("issue")
+            seqs.append({k: g for k, g in w.groupby("kind")})
+        kinds = set.intersection(*(set(s) for s in seqs))
+        waits = np.zeros(len(per))
+        for kind in kinds:
+            m = min(len(s[kind]) for s in seqs)
+            if any(len(s[kind]) != m for s in seqs):
+                continue  # not the same collectives on every rank: no safe match
+            starts = np.stack([s[kind]["ts"].to_numpy() for s in seqs])  # ranks x collectives
+            durs = np.stack([s[kind]["dur"].to_numpy() for s in seqs])
+            each = np.minimum(starts.max(axis=0) - starts, durs)
+            for r, s, wk in zip(per, seqs, each):
+                r.work.loc[s[kind].index, "wait"] = wk
+            waits += each.sum(axis=1)
+        for r, wt in zip(per, waits):
+            out[r.rank][step] = float(wt) / 1e3
+    return out
+
+
+def cross_rank(per: list[RankComms], rank_facts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Cross-rank facts and a per-rank table, from the ranks' own comm facts and step tables."""
+    per_rank = sorted(zip(per, rank_facts), key=lambda x: x[0].rank)
+    per = [p for p, _ in per_rank]
+    rank_facts = [f for _, f in per_rank]
+    facts: dict[str, Any] = {"dist.ranks": len(per)}
+    for key in ("trace.recorded.memory", "trace.recorded.shapes", "trace.cpu_only"):  # for the not-evaluated hints
+        if any(key in f for f in rank_facts):
+            facts[key] = all(f.get(key) for f in rank_facts)
+    worlds = [r.world for r in per if r.world]
+    facts["dist.world_size"] = max(worlds) if worlds else len(per)
+    facts["dist.backend"] = Counter(r.backend for r in per).most_common(1)[0][0]
+    facts["dist.parallel"] = Counter(f.get("comm.parallel", "none") for f in rank_facts).most_common(1)[0][0]
+    notes: list[str] = []
+    if facts["dist.ranks"] < facts["dist.world_size"]:
+        notes.append(f"{len(per)} of {facts['dist.world_size']} ranks' traces: the facts cover those ranks only")
+    waits = _wait_per_step(per) if any(len(r.work) for r in per) else None
+    if not any(len(r.work) for r in per):
+        notes.append("no collectives in the traces: the wait for late ranks is not measured (separate runs, "
+                     "or a trace window without communication?)")
+    elif waits is None and len({r.host for r in per if r.host}) > 1:
+        notes.append("the ranks ran on different hosts: their clocks are not comparable, so the wait for late ranks "
+                     "is not measured")
+    elif waits is None:
+        notes.append("the ranks recorded no common ProfilerStep: collectives cannot be matched, so the wait for late "
+                     "ranks is not measured")
+    rows = []
+    for r, f in zip(per, rank_facts):
+        ps = r.per_step
+        step_ms = float(ps["ms"].mean()) if len(ps) else None
+        wait = float(np.mean(list(waits[r.rank].values()))) if waits and waits[r.rank] else (0.0 if waits else None)
+        tokens = ps["tokens"].dropna()
+        rows.append({"rank": r.rank, "step_ms": step_ms, "wait_ms": wait,
+                     "busy_ms": step_ms - wait if step_ms is not None and wait is not None else step_ms,
+                     "tokens": float(tokens.mean()) if len(tokens) else None,
+                     "loader_ms": float(ps["loader_ms"].mean()) if len(ps) else None,
+                     "gap_ms": float(ps["gap_ms"].mean()) if len(ps) else None,
+                     "comm_ms": f.get("comm.ms"), "exposed_ms": f.get("comm.exposed_ms"),
+                     "hidden_ms": f.get("comm.hidden_ms")})
+    steps = [x["step_ms"] for x in rows if x["step_ms"] is not None]
+    if steps:
+        facts["dist.step.ms"] = float(np.mean(steps))
+        facts["dist.step_ms_spread"] = max(steps) - min(steps)
+    busy = [x["busy_ms"] for x in rows]
+    if all(b is not None for b in busy) and busy:
+        i = int(np.argmax(busy))
+        slow = rows[i]
+        others = [x for j, x in enumerate(rows) if j != i] or rows
+        mean_busy = float(np.mean(busy))
+        facts["dist.straggler.rank"] = slow["rank"]
+        facts["dist.step_skew_ms"] = max(busy) - min(busy)
+        facts["dist.straggler.excess_ms"] = slow["busy_ms"] - mean_busy
+        if steps:
+            facts["dist.step_skew_frac"] = facts["dist.step_skew_ms"] / facts["dist.step.ms"]
+        causes = {}
+        o_tokens = [x["tokens"] for x in others if x["tokens"]]
+        if slow["tokens"] and o_tokens:
+            facts["dist.straggler.tokens_excess_frac"] = slow["tokens"] / float(np.mean(o_tokens)) - 1
+            o_busy = float(np.mean([x["busy_ms"] for x in others]))
+            causes["tokens"] = facts["dist.straggler.tokens_excess_frac"] * o_busy  # compute grows with tokens
+        facts["dist.straggler.loader_excess_ms"] = slow["loader_ms"] - float(np.mean([x["loader_ms"] for x in others]))
+        facts["dist.straggler.gap_excess_ms"] = slow["gap_ms"] - float(np.mean([x["gap_ms"] for x in others]))
+        causes["data_loader"] = facts["dist.straggler.loader_excess_ms"]
+        causes["host_gaps"] = facts["dist.straggler.gap_excess_ms"] - max(causes["data_loader"], 0)
+        best = max(causes, key=causes.get)
+        skew = facts["dist.step_skew_ms"]
+        if facts.get("dist.step_skew_frac", 1.0) < BALANCED_SKEW:
+            facts["dist.straggler.cause"] = "balanced"
+        else:
+            facts["dist.straggler.cause"] = best if causes[best] >= CAUSE_MIN_SHARE * skew else "unexplained"
+    if waits is not None:
+        w = [x["wait_ms"] for x in rows]
+        facts["dist.late_wait_ms"] = float(np.mean(w))
+        facts["dist.late_wait_ms_max"] = float(max(w))
+    comm_ranks = [(x, f) for x, f in zip(rows, rank_facts) if "comm.ms" in f]
+    if comm_ranks:
+        def mean(key: str) -> float | None:
+            vals = [f[key] for _, f in comm_ranks if f.get(key) is not None]
+            return float(np.mean(vals)) if vals else None
+
+        facts["dist.comm.ms"] = mean("comm.ms")
+        facts["dist.comm.exposed_ms"] = mean("comm.exposed_ms")
+        facts["dist.comm.hidden_ms"] = mean("comm.hidden_ms")
+        # exposed time that is communication itself, not waiting for a late rank
+        own = [max(x["exposed_ms"] - (x["wait_ms"] or 0.0), 0.0) for x, _ in comm_ranks]
+        facts["dist.comm.exposed_own_ms"] = float(np.mean(own))
+        if facts.get("dist.step.ms"):
+            facts["dist.comm.exposed_share"] = facts["dist.comm.exposed_own_ms"] / facts["dist.step.ms"]
+        kinds = sorted({k for _, f in comm_ranks for k in f.get("comm.kinds", [])})
+        facts["dist.comm.kinds"] = kinds
+        if waits is not None:  # each kind's exposed time less its own collectives' wait for late ranks
+            for kind in kinds:
+                own = []
+                for r in per:
+                    w = r.work[(r.work["kind"] == kind) & (r.work["step"] >= 0)]
+                    own.append(float((w["exposed"] - w["wait"]).clip(lower=0).sum()) / 1e3 / max(len(r.steps), 1))
+                facts[f"dist.comm.{kind}.exposed_own_ms"] = float(np.mean(own))
+        for kind in kinds:
+            for what in ("ms", "exposed_ms", "bytes", "busbw_gbps", "count"):
+                v = mean(f"comm.{kind}.{what}")
+                if v is not None:
+                    facts[f"dist.comm.{kind}.{what}"] = v
+        for key in ("comm.fsdp.prefetched_frac", "comm.fsdp.forward_prefetched_frac",
+                    "comm.fsdp.backward_prefetched_frac", "comm.micro_batches_per_step",
+                    "comm.synced_micro_batches_per_step", "comm.grad_sync.extra_ms", "comm.grad_sync.extra_bytes"):
+            v = mean(key)
+            if v is not None:
+                facts["dist." + key.removeprefix("comm.")] = v
+        synced = facts.get("dist.synced_micro_batches_per_step")
+        sync_bytes = sum(facts.get(f"dist.comm.{k}.bytes", 0.0) for k in GRAD_SYNC)
+        if synced and sync_bytes:
+            # one synchronization moves every trained gradient once: its size is the trained parameters' bytes
+            facts["dist.grad_gb"] = sync_bytes / synced / 2**30
+    for key in ("memory.device_total_gb", "memory.peak_reserved_gb", "memory.peak_reserved_frac"):
+        vals = [f[key] for f in rank_facts if f.get(key) is not None]
+        if vals:
+            facts[key] = max(vals)
+    batches = [r.per_step["batch"].max() for r in per if len(r.per_step) and r.per_step["batch"].notna().any()]
+    if batches:  # the micro-batch size each rank ran (the token batch's first dimension)
+        facts["dist.batch_size"] = int(min(batches))
+    return {"facts": facts, "ranks": rows, "notes": notes}
+
+
+def hta_overlap(folder: str | Path) -> dict[str, Any]:
+    """traceinsight's (HTA's) communication/computation overlap per rank, when it is installed.
+
+    HTA counts, per rank, the share of NCCL kernel time that overlaps compute kernels. It reads
+    GPU kernels only, so on CPU (gloo) traces it has nothing to say. By default it drops the
+    kernels of the last ProfilerStep; it is asked to keep them, so both read the same steps.
+    """
+    try:
+        from hta.trace_analysis import TraceAnalysis  # optional extra: traceinsight
+    except Exception:  # not installed, or broken: the cross-check is skipped, never the analysis
+        return {"skipped": "traceinsight (hta) is not installed: pip install 'vlmdoctor[hta]'"}
+    sink = io.StringIO()
+    level = logging.root.manager.disable
+    try:
+        logging.disable(logging.WARNING)
+        with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+            ta = TraceAnalysis(trace_dir=str(folder), include_last_profiler_step=True)
+            df = ta.get_comm_comp_overlap(visualize=False)
+    except Exception as e:  # HTA's own limits (no GPU kernels, unknown layout) must not fail the analysis
+        return {"skipped": f"traceinsight could not read the folder ({type(e).__name__}: {str(e)[:120]})"}
+    finally:
+        logging.disable(level)
+    if df is None or not len(df):
+        return {"skipped": "traceinsight found no communication kernels (it reads GPU NCCL kernels only)"}
+    col = next((c for c in df.columns if "overlap" in c), None)
+    if col is None:
+        return {"skipped": f"traceinsight returned no overlap column ({', '.join(map(str, df.columns))})"}
+    return {"overlap_pct": {int(r): float(v) for r, v in zip(df["rank"], df[col])}}
