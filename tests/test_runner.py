@@ -368,3 +368,38 @@ def test_a_compiled_run_warms_up_until_its_time_per_token_settles():
     assert _unsettled([3.0, 1.5, 1.0])                     # still getting faster
     assert not _unsettled([5.0, 1.0, 1.1, 1.0])            # the last three agree
     assert _unsettled([1.0, 1.0, SETTLE_RATIO * 1.05])     # one slow step among them
+
+
+def test_regional_compilation_finds_the_stacks_of_any_model():
+    """The tower's encoder layers and the decoder layers, by structure; each compiled in place."""
+    from vlmdoctor.run.compile import compile_regions, repeated_blocks
+    from vlmdoctor.run.model import build_model
+
+    vlm = build_model(runner.resolve("tiny"))
+    blocks = repeated_blocks(vlm)
+    decoder, tower = list(vlm.llm.model.layers), [m for m in blocks if m not in list(vlm.llm.model.layers)]
+    assert all(any(b is d for b in blocks) for d in decoder) and len(tower) >= 2
+    assert not any(b is vlm.llm.model for b in blocks)  # whole models stay eager around their layers
+    n = compile_regions(vlm, "default")
+    assert n == len(blocks) and all(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)
+
+
+def test_regional_compilation_is_a_way_to_compile_not_a_switch_of_its_own():
+    from vlmdoctor.run.config import RunConfig
+
+    with pytest.raises(UsageError, match="add --compile"):
+        RunConfig(compile_regions=True).validate("command line")
+    with pytest.raises(UsageError, match="do not stack"):
+        RunConfig(compile="default", compile_regions=True, compile_vision="fullgraph").validate("command line")
+    RunConfig(compile="default", compile_regions=True).validate("command line")
+
+
+@pytest.mark.slow
+def test_a_regionally_compiled_tiny_model_trains(tmp_path):
+    from vlmdoctor.run.config import RunConfig
+
+    cfg = RunConfig(model="tiny", device="cpu", steps=2, warmup=3, compile="default", compile_regions=True,
+                    pad_to_multiple_of=16)
+    r = runner.run_profile(cfg)
+    assert r["status"] == "ok", r.get("error")
+    assert r["warmup"]["graphs_compiled_in_timed_windows"] == 0

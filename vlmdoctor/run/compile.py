@@ -48,7 +48,40 @@ def set_shape_padding(on: bool) -> None:
     inductor_config.shape_padding = on
 
 
-def compile_vlm(vlm: torch.nn.Module, mode: str, vision: str = "model", shape_padding: bool = True) -> torch.nn.Module:
+def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The layers of every stack of same-class layers (decoder layers, the tower's encoder layers), outermost first.
+
+    Found by structure, not by name, so that any transformers class works: an nn.ModuleList of
+    two or more children of one class. A stack inside a block already taken is left to it.
+    """
+    blocks: list[torch.nn.Module] = []
+    todo = [model]
+    while todo:
+        m = todo.pop(0)
+        if isinstance(m, torch.nn.ModuleList) and len(m) >= 2 and len({type(c) for c in m}) == 1:
+            blocks.extend(m)
+            continue
+        todo.extend(m.children())
+    return blocks
+
+
+def compile_regions(model: torch.nn.Module, mode: str) -> int:
+    """Regional compilation: each repeated layer compiled in place, the rest of the model eager.
+
+    Why: compiling the whole 1.5b model took 346 s on the H100 (a treatment's 10 minutes hold
+    little else). The layers of a stack share their code, and dynamo treats a module's parameters
+    as inputs (inline_inbuilt_nn_modules, torch >= 2.5), so one compiled graph serves every layer
+    of the stack: the compile cost is about one layer's, not the model's. What stays eager (the
+    embeddings, the final norm, the LM head and the loss, the projector) loses Inductor's fusion.
+    """
+    blocks = repeated_blocks(model)
+    for b in blocks:
+        b.compile(mode=None if mode == "default" else mode)
+    return len(blocks)
+
+
+def compile_vlm(vlm: torch.nn.Module, mode: str, vision: str = "model", shape_padding: bool = True,
+                regions: bool = False) -> torch.nn.Module:
     """The callable a training step runs: the whole model compiled, or its parts each on their own.
 
     vision='model': one torch.compile over the whole model (what --compile always did).
@@ -64,6 +97,9 @@ def compile_vlm(vlm: torch.nn.Module, mode: str, vision: str = "model", shape_pa
     if mode == "off" and vision == "model":
         return vlm
     set_shape_padding(shape_padding)
+    if regions and mode != "off":
+        compile_regions(vlm, mode)
+        return vlm
     if vision == "model":
         return compile_model(vlm, mode)
     m = None if mode in ("off", "default") else mode

@@ -103,6 +103,9 @@ class RunConfig:
                                "decoder then compiled on its own", ("model", "fullgraph"))
     compile_shape_padding: bool = knob(True, 4, "Inductor's shape_padding (pad matmul dims for tensor-core alignment); "
                                        "torch's default is on, false turns it off for a with/without comparison")
+    compile_regions: bool = knob(False, 4, "with --compile: compile each layer of every stack of repeated layers on its "
+                                 "own (regional compilation: one graph serves all decoder layers, a fraction of the "
+                                 "whole model's compile time) and leave the rest eager")
     unsloth: bool = knob(False, 4, "load the LLM through Unsloth's fast path (FastLanguageModel, llama and qwen2 "
                          "classes; CUDA only); an alternative to Liger and torch.compile, never combined with them")
     # --- layer 5: system tuning ----------------------------------------------------------
@@ -211,6 +214,11 @@ class RunConfig:
                 raise UsageError(f"{_pair('unsloth', knob_name, source)} do not stack: Unsloth "
                                  "compiles its own parts (unsloth_zoo's compiler) around hand-written Triton kernels; "
                                  "measure Unsloth with compile off, or torch.compile without Unsloth")
+        if self.compile_regions and self.compile == "off":
+            raise UsageError(f"{_label('compile_regions', source)} says how --compile compiles; add --compile default")
+        if self.compile_regions and self.compile_vision != "model":
+            raise UsageError(f"{_pair('compile_regions', 'compile_vision', source)} do not stack: regional "
+                             "compilation already compiles the tower's layers on their own; choose one")
         if not self.compile_shape_padding and self.compile == "off" and self.compile_vision == "model":
             raise UsageError(f"{_label('compile_shape_padding', source)} off changes nothing without torch.compile; "
                              "add --compile or --compile-vision fullgraph")

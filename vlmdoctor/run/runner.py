@@ -31,7 +31,7 @@ import torch
 from vlmdoctor import SCHEMA_VERSION, __version__
 from vlmdoctor.run import envinfo, flops
 from vlmdoctor.run.capture import TraceOptions, capture, trace_path
-from vlmdoctor.run.compile import compile_vlm, compiled, graphs_compiled, mark_lengths_dynamic, set_shape_padding
+from vlmdoctor.run.compile import compile_vlm, compiled, graphs_compiled, mark_lengths_dynamic
 from vlmdoctor.run.config import RunConfig
 from vlmdoctor.run.data import BatchSampler, Collator, LlavaFile, SyntheticVQA
 from vlmdoctor.errors import EXIT_FAILED_RUN, EXIT_NAN, EXIT_OK, EXIT_OOM, UsageError
@@ -254,7 +254,7 @@ def build_patient(cfg: RunConfig, device: torch.device, progress: Progress = _qu
     params = [p for p in vlm.parameters() if p.requires_grad]
     opt_kwargs = {"fused": True} if cfg.fused_optimizer else {}
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, **opt_kwargs)
-    model = compile_vlm(vlm, cfg.compile, cfg.compile_vision, cfg.compile_shape_padding)
+    model = compile_vlm(vlm, cfg.compile, cfg.compile_vision, cfg.compile_shape_padding, cfg.compile_regions)
     return Patient(cfg, spec, device, model, vlm, optimizer, _cycle(loader), flops.FlopModel.from_spec(spec), data_info)
 
 
@@ -276,8 +276,7 @@ def _native_patient(cfg: RunConfig, spec: native.NativeSpec, device: torch.devic
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, **({"fused": True} if cfg.fused_optimizer else {}))
     model: torch.nn.Module = vlm
     if cfg.compile != "off":
-        set_shape_padding(cfg.compile_shape_padding)
-        model = torch.compile(vlm, mode=None if cfg.compile == "default" else cfg.compile)
+        model = compile_vlm(vlm, cfg.compile, "model", cfg.compile_shape_padding, cfg.compile_regions)
     return Patient(cfg, spec, device, model, vlm, optimizer, _cycle(loader), flops.FlopModel.from_native(spec), data_info)
 
 
