@@ -106,6 +106,19 @@ class RunConfig:
     fused_optimizer: bool = knob(False, 5, "AdamW(fused=True) instead of the default foreach implementation")
     sync_loss: bool = knob(False, 5, "read the loss on the host (.item()) after every micro-batch, as logging loops "
                            "often do: a device sync per micro-batch")
+    # --- several processes (torchrun) -----------------------------------------------------
+    nproc_per_node: int = knob(1, 0, "processes (one per GPU) per node, launched through torchrun", minimum=1,
+                               maximum=1024)
+    parallel: str = knob("none", 5, "data parallelism across processes: none (one process), ddp, or fsdp2 "
+                         "(fully_shard per decoder layer and the root)", ("none", "ddp", "fsdp2"))
+    reshard_after_forward: bool = knob(True, 5, "FSDP2: free gathered parameters after forward, gather again in backward")
+    fsdp_prefetch: int = knob(0, 5, "FSDP2: decoder layers whose all-gather is issued ahead explicitly (0 = FSDP2's "
+                              "implicit prefetch only)", minimum=0, maximum=64)
+    ddp_bucket_cap_mb: int = knob(25, 5, "DDP: gradient bucket size in MB", minimum=1, maximum=4096)
+    accum_no_sync: bool = knob(False, 5, "sync gradients only on the last micro-batch of an optimizer step (DDP "
+                               "no_sync, FSDP2 set_requires_gradient_sync)")
+    balance_tokens: bool = knob(False, 2, "give every rank micro-batches of about the same token count (token-budget "
+                                "batching across ranks)")
 
     # ------------------------------------------------------------------------------------
     @property
@@ -170,6 +183,9 @@ class RunConfig:
                 raise UsageError(f"{name}={value!r} is not valid; choose one of: {valid}")
             if (lo is not None and value < lo) or (hi is not None and value > hi) or (above is not None and value <= above):
                 raise UsageError(f"{name} must be {wanted}, got {value!r}")
+        if self.nproc_per_node > 1 and self.parallel == "none":
+            raise UsageError(f"{_label('nproc_per_node', source)}={self.nproc_per_node} runs several processes; "
+                             f"choose how they share the work: {_label('parallel', source)} ddp or fsdp2")
         from vlmdoctor.run.zoo import refuse_composite_only
 
         try:

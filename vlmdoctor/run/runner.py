@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from vlmdoctor import SCHEMA_VERSION, __version__
-from vlmdoctor.run import envinfo, flops
+from vlmdoctor.run import distributed, envinfo, flops
 from vlmdoctor.run.capture import TraceOptions, capture, trace_path
 from vlmdoctor.run.compile import compile_model, graphs_compiled, mark_lengths_dynamic
 from vlmdoctor.run.config import RunConfig
@@ -85,8 +85,11 @@ def preflight(cfg: RunConfig, spec: ModelSpec | native.NativeSpec, device: torch
     if cfg.packing and cfg.attention == "eager":
         raise UsageError("packing needs an SDPA attention backend (the packed block mask is built for SDPA); "
                          "use --attention sdpa")
-    if cfg.data == "synthetic" and cfg.num_samples < cfg.batch_size * cfg.grad_accum:
-        raise UsageError("--num-samples must hold at least one optimizer step of samples")
+    if cfg.data == "synthetic" and cfg.num_samples < cfg.batch_size * cfg.grad_accum * cfg.nproc_per_node:
+        raise UsageError("--num-samples must hold at least one optimizer step of samples"
+                         + (" on every rank" if cfg.nproc_per_node > 1 else ""))
+    if distributed.is_distributed(cfg):
+        distributed.check_launch(cfg, device)
 
 
 def resolve_model(cfg: RunConfig) -> ModelSpec | native.NativeSpec:
@@ -123,6 +126,8 @@ class Patient:
     batches: Iterator[dict[str, Any]]
     flop_model: flops.FlopModel
     data_info: dict[str, Any] = field(default_factory=dict)
+    dist: distributed.Dist | None = None  # this rank's place, in a run under torchrun
+    wrap_info: dict[str, Any] | None = None
 
 
 def _attention_context(backend: str):
@@ -149,14 +154,43 @@ def _cycle(loader) -> Iterator[dict[str, Any]]:
         yield from loader
 
 
-def build_patient(cfg: RunConfig, device: torch.device, progress: Progress = _quiet) -> Patient:
+def _batch_sampler(cfg: RunConfig, lengths: list[int], dist: distributed.Dist | None):
+    """One process: the sampler itself. Several: global batches of batch_size x ranks, each rank its shard."""
+    bucketed = cfg.sampler == "length_bucketed"
+    if dist is None:
+        return BatchSampler(lengths, cfg.batch_size, bucketed, cfg.seed)
+    if len(lengths) < cfg.batch_size * dist.world:
+        raise UsageError(f"the data holds {len(lengths)} usable samples, fewer than one batch of {cfg.batch_size} "
+                         f"on each of {dist.world} ranks")
+    inner = BatchSampler(lengths, cfg.batch_size * dist.world, bucketed, cfg.seed)
+    return distributed.RankBatches(inner, lengths, dist.rank, dist.world, cfg.balance_tokens)
+
+
+def _finish_model(cfg: RunConfig, vlm: torch.nn.Module, device: torch.device, dist: distributed.Dist | None,
+                  compile_fn: Callable[[torch.nn.Module], torch.nn.Module]) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, Any] | None]:
+    """Wrap for data parallelism (FSDP2 replaces parameters, so before the optimizer), compile, optimizer."""
+    info = None
+    model: torch.nn.Module = vlm
+    if dist is not None and cfg.parallel == "fsdp2":
+        model, info = distributed.wrap(vlm, cfg, dist, device)
+    if cfg.compile != "off":
+        model = compile_fn(model)
+    if dist is not None and cfg.parallel == "ddp":
+        model, info = distributed.wrap(model, cfg, dist, device)
+    params = [p for p in vlm.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, **({"fused": True} if cfg.fused_optimizer else {}))
+    return model, optimizer, info
+
+
+def build_patient(cfg: RunConfig, device: torch.device, progress: Progress = _quiet,
+                  dist: distributed.Dist | None = None) -> Patient:
     spec = resolve_model(cfg)
     preflight(cfg, spec, device)
     torch.manual_seed(cfg.seed)
     torch.set_float32_matmul_precision("high" if cfg.allow_tf32 else "highest")
     progress("building model", 0, 1)
     if isinstance(spec, native.NativeSpec):
-        return _native_patient(cfg, spec, device)
+        return _native_patient(cfg, spec, device, dist)
     vlm = build_model(spec, cfg.weight_dtype, cfg.attention, cfg.weights, device)
     apply_stage(vlm, cfg.stage)
     vlm.vision_no_grad = cfg.vision_no_grad
@@ -187,21 +221,27 @@ def build_patient(cfg: RunConfig, device: torch.device, progress: Progress = _qu
         features = _cache_features(vlm, dataset, cfg, device)
         dataset.with_pixels = False
     collator = Collator(pad_id, cfg.pad_to_multiple_of, cfg.packing, cfg.pack_length, features, cfg.lm_head_labeled_only)
-    sampler = BatchSampler(dataset.lengths, cfg.batch_size, cfg.sampler == "length_bucketed", cfg.seed)
+    sampler = _batch_sampler(cfg, dataset.lengths, dist)
     loader = torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, collate_fn=collator, num_workers=cfg.num_workers,
         pin_memory=cfg.pin_memory and device.type == "cuda", persistent_workers=cfg.num_workers > 0,
     )
-    params = [p for p in vlm.parameters() if p.requires_grad]
-    opt_kwargs = {"fused": True} if cfg.fused_optimizer else {}
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, **opt_kwargs)
-    model: torch.nn.Module = vlm
-    if cfg.compile != "off":
-        model = compile_model(vlm, cfg.compile)
-    return Patient(cfg, spec, device, model, vlm, optimizer, _cycle(loader), flops.FlopModel.from_spec(spec), data_info)
+    if dist is None:
+        params = [p for p in vlm.parameters() if p.requires_grad]
+        opt_kwargs = {"fused": True} if cfg.fused_optimizer else {}
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, **opt_kwargs)
+        model: torch.nn.Module = vlm
+        if cfg.compile != "off":
+            model = compile_model(vlm, cfg.compile)
+        info = None
+    else:
+        model, optimizer, info = _finish_model(cfg, vlm, device, dist, lambda m: compile_model(m, cfg.compile))
+    return Patient(cfg, spec, device, model, vlm, optimizer, _cycle(loader), flops.FlopModel.from_spec(spec), data_info,
+                   dist, info)
 
 
-def _native_patient(cfg: RunConfig, spec: native.NativeSpec, device: torch.device) -> Patient:
+def _native_patient(cfg: RunConfig, spec: native.NativeSpec, device: torch.device,
+                    dist: distributed.Dist | None = None) -> Patient:
     """A native transformers class on the same synthetic data, collation and optimizer as the composite model."""
     vlm = native.build_native(spec, cfg.weight_dtype, cfg.attention, cfg.weights, device)
     native.configure(vlm, cfg)
@@ -210,17 +250,23 @@ def _native_patient(cfg: RunConfig, spec: native.NativeSpec, device: torch.devic
     if len(dataset) < cfg.batch_size:
         raise UsageError(f"the data holds {len(dataset)} usable samples, fewer than one batch of {cfg.batch_size}")
     collator = Collator(spec.llm["special_tokens"]["pad"], cfg.pad_to_multiple_of)
-    sampler = BatchSampler(dataset.lengths, cfg.batch_size, cfg.sampler == "length_bucketed", cfg.seed)
+    sampler = _batch_sampler(cfg, dataset.lengths, dist)
     loader = torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, collate_fn=collator, num_workers=cfg.num_workers,
         pin_memory=cfg.pin_memory and device.type == "cuda", persistent_workers=cfg.num_workers > 0,
     )
-    params = [p for p in vlm.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, **({"fused": True} if cfg.fused_optimizer else {}))
-    model: torch.nn.Module = vlm
-    if cfg.compile != "off":
-        model = torch.compile(vlm, mode=None if cfg.compile == "default" else cfg.compile)
-    return Patient(cfg, spec, device, model, vlm, optimizer, _cycle(loader), flops.FlopModel.from_native(spec), data_info)
+    if dist is None:
+        params = [p for p in vlm.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, **({"fused": True} if cfg.fused_optimizer else {}))
+        model: torch.nn.Module = vlm
+        if cfg.compile != "off":
+            model = torch.compile(vlm, mode=None if cfg.compile == "default" else cfg.compile)
+        info = None
+    else:
+        model, optimizer, info = _finish_model(
+            cfg, vlm, device, dist, lambda m: torch.compile(m, mode=None if cfg.compile == "default" else cfg.compile))
+    return Patient(cfg, spec, device, model, vlm, optimizer, _cycle(loader), flops.FlopModel.from_native(spec), data_info,
+                   dist, info)
 
 
 @torch.no_grad()
@@ -259,7 +305,7 @@ def train_step(p: Patient) -> tuple[torch.Tensor, dict[str, Any]]:
     dtype = p.vlm.input_dtype if isinstance(p.vlm, native.NativeVLM) else p.vlm.projector.dtype
     total = {"real_tokens": 0, "loss_tokens": 0, "padded_tokens": 0, "samples": 0, "lengths": [], "host_losses": []}
     loss_sum = None
-    for _ in range(cfg.grad_accum):
+    for micro in range(cfg.grad_accum):
         batch = next(p.batches)
         counts = batch.pop("counts")
         for k in ("real_tokens", "loss_tokens", "padded_tokens", "samples"):
@@ -268,7 +314,8 @@ def train_step(p: Patient) -> tuple[torch.Tensor, dict[str, Any]]:
         batch = _to_device(batch, p.device, dtype)
         if cfg.compile != "off":
             mark_lengths_dynamic(batch)  # one graph for every length, no recompile per new length
-        with _attention_context(cfg.attention):
+        sync = distributed.micro_batch(p.model, cfg, micro == cfg.grad_accum - 1) if p.dist else contextlib.nullcontext()
+        with _attention_context(cfg.attention), sync:
             with _autocast(cfg, p.device):
                 loss = p.model(**batch).loss / cfg.grad_accum
             loss.backward()
@@ -371,6 +418,11 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
     Returns the report, also on OOM, NaN loss or a crash in a step.
     """
     spec, device = check(cfg)
+    dist = None
+    if distributed.is_distributed(cfg):  # one rank of a torchrun job: join the group, take this rank's GPU
+        dist, device = distributed.setup(cfg, device)
+        if not dist.is_main:
+            progress = _quiet
     env = envinfo.collect(device)
     peak, peak_source = flops.peak_flops(env.get("gpu"))
     report: dict[str, Any] = {
@@ -384,7 +436,7 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
         "flops": {"formula": flops.describe(), "peak_flops": peak, "peak_source": peak_source},
     }
     try:
-        patient = build_patient(cfg, device, progress)
+        patient = build_patient(cfg, device, progress, dist)
         report["model"]["params"] = (native.native_param_counts(patient.vlm) if isinstance(patient.vlm, native.NativeVLM)
                                      else param_counts(patient.vlm))
         report["data"] = patient.data_info
@@ -415,8 +467,10 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
                     "model": report["model"],
                     "env": {k: env[k] for k in ("device_type", "cpu_count", "cpu_capability", "cpu_matmul_gflops") if k in env}}
             where = trace if trace.keep else replace(trace, trace_dir=tempfile.mkdtemp(prefix="vlmdoctor-trace-"))
+            path = (trace_path(where, cfg.model, cfg.stage) if dist is None  # ranks: one folder, rank in the name
+                    else Path(where.trace_dir) / f"vlmdoctor_{cfg.model}_s{cfg.stage}_rank{dist.rank}.pt.trace.json.gz")
             try:
-                report["trace"] = capture(step, where, device, trace_path(where, cfg.model, cfg.stage), meta, progress)
+                report["trace"] = capture(step, where, device, path, meta, progress)
             except BaseException:  # a temporary trace folder never outlives a failed or interrupted capture
                 if not trace.keep:
                     import shutil
@@ -448,10 +502,68 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
     if warning and not (report.get("warmup") or {}).get("graphs_compiled_in_timed_windows"):
         # step times show compilation in the window that dynamo's graph count did not already report
         report.setdefault("warnings", []).append(warning)
+    if dist is not None:
+        _merge_ranks(report, dist, patient, windows, peak)
+        metrics = report["metrics"]
     if not metrics["loss_finite"]:
         report["status"] = "nan_loss"
         report["error"] = {"type": "NonFiniteLoss", "message": "the loss was NaN or inf in a timed step"}
     return report
+
+
+def _merge_ranks(report: dict[str, Any], dist: distributed.Dist, patient: Patient, windows: list[dict[str, Any]],
+                 peak: float | None) -> None:
+    """Every rank's numbers to every rank; the report's metrics become the job's.
+
+    metrics.real_tokens_per_s, model_tflops_per_s and mfu are global (all ranks' tokens over the
+    slowest rank's wall time), step_ms is the slowest rank's median step, peak_mem_gb the largest;
+    `repeats` holds global per-step samples (tokens summed over ranks, the longest rank's step
+    time), so that the gate's significance test judges the job. Each rank's own numbers are kept
+    under distributed.ranks.
+    """
+    import platform
+
+    own = distributed.rank_summary(dist.rank, windows, report["metrics"], platform.node())
+    own["trace"] = (report.get("trace") or {}).get("path")
+    own["loss_finite"] = report["metrics"]["loss_finite"]
+    ranks = distributed.gather(own)
+    whole = distributed.combine(ranks, peak)
+    m = report["metrics"]
+    m.update(real_tokens_per_s=whole["real_tokens_per_s"], model_tflops_per_s=whole["model_tflops_per_s"],
+             mfu=whole["mfu"], step_ms=whole["slowest_step_ms"], peak_mem_gb=whole["peak_mem_gb"],
+             loss_finite=all(r["loss_finite"] for r in ranks))
+    m["loss_tokens_per_s"] = whole["loss_tokens_per_s"]
+    m["pad_fraction"] = 1.0 - sum(r["real_tokens"] for r in ranks) / sum(
+        r["real_tokens"] / (1.0 - r["pad_fraction"]) if r["pad_fraction"] < 1 else 0 for r in ranks)
+    slow = [r for r in ranks if r["rank"] == whole["slowest_rank"]][0]
+    steps_all = [s for w in slow["windows"] for s in w["step_ms"]]
+    m["step_ms_p10"], m["step_ms_p90"] = _percentile(steps_all, 0.1), _percentile(steps_all, 0.9)
+    report["repeats"] = []
+    for w in range(len(windows)):
+        per = [r["windows"][w] for r in ranks]
+        step_ms = [max(r["step_ms"][i] for r in per) for i in range(len(per[0]["step_ms"]))]
+        step_tok = [sum(r["step_real_tokens"][i] for r in per) for i in range(len(per[0]["step_real_tokens"]))]
+        wall = max(r["wall_s"] for r in per)
+        report["repeats"].append({"steps": windows[w]["steps"], "wall_s": wall, "real_tokens_per_s": sum(step_tok) / wall,
+                                  "step_ms": step_ms, "step_real_tokens": step_tok, "final_loss": windows[w]["losses"][-1]})
+    stats = report.get("stats") or {}
+    for key in ("real_tokens_per_s", "loss_tokens_per_s", "model_tflops_per_s", "mfu", "pad_fraction"):
+        stats.pop(key, None)  # rank 0's spread would pass for the job's
+    stats["real_tokens_per_s"] = _spread([r["real_tokens_per_s"] for r in report["repeats"]])
+    report["distributed"] = {
+        "world_size": dist.world,
+        "nproc_per_node": patient.cfg.nproc_per_node,
+        "nnodes": max(1, dist.world // patient.cfg.nproc_per_node),
+        "parallel": patient.cfg.parallel,
+        "backend": dist.backend,
+        "wrap": patient.wrap_info,
+        "global": whole,
+        "ranks": [{k: v for k, v in r.items() if k != "windows"} for r in ranks],
+    }
+    if report.get("trace"):
+        paths = [r["trace"] for r in ranks]
+        report["trace"]["rank_paths"] = paths
+        report["trace"]["dir"] = str(Path(report["trace"]["path"]).parent)
 
 
 def _warmup_times(warm_s: list[float]) -> dict[str, Any]:
@@ -550,3 +662,78 @@ def run_isolated(cfg: RunConfig, timeout: float | None = None, diagnose: bool = 
         return {"schema_version": SCHEMA_VERSION, "status": "error", "config": cfg.to_dict(),
                 "error": {"type": "ProcessFailed", "message": (proc.stderr or proc.stdout).strip()[-2000:],
                           "exit_code": proc.returncode}}
+
+
+# ------------------------------------------------------------------------------------------------
+def run_distributed(cfg: RunConfig, trace: TraceOptions | None = None, rdzv: distributed.Rendezvous | None = None,
+                    progress: Progress = _quiet, python: str | None = None) -> dict[str, Any]:
+    """Launch the config through torchrun, one process per GPU, and return rank 0's report of the job.
+
+    Every rank writes its own trace into one folder (the layout Holistic Trace Analysis reads):
+    under --trace-dir a new folder per run, else a temporary one the caller removes. On a GPU the
+    ranks get NVLink multicast switched off (distributed.NVLINK_MULTICAST_OFF) unless already set.
+    """
+    import shlex
+    import shutil
+    from dataclasses import asdict
+
+    _, device = check(cfg)
+    rdzv = rdzv or distributed.Rendezvous()
+    rdzv.check()
+    temp_trace: Path | None = None
+    with tempfile.TemporaryDirectory(prefix="vlmdoctor-ranks-") as tmp_name:
+        tmp = Path(tmp_name)
+        cfg.dump(tmp / "config.json")
+        args = ["--config", str(tmp / "config.json"), "--out", str(tmp)]
+        if trace is not None:
+            if trace.keep:
+                stem = f"vlmdoctor_{cfg.model}_s{cfg.stage}_{time.strftime('%Y%m%d-%H%M%S')}_{cfg.parallel}"
+                folder = Path(trace.trace_dir) / stem
+                n = 1
+                while folder.exists():
+                    n += 1
+                    folder = Path(trace.trace_dir) / f"{stem}-{n}"
+                folder.mkdir(parents=True)
+            else:
+                folder = temp_trace = Path(tempfile.mkdtemp(prefix="vlmdoctor-trace-"))
+            args += ["--trace", json.dumps({**asdict(trace), "trace_dir": str(folder), "keep": True})]
+        cmd = distributed.torchrun_command(cfg, args, rdzv, python)
+        env = distributed.child_env(device.type == "cuda")
+        progress(f"{cfg.nproc_per_node} ranks through torchrun", 0, 1)
+        try:
+            with open(tmp / "torchrun.log", "w") as log:
+                proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        except BaseException:
+            if temp_trace is not None:
+                shutil.rmtree(temp_trace, ignore_errors=True)
+            raise
+        progress(f"{cfg.nproc_per_node} ranks through torchrun", 1, 1)
+        report = _rank_report(tmp, cfg, proc.returncode)
+    if temp_trace is not None:
+        if report.get("trace"):
+            report["trace"]["kept"] = False  # remove_temporary_trace removes the folder after the diagnosis
+        else:
+            shutil.rmtree(temp_trace, ignore_errors=True)
+    report["launch"] = {"launcher": "torch.distributed.run", "command": shlex.join(cmd),
+                        "env": {k: env[k] for k in distributed.NVLINK_MULTICAST_OFF if k in env}}
+    return report
+
+
+def _rank_report(folder: Path, cfg: RunConfig, returncode: int) -> dict[str, Any]:
+    """Rank 0's report of the job; else the first failed rank's; else why torchrun failed."""
+    path = folder / "report.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    failed = sorted(folder.glob("report_rank*.json"), key=lambda p: int(p.stem.removeprefix("report_rank")))
+    if failed:
+        report = json.loads(failed[0].read_text())
+        if report.get("status") == "usage_error":
+            raise UsageError(f"rank {report['rank']}: {report['error']['message']}")
+        return report
+    log = (folder / "torchrun.log").read_text(errors="replace") if (folder / "torchrun.log").exists() else ""
+    lines = [ln for ln in log.splitlines() if ln.strip()]
+    why = next((ln for ln in reversed(lines) if "Error" in ln and not ln.lstrip().startswith("File")), None)
+    return {"schema_version": SCHEMA_VERSION, "status": "error", "config": cfg.to_dict(),
+            "error": {"type": "ProcessFailed", "exit_code": returncode,
+                      "message": (why or f"torchrun exited with code {returncode}").strip()[:500],
+                      "log_tail": "\n".join(lines[-40:])[-4000:]}}
