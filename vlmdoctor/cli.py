@@ -563,6 +563,9 @@ def treat(
     warmup: Optional[int] = typer.Option(None, "--warmup", help="warm-up steps [default: 5]"),
     repeats: Optional[int] = typer.Option(None, "--repeats", help="timed windows per run; the noise the decisions "
                                           "use comes from their spread [default: 3]"),
+    nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help="processes (one per GPU) per trial, "
+                                                 "launched through torchrun [default: 1]"),
+    parallel: Optional[str] = typer.Option(None, "--parallel", help="none, ddp or fsdp2 for every trial"),
     max_trials: int = typer.Option(24, "--max-trials", help="trials at most (a trial: one composition or one "
                                    "ablation, measured in several paired runs)"),
     time_budget: Optional[float] = typer.Option(540, "--time-budget", help="seconds; no run starts after this and a "
@@ -602,7 +605,8 @@ def treat(
         check_number("--trial-timeout", trial_timeout, above=0)
         base = RunConfig.load(config) if config else RunConfig(steps=10, repeats=3)
         flags = {k: v for k, v in dict(model=model, stage=stage, device=device, steps=steps, warmup=warmup,
-                                       repeats=repeats).items() if v is not None}
+                                       repeats=repeats, nproc_per_node=nproc_per_node,
+                                       parallel=parallel).items() if v is not None}
         cfg = base.replace(source="--set", **_parse_sets(sets or [])).replace(source="command line", **flags)
         check(cfg)
         from vlmdoctor.files import check_writable
@@ -681,6 +685,10 @@ def sweep(
     jsonl_path: Optional[str] = typer.Option(None, "--jsonl", help="append each run's full report as a JSON line"),
     diagnose_runs: bool = typer.Option(False, "--diagnose/--no-diagnose", help="trace and diagnose each run"),
     timeout: float = typer.Option(900, "--timeout", help="seconds one run may take"),
+    nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help="processes (one per GPU) per run, "
+                                                 "launched through torchrun (a --set value wins)"),
+    parallel: Optional[str] = typer.Option(None, "--parallel", help="none, ddp or fsdp2 for every run (a --set "
+                                           "value wins)"),
     json_path: Optional[str] = _json_opt("results table"),
     force: bool = typer.Option(False, "--force", help="overwrite an existing --csv or --json file"),
 ) -> None:
@@ -700,10 +708,14 @@ def sweep(
         check_writable(csv_path, force, "--csv")
         check_writable(json_path, force, "--json")
         check_writable(jsonl_path, True, "--jsonl")  # appended to: an existing regular file is fine
-        if grid:
-            plan = load_grid(grid, _parse_sets(sets or []), stages)
+        launch = {k: v for k, v in (("nproc_per_node", nproc_per_node), ("parallel", parallel)) if v is not None}
+        if grid:  # every run launched the same way (--set knob=value wins)
+            plan = load_grid(grid, {**launch, **_parse_sets(sets or [])}, stages)
         elif sets:
-            plan = product_grid(_parse_sets(sets, many=True), stages)
+            values = _parse_sets(sets, many=True)
+            for k, v in launch.items():
+                values.setdefault(k, [v])
+            plan = product_grid(values, stages)
         else:
             raise VlmdoctorError("give a grid YAML file or at least one --set knob=v1,v2")
         from vlmdoctor.run.runner import check

@@ -206,6 +206,7 @@ def wrap(vlm: nn.Module, cfg: RunConfig, d: Dist, device: torch.device) -> tuple
     bf16 = cfg.autocast == "bf16" or cfg.weight_dtype == "bf16"
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     replicated = _replicated_params(vlm)
+    layer_class = type(layers[0]).__name__  # fully_shard renames the class (FSDP<name>)
     for layer in layers:
         fully_shard(layer, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
     # the root: embeddings, norm, LM head, projector; the root's parameters stay gathered between
@@ -221,7 +222,7 @@ def wrap(vlm: nn.Module, cfg: RunConfig, d: Dist, device: torch.device) -> tuple
             behind = layers[max(0, i - k):i][::-1]
             if behind:
                 layer.set_modules_to_backward_prefetch(behind)
-    return vlm, {"wrapper": "fully_shard", "sharded_layers": len(layers), "layer_class": type(layers[0]).__name__,
+    return vlm, {"wrapper": "fully_shard", "sharded_layers": len(layers), "layer_class": layer_class,
                  "mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"} if bf16 else None,
                  "reshard_after_forward": cfg.reshard_after_forward, "forward_prefetch": cfg.fsdp_prefetch,
                  "replicated_params": sum(p.numel() for p in replicated)}
@@ -299,6 +300,24 @@ def rank_summary(rank: int, windows: list[dict[str, Any]], metrics: dict[str, An
         "host_peak_rss_gb": metrics["host_peak_rss_gb"],
         "final_loss": metrics["final_loss"],
     }
+
+
+def param_digest(model: nn.Module) -> list[float]:
+    """Sum and sum of squares of the trainable weights (whole tensors, also when sharded), in float64.
+
+    Ranks that synchronised their gradients hold the same weights after the optimizer step; ranks
+    that did not differ here, since each trained on its own shard of the data.
+    """
+    total, squares = 0.0, 0.0
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.requires_grad:
+                continue
+            t = p.full_tensor() if hasattr(p, "full_tensor") else p  # FSDP2: gathers the shards (all ranks call)
+            t = t.detach().double()
+            total += t.sum().item()
+            squares += t.square().sum().item()
+    return [total, squares]
 
 
 def combine(ranks: list[dict[str, Any]], peak_flops: float | None) -> dict[str, Any]:

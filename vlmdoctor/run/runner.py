@@ -526,6 +526,7 @@ def _merge_ranks(report: dict[str, Any], dist: distributed.Dist, patient: Patien
     own = distributed.rank_summary(dist.rank, windows, report["metrics"], platform.node())
     own["trace"] = (report.get("trace") or {}).get("path")
     own["loss_finite"] = report["metrics"]["loss_finite"]
+    own["param_digest"] = distributed.param_digest(patient.vlm)
     ranks = distributed.gather(own)
     whole = distributed.combine(ranks, peak)
     m = report["metrics"]
@@ -558,6 +559,8 @@ def _merge_ranks(report: dict[str, Any], dist: distributed.Dist, patient: Patien
         "backend": dist.backend,
         "wrap": patient.wrap_info,
         "global": whole,
+        # synchronised gradients leave every rank with the same weights (the digest: sum, sum of squares)
+        "params_identical": all(r["param_digest"] == ranks[0]["param_digest"] for r in ranks),
         "ranks": [{k: v for k, v in r.items() if k != "windows"} for r in ranks],
     }
     if report.get("trace"):
