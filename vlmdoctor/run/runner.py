@@ -551,6 +551,8 @@ def _merge_ranks(report: dict[str, Any], dist: distributed.Dist, patient: Patien
     for key in ("real_tokens_per_s", "loss_tokens_per_s", "model_tflops_per_s", "mfu", "pad_fraction"):
         stats.pop(key, None)  # rank 0's spread would pass for the job's
     stats["real_tokens_per_s"] = _spread([r["real_tokens_per_s"] for r in report["repeats"]])
+    stats["step_ms"] = {**_spread(steps_all), "p10": m["step_ms_p10"], "p90": m["step_ms_p90"],
+                        "n_repeats": len(windows), "rank": whole["slowest_rank"]}
     report["distributed"] = {
         "world_size": dist.world,
         "nproc_per_node": patient.cfg.nproc_per_node,
