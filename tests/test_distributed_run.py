@@ -93,21 +93,27 @@ def test_ranks_train_on_their_own_shards_and_end_with_the_same_weights(runs):
     assert a["param_digest"] == b["param_digest"] and d["params_identical"] is True
 
 
-def test_fsdp2_on_cpu_gloo(tmp_path):
-    """FSDP2 runs on gloo in torch 2.13: sharded decoder layers, a replicated frozen tower, no-sync accumulation."""
-    out = tmp_path / "fsdp2.json"
-    p = cli("profile", *SMALL, "--nproc-per-node", "2", "--parallel", "fsdp2", "--grad-accum", "2", "--accum-no-sync",
-            "--balance-tokens", "--fsdp-prefetch", "1", "--json", str(out), "--quiet", "--no-diagnose")
-    assert p.returncode == 0, p.stderr[-3000:]
-    r = json.loads(out.read_text())
+def test_fsdp2_on_cpu_gloo_through_sweep(tmp_path):
+    """FSDP2 runs on gloo in torch 2.13: sharded decoder layers, a replicated frozen tower, no-sync
+    accumulation; launched by `sweep --nproc-per-node 2 --parallel fsdp2` (run_isolated -> torchrun)."""
+    knobs = ["model=tiny", "device=cpu", "steps=2", "warmup=1", "batch_size=1", "num_samples=8", "seed=3",
+             "grad_accum=2", "accum_no_sync=true", "balance_tokens=true", "fsdp_prefetch=1"]
+    sets = [x for k in knobs for x in ("--set", k)]
+    p = cli("sweep", *sets, "--nproc-per-node", "2", "--parallel", "fsdp2", "--jsonl", str(tmp_path / "r.jsonl"),
+            "--json", str(tmp_path / "rows.json"))
+    assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
+    (r,) = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
     d = r["distributed"]
     assert r["status"] == "ok" and d["parallel"] == "fsdp2" and d["world_size"] == 2
+    assert r["config"]["nproc_per_node"] == 2 and r["config"]["grad_accum"] == 2
     w = d["wrap"]
     assert w["wrapper"] == "fully_shard" and w["sharded_layers"] == 2 and w["layer_class"] == "Qwen2DecoderLayer"
     assert w["replicated_params"] == r["model"]["params"]["vision"]  # the frozen tower is not sharded
-    assert w["mixed_precision"] == {"param_dtype": "bf16", "reduce_dtype": "fp32"}
+    assert w["mixed_precision"] == {"param_dtype": "bf16", "reduce_dtype": "fp32"} and w["forward_prefetch"] == 1
     assert d["params_identical"] is True
     assert d["global"]["real_tokens"] == sum(x["real_tokens"] for x in d["ranks"])
+    (row,) = json.loads((tmp_path / "rows.json").read_text())["runs"]
+    assert row["real_tokens_per_s"] == r["metrics"]["real_tokens_per_s"]
 
 
 # --- gate and compare on a one-GPU and a two-rank report --------------------------------------
@@ -178,10 +184,23 @@ def test_torchrun_command_and_rendezvous():
     (["--parallel", "ddp", "--one-gpu-report", "missing.json"], "missing.json"),
     (["--parallel", "pipeline"], "choose one of: none, ddp, fsdp2"),
 ])
-def test_launch_usage_errors_are_one_line(args, needle, tmp_path):
-    p = cli("profile", "--model", "tiny", "--device", "cpu", *args, "--quiet", "--no-diagnose", timeout=60)
-    assert p.returncode == 2, p.stderr
-    assert needle in p.stderr and "Traceback" not in p.stderr
+def test_launch_usage_errors_are_one_line(args, needle, cli_runner):
+    from vlmdoctor.cli import app
+
+    r = cli_runner.invoke(app, ["profile", "--model", "tiny", "--device", "cpu", *args, "--quiet", "--no-diagnose"])
+    assert r.exit_code == 2, r.output
+    assert needle in " ".join(r.output.split()) and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("command", [["treat", "--out", "T"], ["sweep", "--set", "steps=2"]])
+def test_treat_and_sweep_take_the_process_count(command, cli_runner, tmp_path, monkeypatch):
+    from vlmdoctor.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    r = cli_runner.invoke(app, [*command, "--model", "tiny", "--device", "cpu", "--nproc-per-node", "2"]
+                          if command[0] == "treat" else [*command, "--set", "model=tiny", "--set", "device=cpu",
+                                                         "--nproc-per-node", "2"])
+    assert r.exit_code == 2 and "ddp or fsdp2" in " ".join(r.output.split()), r.output
 
 
 def test_one_rank_wrappers_are_valid_configs():

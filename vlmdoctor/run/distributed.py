@@ -228,13 +228,16 @@ def wrap(vlm: nn.Module, cfg: RunConfig, d: Dist, device: torch.device) -> tuple
                  "replicated_params": sum(p.numel() for p in replicated)}
 
 
-def micro_batch(model: nn.Module, cfg: RunConfig, last: bool):
-    """Around one micro-batch's forward and backward: skip the gradient sync on all but the last, if asked."""
+def micro_batch(model: nn.Module, vlm: nn.Module, cfg: RunConfig, last: bool):
+    """Around one micro-batch's forward and backward: skip the gradient sync on all but the last, if asked.
+
+    `model` is what the step calls (DDP, maybe around a compiled module), `vlm` the module FSDP2 sharded.
+    """
     if not cfg.accum_no_sync or cfg.grad_accum == 1:
         return contextlib.nullcontext()
     if cfg.parallel == "ddp":
         return contextlib.nullcontext() if last else model.no_sync()
-    model.set_requires_gradient_sync(last)  # FSDP2: reduce-scatter on the last micro-batch only
+    vlm.set_requires_gradient_sync(last)  # FSDP2: reduce-scatter on the last micro-batch only
     return contextlib.nullcontext()
 
 

@@ -1,8 +1,9 @@
 """One rank of a distributed run: what torchrun starts in every process.
 
 `python -m torch.distributed.run ... -m vlmdoctor.run.rank_worker --config C --out DIR [--trace JSON]`
-runs `run_profile` (which joins the process group torchrun prepared). Rank 0 writes the job's
-report to DIR/report.json. A rank whose run fails writes DIR/report_rank<R>.json and exits with
+runs `run_profile` (which joins the process group torchrun prepared). Every rank ends with the
+job's numbers (they are all-gathered); local rank 0 of each node writes the job's report to
+DIR/report.json, for the `vlmdoctor profile` process that launched that node's ranks. A rank whose run fails writes DIR/report_rank<R>.json and exits with
 the run's exit code, so that torchrun stops the other ranks (they would wait for it forever).
 """
 from __future__ import annotations
@@ -45,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
                                           "error": {"type": "UsageError", "message": str(e), "rank": rank}})
         return getattr(e, "exit_code", EXIT_USAGE)
     code = exit_code(report)
-    if "distributed" in report:  # every rank reached the gather: the job's report, from rank 0
-        if rank == 0:
+    if "distributed" in report:  # every rank reached the gather and holds the job's numbers
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one report per node, for its launching process
             write("report.json", report)
         distributed.teardown()
         return code

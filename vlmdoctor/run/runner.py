@@ -314,7 +314,8 @@ def train_step(p: Patient) -> tuple[torch.Tensor, dict[str, Any]]:
         batch = _to_device(batch, p.device, dtype)
         if cfg.compile != "off":
             mark_lengths_dynamic(batch)  # one graph for every length, no recompile per new length
-        sync = distributed.micro_batch(p.model, cfg, micro == cfg.grad_accum - 1) if p.dist else contextlib.nullcontext()
+        sync = (distributed.micro_batch(p.model, p.vlm, cfg, micro == cfg.grad_accum - 1) if p.dist
+                else contextlib.nullcontext())
         with _attention_context(cfg.attention), sync:
             with _autocast(cfg, p.device):
                 loss = p.model(**batch).loss / cfg.grad_accum
@@ -650,8 +651,11 @@ def run_isolated(cfg: RunConfig, timeout: float | None = None, diagnose: bool = 
         for d in rules_dirs or []:
             cmd += ["--rules", str(d)]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                                  env={**os.environ, **env} if env else None)
+            if distributed.is_distributed(cfg):
+                proc = _run_group(cmd, timeout, {**os.environ, **env} if env else None)
+            else:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                                      env={**os.environ, **env} if env else None)
             if proc.returncode in (130, -2):  # the child was interrupted (Ctrl-C reaches the whole group)
                 raise KeyboardInterrupt
         except subprocess.TimeoutExpired:
@@ -713,7 +717,12 @@ def run_distributed(cfg: RunConfig, trace: TraceOptions | None = None, rdzv: dis
                 shutil.rmtree(temp_trace, ignore_errors=True)
             raise
         progress(f"{cfg.nproc_per_node} ranks through torchrun", 1, 1)
-        report = _rank_report(tmp, cfg, proc.returncode)
+        try:
+            report = _rank_report(tmp, cfg, proc.returncode)
+        except BaseException:  # a usage error found on a rank: no temporary trace outlives it
+            if temp_trace is not None:
+                shutil.rmtree(temp_trace, ignore_errors=True)
+            raise
     if temp_trace is not None:
         if report.get("trace"):
             report["trace"]["kept"] = False  # remove_temporary_trace removes the folder after the diagnosis
@@ -742,3 +751,32 @@ def _rank_report(folder: Path, cfg: RunConfig, returncode: int) -> dict[str, Any
             "error": {"type": "ProcessFailed", "exit_code": returncode,
                       "message": (why or f"torchrun exited with code {returncode}").strip()[:500],
                       "log_tail": "\n".join(lines[-40:])[-4000:]}}
+
+
+def _run_group(cmd: list[str], timeout: float | None, env: dict[str, str] | None) -> subprocess.CompletedProcess:
+    """A child that starts torchrun and its ranks: in a session of its own, so that a timeout or
+    Ctrl-C stops all of them (killing the child alone would leave the ranks holding the GPUs)."""
+    import signal
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+
+    def stop(sig: int) -> None:
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        except ProcessLookupError:
+            pass
+
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop(signal.SIGTERM)
+        raise
+    except BaseException:
+        stop(signal.SIGINT)
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
