@@ -69,9 +69,9 @@ for p in sorted(out.glob("*.json")):
     r = json.loads(p.read_text())
     m, d = r.get("metrics") or {}, r.get("distributed") or {}
     g, sc = d.get("global") or {}, d.get("scaling") or {}
-    f = lambda v, s: format(v, s) if isinstance(v, (int, float)) else "-"
+    f = lambda v, s: format(v, s) if isinstance(v, (int, float)) else "-".rjust(int(s.rstrip("dfs%").split(".")[0] or 1))
     print(f"{p.stem:22} {r.get('status', '?'):8} {f(m.get('real_tokens_per_s'), '9.0f')} {f(m.get('step_ms'), '8.1f')} "
-          f"{f(m['mfu'] * 100 if m.get('mfu') is not None else None, '5.1f')}% {f(m.get('peak_mem_gb'), '7.2f')} "
+          f"{f(m['mfu'] if m.get('mfu') is not None else None, '6.1%')} {f(m.get('peak_mem_gb'), '7.2f')} "
           f"{f(g.get('slowest_rank'), '7d')} "
-          f"{f(sc['efficiency'] * 100 if sc.get('efficiency') is not None else None, '6.0f')}%")
+          f"{f(sc.get('efficiency'), '7.0%')}")
 PYEOF
