@@ -256,3 +256,33 @@ def test_balanced_ranks_have_close_token_counts():
             spread_balanced += max(tokens) - min(tokens)
             spread_strided += max(strided) - min(strided)
     assert spread_balanced < spread_strided / 3
+
+
+def test_a_timed_out_distributed_trial_leaves_no_rank_behind(monkeypatch):
+    """run_isolated (treat, sweep, gate) stops the CLI child, torchrun and every rank on a timeout."""
+    import time
+    import uuid
+
+    from vlmdoctor.run.runner import run_isolated
+
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    mark = uuid.uuid4().hex
+    cfg = RunConfig(model="tiny", device="cpu", steps=200, warmup=0, batch_size=1, num_samples=8,
+                    nproc_per_node=2, parallel="ddp")
+    report = run_isolated(cfg, timeout=15, diagnose=False, env={"VLMDOCTOR_TEST_MARK": mark})
+    assert report["status"] == "timeout"
+
+    def marked() -> list[str]:
+        found = []
+        for env in Path("/proc").glob("[0-9]*/environ"):
+            try:
+                if mark.encode() in env.read_bytes():
+                    found.append(env.parent.name)
+            except OSError:
+                pass
+        return found
+
+    deadline = time.time() + 10
+    while marked() and time.time() < deadline:
+        time.sleep(0.5)
+    assert marked() == []

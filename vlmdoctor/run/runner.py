@@ -755,7 +755,11 @@ def _rank_report(folder: Path, cfg: RunConfig, returncode: int) -> dict[str, Any
 
 def _run_group(cmd: list[str], timeout: float | None, env: dict[str, str] | None) -> subprocess.CompletedProcess:
     """A child that starts torchrun and its ranks: in a session of its own, so that a timeout or
-    Ctrl-C stops all of them (killing the child alone would leave the ranks holding the GPUs)."""
+    Ctrl-C stops all of them (killing the child alone would leave the ranks holding the GPUs).
+
+    The signal reaches the child and torchrun; torchrun starts each rank in a session of its own
+    and stops them itself when it is signalled (SIGKILL, the last resort, would orphan them).
+    """
     import signal
 
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
