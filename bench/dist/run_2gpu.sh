@@ -5,6 +5,9 @@
 #   OUT=/some/folder bash bench/dist/run_2gpu.sh          # from the repository root
 #   MODELS="0.5b" STEPS=10 OUT=... bash bench/dist/run_2gpu.sh   # a shorter run
 #
+# Six profiles (3 per model), each with its own start-up; if one command may run 10 minutes at most,
+# run the models apart: MODELS=0.5b ..., then MODELS=1.5b ... (into different OUT folders or the same).
+#
 # Writes to $OUT (default bench/results/dist):
 #   <model>_1gpu.json            the one-GPU reference (one process, no wrapper)
 #   <model>_<fsdp2|ddp>.json     the 2-rank report (per-rank metrics, global tokens/s, scaling)
