@@ -90,6 +90,7 @@ def run_command(config: dict[str, Any], patch: dict[str, Any]) -> str:
 
 
 P0, P1, P2, P3, P4, P5 = ("experiment", "1 precision", "2 batching", "3 data layout", "4 kernel fusion", "5 system tuning")
+PD, PL = "several GPUs", "torchrun launch"
 
 
 def _opt(help: str, panel: str, *names: str):
@@ -153,6 +154,36 @@ def profile(
         "precompute frozen vision features", P5, "--cache-vision-features/--no-cache-vision-features"),
     fused_optimizer: Optional[bool] = _opt("AdamW(fused=True)", P5, "--fused-optimizer/--no-fused-optimizer"),
     sync_loss: Optional[bool] = _opt("loss.item() after every micro-batch (a device sync)", P5, "--sync-loss/--no-sync-loss"),
+    nproc_per_node: Optional[int] = _opt("processes (one per GPU) on this node, launched through torchrun [default: 1]",
+                                         PD, "--nproc-per-node"),
+    parallel: Optional[str] = _opt("none (default), ddp, or fsdp2 (fully_shard per decoder layer and the root)", PD,
+                                   "--parallel"),
+    reshard_after_forward: Optional[bool] = _opt("FSDP2: free gathered parameters after forward [default: on]", PD,
+                                                 "--reshard-after-forward/--no-reshard-after-forward"),
+    fsdp_prefetch: Optional[int] = _opt("FSDP2: layers whose all-gather is issued ahead [default: 0]", PD,
+                                        "--fsdp-prefetch"),
+    ddp_bucket_cap_mb: Optional[int] = _opt("DDP: gradient bucket size in MB [default: 25]", PD, "--ddp-bucket-cap-mb"),
+    accum_no_sync: Optional[bool] = _opt("sync gradients on the last micro-batch only", PD,
+                                         "--accum-no-sync/--no-accum-no-sync"),
+    balance_tokens: Optional[bool] = _opt("micro-batches of about equal token counts on every rank", PD,
+                                          "--balance-tokens/--no-balance-tokens"),
+    nnodes: str = typer.Option("1", "--nnodes", help="torchrun: nodes (N or MIN:MAX)", rich_help_panel=PL),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank", help="torchrun: this node's rank",
+                                            rich_help_panel=PL),
+    rdzv_backend: Optional[str] = typer.Option(None, "--rdzv-backend", help="torchrun: rendezvous backend (c10d)",
+                                               rich_help_panel=PL),
+    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="torchrun: rendezvous HOST:PORT",
+                                                rich_help_panel=PL),
+    rdzv_id: Optional[str] = typer.Option(None, "--rdzv-id", help="torchrun: job id shared by all nodes",
+                                          rich_help_panel=PL),
+    master_addr: Optional[str] = typer.Option(None, "--master-addr", help="torchrun: rank 0's host (static "
+                                              "rendezvous)", rich_help_panel=PL),
+    master_port: Optional[int] = typer.Option(None, "--master-port", help="torchrun: rank 0's port",
+                                              rich_help_panel=PL),
+    one_gpu_report: Optional[str] = typer.Option(None, "--one-gpu-report", help="a report of the same config on one "
+                                                 "GPU: the reference of the scaling efficiency", rich_help_panel=PL),
+    measure_one_gpu: bool = typer.Option(False, "--measure-one-gpu", help="first run the same config on one GPU in "
+                                         "this command, for the scaling efficiency", rich_help_panel=PL),
     diagnose_run: bool = typer.Option(True, "--diagnose/--no-diagnose", help="trace a short window and prescribe "
                                       "fixes (the trace goes to a temporary folder unless --trace-dir is given)"),
     rules_dirs: Optional[list[str]] = typer.Option(None, "--rules", help="extra folder of rule files (repeatable)"),
@@ -188,17 +219,21 @@ def profile(
         from vlmdoctor.inputs import check_number
 
         check_number("--trace-steps", trace_steps, minimum=1, maximum=1000, integer=True)
-        _profile(overrides, config, json_path, save_config, force, quiet, trace, rules_dirs or [], html_path)
+        from vlmdoctor.run.distributed import Rendezvous
+
+        launch = {"rdzv": Rendezvous(nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id, master_addr, master_port),
+                  "one_gpu_report": one_gpu_report, "measure_one_gpu": measure_one_gpu}
+        _profile(overrides, config, json_path, save_config, force, quiet, trace, rules_dirs or [], html_path, launch)
 
 
 def _profile(overrides: dict[str, Any], config: str | None, json_path: str | None, save_config: str | None,
              force: bool, quiet: bool, trace: Any = None, rules_dirs: list[str] | None = None,
-             html_path: str | None = None) -> None:
+             html_path: str | None = None, launch: dict[str, Any] | None = None) -> None:
     from vlmdoctor.files import check_distinct, check_output_dir, check_writable, json_text, save, write_json
     from vlmdoctor.doctor.diagnosis import examine, remove_temporary_trace
     from vlmdoctor.inputs import check_rules_dirs
     from vlmdoctor.report.console import render
-    from vlmdoctor.run.runner import check, exit_code, run_profile
+    from vlmdoctor.run.runner import check, exit_code, run_distributed, run_profile
 
     base = RunConfig.load(config) if config else RunConfig()
     cfg = base.replace(source="command line", **overrides)
@@ -211,14 +246,58 @@ def _profile(overrides: dict[str, Any], config: str | None, json_path: str | Non
         check_output_dir(trace.trace_dir, "--trace-dir")
     check_rules_dirs(rules_dirs or [])
     check(cfg)  # refuse before any progress display opens
+    from vlmdoctor.run import distributed
+
+    launch = launch or {}
+    dist_run = distributed.is_distributed(cfg)
+    reference = None
+    if not dist_run and (launch.get("one_gpu_report") or launch.get("measure_one_gpu")
+                         or launch.get("rdzv", distributed.Rendezvous()).args() != ["--standalone"]):
+        raise VlmdoctorError("--one-gpu-report, --measure-one-gpu and the torchrun options (--nnodes, --rdzv-*, "
+                             "--master-*) belong to a run with --parallel ddp or fsdp2")
+    if dist_run:
+        launch.get("rdzv", distributed.Rendezvous()).check()
+        if launch.get("one_gpu_report") and launch.get("measure_one_gpu"):
+            raise VlmdoctorError("give --one-gpu-report or --measure-one-gpu, not both")
+        if launch.get("one_gpu_report"):
+            from vlmdoctor.ci.gate import load_report
+
+            reference = load_report(launch["one_gpu_report"])
+            distributed.check_reference(cfg.to_dict(), reference, launch["one_gpu_report"])
     if save_config:
         from vlmdoctor.files import write_text
 
         write_text(save_config, cfg.dump_text(save_config))
     report: dict[str, Any] = {}
+
+    def measure(progress: Any = None) -> dict[str, Any]:
+        if not dist_run:
+            return run_profile(cfg, progress, trace) if progress else run_profile(cfg, trace=trace)
+        nonlocal reference
+        ref_source = launch.get("one_gpu_report")
+        if launch.get("measure_one_gpu"):
+            from vlmdoctor.run.runner import run_isolated
+
+            if progress:
+                progress("one-GPU reference run", 0, 1)
+            reference = run_isolated(distributed.one_gpu_config(cfg), diagnose=False)
+            ref_source = "measured first in this command (--measure-one-gpu)"
+            if progress:
+                progress("one-GPU reference run", 1, 1)
+        result = run_distributed(cfg, trace, launch.get("rdzv"), progress or (lambda *_: None))
+        if "distributed" in result and reference is not None:
+            ref_tps = (reference.get("metrics") or {}).get("real_tokens_per_s")
+            if reference.get("status") == "ok" and ref_tps:
+                result["distributed"]["scaling"] = distributed.scaling(
+                    result["metrics"]["real_tokens_per_s"], result["distributed"]["world_size"], ref_tps, ref_source)
+            else:
+                result.setdefault("warnings", []).append(
+                    f"the one-GPU reference run ended with status {reference.get('status')}: no scaling efficiency")
+        return result
+
     try:
         if quiet:
-            report = run_profile(cfg, trace=trace)
+            report = measure()
         else:
             with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                           console=err, transient=True) as bar:
@@ -229,7 +308,7 @@ def _profile(overrides: dict[str, Any], config: str | None, json_path: str | Non
                         tasks[phase] = bar.add_task(phase, total=total)
                     bar.update(tasks[phase], completed=done)
 
-                report = run_profile(cfg, progress, trace)
+                report = measure(progress)
         try:
             examine(report, rules_dirs or [])
         except Exception as e:  # the measurement is kept whatever the diagnosis does
@@ -502,6 +581,9 @@ def treat(
     warmup: Optional[int] = typer.Option(None, "--warmup", help="warm-up steps [default: 5]"),
     repeats: Optional[int] = typer.Option(None, "--repeats", help="timed windows per run; the noise the decisions "
                                           "use comes from their spread [default: 3]"),
+    nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help="processes (one per GPU) per trial, "
+                                                 "launched through torchrun [default: 1]"),
+    parallel: Optional[str] = typer.Option(None, "--parallel", help="none, ddp or fsdp2 for every trial"),
     max_trials: int = typer.Option(24, "--max-trials", help="trials at most (a trial: one composition or one "
                                    "ablation, measured in several paired runs)"),
     time_budget: Optional[float] = typer.Option(540, "--time-budget", help="seconds; no run starts after this and a "
@@ -541,7 +623,8 @@ def treat(
         check_number("--trial-timeout", trial_timeout, above=0)
         base = RunConfig.load(config) if config else RunConfig(steps=10, repeats=3)
         flags = {k: v for k, v in dict(model=model, stage=stage, device=device, steps=steps, warmup=warmup,
-                                       repeats=repeats).items() if v is not None}
+                                       repeats=repeats, nproc_per_node=nproc_per_node,
+                                       parallel=parallel).items() if v is not None}
         cfg = base.replace(source="--set", **_parse_sets(sets or [])).replace(source="command line", **flags)
         check(cfg)
         from vlmdoctor.files import check_writable
@@ -620,6 +703,10 @@ def sweep(
     jsonl_path: Optional[str] = typer.Option(None, "--jsonl", help="append each run's full report as a JSON line"),
     diagnose_runs: bool = typer.Option(False, "--diagnose/--no-diagnose", help="trace and diagnose each run"),
     timeout: float = typer.Option(900, "--timeout", help="seconds one run may take"),
+    nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help="processes (one per GPU) per run, "
+                                                 "launched through torchrun (a --set value wins)"),
+    parallel: Optional[str] = typer.Option(None, "--parallel", help="none, ddp or fsdp2 for every run (a --set "
+                                           "value wins)"),
     json_path: Optional[str] = _json_opt("results table"),
     force: bool = typer.Option(False, "--force", help="overwrite an existing --csv or --json file"),
 ) -> None:
@@ -639,10 +726,14 @@ def sweep(
         check_writable(csv_path, force, "--csv")
         check_writable(json_path, force, "--json")
         check_writable(jsonl_path, True, "--jsonl")  # appended to: an existing regular file is fine
-        if grid:
-            plan = load_grid(grid, _parse_sets(sets or []), stages)
+        launch = {k: v for k, v in (("nproc_per_node", nproc_per_node), ("parallel", parallel)) if v is not None}
+        if grid:  # every run launched the same way (--set knob=value wins)
+            plan = load_grid(grid, {**launch, **_parse_sets(sets or [])}, stages)
         elif sets:
-            plan = product_grid(_parse_sets(sets, many=True), stages)
+            values = _parse_sets(sets, many=True)
+            for k, v in launch.items():
+                values.setdefault(k, [v])
+            plan = product_grid(values, stages)
         else:
             raise VlmdoctorError("give a grid YAML file or at least one --set knob=v1,v2")
         from vlmdoctor.run.runner import check

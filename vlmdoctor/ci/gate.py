@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 from vlmdoctor import SCHEMA_VERSION
 from vlmdoctor.doctor.decide import PairedOptions, interleaved, outliers, ratio_interval
-from vlmdoctor.report.compare import MODEL_KEYS, _differences, env_differences, model_differences
+from vlmdoctor.report.compare import MODEL_KEYS, _differences, env_differences, model_differences, slowest_rank, world_size
 from vlmdoctor.errors import UsageError
 
 #: environment keys that change speed on their own; a difference here is not the pull request's doing
@@ -112,6 +112,16 @@ def _check_fields(report: dict[str, Any], name: str) -> None:
     for key in ("env", "model", "facts"):
         if report.get(key) is not None and not isinstance(report[key], dict):
             raise UsageError(f"{name}: {key} must be an object")
+    dist = report.get("distributed")
+    if dist is not None:
+        ws = dist.get("world_size") if isinstance(dist, dict) else None
+        if isinstance(ws, bool) or not isinstance(ws, int) or ws < 1:
+            raise UsageError(f"{name}: distributed.world_size must be a positive integer, got {ws!r}")
+        g = dist.get("global")
+        if g is not None and (not isinstance(g, dict) or not all(
+                g.get(k) is None or _is_num(g[k]) for k in ("slowest_step_ms", "step_imbalance", "slowest_rank"))):
+            raise UsageError(f"{name}: distributed.global must hold numbers (slowest_rank, slowest_step_ms, "
+                             "step_imbalance)")
 
 
 def run_current(base: dict[str, Any], diagnose: bool = True, timeout: float | None = None) -> dict[str, Any]:
@@ -145,6 +155,11 @@ def check_comparable(base: dict[str, Any], cur: dict[str, Any], allow_env_change
     if model:
         raise UsageError("baseline and current measure different things (" + "; ".join(model)
                          + "); a gate compares one model and stage with itself")
+    nb, nc = world_size(base), world_size(cur)
+    if nb != nc:
+        raise UsageError(f"baseline ran on {nb} rank(s), current on {nc}: global tokens/s of different GPU counts "
+                         "differ by scaling, not by the code. Record the baseline with the same --nproc-per-node "
+                         "(and --nnodes); for scaling use `vlmdoctor compare` or profile --one-gpu-report")
     gpu = [d for d in env_differences(base, cur) if d.startswith("gpu:")]
     if gpu and not allow_env_change:
         raise UsageError("baseline and current ran on different GPU models (" + "; ".join(gpu)
@@ -383,6 +398,23 @@ def check_findings(base: dict[str, Any], cur: dict[str, Any], fail_on: str = "hi
                   "verdict": "pass" if passed else "fail", "detail": detail}
 
 
+def check_slowest_rank(base: dict[str, Any], cur: dict[str, Any], max_regression: float = 0.05) -> dict[str, Any]:
+    """Multi-rank reports: every rank waits for the slowest one, so a rank falling behind is a regression.
+
+    Throughput (global tokens/s over the slowest rank's time) already judges the job; this check
+    names the slowest rank and fails when the imbalance (slowest median step over the fastest's)
+    grew by more than `max_regression`: the work became uneven across ranks.
+    """
+    sb, sc = slowest_rank(base), slowest_rank(cur)
+    ib, ic = sb["imbalance"], sc["imbalance"]
+    grew = ib is not None and ic is not None and ic - ib > max_regression
+    detail = (f"slowest rank {sb['rank']} {sb['step_ms']:,.1f} ms/step -> rank {sc['rank']} {sc['step_ms']:,.1f} "
+              f"ms/step; imbalance over the fastest rank "
+              + (f"{ib * 100:.1f}% -> {ic * 100:.1f}%" if ib is not None and ic is not None else "unknown"))
+    return {"name": "slowest rank", "passed": not grew, "verdict": "uneven" if grew else "ok",
+            "detail": detail, "baseline": sb, "current": sc}
+
+
 # --- the verdict ------------------------------------------------------------------------------
 
 def gate(base: dict[str, Any], cur: dict[str, Any], max_regression: float = 0.05, alpha: float = 0.01,
@@ -393,6 +425,8 @@ def gate(base: dict[str, Any], cur: dict[str, Any], max_regression: float = 0.05
         check_memory(base, cur, max_memory_growth),
         check_findings(base, cur, fail_on),
     ]
+    if slowest_rank(base) and slowest_rank(cur):
+        checks.append(check_slowest_rank(base, cur, max_regression))
     failed = [c for c in checks if not c["passed"]]
     if failed:
         summary = "FAILED: " + "; ".join(f"{c['name']}: {c['detail']}" for c in failed)

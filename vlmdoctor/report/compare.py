@@ -26,6 +26,39 @@ def model_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return _differences(a["config"], b["config"], (*MODEL_KEYS, "stage"))
 
 
+def world_size(report: dict[str, Any]) -> int:
+    """How many ranks measured the report (1 for a one-process run)."""
+    return int((report.get("distributed") or {}).get("world_size") or 1)
+
+
+def ranks_note(a: dict[str, Any], b: dict[str, Any], labels: Sequence[str] = ("A", "B")) -> str | None:
+    """A different number of ranks, named: throughput is then the job's, and one-to-N is scaling.
+
+    When A ran on one GPU in one process and B is the same config on N ranks, the note gives B's
+    scaling efficiency against A: B's global tokens/s / (N x A's tokens/s).
+    """
+    na, nb = world_size(a), world_size(b)
+    if na == nb:
+        return None
+    pa, pb = (a["config"].get("parallel", "none"), b["config"].get("parallel", "none"))
+    text = (f"different number of ranks: {labels[0]} {na} ({pa}), {labels[1]} {nb} ({pb}); tokens/s is each job's "
+            "global throughput, ms/step the slowest rank's")
+    ta, tb = a["metrics"].get("real_tokens_per_s"), b["metrics"].get("real_tokens_per_s")
+    if na == 1 and pa == "none" and ta and tb:
+        text += f"; scaling efficiency of {labels[1]}: {tb / (nb * ta) * 100:.0f}%"
+    elif nb == 1 and pb == "none" and ta and tb:
+        text += f"; scaling efficiency of {labels[0]}: {ta / (na * tb) * 100:.0f}%"
+    return text
+
+
+def slowest_rank(report: dict[str, Any]) -> dict[str, Any] | None:
+    """The slowest rank of a multi-rank report: its rank, median step and the imbalance over the fastest."""
+    g = (report.get("distributed") or {}).get("global")
+    if not g:
+        return None
+    return {"rank": g.get("slowest_rank"), "step_ms": g.get("slowest_step_ms"), "imbalance": g.get("step_imbalance")}
+
+
 def env_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return _differences(a.get("env") or {}, b.get("env") or {}, ENV_KEYS)
 
@@ -118,6 +151,14 @@ def compare(a: dict[str, Any], b: dict[str, Any], allow_different: bool = False,
                          + "); their numbers are not comparable. Pass --allow-different to compare anyway")
     notes += [f"different model or stage (allowed): {d}" for d in diffs]
     notes += [f"different environment: {d}" for d in env_differences(a, b)]
+    ranks = ranks_note(a, b, labels)
+    if ranks:
+        notes.append(ranks)
+    for label, r in ((la, a), (lb, b)):
+        slow = slowest_rank(r)
+        if slow and slow["step_ms"] is not None:
+            notes.append(f"{label}: slowest of {world_size(r)} ranks is rank {slow['rank']} ({slow['step_ms']:,.1f} ms/step"
+                         + (f", {slow['imbalance'] * 100:.1f}% over the fastest)" if slow["imbalance"] is not None else ")"))
 
     fa, fb = _facts(a), _facts(b)
     kernels = gpu = None
@@ -143,7 +184,8 @@ def compare(a: dict[str, Any], b: dict[str, Any], allow_different: bool = False,
 
     return {"labels": [la, lb], "a": _describe(a), "b": _describe(b), "notes": notes,
             "metrics": _metric_rows(a, b), "kernels": kernels, "gpu": gpu, "findings": findings,
-            "config": _config_rows(a["config"], b["config"])}
+            "config": _config_rows(a["config"], b["config"]),
+            "ranks": {"a": world_size(a), "b": world_size(b), "slowest_a": slowest_rank(a), "slowest_b": slowest_rank(b)}}
 
 
 # --- rendering --------------------------------------------------------------------------------

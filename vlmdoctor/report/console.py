@@ -82,6 +82,8 @@ def render(report: dict[str, Any], console: Console) -> None:
     loss = m["final_loss"]
     t.add_row("final loss", _fmt(loss, "", 4) if m["loss_finite"] else f"[red]{loss} (not finite)[/red]", "")
     console.print(t)
+    if report.get("distributed"):
+        render_ranks(report["distributed"], console)
     versions = ", ".join(f"{k} {env.get(k)}" for k in ("torch", "transformers", "liger_kernel") if env.get(k))
     console.print(f"[dim]{versions}; driver {env.get('driver') or 'n/a'}[/dim]")
     tr = report.get("trace")
@@ -92,6 +94,31 @@ def render(report: dict[str, Any], console: Console) -> None:
                       f"{m['step_ms']:.1f} ms)")
     if report["status"] == "nan_loss":
         console.print("[bold red]the loss was NaN or inf in a timed step[/bold red]")
+
+
+def render_ranks(d: dict[str, Any], console: Console) -> None:
+    """A multi-rank run: one row per rank, then the job's numbers (the table above is the job's)."""
+    t = Table(show_header=True, header_style="bold", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
+    for col in ("rank", "ms/step", "real tokens/s", "real tokens", "peak mem GiB", "host"):
+        t.add_column(col, justify="left" if col == "host" else "right")
+    g = d.get("global") or {}
+    for r in d.get("ranks") or []:
+        mark = " *" if r.get("rank") == g.get("slowest_rank") else ""
+        t.add_row(f"{r.get('rank')}{mark}", _fmt(r.get("step_ms")), _fmt(r.get("real_tokens_per_s"), "", 0),
+                  str(r.get("real_tokens")), _fmt(r.get("peak_mem_gb"), "", 2), escape(str(r.get("host", ""))[:20]))
+    console.print(t)
+    line = (f"{d.get('world_size')} ranks ({d.get('parallel')}, {d.get('backend')}): global "
+            f"{_fmt(g.get('real_tokens_per_s'), '', 0)} real tokens/s over the slowest rank's time (* rank "
+            f"{g.get('slowest_rank')}")
+    if g.get("step_imbalance") is not None:
+        line += f", {g['step_imbalance'] * 100:.1f}% slower than the fastest"
+    console.print(line + ")")
+    sc = d.get("scaling")
+    if sc:
+        console.print(f"scaling efficiency {sc['efficiency'] * 100:.0f}% ({sc['speedup']:.2f}x one GPU's "
+                      f"{_fmt(sc['one_gpu_real_tokens_per_s'], '', 0)} tokens/s, {sc['source']})")
+    if d.get("params_identical") is False:
+        console.print("[bold red]the ranks' weights differ after the steps: gradients were not synchronised[/bold red]")
 
 
 def render_models(rows: list[dict[str, Any]], console: Console) -> None:

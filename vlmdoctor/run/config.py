@@ -195,6 +195,9 @@ class RunConfig:
             if (lo is not None and value < lo) or (hi is not None and value > hi) or (above is not None and value <= above):
                 raise UsageError(f"{name} must be {wanted}, got {value!r}")
         self._check_combinations(source)
+        if self.nproc_per_node > 1 and self.parallel == "none":
+            raise UsageError(f"{_label('nproc_per_node', source)}={self.nproc_per_node} runs several processes; "
+                             f"choose how they share the work: {_label('parallel', source)} ddp or fsdp2")
         from vlmdoctor.run.zoo import refuse_composite_only
 
         try:

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from vlmdoctor import SCHEMA_VERSION, __version__
-from vlmdoctor.run import envinfo, flops
+from vlmdoctor.run import distributed, envinfo, flops
 from vlmdoctor.run.capture import TraceOptions, capture, trace_path
 from vlmdoctor.run.compile import compile_vlm, compiled, graphs_compiled, mark_lengths_dynamic
 from vlmdoctor.run.config import RunConfig
@@ -80,6 +80,9 @@ def preflight(cfg: RunConfig, spec: ModelSpec | native.NativeSpec, device: torch
     if cfg.unsloth:
         check_unsloth(cfg, spec, device)
     if cfg.compile_vision != "model":
+        if cfg.parallel != "none":
+            raise UsageError(f"--compile-vision {cfg.compile_vision} compiles the tower of one unwrapped model; with "
+                             f"--parallel {cfg.parallel} use --compile (and --compile-regions) instead")
         if isinstance(spec, native.NativeSpec):
             raise UsageError(f"--compile-vision {cfg.compile_vision} compiles the composite model's tower on its own; "
                              f"the native preset {cfg.model!r} is compiled as one module: drop it")
@@ -94,8 +97,11 @@ def preflight(cfg: RunConfig, spec: ModelSpec | native.NativeSpec, device: torch
     if cfg.packing and cfg.attention == "eager":
         raise UsageError("packing needs an SDPA attention backend (the packed block mask is built for SDPA); "
                          "use --attention sdpa")
-    if cfg.data == "synthetic" and cfg.num_samples < cfg.batch_size * cfg.grad_accum:
-        raise UsageError("--num-samples must hold at least one optimizer step of samples")
+    if cfg.data == "synthetic" and cfg.num_samples < cfg.batch_size * cfg.grad_accum * cfg.nproc_per_node:
+        raise UsageError("--num-samples must hold at least one optimizer step of samples"
+                         + (" on every rank" if cfg.nproc_per_node > 1 else ""))
+    if distributed.is_distributed(cfg):
+        distributed.check_launch(cfg, device)
 
 
 #: what Unsloth needs importable besides itself (its own imports; docs/unsloth.md lists the full set)
@@ -180,6 +186,8 @@ class Patient:
     batches: Iterator[dict[str, Any]]
     flop_model: flops.FlopModel
     data_info: dict[str, Any] = field(default_factory=dict)
+    dist: distributed.Dist | None = None  # this rank's place, in a run under torchrun
+    wrap_info: dict[str, Any] | None = None
 
 
 def _attention_context(backend: str):
@@ -206,14 +214,43 @@ def _cycle(loader) -> Iterator[dict[str, Any]]:
         yield from loader
 
 
-def build_patient(cfg: RunConfig, device: torch.device, progress: Progress = _quiet) -> Patient:
+def _batch_sampler(cfg: RunConfig, lengths: list[int], dist: distributed.Dist | None):
+    """One process: the sampler itself. Several: global batches of batch_size x ranks, each rank its shard."""
+    bucketed = cfg.sampler == "length_bucketed"
+    if dist is None:
+        return BatchSampler(lengths, cfg.batch_size, bucketed, cfg.seed)
+    if len(lengths) < cfg.batch_size * dist.world:
+        raise UsageError(f"the data holds {len(lengths)} usable samples, fewer than one batch of {cfg.batch_size} "
+                         f"on each of {dist.world} ranks")
+    inner = BatchSampler(lengths, cfg.batch_size * dist.world, bucketed, cfg.seed)
+    return distributed.RankBatches(inner, lengths, dist.rank, dist.world, cfg.balance_tokens)
+
+
+def _finish_model(cfg: RunConfig, vlm: torch.nn.Module, device: torch.device, dist: distributed.Dist | None,
+                  compile_fn: Callable[[torch.nn.Module], torch.nn.Module]) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, Any] | None]:
+    """Wrap for data parallelism (FSDP2 replaces parameters, so before the optimizer), compile, optimizer."""
+    info = None
+    model: torch.nn.Module = vlm
+    if dist is not None and cfg.parallel == "fsdp2":
+        model, info = distributed.wrap(vlm, cfg, dist, device)
+    if cfg.compile != "off":
+        model = compile_fn(model)
+    if dist is not None and cfg.parallel == "ddp":
+        model, info = distributed.wrap(model, cfg, dist, device)
+    params = [p for p in vlm.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, **({"fused": True} if cfg.fused_optimizer else {}))
+    return model, optimizer, info
+
+
+def build_patient(cfg: RunConfig, device: torch.device, progress: Progress = _quiet,
+                  dist: distributed.Dist | None = None) -> Patient:
     spec = resolve_model(cfg)
     preflight(cfg, spec, device)
     torch.manual_seed(cfg.seed)
     torch.set_float32_matmul_precision("high" if cfg.allow_tf32 else "highest")
     progress("building model", 0, 1)
     if isinstance(spec, native.NativeSpec):
-        return _native_patient(cfg, spec, device)
+        return _native_patient(cfg, spec, device, dist)
     if cfg.unsloth:
         apply_unsloth(spec.llm["family"])
     vlm = build_model(spec, cfg.weight_dtype, cfg.attention, cfg.weights, device)
@@ -246,19 +283,25 @@ def build_patient(cfg: RunConfig, device: torch.device, progress: Progress = _qu
         features = _cache_features(vlm, dataset, cfg, device)
         dataset.with_pixels = False
     collator = Collator(pad_id, cfg.pad_to_multiple_of, cfg.packing, cfg.pack_length, features, cfg.lm_head_labeled_only)
-    sampler = BatchSampler(dataset.lengths, cfg.batch_size, cfg.sampler == "length_bucketed", cfg.seed)
+    sampler = _batch_sampler(cfg, dataset.lengths, dist)
     loader = torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, collate_fn=collator, num_workers=cfg.num_workers,
         pin_memory=cfg.pin_memory and device.type == "cuda", persistent_workers=cfg.num_workers > 0,
     )
-    params = [p for p in vlm.parameters() if p.requires_grad]
-    opt_kwargs = {"fused": True} if cfg.fused_optimizer else {}
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, **opt_kwargs)
-    model = compile_vlm(vlm, cfg.compile, cfg.compile_vision, cfg.compile_shape_padding, cfg.compile_regions)
-    return Patient(cfg, spec, device, model, vlm, optimizer, _cycle(loader), flops.FlopModel.from_spec(spec), data_info)
+    if dist is None:
+        params = [p for p in vlm.parameters() if p.requires_grad]
+        opt_kwargs = {"fused": True} if cfg.fused_optimizer else {}
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, **opt_kwargs)
+        model = compile_vlm(vlm, cfg.compile, cfg.compile_vision, cfg.compile_shape_padding, cfg.compile_regions)
+        info = None
+    else:
+        model, optimizer, info = _finish_model(cfg, vlm, device, dist, lambda m: _compile_wrapped(m, cfg))
+    return Patient(cfg, spec, device, model, vlm, optimizer, _cycle(loader), flops.FlopModel.from_spec(spec), data_info,
+                   dist, info)
 
 
-def _native_patient(cfg: RunConfig, spec: native.NativeSpec, device: torch.device) -> Patient:
+def _native_patient(cfg: RunConfig, spec: native.NativeSpec, device: torch.device,
+                    dist: distributed.Dist | None = None) -> Patient:
     """A native transformers class on the same synthetic data, collation and optimizer as the composite model."""
     vlm = native.build_native(spec, cfg.weight_dtype, cfg.attention, cfg.weights, device)
     native.configure(vlm, cfg)
@@ -267,17 +310,27 @@ def _native_patient(cfg: RunConfig, spec: native.NativeSpec, device: torch.devic
     if len(dataset) < cfg.batch_size:
         raise UsageError(f"the data holds {len(dataset)} usable samples, fewer than one batch of {cfg.batch_size}")
     collator = Collator(spec.llm["special_tokens"]["pad"], cfg.pad_to_multiple_of)
-    sampler = BatchSampler(dataset.lengths, cfg.batch_size, cfg.sampler == "length_bucketed", cfg.seed)
+    sampler = _batch_sampler(cfg, dataset.lengths, dist)
     loader = torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, collate_fn=collator, num_workers=cfg.num_workers,
         pin_memory=cfg.pin_memory and device.type == "cuda", persistent_workers=cfg.num_workers > 0,
     )
-    params = [p for p in vlm.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, **({"fused": True} if cfg.fused_optimizer else {}))
-    model: torch.nn.Module = vlm
-    if cfg.compile != "off":
-        model = compile_vlm(vlm, cfg.compile, "model", cfg.compile_shape_padding, cfg.compile_regions)
-    return Patient(cfg, spec, device, model, vlm, optimizer, _cycle(loader), flops.FlopModel.from_native(spec), data_info)
+    if dist is None:
+        params = [p for p in vlm.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, **({"fused": True} if cfg.fused_optimizer else {}))
+        model: torch.nn.Module = vlm
+        if cfg.compile != "off":
+            model = compile_vlm(vlm, cfg.compile, "model", cfg.compile_shape_padding, cfg.compile_regions)
+        info = None
+    else:
+        model, optimizer, info = _finish_model(cfg, vlm, device, dist, lambda m: _compile_wrapped(m, cfg))
+    return Patient(cfg, spec, device, model, vlm, optimizer, _cycle(loader), flops.FlopModel.from_native(spec), data_info,
+                   dist, info)
+
+
+def _compile_wrapped(model: torch.nn.Module, cfg: RunConfig) -> torch.nn.Module:
+    """--compile on a DDP- or FSDP2-wrapped model: the whole wrapper, or its repeated layers (--compile-regions)."""
+    return compile_vlm(model, cfg.compile, "model", cfg.compile_shape_padding, cfg.compile_regions)
 
 
 @torch.no_grad()
@@ -316,7 +369,7 @@ def train_step(p: Patient) -> tuple[torch.Tensor, dict[str, Any]]:
     dtype = p.vlm.input_dtype if isinstance(p.vlm, native.NativeVLM) else p.vlm.projector.dtype
     total = {"real_tokens": 0, "loss_tokens": 0, "padded_tokens": 0, "samples": 0, "lengths": [], "host_losses": []}
     loss_sum = None
-    for _ in range(cfg.grad_accum):
+    for micro in range(cfg.grad_accum):
         batch = next(p.batches)
         counts = batch.pop("counts")
         for k in ("real_tokens", "loss_tokens", "padded_tokens", "samples"):
@@ -325,7 +378,9 @@ def train_step(p: Patient) -> tuple[torch.Tensor, dict[str, Any]]:
         batch = _to_device(batch, p.device, dtype)
         if cfg.compile != "off":
             mark_lengths_dynamic(batch)  # one graph for every length, no recompile per new length
-        with _attention_context(cfg.attention):
+        sync = (distributed.micro_batch(p.model, p.vlm, cfg, micro == cfg.grad_accum - 1) if p.dist
+                else contextlib.nullcontext())
+        with _attention_context(cfg.attention), sync:
             with _autocast(cfg, p.device):
                 loss = p.model(**batch).loss / cfg.grad_accum
             loss.backward()
@@ -428,6 +483,11 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
     Returns the report, also on OOM, NaN loss or a crash in a step.
     """
     spec, device = check(cfg)
+    dist = None
+    if distributed.is_distributed(cfg):  # one rank of a torchrun job: join the group, take this rank's GPU
+        dist, device = distributed.setup(cfg, device)
+        if not dist.is_main:
+            progress = _quiet
     env = envinfo.collect(device)
     peak, peak_source = flops.peak_flops(env.get("gpu"))
     report: dict[str, Any] = {
@@ -441,7 +501,7 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
         "flops": {"formula": flops.describe(), "peak_flops": peak, "peak_source": peak_source},
     }
     try:
-        patient = build_patient(cfg, device, progress)
+        patient = build_patient(cfg, device, progress, dist)
         report["model"]["params"] = (native.native_param_counts(patient.vlm) if isinstance(patient.vlm, native.NativeVLM)
                                      else param_counts(patient.vlm))
         report["data"] = patient.data_info
@@ -478,8 +538,10 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
                     "model": report["model"],
                     "env": {k: env[k] for k in ("device_type", "cpu_count", "cpu_capability", "cpu_matmul_gflops") if k in env}}
             where = trace if trace.keep else replace(trace, trace_dir=tempfile.mkdtemp(prefix="vlmdoctor-trace-"))
+            path = (trace_path(where, cfg.model, cfg.stage) if dist is None  # ranks: one folder, rank in the name
+                    else Path(where.trace_dir) / f"vlmdoctor_{cfg.model}_s{cfg.stage}_rank{dist.rank}.pt.trace.json.gz")
             try:
-                report["trace"] = capture(step, where, device, trace_path(where, cfg.model, cfg.stage), meta, progress)
+                report["trace"] = capture(step, where, device, path, meta, progress)
             except BaseException:  # a temporary trace folder never outlives a failed or interrupted capture
                 if not trace.keep:
                     import shutil
@@ -511,6 +573,9 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
     if warning and not (report.get("warmup") or {}).get("graphs_compiled_in_timed_windows"):
         # step times show compilation in the window that dynamo's graph count did not already report
         report.setdefault("warnings", []).append(warning)
+    if dist is not None:
+        _merge_ranks(report, dist, patient, windows, peak)
+        metrics = report["metrics"]
     if not metrics["loss_finite"]:
         report["status"] = "nan_loss"
         report["error"] = {"type": "NonFiniteLoss", "message": "the loss was NaN or inf in a timed step"}
@@ -529,6 +594,66 @@ def _unsettled(per_token: list[float]) -> bool:
     Time per token, not per step, so that batches of different lengths do not look unsettled."""
     last = per_token[-3:]
     return len(last) < 3 or max(last) > SETTLE_RATIO * min(last)
+
+
+def _merge_ranks(report: dict[str, Any], dist: distributed.Dist, patient: Patient, windows: list[dict[str, Any]],
+                 peak: float | None) -> None:
+    """Every rank's numbers to every rank; the report's metrics become the job's.
+
+    metrics.real_tokens_per_s, model_tflops_per_s and mfu are global (all ranks' tokens over the
+    slowest rank's wall time), step_ms is the slowest rank's median step, peak_mem_gb the largest;
+    `repeats` holds global per-step samples (tokens summed over ranks, the longest rank's step
+    time), so that the gate's significance test judges the job. Each rank's own numbers are kept
+    under distributed.ranks.
+    """
+    import platform
+
+    own = distributed.rank_summary(dist.rank, windows, report["metrics"], platform.node())
+    own["trace"] = (report.get("trace") or {}).get("path")
+    own["loss_finite"] = report["metrics"]["loss_finite"]
+    own["param_digest"] = distributed.param_digest(patient.vlm)
+    ranks = distributed.gather(own)
+    whole = distributed.combine(ranks, peak)
+    m = report["metrics"]
+    m.update(real_tokens_per_s=whole["real_tokens_per_s"], model_tflops_per_s=whole["model_tflops_per_s"],
+             mfu=whole["mfu"], step_ms=whole["slowest_step_ms"], peak_mem_gb=whole["peak_mem_gb"],
+             loss_finite=all(r["loss_finite"] for r in ranks))
+    m["loss_tokens_per_s"] = whole["loss_tokens_per_s"]
+    m["pad_fraction"] = 1.0 - sum(r["real_tokens"] for r in ranks) / sum(
+        r["real_tokens"] / (1.0 - r["pad_fraction"]) if r["pad_fraction"] < 1 else 0 for r in ranks)
+    slow = [r for r in ranks if r["rank"] == whole["slowest_rank"]][0]
+    steps_all = [s for w in slow["windows"] for s in w["step_ms"]]
+    m["step_ms_p10"], m["step_ms_p90"] = _percentile(steps_all, 0.1), _percentile(steps_all, 0.9)
+    report["repeats"] = []
+    for w in range(len(windows)):
+        per = [r["windows"][w] for r in ranks]
+        step_ms = [max(r["step_ms"][i] for r in per) for i in range(len(per[0]["step_ms"]))]
+        step_tok = [sum(r["step_real_tokens"][i] for r in per) for i in range(len(per[0]["step_real_tokens"]))]
+        wall = max(r["wall_s"] for r in per)
+        report["repeats"].append({"steps": windows[w]["steps"], "wall_s": wall, "real_tokens_per_s": sum(step_tok) / wall,
+                                  "step_ms": step_ms, "step_real_tokens": step_tok, "final_loss": windows[w]["losses"][-1]})
+    stats = report.get("stats") or {}
+    for key in ("real_tokens_per_s", "loss_tokens_per_s", "model_tflops_per_s", "mfu", "pad_fraction"):
+        stats.pop(key, None)  # rank 0's spread would pass for the job's
+    stats["real_tokens_per_s"] = _spread([r["real_tokens_per_s"] for r in report["repeats"]])
+    stats["step_ms"] = {**_spread(steps_all), "p10": m["step_ms_p10"], "p90": m["step_ms_p90"],
+                        "n_repeats": len(windows), "rank": whole["slowest_rank"]}
+    report["distributed"] = {
+        "world_size": dist.world,
+        "nproc_per_node": patient.cfg.nproc_per_node,
+        "nnodes": max(1, dist.world // patient.cfg.nproc_per_node),
+        "parallel": patient.cfg.parallel,
+        "backend": dist.backend,
+        "wrap": patient.wrap_info,
+        "global": whole,
+        # synchronised gradients leave every rank with the same weights (the digest: sum, sum of squares)
+        "params_identical": all(r["param_digest"] == ranks[0]["param_digest"] for r in ranks),
+        "ranks": [{k: v for k, v in r.items() if k != "windows"} for r in ranks],
+    }
+    if report.get("trace"):
+        paths = [r["trace"] for r in ranks]
+        report["trace"]["rank_paths"] = paths
+        report["trace"]["dir"] = str(Path(report["trace"]["path"]).parent)
 
 
 def _warmup_times(warm_s: list[float]) -> dict[str, Any]:
@@ -611,8 +736,11 @@ def run_isolated(cfg: RunConfig, timeout: float | None = None, diagnose: bool = 
         for d in rules_dirs or []:
             cmd += ["--rules", str(d)]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                                  env={**os.environ, **env} if env else None)
+            if distributed.is_distributed(cfg):
+                proc = _run_group(cmd, timeout, {**os.environ, **env} if env else None)
+            else:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                                      env={**os.environ, **env} if env else None)
             if proc.returncode in (130, -2):  # the child was interrupted (Ctrl-C reaches the whole group)
                 raise KeyboardInterrupt
         except subprocess.TimeoutExpired:
@@ -628,3 +756,116 @@ def run_isolated(cfg: RunConfig, timeout: float | None = None, diagnose: bool = 
         return {"schema_version": SCHEMA_VERSION, "status": "error", "config": cfg.to_dict(),
                 "error": {"type": "ProcessFailed", "message": (proc.stderr or proc.stdout).strip()[-2000:],
                           "exit_code": proc.returncode}}
+
+
+# ------------------------------------------------------------------------------------------------
+def run_distributed(cfg: RunConfig, trace: TraceOptions | None = None, rdzv: distributed.Rendezvous | None = None,
+                    progress: Progress = _quiet, python: str | None = None) -> dict[str, Any]:
+    """Launch the config through torchrun, one process per GPU, and return rank 0's report of the job.
+
+    Every rank writes its own trace into one folder (the layout Holistic Trace Analysis reads):
+    under --trace-dir a new folder per run, else a temporary one the caller removes. On a GPU the
+    ranks get NVLink multicast switched off (distributed.NVLINK_MULTICAST_OFF) unless already set.
+    """
+    import shlex
+    import shutil
+    from dataclasses import asdict
+
+    _, device = check(cfg)
+    rdzv = rdzv or distributed.Rendezvous()
+    rdzv.check()
+    temp_trace: Path | None = None
+    with tempfile.TemporaryDirectory(prefix="vlmdoctor-ranks-") as tmp_name:
+        tmp = Path(tmp_name)
+        cfg.dump(tmp / "config.json")
+        args = ["--config", str(tmp / "config.json"), "--out", str(tmp)]
+        if trace is not None:
+            if trace.keep:
+                stem = f"vlmdoctor_{cfg.model}_s{cfg.stage}_{time.strftime('%Y%m%d-%H%M%S')}_{cfg.parallel}"
+                folder = Path(trace.trace_dir) / stem
+                n = 1
+                while folder.exists():
+                    n += 1
+                    folder = Path(trace.trace_dir) / f"{stem}-{n}"
+                folder.mkdir(parents=True)
+            else:
+                folder = temp_trace = Path(tempfile.mkdtemp(prefix="vlmdoctor-trace-"))
+            args += ["--trace", json.dumps({**asdict(trace), "trace_dir": str(folder), "keep": True})]
+        cmd = distributed.torchrun_command(cfg, args, rdzv, python)
+        env = distributed.child_env(device.type == "cuda")
+        progress(f"{cfg.nproc_per_node} ranks through torchrun", 0, 1)
+        try:
+            with open(tmp / "torchrun.log", "w") as log:
+                proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        except BaseException:
+            if temp_trace is not None:
+                shutil.rmtree(temp_trace, ignore_errors=True)
+            raise
+        progress(f"{cfg.nproc_per_node} ranks through torchrun", 1, 1)
+        try:
+            report = _rank_report(tmp, cfg, proc.returncode)
+        except BaseException:  # a usage error found on a rank: no temporary trace outlives it
+            if temp_trace is not None:
+                shutil.rmtree(temp_trace, ignore_errors=True)
+            raise
+    if temp_trace is not None:
+        if report.get("trace"):
+            report["trace"]["kept"] = False  # remove_temporary_trace removes the folder after the diagnosis
+        else:
+            shutil.rmtree(temp_trace, ignore_errors=True)
+    report["launch"] = {"launcher": "torch.distributed.run", "command": shlex.join(cmd),
+                        "env": {k: env[k] for k in distributed.NVLINK_MULTICAST_OFF if k in env}}
+    return report
+
+
+def _rank_report(folder: Path, cfg: RunConfig, returncode: int) -> dict[str, Any]:
+    """Rank 0's report of the job; else the first failed rank's; else why torchrun failed."""
+    path = folder / "report.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    failed = sorted(folder.glob("report_rank*.json"), key=lambda p: int(p.stem.removeprefix("report_rank")))
+    if failed:
+        report = json.loads(failed[0].read_text())
+        if report.get("status") == "usage_error":
+            raise UsageError(f"rank {report['rank']}: {report['error']['message']}")
+        return report
+    log = (folder / "torchrun.log").read_text(errors="replace") if (folder / "torchrun.log").exists() else ""
+    lines = [ln for ln in log.splitlines() if ln.strip()]
+    why = next((ln for ln in reversed(lines) if "Error" in ln and not ln.lstrip().startswith("File")), None)
+    return {"schema_version": SCHEMA_VERSION, "status": "error", "config": cfg.to_dict(),
+            "error": {"type": "ProcessFailed", "exit_code": returncode,
+                      "message": (why or f"torchrun exited with code {returncode}").strip()[:500],
+                      "log_tail": "\n".join(lines[-40:])[-4000:]}}
+
+
+def _run_group(cmd: list[str], timeout: float | None, env: dict[str, str] | None) -> subprocess.CompletedProcess:
+    """A child that starts torchrun and its ranks: in a session of its own, so that a timeout or
+    Ctrl-C stops all of them (killing the child alone would leave the ranks holding the GPUs).
+
+    The signal reaches the child and torchrun; torchrun starts each rank in a session of its own
+    and stops them itself when it is signalled (SIGKILL, the last resort, would orphan them).
+    """
+    import signal
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+
+    def stop(sig: int) -> None:
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        except ProcessLookupError:
+            pass
+
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop(signal.SIGTERM)
+        raise
+    except BaseException:
+        stop(signal.SIGINT)
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
