@@ -47,7 +47,7 @@ def runs(tmp_path_factory):
     one = cli("profile", *SMALL, "--json", str(d / "one.json"), "--quiet", "--no-diagnose")
     assert one.returncode == 0, one.stderr[-2000:]
     ddp = cli("profile", *SMALL, "--nproc-per-node", "2", "--parallel", "ddp", "--trace-dir", str(d / "traces"),
-              "--one-gpu-report", str(d / "one.json"), "--json", str(d / "ddp.json"), "--quiet", "--no-diagnose")
+              "--one-gpu-report", str(d / "one.json"), "--json", str(d / "ddp.json"), "--quiet")
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     return {"dir": d, "one": json.loads((d / "one.json").read_text()), "ddp": json.loads((d / "ddp.json").read_text())}
 
@@ -61,6 +61,13 @@ def test_every_rank_writes_its_trace_into_one_folder(runs):
         assert f"rank{rank}" in Path(p).name and Path(p).exists()
         info = trace_info(p)  # torch.profiler writes it once the process group exists
         assert info["rank"] == rank and info["world_size"] == 2 and info["backend"] == "gloo"
+
+
+def test_the_diagnosis_joins_the_ranks_traces(runs):
+    """The report's diagnosis reads the job's folder of rank traces, not rank 0's alone."""
+    cross = runs["ddp"]["cross_rank"]
+    assert sorted(r["rank"] for r in cross["ranks"]) == [0, 1]
+    assert any(k.startswith("dist.") for k in runs["ddp"]["facts"])
 
 
 def test_report_holds_per_rank_and_global_numbers(runs):

@@ -32,7 +32,9 @@ def trace_facts(report: dict[str, Any]) -> dict[str, Any] | None:
     trace = report.get("trace")
     if not trace or not trace.get("path"):
         return None
-    path = Path(trace["path"])
+    # a job of several ranks: its folder of rank traces, so the ranks are joined (rank 0's facts come first)
+    several = len(trace.get("rank_paths") or []) > 1 and trace.get("dir")
+    path = Path(trace["dir"] if several else trace["path"])
     cfg = report.get("config") or {}
     try:
         result = analyze(path, cfg.get("stage"), cfg.get("model"))

@@ -882,7 +882,7 @@ def analyze(path: str | Path, stage: int | None = None, model: str | None = None
     A trace with collectives gets `comm.*` facts (trace/comms.py); a folder of two or more rank
     traces gets a `cross_rank` section (trace/ranks.py).
     """
-    from vlmdoctor.trace.comms import rank_comms, rank_of
+    from vlmdoctor.trace.comms import rank_comms
 
     files = trace_files(path)
     results, per = [], []
