@@ -91,6 +91,8 @@ class RunConfig:
                                      "activations then require grad")
     dpo_reference_dtype: str = knob("fp32", 1, "dtype of the DPO reference copy's weights (full training; LoRA's "
                                     "reference is the policy's own base)", ("fp32", "bf16"))
+    dpo_reference_no_grad: bool = knob(False, 1, "run the DPO reference forward under torch.no_grad() with frozen "
+                                       "weights (off: a deep-copied reference that still tracks grad)")
     # --- layer 2: batching ---------------------------------------------------------------
     batch_size: int = knob(4, 2, "samples per micro-batch", minimum=1, maximum=65536)
     grad_accum: int = knob(1, 2, "micro-batches per optimizer step", minimum=1, maximum=65536)
@@ -118,8 +120,6 @@ class RunConfig:
     fused_optimizer: bool = knob(False, 5, "AdamW(fused=True) instead of the default foreach implementation")
     optimizer: str = knob("adamw", 5, "optimizer: torch AdamW, or bitsandbytes' paged AdamW (32-bit or 8-bit states; "
                           "GPU + bitsandbytes)", ("adamw", "paged_adamw", "paged_adamw_8bit"))
-    dpo_reference_no_grad: bool = knob(False, 5, "run the DPO reference forward under torch.no_grad() with frozen "
-                                       "weights (off: a deep-copied reference that still tracks grad)")
     dpo_precompute_reference: bool = knob(False, 5, "compute the DPO reference log-probs once per sample before "
                                           "training and reuse them (reported, outside the timed window)")
     sync_loss: bool = knob(False, 5, "read the loss on the host (.item()) after every micro-batch, as logging loops "

@@ -197,7 +197,9 @@ def _dpo_facts(t: Any, names: np.ndarray, in_win: np.ndarray, gemms: list[dict[s
                gpu: bool, n: int, denominator: float | None, out: dict[str, Any]) -> None:
     ops = t.ops
     ref_rows = np.flatnonzero((names == REFERENCE_RANGE) & in_win)
-    if not len(ref_rows):
+    if not len(ref_rows):  # no reference forward in the traced steps: measured as none
+        out.update({f"dpo.reference_{k}": 0.0 for k in ("count", "ms", "share", "backward_nodes", "backward_ms",
+                                                         "backward_share", "cast_ms", "cast_share")})
         return
     ts, end, tid = ops["ts"].to_numpy(), ops["end"].to_numpy(), ops["tid"].to_numpy()
     seq, ftid = ops["seq"].to_numpy(), ops["fwd_tid"].to_numpy()
