@@ -34,7 +34,6 @@ def _cfg(**kw) -> RunConfig:
     ({"lora_targets": "q_proj;v_proj"}, "comma list"),
     ({"objective": "dpo", "packing": True}, "--packing is for the SFT loss"),
     ({"objective": "dpo", "lm_head_labeled_only": True}, "--lm-head-labeled-only"),
-    ({"dpo_precompute_reference": True}, "--objective dpo only"),
     ({"optimizer": "paged_adamw", "fused_optimizer": True}, "does not combine"),
     ({"lora_rank": 0}, "--lora-rank must be"),
     ({"dpo_beta": 0}, "--dpo-beta must be"),

@@ -72,10 +72,6 @@ def check_mode_knobs(cfg: Any, source: str = "config") -> None:
             if getattr(cfg, knob):
                 raise UsageError(f"{where}{flag} is for the SFT loss; --objective dpo needs per-row log-probs of "
                                  "full logits (drop the flag)")
-    else:
-        for knob, flag in (("dpo_precompute_reference", "--dpo-precompute-reference"),):
-            if getattr(cfg, knob):
-                raise UsageError(f"{where}{flag} applies to --objective dpo only")
 
 
 def check_mode_device(cfg: Any, device: torch.device) -> None:
