@@ -61,7 +61,7 @@ user lora       --mode lora --ckpt
 user qlora      --mode qlora --ckpt
 user dpo        --mode dpo --batch-size 4
 user dpo_nograd --mode dpo --batch-size 4 --no-grad-ref
-user dpo_lora   --mode dpo --lora --batch-size 4 --ckpt
+user dpo_lora   --mode dpo --lora --batch-size 4
 
 # the doctor on each trace, as a user runs it
 for t in "$OUT"/traces/user_*.pt.trace.json.gz; do
