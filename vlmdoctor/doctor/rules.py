@@ -94,7 +94,7 @@ KNOWN_FACTS = [re.compile(p) for p in (
     # training modes (vlmdoctor/trace/modes.py)
     r"lora\.(lowrank_gemm_count|lowrank_gemm_ms|lowrank_gemm_share|lowrank_flop_share|gemm_count|rank)",
     r"qlora\.(dequant_count|dequant_ms|dequant_share|bf16_extra_gb)", r"memory\.headroom_gb",
-    r"dpo\.reference_(count|ms|share|backward_nodes|backward_ms|backward_share|cast_ms|cast_share|fp32_gemm_share)",
+    r"dpo\.reference_(count|ms|share|backward_nodes|backward_ms|backward_share|weight_casts|cast_ms|cast_share|fp32_gemm_share)",
     r"config\.(" + "|".join(RunConfig.__dataclass_fields__) + r")",
     r"patch\.(" + "|".join(RunConfig.__dataclass_fields__) + r")",  # the rule's own patch values, in gain expressions
 )]

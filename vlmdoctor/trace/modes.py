@@ -14,7 +14,8 @@ All of them are measured in the trace, never read from the run config:
   dpo.*    the `vlmdoctor::reference` range the runner puts around the reference forward: its
            time and share of the step; the backward it got (autograd nodes whose sequence number
            belongs to an op inside the range: a reference run with grad tracking); fp32 GEMMs and
-           dtype casts inside it (reference weights kept in fp32).
+           casts of fp32 matrices (the weights autocast casts, with shapes recorded) inside it:
+           an fp32 reference under autocast casts every weight in every forward.
 
 A second streaming pass over the trace reads the GEMM shapes (the tables keep only a few shapes).
 """
@@ -115,26 +116,34 @@ def mode_facts(t: Any, windows: list[tuple[float, float]], facts: dict[str, Any]
         tid_of[(names[r], round(float(ops["ts"].iat[r]), 3))] = int(ops["tid"].iat[r])
     denominator = facts.get("gpu.busy_ms") if gpu else facts.get("step.ms")
 
-    gemms = _read_gemms(t, windows, tid_of) if t.recorded.get("shapes") else []
+    gemms, cast_dims = _read_shapes(t, windows, tid_of) if t.recorded.get("shapes") else ([], None)
     if gemms:
         _lora_facts(gemms, launches, gpu, n, out)
     _qlora_facts(t, names, in_win, windows, n, gpu, denominator, facts, out)
-    _dpo_facts(t, names, in_win, gemms, launches, gpu, n, denominator, out)
+    _dpo_facts(t, names, in_win, gemms, cast_dims, launches, gpu, n, denominator, out)
     return out
 
 
-def _read_gemms(t: Any, windows: list[tuple[float, float]], tid_of: dict[tuple[str, float], int]) -> list[dict[str, Any]]:
+def _read_shapes(t: Any, windows: list[tuple[float, float]], tid_of: dict[tuple[str, float], int]
+                 ) -> tuple[list[dict[str, Any]], dict[float, int]]:
+    """GEMM ops with their dimensions and input dtype; the input rank of each cast (by start time)."""
     gemms = []
+    cast_dims: dict[float, int] = {}
     for ev in iter_events(t.path):
         if not isinstance(ev, dict) or ev.get("ph") != "X" or ev.get("cat") != "cpu_op":
             continue
         name = ev.get("name")
-        if name not in GEMM_OPS:
+        if name not in GEMM_OPS and name not in CASTS:
             continue
         ts = float(ev.get("ts", 0.0))
         if not any(s <= ts < e for s, e in windows):
             continue
         args = ev.get("args") or {}
+        if name in CASTS:  # an fp32 matrix (weight) or (batch, length, hidden) activation: its rank, else 0
+            dims, types = args.get("Input Dims") or [[]], args.get("Input type") or [""]
+            fp32 = bool(types) and types[0] == FP32
+            cast_dims[round(ts, 3)] = len(dims[0]) if fp32 and dims and isinstance(dims[0], list) else 0
+            continue
         d = _gemm_dims(name, args.get("Input Dims") or [])
         if d is None:
             continue
@@ -144,7 +153,7 @@ def _read_gemms(t: Any, windows: list[tuple[float, float]], tid_of: dict[tuple[s
         tid = tid_of.get((name, round(ts, 3)), -1)
         gemms.append({"ts": ts, "end": ts + dur, "dur": dur, "dims": d, "tid": tid,
                       "fp32": len(types) > a and types[a] == FP32})
-    return gemms
+    return gemms, cast_dims
 
 
 def _low_rank(d: tuple[int, int, int, int]) -> int | None:
@@ -193,13 +202,14 @@ def _qlora_facts(t: Any, names: np.ndarray, in_win: np.ndarray, windows: list[tu
         out["memory.headroom_gb"] = facts["memory.device_total_gb"] - facts["memory.peak_reserved_gb"]
 
 
-def _dpo_facts(t: Any, names: np.ndarray, in_win: np.ndarray, gemms: list[dict[str, Any]], launches: _Launches,
-               gpu: bool, n: int, denominator: float | None, out: dict[str, Any]) -> None:
+def _dpo_facts(t: Any, names: np.ndarray, in_win: np.ndarray, gemms: list[dict[str, Any]],
+               cast_dims: dict[float, int] | None, launches: _Launches, gpu: bool, n: int, denominator: float | None,
+               out: dict[str, Any]) -> None:
     ops = t.ops
     ref_rows = np.flatnonzero((names == REFERENCE_RANGE) & in_win)
     if not len(ref_rows):  # no reference forward in the traced steps: measured as none
         out.update({f"dpo.reference_{k}": 0.0 for k in ("count", "ms", "share", "backward_nodes", "backward_ms",
-                                                         "backward_share", "cast_ms", "cast_share")})
+                                                         "backward_share", "weight_casts", "cast_ms", "cast_share")})
         return
     ts, end, tid = ops["ts"].to_numpy(), ops["end"].to_numpy(), ops["tid"].to_numpy()
     seq, ftid = ops["seq"].to_numpy(), ops["fwd_tid"].to_numpy()
@@ -212,6 +222,8 @@ def _dpo_facts(t: Any, names: np.ndarray, in_win: np.ndarray, gemms: list[dict[s
     bwd_rows = np.flatnonzero(is_node & np.isin(seq, list(ref_seq)) & in_win) if ref_seq else np.zeros(0, dtype=int)
     bwd_spans = _outermost([(int(tid[r]), float(ts[r]), float(end[r])) for r in bwd_rows])
     cast_rows = np.flatnonzero(inside & np.isin(names, CASTS))
+    if cast_dims is not None:  # casts of fp32 weights (matrices); activations are (batch, length, ...) tensors
+        cast_rows = np.array([r for r in cast_rows if cast_dims.get(round(float(ts[r]), 3)) == 2], dtype=int)
     cast_spans = _outermost([(int(tid[r]), float(ts[r]), float(end[r])) for r in cast_rows])
 
     def time_us(spans: list[tuple[int, float, float]]) -> float:
@@ -226,6 +238,7 @@ def _dpo_facts(t: Any, names: np.ndarray, in_win: np.ndarray, gemms: list[dict[s
     out["dpo.reference_backward_nodes"] = len(bwd_rows) / n
     out["dpo.reference_backward_ms"] = time_us(bwd_spans) / 1e3 / n
     out["dpo.reference_backward_share"] = out["dpo.reference_backward_ms"] / denominator if denominator else 0.0
+    out["dpo.reference_weight_casts"] = len(cast_rows) / n
     out["dpo.reference_cast_ms"] = time_us(cast_spans) / 1e3 / n
     out["dpo.reference_cast_share"] = out["dpo.reference_cast_ms"] / out["dpo.reference_ms"] if ref_us else 0.0
     ref_gemms = [g for g in gemms if any(th == g["tid"] and s <= g["ts"] and g["end"] <= e for th, s, e in ranges)]
