@@ -288,3 +288,16 @@ def test_profile_reports_the_mode(kw, tmp_path):
     assert report["mode"]["train"] == kw.get("train", "full") and report["mode"]["objective"] == kw.get("objective", "sft")
     assert report["metrics"]["model_tflops_per_s"] > 0 and math.isfinite(report["metrics"]["final_loss"])
     json.dumps(report)
+
+
+def test_advice_says_each_mode_fix_in_user_terms():
+    from vlmdoctor.doctor.advice import advise
+
+    t = advise({"dpo_precompute_reference": True, "dpo_reference_no_grad": True}, "trainer")
+    assert "DPOConfig(precompute_ref_log_probs=True)  # TRL" in t and any("torch.no_grad()" in x for x in t)
+    loop = advise({"dpo_reference_dtype": "bf16", "train": "lora", "optimizer": "paged_adamw_8bit"}, "loop")
+    assert any("torch.bfloat16" in x for x in loop) and any("get_peft_model" in x for x in loop)
+    assert any("PagedAdamW8bit" in x for x in loop)
+    for audience in ("trainer", "loop"):
+        lines = advise({"lora_rank": 8, "lora_targets": "attention", "dpo_beta": 0.2, "train": "qlora"}, audience)
+        assert lines and not any("equivalent known" in x for x in lines)
