@@ -79,7 +79,7 @@ def check_mode_device(cfg: Any, device: torch.device) -> None:
     needs_bnb = [f"--train {cfg.train}"] if cfg.train == "qlora" else []
     needs_bnb += [f"--optimizer {cfg.optimizer}"] if cfg.optimizer != "adamw" else []
     if needs_bnb and device.type != "cuda":
-        raise UsageError(f"{' and '.join(needs_bnb)} use bitsandbytes CUDA kernels and run on a CUDA GPU only; "
+        raise UsageError(f"{' and '.join(needs_bnb)}: bitsandbytes' CUDA kernels, which run on a CUDA GPU only; "
                          "on CPU use --train lora and --optimizer adamw")
     if needs_bnb:
         try:
