@@ -280,9 +280,9 @@ def test_lora_counts_two_base_passes_plus_six_adapter_passes(tiny_spec):
 
 
 # --- a whole run per mode ------------------------------------------------------------------------
-@pytest.mark.parametrize("kw", [{"train": "lora"}, {"objective": "dpo"}, {"model": "tiny-llava", "train": "lora",
-                                                                          "objective": "dpo"}])
+@pytest.mark.parametrize("kw", [{"model": "tiny-llava", "train": "lora", "objective": "dpo"}])
 def test_profile_reports_the_mode(kw, tmp_path):
+    """A native class in both modes at once (the composite model's runs: the DPO and precompute tests above)."""
     report = runner.run_profile(_cfg(**kw))
     assert report["status"] == "ok", report.get("error")
     assert report["mode"]["train"] == kw.get("train", "full") and report["mode"]["objective"] == kw.get("objective", "sft")
