@@ -89,10 +89,23 @@ CPU_CASES = {"precision-cpu-bf16-emulated"}
 # rules over several ranks' traces together: tested on real 2-rank recordings (tests/test_dist_rules.py)
 DIST_CASES = {"system-comm-exposed-fsdp", "system-comm-exposed-ddp", "batching-rank-token-imbalance",
               "system-fsdp-small-model", "system-ddp-near-memory", "system-accum-sync", "batching-sharded-batch"}
+# training-mode rules (LoRA, QLoRA, DPO): tested both ways on traces of the modes recorded on CPU in
+# tests/test_mode_rules.py; their H100 traces are recorded by bench/modes15/record.sh
+MODE_CASES = {"fusion-lora-tiny-gemms", "precision-qlora-dequant", "precision-dpo-reference-grad",
+              "precision-dpo-reference-fp32", "system-dpo-reference-every-step"}
 
 
 def test_every_rule_has_a_case():
-    assert set(CASES) | set(SUPERSEDED_CASES) | set(VARIATION_CASES) | CPU_CASES | DIST_CASES == {r.id for r in RULES}
+    assert set(CASES) | set(SUPERSEDED_CASES) | set(VARIATION_CASES) | CPU_CASES | DIST_CASES | MODE_CASES == \
+        {r.id for r in RULES}
+
+
+@pytest.mark.parametrize("name", ["default_s2", "healthy_s2", "ckpt_s2", "bf16_s1", "compile_s2"])
+def test_mode_rules_stay_quiet_on_runs_without_a_mode(name):
+    """Full-training SFT runs on the H100: no adapters, no reference, no 4-bit base, so no mode finding."""
+    f = measured(name)
+    assert f["dpo.reference_count"] == 0 and f["qlora.dequant_count"] == 0
+    assert not MODE_CASES & set(fired(name))
 
 
 def test_cpu_rules_do_not_apply_to_gpu_traces():

@@ -162,6 +162,41 @@ def _one(knob: str, value: Any, audience: str, ctx: dict[str, Any]) -> list[str]
                 ["call loss.item() every N steps, not every step (it waits for the GPU)"])
     if knob in DIST_ADVICE:  # issue 13: several processes (same lines for Trainer users, through accelerate/FSDP config)
         return DIST_ADVICE[knob](value)
+    if knob == "train":
+        if value == "lora":
+            return ["load the base in bf16 without quantization_config (no BitsAndBytesConfig)",
+                    "model = get_peft_model(model, LoraConfig(r=16, target_modules=[...]))  # peft"]
+        if value == "full":
+            return ["train the LLM's own weights (no get_peft_model)"]
+        return ["from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True, "
+                "bnb_4bit_quant_type='nf4'))"]
+    if knob == "dpo_reference_no_grad":
+        if not value:
+            return ["run the reference forward with autograd (drop its torch.no_grad())"]
+        lines = ["ref_model.requires_grad_(False); ref_model.eval()",
+                 "with torch.no_grad():", "    ref_logps = logps(ref_model, batch)  # detached"]
+        return (["DPOConfig: pass ref_model=None with peft (adapters off), or a frozen ref_model"] + lines
+                if trainer else lines)
+    if knob == "dpo_reference_dtype":
+        dtype = "torch.bfloat16" if value == "bf16" else "torch.float32"
+        return [f"ref_model = AutoModel...from_pretrained(..., dtype={dtype})  # or ref_model.to({dtype})"]
+    if knob == "dpo_precompute_reference":
+        if trainer:
+            return [f"DPOConfig(precompute_ref_log_probs={bool(value)})  # TRL"]
+        return (["compute the reference log-probs of every pair once, before training, and read",
+                 "them with the batch (the reference then leaves the step and the GPU)"] if value else
+                ["compute the reference log-probs in each step"])
+    if knob == "optimizer":
+        name = {"adamw": "adamw_torch", "paged_adamw": "paged_adamw_32bit", "paged_adamw_8bit": "paged_adamw_8bit"}[value]
+        cls = {"adamw": "torch.optim.AdamW", "paged_adamw": "bnb.optim.PagedAdamW",
+               "paged_adamw_8bit": "bnb.optim.PagedAdamW8bit"}[value]
+        return [f'optim="{name}"'] if trainer else [f"{cls}(params, lr=...)"]
+    if knob in ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets"):
+        peft_name = {"lora_rank": "r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
+                     "lora_targets": "target_modules"}[knob]
+        return [f"LoraConfig({peft_name}={value!r})  # peft"]
+    if knob == "dpo_beta":
+        return [f"DPOConfig(beta={value})" if trainer else f"beta = {value}  # in the DPO loss"]
     if knob in ("warmup", "steps", "repeats"):
         return []  # vlmdoctor's own measuring window, not the user's training
     return [f"{knob}={value!r} (no {'TrainingArguments' if trainer else 'loop'} equivalent known)"]

@@ -53,7 +53,7 @@ FACT_OPTIONS: list[tuple[re.Pattern[str], str, Any]] = [
                 r"|attention\.(fp32_kernels|backend)"),
      "a GPU trace (ProfilerActivity.CUDA)", lambda f: f.get("trace.gpu_kernels", True)),
     (re.compile(r"memory\."), "profile_memory=True", lambda f: f.get("trace.recorded.memory", True)),
-    (re.compile(r"shapes\.|loss\.(logits|head_rows)|flops\.|attention\.[a-z_]+\.(head_dim|fwd_tflop)"),
+    (re.compile(r"shapes\.|lora\.|dpo\.reference_fp32|loss\.(logits|head_rows)|flops\.|attention\.[a-z_]+\.(head_dim|fwd_tflop)"),
      "record_shapes=True", lambda f: f.get("trace.recorded.shapes", True)),
     (re.compile(r"(part|attention)\.(vision|projector|llm)\."), "with_stack=True (records the nn.Module hierarchy)",
      lambda f: f.get("part.source", "none") != "none"),
@@ -92,6 +92,10 @@ KNOWN_FACTS = [re.compile(p) for p in (
     r"cpu\.matmul\.(ms|share|dtypes|(fp32|bf16|fp16)_(ms|gflop|gflops))", r"cpu\.part\.[a-z_]+\.forward_ms",
     r"cpu\.data_loader\.(ms|share)",
     r"comm\.[a-z_]+(\.[a-z_]+)*", r"dist\.[a-z_]+(\.[a-z_]+)*",  # collectives (trace/comms.py), ranks joined (trace/ranks.py)
+    # training modes (vlmdoctor/trace/modes.py)
+    r"lora\.(lowrank_gemm_count|lowrank_gemm_ms|lowrank_gemm_share|lowrank_flop_share|gemm_count|rank)",
+    r"qlora\.(dequant_count|dequant_ms|dequant_share|bf16_extra_gb)", r"memory\.headroom_gb",
+    r"dpo\.reference_(count|ms|share|backward_nodes|backward_ms|backward_share|weight_casts|cast_ms|cast_share|fp32_gemm_share)",
     r"config\.(" + "|".join(RunConfig.__dataclass_fields__) + r")",
     r"patch\.(" + "|".join(RunConfig.__dataclass_fields__) + r")",  # the rule's own patch values, in gain expressions
 )]

@@ -71,6 +71,16 @@ class RunConfig:
     tokenizer: str | None = knob(None, 0, "local tokenizer folder for --data FILE")
     bad_records: str = knob("stop", 0, "malformed records in --data: stop the run or skip them (counted)", ("stop", "skip"))
     num_samples: int = knob(4096, 0, "synthetic samples in the data set", minimum=1, maximum=1_000_000)
+    train: str = knob("full", 0, "what trains in the LLM: all weights (full), LoRA adapters on a frozen base (lora), "
+                      "or LoRA on a 4-bit NF4 base (qlora, GPU + bitsandbytes); docs/modes.md", ("full", "lora", "qlora"))
+    lora_rank: int = knob(16, 0, "LoRA rank r", minimum=1, maximum=4096)
+    lora_alpha: float = knob(32.0, 0, "LoRA alpha (the adapter output is scaled by alpha / r)", above=0)
+    lora_dropout: float = knob(0.05, 0, "dropout on the LoRA adapter input", minimum=0, maximum=0.9)
+    lora_targets: str = knob("attention_mlp", 0, "LLM modules that get adapters: attention (q,k,v,o), attention_mlp "
+                             "(+ gate, up, down) or a comma list of module names")
+    objective: str = knob("sft", 0, "training objective: next-token cross entropy (sft) or DPO on preference pairs",
+                          ("sft", "dpo"))
+    dpo_beta: float = knob(0.1, 0, "DPO beta (strength of the implicit KL penalty)", above=0)
     # --- layer 1: precision --------------------------------------------------------------
     weight_dtype: str = knob("fp32", 1, "dtype the weights are stored in", ("fp32", "bf16"))
     autocast: str = knob("bf16", 1, "autocast around forward and loss", ("bf16", "off"))
@@ -79,6 +89,10 @@ class RunConfig:
     input_require_grads: bool = knob(False, 1, "call transformers' enable_input_require_grads() on the vision tower and "
                                      "the LLM, as LLaVA-style trainers do with checkpointing: the frozen tower's "
                                      "activations then require grad")
+    dpo_reference_dtype: str = knob("fp32", 1, "dtype of the DPO reference copy's weights (full training; LoRA's "
+                                    "reference is the policy's own base)", ("fp32", "bf16"))
+    dpo_reference_no_grad: bool = knob(False, 1, "run the DPO reference forward under torch.no_grad() with frozen "
+                                       "weights (off: a deep-copied reference that still tracks grad)")
     # --- layer 2: batching ---------------------------------------------------------------
     batch_size: int = knob(4, 2, "samples per micro-batch", minimum=1, maximum=65536)
     grad_accum: int = knob(1, 2, "micro-batches per optimizer step", minimum=1, maximum=65536)
@@ -115,6 +129,10 @@ class RunConfig:
     pin_memory: bool = knob(False, 5, "pinned host memory for batches (async H2D copies)")
     cache_vision_features: bool = knob(False, 5, "precompute frozen vision features once, copy them H2D each step")
     fused_optimizer: bool = knob(False, 5, "AdamW(fused=True) instead of the default foreach implementation")
+    optimizer: str = knob("adamw", 5, "optimizer: torch AdamW, or bitsandbytes' paged AdamW (32-bit or 8-bit states; "
+                          "GPU + bitsandbytes)", ("adamw", "paged_adamw", "paged_adamw_8bit"))
+    dpo_precompute_reference: bool = knob(False, 5, "compute the DPO reference log-probs once per sample before "
+                                          "training and reuse them (reported, outside the timed window)")
     sync_loss: bool = knob(False, 5, "read the loss on the host (.item()) after every micro-batch, as logging loops "
                            "often do: a device sync per micro-batch")
     # --- several processes (torchrun) -----------------------------------------------------
@@ -198,7 +216,10 @@ class RunConfig:
         if self.nproc_per_node > 1 and self.parallel == "none":
             raise UsageError(f"{_label('nproc_per_node', source)}={self.nproc_per_node} runs several processes; "
                              f"choose how they share the work: {_label('parallel', source)} ddp or fsdp2")
+        from vlmdoctor.run.modes import check_mode_knobs
         from vlmdoctor.run.zoo import refuse_composite_only
+
+        check_mode_knobs(self, source)
 
         try:
             refuse_composite_only(self.model, self.to_dict())

@@ -163,8 +163,11 @@ class LlavaFile(Dataset):
                 self.stats.problems.append(msg)
         if not self.samples:
             raise UsageError(f"--data {path}: no usable records ({self.stats.skipped} skipped)")
-        self.lengths = [len(s["input_ids"]) for s in self.samples]
+        self.lengths = [self._length(s) for s in self.samples]
         self.with_pixels = True  # False when vision features are cached
+
+    def _length(self, sample: dict[str, Any]) -> int:
+        return len(sample["input_ids"])
 
     def _encode(self, record: Any) -> dict[str, Any]:
         if not isinstance(record, dict):
@@ -430,3 +433,116 @@ class Collator:
             if max(load) <= max(self.pack_length, max(lengths)) or k >= len(samples):
                 return [[samples[i] for i in row] for row in rows if row]
             k += 1
+
+
+# --- preference pairs (DPO) ------------------------------------------------------------------------
+
+class SyntheticPairs(SyntheticVQA):
+    """Preference pairs: each sample's prompt + image is shared by a chosen and a rejected answer.
+
+    The chosen answer is the SFT sample's; the rejected answer draws its own length from the same
+    length model (another seed), so the two rows of a pair differ in length as real pairs do.
+    A pair's length for bucketing is its longer row.
+    """
+
+    def __init__(self, spec: ModelSpec, num_samples: int, seed: int = 0) -> None:
+        super().__init__(spec, num_samples, seed)
+        _, self.rejected_answers = sample_text_lengths(self.lm, num_samples, seed + 2)
+        fixed = self.lm["template_tokens"] + self.lm["system_prompt_tokens"] + spec.image_tokens + 2
+        self.row_lengths = [(c, fixed + int(q) + int(r)) for c, q, r in
+                            zip(self.lengths, self.questions, self.rejected_answers)]
+        self.lengths = [max(c, r) for c, r in self.row_lengths]
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        chosen = super().__getitem__(i)
+        rng = np.random.default_rng((self.seed, i, 1))
+        q_rng = np.random.default_rng((self.seed, i))  # the chosen sample's question, drawn again
+        question = q_rng.integers(*self.text_range, int(self.questions[i])).tolist()
+        answer = rng.integers(*self.text_range, int(self.rejected_answers[i]) - 1).tolist()
+        ids, labels = self.template.build(self.system, self.spec.image_tokens, question, answer)
+        pair = {"chosen": {"input_ids": chosen["input_ids"], "labels": chosen["labels"]},
+                "rejected": {"input_ids": ids, "labels": labels}, "image_id": chosen["image_id"], "index": i}
+        if self.with_pixels:
+            pair["pixel_values"] = chosen["pixel_values"]
+        return pair
+
+
+class PreferenceFile(LlavaFile):
+    """TRL-style preference JSONL/JSON: `prompt`, `images` (one local path; `image` works too), `chosen`, `rejected`.
+
+    `prompt` is a string (an `<image>` in it marks where the image goes, else the image leads the
+    prompt) or TRL's conversational form, a list of {"role": "user", "content": str}; `chosen` and
+    `rejected` are strings or one-message lists ({"role": "assistant", "content": str}). The
+    LLaVA reader's conventions hold: --tokenizer DIR is needed, image paths are relative to the
+    file, and a malformed record stops the run with its line, or is skipped and counted with
+    --bad-records skip.
+    """
+
+    def _length(self, sample: dict[str, Any]) -> int:
+        return max(len(sample["chosen"]["input_ids"]), len(sample["rejected"]["input_ids"]))
+
+    def _encode(self, record: Any) -> dict[str, Any]:
+        if not isinstance(record, dict):
+            raise ValueError("record is not an object")
+        images = record.get("images", record.get("image"))
+        if isinstance(images, str):
+            images = [images]
+        if not isinstance(images, list) or len(images) != 1 or not isinstance(images[0], str) or not images[0]:
+            raise ValueError("'images' must hold exactly one image path")
+        image = images[0]
+        img_path = Path(image) if Path(image).is_absolute() else self.path.parent / image
+        if not img_path.is_file():
+            raise ValueError(f"image not found: {img_path}")
+        _check_image(img_path)
+        prompt = _text_of(record.get("prompt"), "prompt", "user")
+        t, tok = self.ids, self.tokenizer
+        before, _, after = prompt.partition("<image>") if "<image>" in prompt else ("", "", prompt)
+        if "<image>" in after:
+            raise ValueError("the prompt holds more than one <image>")
+        head = _encode_text(tok, f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n{before}")
+        head += [t["vision_start"]] + [t["image_pad"]] * self.spec.image_tokens + [t["vision_end"]]
+        head += _encode_text(tok, f"{after.lstrip(chr(10))}<|im_end|>\n<|im_start|>assistant\n")
+        rows = {}
+        for key in ("chosen", "rejected"):
+            reply = _encode_text(tok, f"{_text_of(record.get(key), key, 'assistant')}<|im_end|>")
+            tail = _encode_text(tok, "\n")
+            rows[key] = {"input_ids": head + reply + tail,
+                         "labels": [IGNORE] * len(head) + reply + [IGNORE] * len(tail)}
+        return {**rows, "image_path": str(img_path)}
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        s = self.samples[i]
+        pair = {"chosen": s["chosen"], "rejected": s["rejected"], "image_id": i, "index": i}
+        if self.with_pixels:
+            pair["pixel_values"] = self.raw_image(i)
+        return pair
+
+
+def _text_of(value: Any, key: str, role: str) -> str:
+    """A string, or TRL's conversational list of messages of one role, as one string."""
+    if isinstance(value, str) and value.strip():
+        return value
+    if isinstance(value, list) and value and all(isinstance(m, dict) and m.get("role") == role
+                                                 and isinstance(m.get("content"), str) for m in value):
+        return "\n".join(m["content"] for m in value)
+    raise ValueError(f"'{key}' must be a non-empty string or a list of {{role: {role}, content: str}} messages")
+
+
+class PairCollator:
+    """A batch of B pairs as 2B rows (chosen rows first, then rejected), as TRL's concatenated forward does."""
+
+    def __init__(self, base: Collator) -> None:
+        self.base = base
+
+    def __call__(self, pairs: list[dict[str, Any]]) -> dict[str, Any]:
+        rows = []
+        for key in ("chosen", "rejected"):
+            for p in pairs:
+                row = {**p[key], "image_id": p["image_id"]}
+                if "pixel_values" in p:
+                    row["pixel_values"] = p["pixel_values"]
+                rows.append(row)
+        batch = self.base(rows)
+        batch["counts"]["pairs"] = len(pairs)
+        batch["pair_index"] = [p["index"] for p in pairs]
+        return batch

@@ -38,6 +38,17 @@ are left out, as above. With gradient checkpointing a native class also enables 
 grads (transformers does it), so its frozen tower builds a graph and runs a backward: that is
 waste, not model work, and is not counted.
 
+Training modes (run/modes.py, docs/modes.md):
+  LoRA / QLoRA (stage 2 only): the base LLM is frozen but the backward still needs its input
+    gradients to reach earlier adapters and the projector, so the base costs forward + input-grad
+    GEMMs = 2 * F_lin + 3 * F_att (as stage 1), and each adapted layer (d_in -> d_out, rank r)
+    adds 6 * r * (d_in + d_out) per token: forward of A and B, their input grads, their weight
+    grads. QLoRA computes the same (its dequantization is not model work).
+  DPO: the policy runs on the chosen and the rejected row of each pair (2B rows, each with its
+    image) in its training mode; the reference adds a forward on both rows: F_llm + F_vis +
+    2 * P_p * T per row, none when its log-probs were precomputed (that pass is reported apart).
+    A reference that tracks grad and gets a backward does waste, not model work: not counted.
+
 Gradient-checkpoint recompute is not model work and is not counted (that is the usual MFU
 convention, as opposed to hardware FLOPs). Embedding lookups, norms, activations, the
 softmax and the optimizer are left out: they are a few percent of the matmul FLOPs.
@@ -159,13 +170,40 @@ class FlopModel:
                          + 4.0 * self.vision_layers * self.vision_dim * n * n)
 
     def step(self, lengths: list[int], stage: int, vision_cached: bool = False,
-             head_tokens: int | None = None) -> dict[str, float]:
-        """Model FLOPs of one optimizer step over samples of these real lengths (one image each)."""
+             head_tokens: int | None = None, mode: "Mode | None" = None) -> dict[str, float]:
+        """Model FLOPs of one optimizer step over rows of these real lengths (one image each).
+
+        With DPO the rows are the chosen and the rejected row of every pair (2B rows).
+        """
+        mode = mode or Mode()
         lin, att = self.llm_forward(lengths, head_tokens)
-        llm = 3.0 * (lin + att) if stage == 2 else 2.0 * lin + 3.0 * att
+        if mode.train == "full":
+            llm = 3.0 * (lin + att) if stage == 2 else 2.0 * lin + 3.0 * att
+            adapters = 0.0
+        else:  # frozen base: forward + input-grad GEMMs only; adapters: forward + both grads
+            llm = 2.0 * lin + 3.0 * att
+            adapters = 6.0 * mode.adapter_params * sum(lengths)
         vision = 0.0 if vision_cached else self.vision_forward(len(lengths))
         projector = 4.0 * self.projector_params * self.image_tokens * len(lengths)
-        return {"llm": llm, "vision": vision, "projector": projector, "total": llm + vision + projector}
+        reference = 0.0
+        if mode.objective == "dpo" and mode.reference_in_step:  # forward only, on both rows of every pair
+            reference = lin + att + vision + 2.0 * self.projector_params * self.image_tokens * len(lengths)
+        return {"llm": llm + adapters, "adapters": adapters, "vision": vision, "projector": projector,
+                "reference": reference, "total": llm + adapters + vision + projector + reference}
+
+
+@dataclass(frozen=True)
+class Mode:
+    """What a training mode computes beyond the stage: LoRA adapters, DPO's reference forward.
+
+    adapter_params: sum of r * (d_in + d_out) over the LoRA-adapted layers (their weight count);
+    reference_in_step: False when reference log-probs were precomputed before the timed steps.
+    """
+
+    train: str = "full"
+    adapter_params: int = 0
+    objective: str = "sft"
+    reference_in_step: bool = True
 
 
 def flop_model(model: str, cfg: dict[str, Any] | None = None) -> FlopModel:
@@ -189,6 +227,10 @@ def describe() -> dict[str, Any]:
         "projector": "4*P_proj*T per image",
         "native_classes": "LLaVA: N=T=patches, MLP projector; Qwen2-VL: N=patches, merger MLP on T=N/4; "
                           "Idefics3: N=patches, linear on T=N/scale^2 (FlopModel.from_native)",
+        "lora": "frozen base: 2 * 2*P_llm*L + 3 * 2*n*d_att*L*(L+1) (no weight-grad GEMMs); adapters: 6 * r*(d_in+d_out) "
+                "per adapted layer per token (forward + input grad + weight grad)",
+        "dpo": "policy on the chosen and the rejected row of each pair; reference forward on both: "
+               "2*P_llm*L + 2*n*d_att*L*(L+1) + vision + 2*P_proj*T per row (0 when precomputed)",
         "counted_on": "real tokens only; recompute, padding and casts are not model FLOPs; with lm_head_labeled_only "
                       "the LM head counts the labeled positions it runs on",
         "peak": "dense bf16 tensor-core peak of the device (data sheet)",

@@ -381,12 +381,18 @@ def native_catalogue() -> list[dict[str, Any]]:
     return rows
 
 
-def configure(model: NativeVLM, cfg: Any) -> None:
-    """The run config's model knobs, in the composite model's order: stage, no_grad tower, Liger, checkpointing, input grads."""
+def configure(model: NativeVLM, cfg: Any, train_mode: Any = None) -> None:
+    """The run config's model knobs, in the composite model's order: stage, no_grad tower, Liger, training mode
+    (`train_mode()` puts LoRA on the LLM part), checkpointing, input grads."""
     apply_native_stage(model, cfg.stage)
     model.set_vision_no_grad(cfg.vision_no_grad)
     if cfg.uses_liger:
         apply_native_liger(model, cfg)
+    if train_mode is not None and cfg.train != "full":
+        model.mode_info = train_mode()
+        proj = {id(p) for p in model.parts["projector"].parameters()}
+        for name, p in model.hf.named_parameters():  # the LM head and embeddings sit outside the LLM part
+            p.requires_grad_(id(p) in proj or "lora_" in name)
     if cfg.gradient_checkpointing:
         enable_native_checkpointing(model, cfg.checkpoint_use_reentrant)
     if cfg.input_require_grads:

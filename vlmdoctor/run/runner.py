@@ -33,7 +33,8 @@ from vlmdoctor.run import distributed, envinfo, flops
 from vlmdoctor.run.capture import TraceOptions, capture, trace_path
 from vlmdoctor.run.compile import compile_vlm, compiled, graphs_compiled, mark_lengths_dynamic
 from vlmdoctor.run.config import RunConfig
-from vlmdoctor.run.data import BatchSampler, Collator, LlavaFile, SyntheticVQA
+from vlmdoctor.run.data import BatchSampler, Collator, LlavaFile, PairCollator, PreferenceFile, SyntheticPairs, SyntheticVQA
+from vlmdoctor.run import modes
 from vlmdoctor.errors import EXIT_FAILED_RUN, EXIT_NAN, EXIT_OK, EXIT_OOM, UsageError
 from vlmdoctor.run import native
 from vlmdoctor.run.model import VLM, apply_stage, build_model, enable_gradient_checkpointing, enable_input_require_grads, param_counts
@@ -66,6 +67,7 @@ def preflight(cfg: RunConfig, spec: ModelSpec | native.NativeSpec, device: torch
     """Combinations that cannot run here fail before anything is built."""
     if isinstance(spec, native.NativeSpec):
         native.check_native(cfg, spec, device)
+    modes.check_mode_device(cfg, device)
     if cfg.uses_liger:
         if device.type != "cuda":
             raise UsageError("Liger kernels are Triton GPU kernels and cannot run on the CPU; drop the --liger-* flags "
@@ -79,6 +81,9 @@ def preflight(cfg: RunConfig, spec: ModelSpec | native.NativeSpec, device: torch
                              "install it with: pip install liger-kernel") from None
     if cfg.unsloth:
         check_unsloth(cfg, spec, device)
+    if cfg.parallel != "none" and (cfg.train != "full" or cfg.objective != "sft"):
+        raise UsageError(f"--train {cfg.train} --objective {cfg.objective} runs in one process for now; drop "
+                         f"--parallel {cfg.parallel} (LoRA, QLoRA and DPO under DDP/FSDP2 are not built yet)")
     if cfg.compile_vision != "model":
         if cfg.parallel != "none":
             raise UsageError(f"--compile-vision {cfg.compile_vision} compiles the tower of one unwrapped model; with "
@@ -188,6 +193,14 @@ class Patient:
     data_info: dict[str, Any] = field(default_factory=dict)
     dist: distributed.Dist | None = None  # this rank's place, in a run under torchrun
     wrap_info: dict[str, Any] | None = None
+    flop_mode: flops.Mode = field(default_factory=flops.Mode)
+    reference: modes.Reference | None = None
+    mode_info: dict[str, Any] = field(default_factory=dict)
+
+    def step_flops(self, counts: dict[str, Any]) -> float:
+        head = counts["loss_tokens"] if self.cfg.lm_head_labeled_only else None
+        return self.flop_model.step(counts["lengths"], self.cfg.stage, self.cfg.cache_vision_features, head,
+                                    self.flop_mode)["total"]
 
 
 def _attention_context(backend: str):
@@ -238,7 +251,7 @@ def _finish_model(cfg: RunConfig, vlm: torch.nn.Module, device: torch.device, di
     if dist is not None and cfg.parallel == "ddp":
         model, info = distributed.wrap(model, cfg, dist, device)
     params = [p for p in vlm.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, **({"fused": True} if cfg.fused_optimizer else {}))
+    optimizer = modes.make_optimizer(params, cfg)
     return model, optimizer, info
 
 
@@ -259,17 +272,19 @@ def build_patient(cfg: RunConfig, device: torch.device, progress: Progress = _qu
     vlm.fused_ce = cfg.liger_fused_linear_cross_entropy
     if cfg.uses_liger:
         _apply_liger(vlm, cfg)
+    mode_info = _apply_train_mode(vlm.llm, cfg, device)
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(vlm, cfg.checkpoint_use_reentrant)
     if cfg.input_require_grads:
         enable_input_require_grads(vlm)
 
+    dpo = cfg.objective == "dpo"
     if cfg.data == "synthetic":
-        dataset: SyntheticVQA | LlavaFile = SyntheticVQA(spec, cfg.num_samples, cfg.seed)
+        dataset: SyntheticVQA | LlavaFile = (SyntheticPairs if dpo else SyntheticVQA)(spec, cfg.num_samples, cfg.seed)
         pad_id = spec.llm["special_tokens"]["pad"]
         data_info = {"source": "synthetic", "length_model": dataset.lm["name"], "samples": len(dataset)}
     else:
-        dataset = LlavaFile(cfg.data, cfg.tokenizer, spec, cfg.bad_records)
+        dataset = (PreferenceFile if dpo else LlavaFile)(cfg.data, cfg.tokenizer, spec, cfg.bad_records)
         pad_id = dataset.ids["pad"]
         vlm.image_pad_id = dataset.ids["image_pad"]
         data_info = {"source": cfg.data, "records": dataset.stats.records, "skipped": dataset.stats.skipped,
@@ -283,49 +298,111 @@ def build_patient(cfg: RunConfig, device: torch.device, progress: Progress = _qu
         features = _cache_features(vlm, dataset, cfg, device)
         dataset.with_pixels = False
     collator = Collator(pad_id, cfg.pad_to_multiple_of, cfg.packing, cfg.pack_length, features, cfg.lm_head_labeled_only)
+    if dpo:
+        collator = PairCollator(collator)
     sampler = _batch_sampler(cfg, dataset.lengths, dist)
     loader = torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, collate_fn=collator, num_workers=cfg.num_workers,
         pin_memory=cfg.pin_memory and device.type == "cuda", persistent_workers=cfg.num_workers > 0,
     )
+    reference = modes.Reference(vlm, cfg, vlm.projector) if dpo else None
     if dist is None:
         params = [p for p in vlm.parameters() if p.requires_grad]
-        opt_kwargs = {"fused": True} if cfg.fused_optimizer else {}
-        optimizer = torch.optim.AdamW(params, lr=cfg.lr, **opt_kwargs)
+        optimizer = modes.make_optimizer(params, cfg)
         model = compile_vlm(vlm, cfg.compile, cfg.compile_vision, cfg.compile_shape_padding, cfg.compile_regions)
         info = None
     else:
         model, optimizer, info = _finish_model(cfg, vlm, device, dist, lambda m: _compile_wrapped(m, cfg))
-    return Patient(cfg, spec, device, model, vlm, optimizer, _cycle(loader), flops.FlopModel.from_spec(spec), data_info,
-                   dist, info)
+    patient = Patient(cfg, spec, device, model, vlm, optimizer, _cycle(loader), flops.FlopModel.from_spec(spec),
+                      data_info, dist, info, reference=reference)
+    return _with_mode(patient, mode_info, dataset, collator)
+
+def _apply_train_mode(llm: torch.nn.Module, cfg: RunConfig, device: torch.device) -> dict[str, Any]:
+    """LoRA (on a 4-bit base for QLoRA) on the LLM; nothing for full training."""
+    info: dict[str, Any] = {"train": cfg.train, "objective": cfg.objective}
+    if cfg.train == "full":
+        return info
+    if cfg.train == "qlora":
+        info["quantized_linear_layers"] = modes.quantize_nf4(llm)
+    adapted = modes.apply_lora(llm, cfg)
+    info.update(lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_targets=list(modes.target_names(cfg.lora_targets)),
+                adapted_layers=len(adapted), adapter_params=modes.adapter_params(llm))
+    return info
+
+
+def _with_mode(p: Patient, info: dict[str, Any], dataset: Any, collator: Any) -> Patient:
+    """The mode's FLOP terms and report section; the reference pass over the data when precomputing."""
+    if p.reference is not None:
+        info["reference"] = "adapters disabled + projector snapshot" if p.reference.shared else \
+            f"deep copy ({p.cfg.dpo_reference_dtype})"
+        info["reference_mb"] = p.reference.params_bytes() / 2**20
+        info["reference_no_grad"] = p.cfg.dpo_reference_no_grad
+    p.flop_mode = flops.Mode(p.cfg.train, int(info.get("adapter_params", 0)), p.cfg.objective,
+                             not p.cfg.dpo_precompute_reference)
+    p.mode_info = info
+    if p.reference is not None and p.cfg.dpo_precompute_reference:
+        info["precompute"] = _precompute_reference(p, dataset, collator)
+    return p
+
+
+def _precompute_reference(p: Patient, dataset: Any, collator: Any) -> dict[str, Any]:
+    """Reference log-probs of every pair, once, before warm-up (not timed; its wall time is reported)."""
+    t0 = time.perf_counter()
+    dtype = _input_dtype(p)
+    ref, b = p.reference, p.cfg.batch_size
+    flop_total = 0.0
+    for start in range(0, len(dataset), b):
+        batch = collator([dataset[i] for i in range(start, min(start + b, len(dataset)))])
+        counts, index = batch.pop("counts"), batch.pop("pair_index")
+        batch = _to_device(batch, p.device, dtype)
+        labels = batch.pop("labels")
+        with torch.no_grad(), _attention_context(p.cfg.attention), _autocast(p.cfg, p.device):
+            logps = ref.logps(batch, labels).float().cpu()
+        n = len(index)
+        for k, i in enumerate(index):
+            ref.cache[i] = (float(logps[k]), float(logps[n + k]))
+        fwd = p.flop_model.step(counts["lengths"], p.cfg.stage, False, None, flops.Mode(objective="dpo"))
+        flop_total += fwd["reference"]
+    _sync(p.device)
+    return {"pairs": len(ref.cache), "wall_s": time.perf_counter() - t0, "tflop": flop_total / 1e12}
+
+
+def _input_dtype(p: Patient) -> torch.dtype:
+    return p.vlm.input_dtype if isinstance(p.vlm, native.NativeVLM) else p.vlm.projector.dtype
 
 
 def _native_patient(cfg: RunConfig, spec: native.NativeSpec, device: torch.device,
                     dist: distributed.Dist | None = None) -> Patient:
     """A native transformers class on the same synthetic data, collation and optimizer as the composite model."""
     vlm = native.build_native(spec, cfg.weight_dtype, cfg.attention, cfg.weights, device)
-    native.configure(vlm, cfg)
-    dataset = SyntheticVQA(spec, cfg.num_samples, cfg.seed)  # type: ignore[arg-type]
+    native.configure(vlm, cfg, lambda: _apply_train_mode(vlm.parts["llm"], cfg, device))
+    dpo = cfg.objective == "dpo"
+    dataset = (SyntheticPairs if dpo else SyntheticVQA)(spec, cfg.num_samples, cfg.seed)  # type: ignore[arg-type]
     data_info = {"source": "synthetic", "length_model": dataset.lm["name"], "samples": len(dataset)}
     if len(dataset) < cfg.batch_size:
         raise UsageError(f"the data holds {len(dataset)} usable samples, fewer than one batch of {cfg.batch_size}")
-    collator = Collator(spec.llm["special_tokens"]["pad"], cfg.pad_to_multiple_of)
+    collator: Any = Collator(spec.llm["special_tokens"]["pad"], cfg.pad_to_multiple_of)
+    if dpo:
+        collator = PairCollator(collator)
     sampler = _batch_sampler(cfg, dataset.lengths, dist)
     loader = torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, collate_fn=collator, num_workers=cfg.num_workers,
         pin_memory=cfg.pin_memory and device.type == "cuda", persistent_workers=cfg.num_workers > 0,
     )
+    reference = modes.Reference(vlm, cfg, vlm.parts["projector"]) if dpo else None
     if dist is None:
         params = [p for p in vlm.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=cfg.lr, **({"fused": True} if cfg.fused_optimizer else {}))
+        optimizer = modes.make_optimizer(params, cfg)
         model: torch.nn.Module = vlm
         if cfg.compile != "off":
             model = compile_vlm(vlm, cfg.compile, "model", cfg.compile_shape_padding, cfg.compile_regions)
         info = None
     else:
         model, optimizer, info = _finish_model(cfg, vlm, device, dist, lambda m: _compile_wrapped(m, cfg))
-    return Patient(cfg, spec, device, model, vlm, optimizer, _cycle(loader), flops.FlopModel.from_native(spec), data_info,
-                   dist, info)
+    patient = Patient(cfg, spec, device, model, vlm, optimizer, _cycle(loader), flops.FlopModel.from_native(spec),
+                      data_info, dist, info, reference=reference)
+    return _with_mode(patient, getattr(vlm, "mode_info", {"train": cfg.train, "objective": cfg.objective}), dataset,
+                      collator)
 
 
 def _compile_wrapped(model: torch.nn.Module, cfg: RunConfig) -> torch.nn.Module:
@@ -366,12 +443,13 @@ def _to_device(batch: dict[str, Any], device: torch.device, dtype: torch.dtype) 
 def train_step(p: Patient) -> tuple[torch.Tensor, dict[str, Any]]:
     """One optimizer step over grad_accum micro-batches; returns the (device) loss and host counts."""
     cfg = p.cfg
-    dtype = p.vlm.input_dtype if isinstance(p.vlm, native.NativeVLM) else p.vlm.projector.dtype
+    dtype = _input_dtype(p)
     total = {"real_tokens": 0, "loss_tokens": 0, "padded_tokens": 0, "samples": 0, "lengths": [], "host_losses": []}
     loss_sum = None
     for micro in range(cfg.grad_accum):
         batch = next(p.batches)
         counts = batch.pop("counts")
+        index = batch.pop("pair_index", None)
         for k in ("real_tokens", "loss_tokens", "padded_tokens", "samples"):
             total[k] += counts[k]
         total["lengths"] += counts["lengths"]
@@ -382,7 +460,7 @@ def train_step(p: Patient) -> tuple[torch.Tensor, dict[str, Any]]:
                 else contextlib.nullcontext())
         with _attention_context(cfg.attention), sync:
             with _autocast(cfg, p.device):
-                loss = p.model(**batch).loss / cfg.grad_accum
+                loss = (_dpo_loss(p, batch, index) if p.reference is not None else p.model(**batch).loss) / cfg.grad_accum
             loss.backward()
         if cfg.sync_loss:  # what a logging loop does: the host waits for the device every micro-batch
             total["host_losses"].append(loss.item())
@@ -390,6 +468,21 @@ def train_step(p: Patient) -> tuple[torch.Tensor, dict[str, Any]]:
     p.optimizer.step()
     p.optimizer.zero_grad(set_to_none=True)
     return loss_sum, total
+
+
+def _dpo_loss(p: Patient, batch: dict[str, Any], index: list[int]) -> torch.Tensor:
+    """The policy on all 2B rows, the reference on the same rows (or its precomputed log-probs), the DPO loss."""
+    labels = batch.pop("labels")
+    n = len(index)
+    policy = modes.sequence_logps(p.model(**batch, labels=None).logits, labels)
+    ref = p.reference
+    if p.cfg.dpo_precompute_reference:
+        pairs = [ref.cache[i] for i in index]
+        ref_logps = torch.tensor([c for c, _ in pairs] + [r for _, r in pairs], device=policy.device)
+    else:
+        ref_logps = ref.logps(batch, labels)
+    loss, _ = modes.dpo_loss(policy[:n], policy[n:], ref_logps[:n], ref_logps[n:], p.cfg.dpo_beta)
+    return loss
 
 
 def _sync(device: torch.device) -> None:
@@ -413,8 +506,7 @@ def _window(p: Patient, steps: int, peak: float | None, progress: Progress, labe
         step_tokens.append(c["real_tokens"])
         loss_tok += c["loss_tokens"]
         padded += c["padded_tokens"]
-        head = c["loss_tokens"] if p.cfg.lm_head_labeled_only else None
-        model_flops += p.flop_model.step(c["lengths"], p.cfg.stage, p.cfg.cache_vision_features, head)["total"]
+        model_flops += p.step_flops(c)
         progress(label, i + 1, steps)
     wall = sum(step_s)
     loss_values = torch.stack(losses).float().cpu().tolist()
@@ -505,6 +597,7 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
         report["model"]["params"] = (native.native_param_counts(patient.vlm) if isinstance(patient.vlm, native.NativeVLM)
                                      else param_counts(patient.vlm))
         report["data"] = patient.data_info
+        report["mode"] = patient.mode_info
         warm_s: list[float] = []
         per_token: list[float] = []
         settle = SETTLE_MAX_STEPS if compiled(cfg) and cfg.warmup > 0 else 0

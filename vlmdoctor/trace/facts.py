@@ -242,7 +242,6 @@ def op_context(t: Tables) -> pd.DataFrame:
     part; backward ops take the part of the forward op that created their autograd node.
     """
     ops = t.ops
-    names = ops["name"].astype(str).to_numpy()
     cats = pd.Series(ops["name"].cat.categories, dtype=object).astype(str)
     part_names = ["", "vision", "projector", "llm"]
     code_part = np.zeros(len(cats), dtype=np.int8)
@@ -449,6 +448,7 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
         from vlmdoctor.trace.cpu_facts import cpu_facts  # it reads this module's tables: imported here, not at the top
 
         facts.update(cpu_facts(t, windows, facts))
+        _mode_facts(t, windows, facts)
         return facts
     facts["trace.gpu_kernels"] = True
     facts["trace.partial"] = bool(warnings)
@@ -541,8 +541,16 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
     _attention_shape_facts(t, facts, n, ctx)
     _memory_facts(t, facts)
     _flop_facts(t, facts, cfg)
+    _mode_facts(t, windows, facts)
     facts["trace.warnings"] = warnings
     return facts
+
+
+def _mode_facts(t: Tables, windows: list[tuple[float, float]], facts: dict[str, Any]) -> None:
+    """LoRA, QLoRA and DPO facts (trace/modes.py)."""
+    from vlmdoctor.trace.modes import mode_facts
+
+    facts.update(mode_facts(t, windows, facts))
 
 
 def part_source(t: Tables) -> str:
@@ -688,7 +696,12 @@ def _flop_facts(t: Tables, facts: dict[str, Any], cfg: dict[str, Any]) -> None:
     if not batches:
         return
     cached = bool(cfg.get("cache_vision_features", False))
-    total_flops = sum(fm.step([L] * B, facts["run.stage"], cached)["total"] for B, L in batches)
+    from vlmdoctor.run.flops import Mode
+
+    # LoRA's frozen base gets no weight-grad GEMMs (adapters left out: under 1% at rank 16); with DPO the
+    # reference's batches are among these, counted as policy work: an upper bound, as the name says
+    mode = Mode(train=str(cfg.get("train", "full")))
+    total_flops = sum(fm.step([L] * B, facts["run.stage"], cached, mode=mode)["total"] for B, L in batches)
     per_step = total_flops / facts["trace.steps"]
     facts["flops.model_tflop_per_step_upper"] = per_step / 1e12
     # the LM head on every position of the token batches, forward and backward (as computed unless labeled-only)
