@@ -179,7 +179,7 @@ def _one(knob: str, value: Any, audience: str, ctx: dict[str, Any]) -> list[str]
                 if trainer else lines)
     if knob == "dpo_reference_dtype":
         dtype = "torch.bfloat16" if value == "bf16" else "torch.float32"
-        return [f"ref_model = AutoModel...from_pretrained(..., dtype={dtype})  # or ref_model.to({dtype})"]
+        return [f"ref_model.to({dtype})  # or load it with dtype={dtype}"]
     if knob == "dpo_precompute_reference":
         if trainer:
             return [f"DPOConfig(precompute_ref_log_probs={bool(value)})  # TRL"]
