@@ -214,6 +214,7 @@ def paired_gate(run_baseline: Any, run_current: Any, max_regression: float = 0.0
                   "detail": detail, "base_median": mb, "cur_median": mc, "ratio": d["ratio"],
                   "ci_low": d["ci_low"], "ci_high": d["ci_high"], "pairs": d["pairs"], "ratios": d["ratios"],
                   "n_base": len(arms["baseline"].values), "n_cur": len(arms["current"].values),
+                  "base_values": arms["baseline"].values, "cur_values": arms["current"].values,
                   "method": "paired-t on log ratios, fresh processes alternating", "samples": "per-run",
                   "max_regression": max_regression, "confidence": confidence, "p": None, "significant": slower}
     checks = [throughput, check_memory(base, cur, max_memory_growth), check_findings(base, cur, fail_on)]
@@ -227,12 +228,17 @@ def paired_gate(run_baseline: Any, run_current: Any, max_regression: float = 0.0
 
 
 def remeasure(base: dict[str, Any], baseline_python: str | None = None, baseline_env: dict[str, str] | None = None,
-              timeout: float | None = None, diagnose: bool = True, **judge: Any) -> dict[str, Any]:
+              timeout: float | None = None, diagnose: bool | None = None, **judge: Any) -> dict[str, Any]:
     """The paired gate on the baseline report's config: the baseline side runs with `baseline_python`
     (another install: the code version the baseline stands for) and `baseline_env` (PYTHONPATH of
-    its checkout, say); the current side with this interpreter and environment."""
+    its checkout, say); the current side with this interpreter and environment. The runs are
+    diagnosed only when the baseline report was (`diagnose` None): without its findings there is
+    nothing to compare new ones with, and a trace per run doubles a short run's time."""
     from vlmdoctor.run.config import RunConfig
     from vlmdoctor.run.runner import run_isolated
+
+    if diagnose is None:
+        diagnose = base.get("findings") is not None
 
     cfg = RunConfig.from_dict(base["config"], source="baseline config")
     result = paired_gate(lambda: run_isolated(cfg, timeout, diagnose, python=baseline_python, env=baseline_env),
