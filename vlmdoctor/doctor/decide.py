@@ -182,6 +182,19 @@ def throughput(report: Report) -> float | None:
     return (report.get("metrics") or {}).get("real_tokens_per_s")
 
 
+def step_throughput(report: Report) -> float | None:
+    """Median real tokens/s over a run's timed steps; None when the run did not finish cleanly.
+
+    On a shared CPU host a neighbour's burst slows a few steps of a run by 10-30x (measured on the
+    2-core CI machine: 80 ms steps next to 2-13 s ones); the mean of a window moves with them, the
+    median step does not. Falls back to `throughput` for reports without per-step records."""
+    if report.get("status") != "ok":
+        return None
+    steps = [tok / (ms / 1000) for r in report.get("repeats") or []
+             for tok, ms in zip(r.get("step_real_tokens") or [], r.get("step_ms") or []) if ms and ms > 0]
+    return statistics.median(steps) if steps else throughput(report)
+
+
 # --- the engine -------------------------------------------------------------------------------
 
 @dataclass
@@ -197,7 +210,8 @@ def interleaved(arms: dict[str, Arm], reference: str, opts: PairedOptions,
                 first: dict[str, Report] | None = None,
                 judge: Callable[[list[float], bool], dict[str, Any]] | None = None,
                 notify: Callable[[str], None] = lambda _: None,
-                on_round: Callable[[dict[str, ArmResult]], None] = lambda _: None) -> dict[str, Any]:
+                on_round: Callable[[dict[str, ArmResult]], None] = lambda _: None,
+                value: Callable[[Report], float | None] = throughput) -> dict[str, Any]:
     """Measure the arms in rounds, each arm once per round, and decide each candidate against the reference.
 
     The order within a round rotates (A B, B A, A B ... for two arms; R A B, A B R, B R A for three) so that a steady drift of the
@@ -209,7 +223,8 @@ def interleaved(arms: dict[str, Arm], reference: str, opts: PairedOptions,
     replaces the keep/harmful verdict (the gate judges slowdowns). `first` holds reports
     already measured for round 1 (the diagnosed run a treatment starts from). An arm whose run fails (OOM, crash, timeout) leaves the comparison with that
     outcome; when the reference fails, nothing can be decided. `on_round` sees the results after
-    every round (treat uses it to keep what was measured on Ctrl-C).
+    every round (treat uses it to keep what was measured on Ctrl-C). `value` reads a run's
+    throughput from its report (None: the run failed); the gate takes the median step.
     """
     if judge is None:
         def judge(ratios: list[float], final: bool) -> dict[str, Any]:
@@ -238,7 +253,7 @@ def interleaved(arms: dict[str, Arm], reference: str, opts: PairedOptions,
                 break  # the budget ran out inside the round: no run starts after it
             notify(f"round {rounds + 1}: {n}")
             rep = (first or {})[n] if reuse else arms[n]()
-            v = throughput(rep)
+            v = value(rep)
             res[n].reports.append(rep)
             res[n].values.append(v)
             done.append(n)
