@@ -86,23 +86,27 @@ def profile(tree: Path, slowdown: float, args: argparse.Namespace, out: Path) ->
     return json.loads(out.read_text())
 
 
-def run_tps(report: dict) -> float:
+def run_tps(report: dict, key: str = "step_ms") -> float:
     """What the gate takes from one run: the median over its timed steps of real tokens/s."""
     return statistics.median(t / (ms / 1000) for r in report["repeats"]
-                             for t, ms in zip(r["step_real_tokens"], r["step_ms"]))
+                             for t, ms in zip(r["step_real_tokens"], r[key]))
 
 
 def summarize(out: Path, truth: list[dict], gates: list[dict], fracs: list[float]) -> str:
     lines = [f"# gate on this machine: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", ""]
     if truth:
-        lines += ["## truth: plain profile runs (median real tokens/s of a run's repeats)", "",
-                  "| code | runs | median tokens/s | drop vs base (ratio of medians) |", "|---|---|---|---|"]
+        lines += ["## truth: plain profile runs (a run's median step, real tokens/s)", "",
+                  "| code | runs | wall-time tokens/s | drop vs base | CPU-time tokens/s | drop vs base |",
+                  "|---|---|---|---|---|---|"]
         base = statistics.median(t["tps"] for t in truth if t["slowdown"] == 0)
+        cbase = statistics.median(t["cpu_tps"] for t in truth if t["slowdown"] == 0)
         for f in [0.0, *fracs]:
             v = [t["tps"] for t in truth if t["slowdown"] == f]
+            c = [t["cpu_tps"] for t in truth if t["slowdown"] == f]
             if v:
                 lines.append(f"| slowdown {f:g} | {len(v)} | {statistics.median(v):,.0f} | "
-                             f"{(statistics.median(v) / base - 1) * 100:+.1f}% |")
+                             f"{(statistics.median(v) / base - 1) * 100:+.1f}% | {statistics.median(c):,.0f} | "
+                             f"{(statistics.median(c) / cbase - 1) * 100:+.1f}% |")
         lines.append("")
     lines += ["## gates", "", "| kind | gates | failed (exit 1) | exit 2 | median pairs | median ratio | "
               "ratios of the verdicts | minutes each |", "|---|---|---|---|---|---|---|---|"]
@@ -135,11 +139,12 @@ def main() -> None:
     ap.add_argument("--ref", default="HEAD", help="the commit to measure (its gate and its training step)")
     ap.add_argument("--gates", type=int, default=10, help="gates of each kind")
     ap.add_argument("--fracs", default="0.125,0.25", help="slowdowns: extra busy time per step, x the step time")
+    ap.add_argument("--kinds", default=None, help="which kinds to gate (default: 0 and every slowdown), e.g. 0.125")
     ap.add_argument("--truth-rounds", type=int, default=3, help="plain profile runs of each code")
     ap.add_argument("--truth-threads", type=int, default=1, help="OMP threads of the truth runs (0: default)")
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("gate_args", nargs="*", help="more gate options, after --")
     args = ap.parse_args()
     out = Path(args.out).resolve()
@@ -161,20 +166,21 @@ def main() -> None:
         k = i % len(kinds)
         for f in kinds[k:] + kinds[:k]:
             rep = profile(slow_tree if f else base_tree, f, args, Path(args.work) / "truth.json")
-            row = {"round": i, "slowdown": f, "tps": run_tps(rep), "repeats": [r["real_tokens_per_s"] for r in rep["repeats"]],
+            row = {"round": i, "slowdown": f, "tps": run_tps(rep), "cpu_tps": run_tps(rep, "step_cpu_ms"), "repeats": [r["real_tokens_per_s"] for r in rep["repeats"]],
                    "step_ms": [round(v, 1) for r in rep["repeats"] for v in r["step_ms"]],
                    "load": os.getloadavg()[0], "t": time.time()}
             truth.append(row)
             with open(out / "truth.jsonl", "a") as fh:
                 fh.write(json.dumps(row) + "\n")
-            print(f"truth {f:g}: {row['tps']:,.0f}", flush=True)
+            print(f"truth {f:g}: {row['tps']:,.0f} wall, {row['cpu_tps']:,.0f} CPU", flush=True)
     print(summarize(out, truth, [], fracs), flush=True)
 
     gates: list[dict] = []
     # the same config and the smaller slowdown alternate first (the target's two halves); the
     # larger slowdowns follow, so a measurement cut short still has both halves of the target
-    plan = [(i, f) for i in range(args.gates) for f in kinds[:2]] + [(i, f) for i in range(args.gates)
-                                                                     for f in kinds[2:]]
+    gated = [float(k) for k in args.kinds.split(",")] if args.kinds else kinds
+    plan = [(i, f) for i in range(args.gates) for f in gated[:2]] + [(i, f) for i in range(args.gates)
+                                                                     for f in gated[2:]]
     for i, f in plan:
         if True:
             verdict = out / f"gate-{i:02d}-{f:g}.json"

@@ -132,6 +132,8 @@ def run_current(base: dict[str, Any], diagnose: bool = True, timeout: float | No
 #: environment keys a regression gate compares across and names: an upgrade of torch, transformers,
 #: liger-kernel, triton or the driver is exactly what a gate is for
 NAMED_ENV_KEYS = ("driver", "torch", "transformers", "liger_kernel", "triton")
+#: on a CPU run these are the hardware, as the GPU model is on a GPU run: refused unless allowed
+CPU_HARDWARE_KEYS = ("cpu_model", "cpu_count")
 
 
 def check_comparable(base: dict[str, Any], cur: dict[str, Any], allow_env_change: bool = False) -> list[str]:
@@ -145,14 +147,27 @@ def check_comparable(base: dict[str, Any], cur: dict[str, Any], allow_env_change
     if model:
         raise UsageError("baseline and current measure different things (" + "; ".join(model)
                          + "); a gate compares one model and stage with itself")
+    be, ce = base.get("env") or {}, cur.get("env") or {}
     gpu = [d for d in env_differences(base, cur) if d.startswith("gpu:")]
+    cpu: list[str] = []
+    if not gpu and be.get("device_type") == ce.get("device_type") == "cpu":
+        # on a CPU run the CPU is the hardware: its model and how many cores the run had
+        cpu = [f"{k}: {be.get(k)!r} -> {ce.get(k)!r}" for k in CPU_HARDWARE_KEYS
+               if be.get(k) is not None and ce.get(k) is not None and be.get(k) != ce.get(k)]
     if gpu and not allow_env_change:
         raise UsageError("baseline and current ran on different GPU models (" + "; ".join(gpu)
                          + "); a speed change would be the hardware's. Re-record the baseline on this GPU, "
                          "or pass --allow-env-change to compare anyway")
-    be, ce = base.get("env") or {}, cur.get("env") or {}
+    if cpu and not allow_env_change:
+        raise UsageError("baseline and current ran on different CPUs (" + "; ".join(cpu)
+                         + "); a speed change would be the hardware's. Re-record the baseline on this machine, "
+                         "or pass --allow-env-change to compare anyway")
     soft = [f"{k}: {be.get(k)!r} -> {ce.get(k)!r}" for k in NAMED_ENV_KEYS if be.get(k) != ce.get(k)]
-    notes = [f"GPU changed (allowed): {d}" for d in gpu] + [f"environment changed: {d}" for d in soft]
+    notes = [f"GPU changed (allowed): {d}" for d in gpu] + [f"CPU changed (allowed): {d}" for d in cpu]
+    notes += [f"environment changed: {d}" for d in soft]
+    if be.get("device_type") == ce.get("device_type") == "cpu" and (be.get("cpu_model") is None) != (ce.get("cpu_model") is None):
+        notes.append("the CPU model is recorded on one side only (a report from an older vlmdoctor): "
+                     "the hardware could not be checked")
     knobs = sorted((set(base["config"]) | set(cur["config"])) - {*MODEL_KEYS, "stage"})
     notes += [f"config differs: {d}" for d in _differences(base["config"], cur["config"], knobs)]
     return notes
@@ -185,13 +200,15 @@ def slowdown_verdict(ratios: Sequence[float], max_regression: float = 0.05, conf
 
 def paired_gate(run_baseline: Any, run_current: Any, max_regression: float = 0.05, confidence: float = 0.98,
                 min_pairs: int = 3, max_pairs: int = 16, max_memory_growth: float = 0.10, fail_on: str = "high",
-                allow_env_change: bool = False, notify: Any = lambda _: None) -> dict[str, Any]:
+                allow_env_change: bool = False, notify: Any = lambda _: None,
+                cpu_time: bool = False) -> dict[str, Any]:
     """Measure baseline and current alternately (B C, C B, ...), each run a fresh process, and judge
-    the throughput on the paired ratios; memory and findings on the last clean run of each side."""
+    the throughput on the paired ratios; memory and findings on the last clean run of each side.
+    A run's value is its median step's real tokens/s, over CPU time with `cpu_time`."""
     opts = PairedOptions(min_gain=0.0, confidence=confidence, min_pairs=min_pairs, max_pairs=max_pairs)
     res = interleaved({"baseline": run_baseline, "current": run_current}, "baseline", opts, notify=notify,
                       judge=lambda r, final: slowdown_verdict(r, max_regression, confidence, final),
-                      value=step_throughput)
+                      value=lambda rep: step_throughput(rep, cpu_time))
     arms = res["arms"]
     for side in ("baseline", "current"):
         if arms[side].failed is not None:
@@ -220,7 +237,7 @@ def paired_gate(run_baseline: Any, run_current: Any, max_regression: float = 0.0
                   "n_base": len(arms["baseline"].values), "n_cur": len(arms["current"].values),
                   "base_values": arms["baseline"].values, "cur_values": arms["current"].values,
                   "method": "paired-t on log ratios, fresh processes alternating",
-                  "samples": "per-run median step",
+                  "samples": "per-run median step" + (" (CPU time)" if cpu_time else ""),
                   "max_regression": max_regression, "confidence": confidence, "p": None, "significant": slower}
     checks = [throughput, check_memory(base, cur, max_memory_growth), check_findings(base, cur, fail_on)]
     failed = [c for c in checks if not c["passed"]]
@@ -266,10 +283,12 @@ def remeasure(base: dict[str, Any], baseline_python: str | None = None, baseline
     threads = {k: str(cpu_threads) for k in THREAD_VARS} if pinned else {}
     result = paired_gate(lambda: run_isolated(cfg, timeout, diagnose, python=baseline_python,
                                               env={**threads, **(baseline_env or {})} or None),
-                         lambda: run_isolated(cfg, timeout, diagnose, env=threads or None), **judge)
+                         lambda: run_isolated(cfg, timeout, diagnose, env=threads or None),
+                         cpu_time=pinned and cpu_threads == 1, **judge)
     if pinned:
-        result["notes"].insert(0, f"CPU runs on {cpu_threads} thread(s) a side (--cpu-threads), so a "
-                                  "neighbour's load slows both sides alike")
+        result["notes"].insert(0, f"CPU runs on {cpu_threads} thread(s) a side (--cpu-threads)" + (
+            ", judged on the CPU time of their steps, which a neighbour's load does not stretch"
+            if cpu_threads == 1 else ""))
     if not baseline_python and not baseline_env:
         result["notes"].insert(0, "baseline and current ran the same code and config: this measures the noise "
                                   "of the gate (pass --baseline-python/--baseline-env for another code version)")

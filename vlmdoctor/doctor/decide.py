@@ -182,16 +182,21 @@ def throughput(report: Report) -> float | None:
     return (report.get("metrics") or {}).get("real_tokens_per_s")
 
 
-def step_throughput(report: Report) -> float | None:
+def step_throughput(report: Report, cpu_time: bool = False) -> float | None:
     """Median real tokens/s over a run's timed steps; None when the run did not finish cleanly.
 
     On a shared CPU host a neighbour's burst slows a few steps of a run by 10-30x (measured on the
     2-core CI machine: 80 ms steps next to 2-13 s ones); the mean of a window moves with them, the
-    median step does not. Falls back to `throughput` for reports without per-step records."""
+    median step does not. `cpu_time`: tokens per second of the process's CPU time (`step_cpu_ms`),
+    what a single-threaded CPU run's work costs whatever share of the cores the neighbours leave it.
+    Falls back to `throughput` for reports without per-step records."""
     if report.get("status") != "ok":
         return None
+    key = "step_cpu_ms" if cpu_time else "step_ms"
     steps = [tok / (ms / 1000) for r in report.get("repeats") or []
-             for tok, ms in zip(r.get("step_real_tokens") or [], r.get("step_ms") or []) if ms and ms > 0]
+             for tok, ms in zip(r.get("step_real_tokens") or [], r.get(key) or []) if ms and ms > 0]
+    if cpu_time and not steps:
+        return step_throughput(report)
     return statistics.median(steps) if steps else throughput(report)
 
 

@@ -291,11 +291,13 @@ def _window(p: Patient, steps: int, peak: float | None, progress: Progress, labe
     if p.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(p.device)
     step_s, step_tokens, losses, real, loss_tok, padded, model_flops = [], [], [], 0, 0, 0, 0.0
+    step_cpu: list[float] = []
     for i in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         loss, c = train_step(p)
         _sync(p.device)
         step_s.append(time.perf_counter() - t0)
+        step_cpu.append(time.process_time() - c0)
         losses.append(loss)
         real += c["real_tokens"]
         step_tokens.append(c["real_tokens"])
@@ -314,6 +316,9 @@ def _window(p: Patient, steps: int, peak: float | None, progress: Progress, labe
         "pad_fraction": 1.0 - real / padded,
         "step_ms": [s * 1e3 for s in step_s],
         "step_real_tokens": step_tokens,  # with step_ms: a throughput sample per step, for significance tests
+        # CPU time of the process per step: on a shared CPU host the work of a single-threaded step,
+        # which a neighbour's load does not stretch the way it stretches the wall time (the CPU gate)
+        "step_cpu_ms": [s * 1e3 for s in step_cpu],
         "model_tflops_per_s": model_flops / wall / 1e12,
         "mfu": (model_flops / wall / peak) if peak else None,
         "losses": loss_values,
