@@ -4,8 +4,9 @@ Issue 11's target: 0 false alarms over >= 10 same-config gates on the 2-core CI 
 >= 10% slowdown caught. This script checks both with real runs of the tiny preset on CPU:
 
 - two detached checkouts of one commit under --work: `base` as it is, `slow` with a deliberate
-  slowdown in `train_step`: after the step it keeps the CPU busy with 64x64 matmuls for
-  VLMDOCTOR_BENCH_SLOWDOWN x the step's own time (0.125 -> -11.1% tokens/s, 0.25 -> -20%);
+  slowdown in `train_step`: after the step it does 64x64 matmuls for VLMDOCTOR_BENCH_SLOWDOWN x
+  the step's own CPU time (0.125 -> -11.1% tokens/s, 0.25 -> -20%, whatever the load: more work,
+  not a wait);
 - the truth: plain `vlmdoctor profile` runs of base and of each slowdown, in rotating order, so
   the real drop is measured independently of the gate;
 - the gates, interleaved (same, slow 1, slow 2, same, ...) so a load change touches all kinds:
@@ -13,10 +14,15 @@ Issue 11's target: 0 false alarms over >= 10 same-config gates on the 2-core CI 
   baseline side `--baseline-env PYTHONPATH=<base>`.
 
 Every gate's exit code, verdict JSON (ratio, interval, pairs, ratios, per-run values), wall time
-and load average go to OUT/gates.jsonl; the truth runs to OUT/truth.jsonl; OUT/summary.md is
-rewritten after every gate. Run from the repository root, in the background:
+and load average go to OUT/gates.jsonl; the truth runs (one thread, as the gate runs them) to
+OUT/truth.jsonl; OUT/summary.md is rewritten after every gate. Run from the repository root, in
+the background; two streams (same config; slowdowns) get twice the gates in the same hour:
 
-    nohup python bench/gate_cpu/measure.py --out bench/results/2026-11-23-cpu-gate/v1 > /tmp/measure.log 2>&1 &
+    nohup python bench/gate_cpu/measure.py --out R/same --work /tmp/gb-a --kinds 0 > a.log 2>&1 &
+    nohup python bench/gate_cpu/measure.py --out R/slow --work /tmp/gb-b --kinds 0.125,0.25 \
+        --truth-rounds 0 > b.log 2>&1 &
+
+Options after `--` go to every gate (e.g. `-- --cpu-threads 0` for the gate as it was before).
 """
 from __future__ import annotations
 
@@ -35,9 +41,9 @@ SLOW_PATCH_AT = "    p.optimizer.zero_grad(set_to_none=True)\n    return loss_su
 SLOW_PATCH = """    p.optimizer.zero_grad(set_to_none=True)
     _frac = float(os.environ.get("VLMDOCTOR_BENCH_SLOWDOWN", "0"))  # bench/gate_cpu: a deliberate slowdown
     if _frac > 0:
-        _end = time.perf_counter() + _frac * (time.perf_counter() - _t0)
+        _end = time.process_time() + _frac * (time.process_time() - _t0)
         _a = torch.full((64, 64), 0.01)
-        while time.perf_counter() < _end:
+        while time.process_time() < _end:
             _a = torch.mm(_a, _a).clamp_(-1, 1)
     return loss_sum, total
 """
@@ -64,7 +70,7 @@ def checkouts(work: Path, ref: str) -> tuple[Path, Path]:
     head = "    cfg = p.cfg\n    dtype = "
     if SLOW_PATCH_AT not in src or head not in src:
         sys.exit("train_step changed: update SLOW_PATCH in bench/gate_cpu/measure.py")
-    src = src.replace(head, "    cfg = p.cfg\n    _t0 = time.perf_counter()\n    dtype = ", 1)
+    src = src.replace(head, "    cfg = p.cfg\n    _t0 = time.process_time()\n    dtype = ", 1)
     runner.write_text(src.replace(SLOW_PATCH_AT, SLOW_PATCH, 1))
     return trees[0], trees[1]
 
