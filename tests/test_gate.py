@@ -412,13 +412,18 @@ def test_slowdown_verdict_classes(ratios, outcome):
     assert slowdown_verdict(ratios, 0.05, final=True)["outcome"] == ("pass" if outcome == "undecided" else outcome)
 
 
-def _ci_host(rng, jitter=0.03, walk=0.03, burst_p=0.10, burst=(0.5, 0.9)):
-    """The 2-core CI machine while other work runs: 3% per process, a wandering speed, and one run
-    in ten slowed by 10-50% (a same-config rerun measured -19% there)."""
-    state = {"level": 0.0, "runs": 0}
+#: the noise of one run's value on the 2-core CI machine at load 8-13, measured by
+#: bench/gate_cpu/measure.py (docs/ci.md, "Measured"): one thread a side, a run valued at its median
+#: step's CPU-time throughput. Same-config runs of a gate spread 3% (log sd), the level wanders about
+#: 1% from run to run, and about one run in 14 is 5-15% slower (a neighbour thrashing the shared caches)
+MEASURED_NOISE = {"jitter": 0.03, "walk": 0.01, "burst_p": 0.07, "burst": (0.85, 0.95)}
+
+
+def _ci_host(rng, jitter, walk, burst_p, burst):
+    """Synthetic runs on the CI machine: multiplicative jitter per run, a wandering level, bursts."""
+    state = {"level": 0.0}
 
     def measure(true):
-        state["runs"] += 1
         state["level"] += rng.normal(0, walk)
         v = true * math.exp(state["level"] + rng.normal(0, jitter))
         if rng.random() < burst_p:
@@ -428,7 +433,7 @@ def _ci_host(rng, jitter=0.03, walk=0.03, burst_p=0.10, burst=(0.5, 0.9)):
     return measure
 
 
-def _simulate_gate(slowdown: float, trials: int, seed: int) -> float:
+def _simulate_gate(slowdown: float, trials: int, seed: int, noise: dict = MEASURED_NOISE) -> float:
     """Share of gates that fail, each on fresh synthetic paired runs."""
     import numpy as np
 
@@ -437,7 +442,7 @@ def _simulate_gate(slowdown: float, trials: int, seed: int) -> float:
     rng = np.random.default_rng(seed)
     fails = 0
     for _ in range(trials):
-        m = _ci_host(rng)
+        m = _ci_host(rng, **noise)
         r = interleaved({"b": lambda: m(1000.0), "c": lambda: m(1000.0 * (1 - slowdown))}, "b",
                         PairedOptions(min_pairs=3, max_pairs=16),
                         judge=lambda x, final: slowdown_verdict(x, 0.05, 0.98, final))
@@ -446,12 +451,23 @@ def _simulate_gate(slowdown: float, trials: int, seed: int) -> float:
 
 
 def test_paired_gate_rarely_alarms_on_the_same_config_under_ci_load():
-    assert _simulate_gate(0.0, 600, seed=11) < 0.02  # measured 1.5%: 0 false alarms in 10 gates is the 86% case
+    # the target is 0 false alarms in 10 gates: at 1% a gate that is the 90% case (0.3-1.0% simulated)
+    assert _simulate_gate(0.0, 600, seed=11) <= 0.01
 
 
 def test_paired_gate_catches_10_and_15_percent_slowdowns_under_ci_load():
-    assert _simulate_gate(0.10, 400, seed=12) >= 0.93  # measured 94%
-    assert _simulate_gate(0.15, 200, seed=13) >= 0.99
+    assert _simulate_gate(0.10, 300, seed=12) >= 0.99  # every >= 10% slowdown: 100% simulated
+    assert _simulate_gate(0.15, 100, seed=13) == 1.0
+
+
+def test_wall_time_noise_of_the_loaded_host_is_beyond_any_gate():
+    """Why the CPU gate runs one thread a side and judges CPU time: the wall time of the same config on
+    two threads swung 13,176 -> 545 -> 207 real tokens/s on that machine (one run of three a
+    10-25x collapse). On that noise the same paired rule alarms on the same config as often as it
+    catches a 10% slowdown: it cannot tell them apart."""
+    wall = {"jitter": 0.3, "walk": 0.2, "burst_p": 0.3, "burst": (0.04, 0.5)}
+    assert _simulate_gate(0.10, 200, seed=14, noise=wall) < 0.10  # 4.5% caught
+    assert _simulate_gate(0.0, 200, seed=14, noise=wall) > 0.01  # 2.5% false alarms
 
 
 def _ok(v: float, mem: float | None = None) -> dict:
