@@ -579,7 +579,8 @@ def test_remeasure_pins_cpu_threads_on_both_sides(monkeypatch, base_device, thre
 
     seen = []
 
-    def fake(cfg, timeout=None, diagnose=True, rules_dirs=None, env=None, python=None):
+    def fake(cfg, timeout=None, diagnose=True, rules_dirs=None, env=None, python=None, own_cwd=False):
+        assert own_cwd == bool(python)  # the baseline's install is not shadowed by the checkout we stand in
         seen.append((python, dict(env or {}), diagnose))
         return _ok(1000.0)
 

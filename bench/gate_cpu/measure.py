@@ -86,7 +86,7 @@ def profile(tree: Path, slowdown: float, args: argparse.Namespace, out: Path) ->
     """One plain profile run; its report."""
     cmd = [sys.executable, "-m", "vlmdoctor", "profile", *PROFILE, "--steps", str(args.steps), "--warmup",
            str(args.warmup), "--repeats", str(args.repeats), "--json", str(out), "--force"]
-    r = sh(cmd, env=env_for(tree, slowdown, args.truth_threads))
+    r = sh(cmd, env=env_for(tree, slowdown, args.truth_threads), cwd=tree)
     if r.returncode:
         sys.exit(f"profile failed: {r.stderr[-2000:]}")
     return json.loads(out.read_text())
@@ -195,7 +195,8 @@ def main() -> None:
             if f:
                 cmd += ["--baseline-env", f"PYTHONPATH={base_tree}"]
             load0, t0 = os.getloadavg()[0], time.time()
-            r = sh(cmd, env=env_for(slow_tree if f else base_tree, f))
+            # cwd: `python -m vlmdoctor` imports from the working folder before PYTHONPATH
+            r = sh(cmd, env=env_for(slow_tree if f else base_tree, f), cwd=slow_tree if f else base_tree)
             row = {"gate": i, "slowdown": f, "rc": r.returncode, "wall_s": time.time() - t0, "load_start": load0,
                    "load_end": os.getloadavg()[0], "t": t0}
             if verdict.exists():

@@ -293,8 +293,9 @@ def remeasure(base: dict[str, Any], baseline_python: str | None = None, baseline
     cfg = RunConfig.from_dict(base["config"], source="baseline config")
     pinned = on_cpu(base) and cpu_threads > 0
     threads = {k: str(cpu_threads) for k in THREAD_VARS} if pinned else {}
+    other = bool(baseline_python or baseline_env)  # another install: the checkout we stand in must not shadow it
     result = paired_gate(lambda: run_isolated(cfg, timeout, diagnose, python=baseline_python,
-                                              env={**threads, **(baseline_env or {})} or None),
+                                              env={**threads, **(baseline_env or {})} or None, own_cwd=other),
                          lambda: run_isolated(cfg, timeout, diagnose, env=threads or None),
                          cpu_time=pinned and cpu_threads == 1, **judge)
     if pinned:

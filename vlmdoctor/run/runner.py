@@ -524,11 +524,14 @@ def exit_code(report: dict[str, Any]) -> int:
 
 def run_isolated(cfg: RunConfig, timeout: float | None = None, diagnose: bool = True,
                  rules_dirs: list[str] | None = None, env: dict[str, str] | None = None,
-                 python: str | None = None) -> dict[str, Any]:
+                 python: str | None = None, own_cwd: bool = False) -> dict[str, Any]:
     """Run one configuration in a fresh Python process and return its report (diagnosed unless asked not to).
 
     `env` adds to the child's environment (compile cache folders shared by a treatment's trials);
     `python` is another interpreter (the gate's baseline: another vlmdoctor or torch install).
+    `own_cwd` starts the child in its own empty folder: `python -m` imports from the working
+    folder first, so in a checkout the child would run that checkout's vlmdoctor whatever
+    `env`'s PYTHONPATH or `python` say (the gate's baseline side needs its own code).
     """
     with tempfile.TemporaryDirectory(prefix="vlmdoctor-") as tmp:
         cfg_path, out_path = Path(tmp) / "config.json", Path(tmp) / "report.json"
@@ -539,7 +542,7 @@ def run_isolated(cfg: RunConfig, timeout: float | None = None, diagnose: bool = 
             cmd += ["--rules", str(d)]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                                  env={**os.environ, **env} if env else None)
+                                  env={**os.environ, **env} if env else None, cwd=tmp if own_cwd else None)
             if proc.returncode in (130, -2):  # the child was interrupted (Ctrl-C reaches the whole group)
                 raise KeyboardInterrupt
         except subprocess.TimeoutExpired:
