@@ -101,7 +101,7 @@ def _check_fields(report: dict[str, Any], name: str) -> None:
             if r.get("real_tokens_per_s") is not None and not (_is_num(r["real_tokens_per_s"])
                                                                and r["real_tokens_per_s"] > 0):
                 raise UsageError(f"{name}: repeats[{i}].real_tokens_per_s must be a positive number")
-            for key in ("step_ms", "step_real_tokens"):
+            for key in ("step_ms", "step_cpu_ms", "step_real_tokens"):
                 v = r.get(key)
                 if v is not None and (not isinstance(v, list) or not all(_is_num(x) and x >= 0 for x in v)):
                     raise UsageError(f"{name}: repeats[{i}].{key} must be a list of non-negative numbers")
