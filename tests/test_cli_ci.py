@@ -59,7 +59,7 @@ def test_gate_remeasure_judges_paired_runs(tmp_path, monkeypatch):
     base = json.loads(Path(BF16).read_text())
     calls = []
 
-    def fake(cfg, timeout=None, diagnose=True, rules_dirs=None, env=None, python=None):
+    def fake(cfg, timeout=None, diagnose=True, rules_dirs=None, env=None, python=None, own_cwd=False):
         calls.append((python, env))
         rep = copy.deepcopy(base)
         rep["repeats"] = [{"real_tokens_per_s": 1000.0 if python else 800.0 + len(calls)}]

@@ -412,13 +412,19 @@ def test_slowdown_verdict_classes(ratios, outcome):
     assert slowdown_verdict(ratios, 0.05, final=True)["outcome"] == ("pass" if outcome == "undecided" else outcome)
 
 
-def _ci_host(rng, jitter=0.03, walk=0.03, burst_p=0.10, burst=(0.5, 0.9)):
-    """The 2-core CI machine while other work runs: 3% per process, a wandering speed, and one run
-    in ten slowed by 10-50% (a same-config rerun measured -19% there)."""
-    state = {"level": 0.0, "runs": 0}
+#: the noise of one run's value on the 2-core CI machine at load 8-13, measured by
+#: bench/gate_cpu/measure.py (docs/ci.md, "Measured"): one thread a side, a run valued at its median
+#: step's CPU-time throughput. 54 same-config pairs had log ratios of sd 0.080, i.e. about 5.5% a
+#: run: 5% jitter, a level wandering 1% a run, and one run in 14 5-15% slower (a neighbour
+#: thrashing the shared caches)
+MEASURED_NOISE = {"jitter": 0.05, "walk": 0.01, "burst_p": 0.07, "burst": (0.85, 0.95)}
+
+
+def _ci_host(rng, jitter, walk, burst_p, burst):
+    """Synthetic runs on the CI machine: multiplicative jitter per run, a wandering level, bursts."""
+    state = {"level": 0.0}
 
     def measure(true):
-        state["runs"] += 1
         state["level"] += rng.normal(0, walk)
         v = true * math.exp(state["level"] + rng.normal(0, jitter))
         if rng.random() < burst_p:
@@ -428,7 +434,7 @@ def _ci_host(rng, jitter=0.03, walk=0.03, burst_p=0.10, burst=(0.5, 0.9)):
     return measure
 
 
-def _simulate_gate(slowdown: float, trials: int, seed: int) -> float:
+def _simulate_gate(slowdown: float, trials: int, seed: int, noise: dict = MEASURED_NOISE) -> float:
     """Share of gates that fail, each on fresh synthetic paired runs."""
     import numpy as np
 
@@ -437,7 +443,7 @@ def _simulate_gate(slowdown: float, trials: int, seed: int) -> float:
     rng = np.random.default_rng(seed)
     fails = 0
     for _ in range(trials):
-        m = _ci_host(rng)
+        m = _ci_host(rng, **noise)
         r = interleaved({"b": lambda: m(1000.0), "c": lambda: m(1000.0 * (1 - slowdown))}, "b",
                         PairedOptions(min_pairs=3, max_pairs=16),
                         judge=lambda x, final: slowdown_verdict(x, 0.05, 0.98, final))
@@ -446,12 +452,24 @@ def _simulate_gate(slowdown: float, trials: int, seed: int) -> float:
 
 
 def test_paired_gate_rarely_alarms_on_the_same_config_under_ci_load():
-    assert _simulate_gate(0.0, 600, seed=11) < 0.02  # measured 1.5%: 0 false alarms in 10 gates is the 86% case
+    # the target is 0 false alarms in 10 gates: at 1.7% a gate (simulated) that is the 84% case, not
+    # yet the target (measured: 0 in 7); at the 3% per-run noise of quieter hours it was 0.4%
+    assert _simulate_gate(0.0, 600, seed=11) <= 0.02
 
 
 def test_paired_gate_catches_10_and_15_percent_slowdowns_under_ci_load():
-    assert _simulate_gate(0.10, 400, seed=12) >= 0.93  # measured 94%
-    assert _simulate_gate(0.15, 200, seed=13) >= 0.99
+    assert _simulate_gate(0.10, 300, seed=12) >= 0.95  # 96.7% simulated, measured 4 of 5: not "every" yet
+    assert _simulate_gate(0.15, 100, seed=13) == 1.0
+
+
+def test_wall_time_noise_of_the_loaded_host_is_beyond_any_gate():
+    """Why the CPU gate runs one thread a side and judges CPU time: the wall time of the same config on
+    two threads swung 13,176 -> 545 -> 207 real tokens/s on that machine (one run of three a
+    10-25x collapse). On that noise the same paired rule alarms on the same config as often as it
+    catches a 10% slowdown: it cannot tell them apart."""
+    wall = {"jitter": 0.3, "walk": 0.2, "burst_p": 0.3, "burst": (0.04, 0.5)}
+    assert _simulate_gate(0.10, 200, seed=14, noise=wall) < 0.10  # 4.5% caught
+    assert _simulate_gate(0.0, 200, seed=14, noise=wall) > 0.01  # 2.5% false alarms
 
 
 def _ok(v: float, mem: float | None = None) -> dict:
@@ -497,3 +515,121 @@ def test_remeasure_on_cpu_passes_the_same_config(tmp_path):
     result = remeasure(base, timeout=300, diagnose=False, max_pairs=4)
     assert result["passed"], result["summary"]
     assert check(result, "throughput")["pairs"] >= 3
+
+
+# --- CPU baselines: the CPU is the hardware -----------------------------------------------------
+
+@pytest.mark.parametrize("key,value", [("torch", "2.14.0+cpu"), ("transformers", "5.30.0"), ("liger_kernel", "0.9.0")])
+def test_cpu_baseline_across_software_upgrades_is_compared_and_named(same_config_pair, key, value):
+    base, cur = same_config_pair[0], copy.deepcopy(same_config_pair[1])
+    assert base["env"]["device_type"] == "cpu" and base["env"]["cpu_model"]  # recorded by the run itself
+    cur["env"][key] = value
+    notes = check_comparable(base, cur, allow_env_change=False)
+    assert notes == [f"environment changed: {key}: {base['env'][key]!r} -> {value!r}"]
+
+
+@pytest.mark.parametrize("key,value", [("cpu_model", "AMD EPYC 9654 96-Core Processor"), ("cpu_count", 64)])
+def test_cpu_baseline_from_another_cpu_is_refused_unless_allowed(same_config_pair, key, value):
+    base, cur = same_config_pair[0], copy.deepcopy(same_config_pair[1])
+    cur["env"][key] = value
+    with pytest.raises(UsageError) as e:
+        check_comparable(base, cur, allow_env_change=False)
+    assert "different CPUs" in e.value.message and str(value) in e.value.message and e.value.exit_code == EXIT_USAGE
+    assert check_comparable(base, cur, allow_env_change=True)[0].startswith(f"CPU changed (allowed): {key}:")
+
+
+def test_cpu_baseline_without_a_cpu_model_is_compared_with_a_note(same_config_pair):
+    base, cur = copy.deepcopy(same_config_pair[0]), same_config_pair[1]
+    del base["env"]["cpu_model"]  # a report from before the CPU model was recorded
+    notes = check_comparable(base, cur, allow_env_change=False)
+    assert len(notes) == 1 and "could not be checked" in notes[0]
+
+
+def test_cpu_baseline_against_a_gpu_run_is_refused(same_config_pair):
+    cur = copy.deepcopy(fixture("bf16_s2"))
+    cur["config"] = same_config_pair[0]["config"]
+    with pytest.raises(UsageError, match="different GPU models"):
+        check_comparable(same_config_pair[0], cur, allow_env_change=False)
+
+
+# --- the paired gate's measurement --------------------------------------------------------------
+
+def test_a_run_is_valued_at_its_median_step_so_a_burst_does_not_move_it():
+    from vlmdoctor.doctor.decide import step_throughput, throughput
+
+    rng = random.Random(5)
+    for _ in range(50):
+        tokens = [rng.randint(300, 900) for _ in range(15)]
+        ms = [t / 10.0 * rng.uniform(0.97, 1.03) for t in tokens]  # 10,000 tokens/s
+        burst = list(ms)
+        for i in rng.sample(range(15), 4):  # a neighbour takes the CPU for 4 of 15 steps: 5-30x slower
+            burst[i] *= rng.uniform(5, 30)
+        rep = {"status": "ok", "repeats": [{"step_real_tokens": tokens[i:i + 5], "step_ms": burst[i:i + 5],
+                                            "real_tokens_per_s": sum(tokens[i:i + 5]) / sum(burst[i:i + 5]) * 1000}
+                                           for i in (0, 5, 10)]}
+        assert step_throughput(rep) == pytest.approx(10_000, rel=0.04)
+        assert throughput(rep) < 9_000  # what the median of windows saw: the burst
+    assert step_throughput({"status": "oom"}) is None
+    assert step_throughput({"status": "ok", "repeats": [{"real_tokens_per_s": 5.0}]}) == 5.0  # old reports
+
+
+@pytest.mark.parametrize("base_device,threads,expected", [("cpu", 1, "1"), ("cpu", 2, "2"), ("cpu", 0, None),
+                                                           ("cuda", 1, None)])
+def test_remeasure_pins_cpu_threads_on_both_sides(monkeypatch, base_device, threads, expected):
+    import vlmdoctor.run.runner as runner
+    from vlmdoctor.ci.gate import remeasure
+
+    seen = []
+
+    def fake(cfg, timeout=None, diagnose=True, rules_dirs=None, env=None, python=None, own_cwd=False):
+        assert own_cwd == bool(python)  # the baseline's install is not shadowed by the checkout we stand in
+        seen.append((python, dict(env or {}), diagnose))
+        return _ok(1000.0)
+
+    monkeypatch.setattr(runner, "run_isolated", fake)
+    base = copy.deepcopy(fixture("bf16_s2"))
+    base["config"]["device"] = base_device
+    result = remeasure(base, "/opt/old/bin/python", {"PYTHONPATH": "/src/old"}, cpu_threads=threads)
+    assert result["passed"] and len(seen) == 6
+    for python, env, diagnose in seen:
+        assert env.get("OMP_NUM_THREADS") == expected and env.get("MKL_NUM_THREADS") == expected
+        assert not diagnose  # the baseline has no diagnosis: nothing to compare findings with
+    assert [p for p, _, _ in seen].count("/opt/old/bin/python") == 3
+    assert all(e.get("PYTHONPATH") == "/src/old" for p, e, _ in seen if p) and not any(
+        "PYTHONPATH" in e for p, e, _ in seen if not p)
+    assert any("--cpu-threads" in n for n in result["notes"]) == (expected is not None)
+
+
+def test_a_slowdown_needs_the_median_pair_beyond_the_threshold():
+    """Five pairs of twelve at -15% (a neighbour's job in a few current runs) with the rest at -4%:
+    the mean is -9% and its interval is below 1, but the typical pair is within the 5% allowed."""
+    ratios = [0.96, 0.85] * 5 + [0.96, 0.96]
+    v = slowdown_verdict(ratios, 0.05)
+    assert v["ci_high"] < 1 and v["ratio"] < 0.95 and v["median_ratio"] == pytest.approx(0.96)
+    assert v["outcome"] == "undecided" and slowdown_verdict(ratios, 0.05, final=True)["outcome"] == "pass"
+    assert slowdown_verdict([0.86, 0.85] * 6, 0.05)["outcome"] == "slower"
+
+
+def test_gate_json_carries_the_verdict_pairs_and_ratios(tmp_path, monkeypatch):
+    """`gate --remeasure-baseline --json`: exit 1 on a slowdown, and the file says why."""
+    import itertools
+
+    from typer.testing import CliRunner
+
+    import vlmdoctor.ci.gate as gate_module
+    from vlmdoctor.cli import app
+
+    slow = itertools.cycle([0.84, 0.86, 0.85, 0.83])
+    monkeypatch.setattr(gate_module, "remeasure", lambda base, *a, **kw: paired_gate(
+        lambda: _ok(1000.0), lambda: _ok(1000.0 * next(slow)),
+        **{k: v for k, v in kw.items() if k not in ("cpu_threads",)}))
+    base = write(tmp_path, "base.json", fixture("bf16_s2"))
+    out = tmp_path / "verdict.json"
+    r = CliRunner().invoke(app, ["gate", "--baseline", base, "--remeasure-baseline", "--json", str(out)])
+    assert r.exit_code == 1, r.output
+    verdict = json.loads(out.read_text())
+    t = check(verdict, "throughput")
+    assert verdict["passed"] is False and verdict["remeasured"] and t["verdict"] == "fail"
+    assert t["pairs"] == 3 and [round(x, 2) for x in t["ratios"]] == [0.84, 0.86, 0.85]
+    assert t["ratio"] < 0.9 and t["ci_high"] < 1 and len(t["base_values"]) == len(t["cur_values"]) == 3
+    assert "reports" not in verdict  # the runs' full reports stay out of the verdict file

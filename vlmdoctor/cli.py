@@ -807,6 +807,9 @@ def gate(
                                                      "(repeatable)"),
     max_pairs: int = typer.Option(16, "--max-pairs", help="with --remeasure-baseline: paired runs at most (3 at least; "
                                   "more only while undecided)"),
+    cpu_threads: int = typer.Option(1, "--cpu-threads", help="with --remeasure-baseline on a CPU baseline: intra-op "
+                                    "threads a side (0: torch's default); one keeps a shared host's load from "
+                                    "stalling a side's parallel regions"),
     timeout: float = typer.Option(900, "--timeout", help="seconds one run may take"),
     update_baseline: bool = typer.Option(False, "--update-baseline", help="write the current report over the baseline, "
                                          "on purpose, and pass"),
@@ -851,6 +854,7 @@ def gate(
                                      "or --update-baseline")
             if max_pairs < 3:
                 raise VlmdoctorError("--max-pairs must be at least 3")
+            check_number("--cpu-threads", cpu_threads, minimum=0, maximum=4096)
             env = {}
             for item in baseline_env or []:
                 key, eq, value = item.partition("=")
@@ -860,7 +864,8 @@ def gate(
             from vlmdoctor.ci.gate import remeasure
 
             with err.status("paired runs: baseline and current, alternating") as status:
-                result = remeasure(base, baseline_python, env or None, timeout, max_regression=max_regression,
+                result = remeasure(base, baseline_python, env or None, timeout, cpu_threads=cpu_threads,
+                                   max_regression=max_regression,
                                    max_pairs=max_pairs, max_memory_growth=max_memory_growth, fail_on=fail_on,
                                    allow_env_change=allow_env_change, notify=lambda m: status.update(m))
             result.pop("reports", None)

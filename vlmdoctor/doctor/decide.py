@@ -204,6 +204,24 @@ def throughput(report: Report) -> float | None:
     return (report.get("metrics") or {}).get("real_tokens_per_s")
 
 
+def step_throughput(report: Report, cpu_time: bool = False) -> float | None:
+    """Median real tokens/s over a run's timed steps; None when the run did not finish cleanly.
+
+    On a shared CPU host a neighbour's burst slows a few steps of a run by 10-30x (measured on the
+    2-core CI machine: 80 ms steps next to 2-13 s ones); the mean of a window moves with them, the
+    median step does not. `cpu_time`: tokens per second of the process's CPU time (`step_cpu_ms`),
+    what a single-threaded CPU run's work costs whatever share of the cores the neighbours leave it.
+    Falls back to `throughput` for reports without per-step records."""
+    if report.get("status") != "ok":
+        return None
+    key = "step_cpu_ms" if cpu_time else "step_ms"
+    steps = [tok / (ms / 1000) for r in report.get("repeats") or []
+             for tok, ms in zip(r.get("step_real_tokens") or [], r.get(key) or []) if ms and ms > 0]
+    if cpu_time and not steps:
+        return step_throughput(report)
+    return statistics.median(steps) if steps else throughput(report)
+
+
 # --- the engine -------------------------------------------------------------------------------
 
 @dataclass
@@ -219,7 +237,8 @@ def interleaved(arms: dict[str, Arm], reference: str, opts: PairedOptions,
                 first: dict[str, Report] | None = None,
                 judge: Callable[[list[float], bool], dict[str, Any]] | None = None,
                 notify: Callable[[str], None] = lambda _: None,
-                on_round: Callable[[dict[str, ArmResult]], None] = lambda _: None) -> dict[str, Any]:
+                on_round: Callable[[dict[str, ArmResult]], None] = lambda _: None,
+                value: Callable[[Report], float | None] = throughput) -> dict[str, Any]:
     """Measure the arms in rounds, each arm once per round, and decide each candidate against the reference.
 
     The order within a round rotates (A B, B A, A B ... for two arms; R A B, A B R, B R A for three) so that a steady drift of the
@@ -231,7 +250,8 @@ def interleaved(arms: dict[str, Arm], reference: str, opts: PairedOptions,
     replaces the keep/harmful verdict (the gate judges slowdowns). `first` holds reports
     already measured for round 1 (the diagnosed run a treatment starts from). An arm whose run fails (OOM, crash, timeout) leaves the comparison with that
     outcome; when the reference fails, nothing can be decided. `on_round` sees the results after
-    every round (treat uses it to keep what was measured on Ctrl-C).
+    every round (treat uses it to keep what was measured on Ctrl-C). `value` reads a run's
+    throughput from its report (None: the run failed); the gate takes the median step.
     """
     early = judge is None  # a large effect may be decided on two pairs (not by a caller's own judge)
     if judge is None:
@@ -265,7 +285,7 @@ def interleaved(arms: dict[str, Arm], reference: str, opts: PairedOptions,
             rep = (first or {})[n] if reuse else arms[n]()
             if not reuse:
                 next_s[n] = next_run_s(time.time() - t0, rep)
-            v = throughput(rep)
+            v = value(rep)
             res[n].reports.append(rep)
             res[n].values.append(v)
             done.append(n)

@@ -18,6 +18,18 @@ def _version(pkg: str) -> str | None:
         return None
 
 
+def cpu_model() -> str | None:
+    """The CPU's model name: on a CPU run it is the hardware, as the GPU's name is on a GPU run."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip() or None
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
 def _driver() -> str | None:
     if not shutil.which("nvidia-smi"):
         return None
@@ -37,6 +49,7 @@ def collect(device: torch.device) -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
+        "cpu_model": cpu_model(),
         "torch": torch.__version__,
         "transformers": _version("transformers"),
         "liger_kernel": _version("liger-kernel") or _version("liger_kernel"),

@@ -496,11 +496,13 @@ def _window(p: Patient, steps: int, peak: float | None, progress: Progress, labe
     if p.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(p.device)
     step_s, step_tokens, losses, real, loss_tok, padded, model_flops = [], [], [], 0, 0, 0, 0.0
+    step_cpu: list[float] = []
     for i in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         loss, c = train_step(p)
         _sync(p.device)
         step_s.append(time.perf_counter() - t0)
+        step_cpu.append(time.process_time() - c0)
         losses.append(loss)
         real += c["real_tokens"]
         step_tokens.append(c["real_tokens"])
@@ -518,6 +520,9 @@ def _window(p: Patient, steps: int, peak: float | None, progress: Progress, labe
         "pad_fraction": 1.0 - real / padded,
         "step_ms": [s * 1e3 for s in step_s],
         "step_real_tokens": step_tokens,  # with step_ms: a throughput sample per step, for significance tests
+        # CPU time of the process per step: on a shared CPU host the work of a single-threaded step,
+        # which a neighbour's load does not stretch the way it stretches the wall time (the CPU gate)
+        "step_cpu_ms": [s * 1e3 for s in step_cpu],
         "model_tflops_per_s": model_flops / wall / 1e12,
         "mfu": (model_flops / wall / peak) if peak else None,
         "losses": loss_values,
@@ -815,11 +820,14 @@ def exit_code(report: dict[str, Any]) -> int:
 
 def run_isolated(cfg: RunConfig, timeout: float | None = None, diagnose: bool = True,
                  rules_dirs: list[str] | None = None, env: dict[str, str] | None = None,
-                 python: str | None = None) -> dict[str, Any]:
+                 python: str | None = None, own_cwd: bool = False) -> dict[str, Any]:
     """Run one configuration in a fresh Python process and return its report (diagnosed unless asked not to).
 
     `env` adds to the child's environment (compile cache folders shared by a treatment's trials);
     `python` is another interpreter (the gate's baseline: another vlmdoctor or torch install).
+    `own_cwd` starts the child in its own empty folder: `python -m` imports from the working
+    folder first, so in a checkout the child would run that checkout's vlmdoctor whatever
+    `env`'s PYTHONPATH or `python` say (the gate's baseline side needs its own code).
     """
     with tempfile.TemporaryDirectory(prefix="vlmdoctor-") as tmp:
         cfg_path, out_path = Path(tmp) / "config.json", Path(tmp) / "report.json"
@@ -829,11 +837,12 @@ def run_isolated(cfg: RunConfig, timeout: float | None = None, diagnose: bool = 
         for d in rules_dirs or []:
             cmd += ["--rules", str(d)]
         try:
+            cwd = tmp if own_cwd else None
             if distributed.is_distributed(cfg):
-                proc = _run_group(cmd, timeout, {**os.environ, **env} if env else None)
+                proc = _run_group(cmd, timeout, {**os.environ, **env} if env else None, cwd)
             else:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                                      env={**os.environ, **env} if env else None)
+                                      env={**os.environ, **env} if env else None, cwd=cwd)
             if proc.returncode in (130, -2):  # the child was interrupted (Ctrl-C reaches the whole group)
                 raise KeyboardInterrupt
         except subprocess.TimeoutExpired:
@@ -931,7 +940,8 @@ def _rank_report(folder: Path, cfg: RunConfig, returncode: int) -> dict[str, Any
                       "log_tail": "\n".join(lines[-40:])[-4000:]}}
 
 
-def _run_group(cmd: list[str], timeout: float | None, env: dict[str, str] | None) -> subprocess.CompletedProcess:
+def _run_group(cmd: list[str], timeout: float | None, env: dict[str, str] | None,
+               cwd: str | None = None) -> subprocess.CompletedProcess:
     """A child that starts torchrun and its ranks: in a session of its own, so that a timeout or
     Ctrl-C stops all of them (killing the child alone would leave the ranks holding the GPUs).
 
@@ -941,7 +951,7 @@ def _run_group(cmd: list[str], timeout: float | None, env: dict[str, str] | None
     import signal
 
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
+                            start_new_session=True, cwd=cwd)
 
     def stop(sig: int) -> None:
         try:
