@@ -26,7 +26,7 @@ LOW = ("bf16", "fp16")
 PARTS = {"vlmdoctor::vision": "vision", "vlmdoctor::projector": "projector", "vlmdoctor::llm": "llm"}
 
 
-def _union_ms(spans: list[tuple[float, float]]) -> float:
+def union_ms(spans: list[tuple[float, float]]) -> float:
     """Total length of a set of intervals (µs in, ms out), overlaps counted once."""
     if not spans:
         return 0.0
@@ -120,13 +120,13 @@ def cpu_facts(t: Any, windows: list[tuple[float, float]], facts: dict[str, Any])
     for dtype, rate in (env.get("cpu_matmul_gflops") or {}).items():
         out[f"cpu.probe.{dtype}_gflops"] = float(rate)
     out["cpu.cast.count"] = cast_count / n
-    out["cpu.cast.ms"] = _union_ms(casts) / n
+    out["cpu.cast.ms"] = union_ms(casts) / n
     out["cpu.cast.share"] = out["cpu.cast.ms"] / step_ms
     all_mm = [s for spans in mm_spans.values() for s in spans]
-    out["cpu.matmul.ms"] = _union_ms(all_mm) / n
+    out["cpu.matmul.ms"] = union_ms(all_mm) / n
     out["cpu.matmul.share"] = out["cpu.matmul.ms"] / step_ms
     for dtype in ("fp32", "bf16", "fp16"):
-        ms = _union_ms(mm_spans.get(dtype, [])) / n
+        ms = union_ms(mm_spans.get(dtype, [])) / n
         out[f"cpu.matmul.{dtype}_ms"] = ms
         out[f"cpu.matmul.{dtype}_gflop"] = mm_flop.get(dtype, 0.0) / 1e9 / n
         if ms > 0 and mm_flop.get(dtype):
@@ -134,12 +134,12 @@ def cpu_facts(t: Any, windows: list[tuple[float, float]], facts: dict[str, Any])
     out["cpu.matmul.dtypes"] = sorted(d for d in mm_spans if d != "other")
     # what bf16 / fp16 costs here: the casts plus the low-precision matmuls (union: casts never run inside a matmul)
     low = casts + mm_spans.get("bf16", []) + mm_spans.get("fp16", [])
-    out["cpu.bf16_cost.ms"] = _union_ms(low) / n
+    out["cpu.bf16_cost.ms"] = union_ms(low) / n
     out["cpu.bf16_cost.share"] = out["cpu.bf16_cost.ms"] / step_ms
     if vocab:
-        out["cpu.lm_head.ms"] = _union_ms(head) / n
+        out["cpu.lm_head.ms"] = union_ms(head) / n
     out.update(_part_facts(ranges, fwd_ops, bwd_nodes, n, step_ms))
-    out["cpu.data_loader.ms"] = _union_ms(loader) / n
+    out["cpu.data_loader.ms"] = union_ms(loader) / n
     out["cpu.data_loader.share"] = out["cpu.data_loader.ms"] / step_ms
     return out
 

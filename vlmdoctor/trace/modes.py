@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from vlmdoctor.trace.cpu_facts import union_ms
 from vlmdoctor.trace.read import iter_events
 
 REFERENCE_RANGE = "vlmdoctor::reference"
@@ -60,17 +61,7 @@ def _in_windows(ts: np.ndarray, windows: list[tuple[float, float]]) -> np.ndarra
 
 
 def _union_us(spans: list[tuple[float, float]]) -> float:
-    if not spans:
-        return 0.0
-    spans = sorted(spans)
-    total, (start, end) = 0.0, spans[0]
-    for s, e in spans[1:]:
-        if s > end:
-            total += end - start
-            start, end = s, e
-        else:
-            end = max(end, e)
-    return total + end - start
+    return union_ms(spans) * 1e3
 
 
 class _Launches:
