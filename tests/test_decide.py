@@ -122,14 +122,19 @@ def test_a_failing_candidate_stops_and_says_why():
     assert r["decisions"]["cand"]["outcome"] == "oom" and len(calls) == 1 and r["rounds"] == 1
 
 
-def test_time_budget_stops_before_the_least_evidence_and_says_so():
-    ok = {"status": "ok", "repeats": [{"real_tokens_per_s": 100.0}]}
-    calls = []
+def counting_arm() -> tuple:
+    """An arm that always measures 100 tokens/s, and the list its calls are counted in."""
+    calls: list[int] = []
 
     def arm():
         calls.append(1)
-        return ok
+        return {"status": "ok", "repeats": [{"real_tokens_per_s": 100.0}]}
 
+    return arm, calls
+
+
+def test_time_budget_stops_before_the_least_evidence_and_says_so():
+    arm, calls = counting_arm()
     r = interleaved({"cur": arm, "cand": arm}, "cur", PairedOptions(),
                     time_left=lambda: 100.0 if len(calls) < 2 else -1.0)
     d = r["decisions"]["cand"]
@@ -137,13 +142,7 @@ def test_time_budget_stops_before_the_least_evidence_and_says_so():
 
 
 def test_no_run_starts_after_the_budget_and_a_cut_round_pairs_nothing():
-    ok = {"status": "ok", "repeats": [{"real_tokens_per_s": 100.0}]}
-    calls = []
-
-    def arm():
-        calls.append(1)
-        return ok
-
+    arm, calls = counting_arm()
     # two full rounds, then the budget runs out after the first run of round 3
     r = interleaved({"cur": arm, "cand": arm}, "cur", PairedOptions(),
                     time_left=lambda: 100.0 if len(calls) < 5 else -1.0)

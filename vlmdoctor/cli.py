@@ -244,7 +244,7 @@ def profile(
 def _profile(overrides: dict[str, Any], config: str | None, json_path: str | None, save_config: str | None,
              force: bool, quiet: bool, trace: Any = None, rules_dirs: list[str] | None = None,
              html_path: str | None = None, launch: dict[str, Any] | None = None) -> None:
-    from vlmdoctor.files import check_distinct, check_output_dir, check_writable, json_text, save, write_json
+    from vlmdoctor.files import check_distinct, check_output_dir, check_writable, json_text, save, save_json
     from vlmdoctor.doctor.diagnosis import examine, remove_temporary_trace
     from vlmdoctor.inputs import check_rules_dirs
     from vlmdoctor.report.console import render
@@ -334,10 +334,7 @@ def _profile(overrides: dict[str, Any], config: str | None, json_path: str | Non
     finally:
         remove_temporary_trace(report)
     failures = []
-    if json_path == "-":
-        write_json(report, "-")
-    elif json_path:
-        failures.append(save(json_path, json_text(report), "report"))
+    failures.append(save_json(report, json_path, "report"))
     if html_path:
         from vlmdoctor.report.html import profile_html
 
@@ -382,11 +379,10 @@ def analyze(
     """Read a torch.profiler trace (anyone's), print what the GPU did, why it waited, and what to change."""
     from vlmdoctor import SCHEMA_VERSION
     from vlmdoctor.trace.facts import analyze as run_analysis
-    from vlmdoctor.files import check_writable, write_json
+    from vlmdoctor.files import check_writable, save, save_json
     from vlmdoctor.report.console import render_facts, render_findings
     from vlmdoctor.doctor.rules import diagnose, load_rules
 
-    from vlmdoctor.files import json_text, save
     from vlmdoctor.inputs import check_rules_dirs
 
     with _user_errors():
@@ -422,10 +418,7 @@ def analyze(
                 add_advice({"config": {}, "diagnosis": cross["diagnosis"]}, "loop")
         doc = {"schema_version": SCHEMA_VERSION, "kind": "analysis", **result}
         failures = []
-        if json_path == "-":
-            write_json(doc, "-")
-        elif json_path:
-            failures.append(save(json_path, json_text(doc), "analysis JSON"))
+        failures.append(save_json(doc, json_path, "analysis JSON"))
         if html_path:
             from vlmdoctor.report.html import analyze_html
 
@@ -628,7 +621,7 @@ def treat(
     from vlmdoctor.report.treat_outputs import write_outputs
     from vlmdoctor.doctor.treat import treat as run_treat
 
-    from vlmdoctor.files import check_output_dir, json_text, save
+    from vlmdoctor.files import check_output_dir, save, save_json
     from vlmdoctor.inputs import check_number, check_rules_dirs
 
     with _user_errors():
@@ -690,12 +683,7 @@ def treat(
             from vlmdoctor.report.html import treat_html
 
             failures.append(save(html_path, treat_html(result), "HTML report"))
-        if json_path == "-":
-            from vlmdoctor.files import write_json
-
-            write_json(result, "-")
-        elif json_path:
-            failures.append(save(json_path, json_text(result), "result JSON"))
+        failures.append(save_json(result, json_path, "result JSON"))
         failures = [f for f in failures if f]
         if not quiet and json_path != "-":
             render_ladder(result, out)
@@ -730,7 +718,7 @@ def sweep(
     from vlmdoctor.report.console import render_sweep
     from vlmdoctor.ci.sweep import load_grid, product_grid, run_sweep
 
-    from vlmdoctor.files import json_text, save
+    from vlmdoctor.files import save, save_json
     from vlmdoctor.inputs import check_number
 
     with _user_errors():
@@ -765,12 +753,7 @@ def sweep(
             problems: list[str] = []
             rows = run_sweep(plan, timeout, diagnose_runs, jsonl_path, notify, problems)
         failures = []
-        if json_path == "-":
-            from vlmdoctor.files import write_json
-
-            write_json({"runs": rows}, "-")
-        elif json_path:
-            failures.append(save(json_path, json_text({"runs": rows}), "sweep JSON"))
+        failures.append(save_json({"runs": rows}, json_path, "sweep JSON"))
         if json_path != "-":
             render_sweep(rows, out)
         if csv_path:
@@ -897,7 +880,7 @@ def _gate_outputs(result: dict[str, Any], junit: str | None, json_path: str | No
     from rich.table import Table
 
     from vlmdoctor.ci.gate import junit_xml, markdown
-    from vlmdoctor.files import append_text, json_text, save, write_json
+    from vlmdoctor.files import append_text, save, save_json
 
     if json_path != "-":  # stdout is the JSON's
         t = Table(title=f"vlmdoctor gate: {result['summary']}", header_style="bold")
@@ -916,10 +899,7 @@ def _gate_outputs(result: dict[str, Any], junit: str | None, json_path: str | No
             err.print(f"[yellow]warning:[/yellow] {escape(e.message)}; the step summary is skipped", highlight=False)
     if junit:
         failures.append(save(junit, junit_xml(result), "JUnit XML"))
-    if json_path == "-":
-        write_json(result, "-")
-    elif json_path:
-        failures.append(save(json_path, json_text(result), "verdict JSON"))
+    failures.append(save_json(result, json_path, "verdict JSON"))
     _fail_on(failures)
 
 

@@ -270,3 +270,11 @@ def save(path: str | os.PathLike, data: str | bytes, what: str = "output") -> st
     except (OSError, VlmdoctorError):
         return f"{reason}; the {what} could not be saved anywhere else either"
     return f"{reason}; the {what} was saved to {rescue} instead"
+
+
+def save_json(data: Any, path: str | None, what: str) -> str | None:
+    """A command's --json PATH|-: strict JSON to stdout for '-', else `save` (kept elsewhere if the path fails)."""
+    if path == "-":
+        write_json(data, "-")
+        return None
+    return save(path, json_text(data), what) if path else None

@@ -337,7 +337,7 @@ def next_run_s(took_s: float, report: Report) -> float:
     graph in the treatment's compile cache. Counting the first run's compile in every later round
     stopped a treatment with 73 s left that a 90 s round would have decided.
     """
-    compile_s = (report.get("metrics") or {}).get("compile_s") or report.get("compile_s") or 0.0
+    compile_s = (report.get("metrics") or {}).get("compile_s") or 0.0
     return max(took_s - max(0.0, compile_s - CACHE_HIT_S), 0.0)
 
 

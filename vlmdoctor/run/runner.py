@@ -298,14 +298,24 @@ def build_patient(cfg: RunConfig, device: torch.device, progress: Progress = _qu
         features = _cache_features(vlm, dataset, cfg, device)
         dataset.with_pixels = False
     collator = Collator(pad_id, cfg.pad_to_multiple_of, cfg.packing, cfg.pack_length, features, cfg.lm_head_labeled_only)
+    return _assemble(cfg, spec, device, vlm, vlm.projector, dataset, collator, flops.FlopModel.from_spec(spec),
+                     data_info, mode_info, dist)
+
+
+def _assemble(cfg: RunConfig, spec: ModelSpec | native.NativeSpec, device: torch.device, vlm: torch.nn.Module,
+              projector: torch.nn.Module, dataset: Any, collator: Any, flop_model: flops.FlopModel,
+              data_info: dict[str, Any], mode_info: dict[str, Any], dist: distributed.Dist | None) -> Patient:
+    """What the composite model and a native class share once built: the loader, the DPO reference, the
+    optimizer and compile, or the DDP/FSDP2 wrapper (which makes its own optimizer)."""
+    dpo = cfg.objective == "dpo"
     if dpo:
         collator = PairCollator(collator)
-    sampler = _batch_sampler(cfg, dataset.lengths, dist)
     loader = torch.utils.data.DataLoader(
-        dataset, batch_sampler=sampler, collate_fn=collator, num_workers=cfg.num_workers,
-        pin_memory=cfg.pin_memory and device.type == "cuda", persistent_workers=cfg.num_workers > 0,
+        dataset, batch_sampler=_batch_sampler(cfg, dataset.lengths, dist), collate_fn=collator,
+        num_workers=cfg.num_workers, pin_memory=cfg.pin_memory and device.type == "cuda",
+        persistent_workers=cfg.num_workers > 0,
     )
-    reference = modes.Reference(vlm, cfg, vlm.projector) if dpo else None
+    reference = modes.Reference(vlm, cfg, projector) if dpo else None
     if dist is None:
         params = [p for p in vlm.parameters() if p.requires_grad]
         optimizer = modes.make_optimizer(params, cfg)
@@ -313,8 +323,8 @@ def build_patient(cfg: RunConfig, device: torch.device, progress: Progress = _qu
         info = None
     else:
         model, optimizer, info = _finish_model(cfg, vlm, device, dist, lambda m: _compile_wrapped(m, cfg))
-    patient = Patient(cfg, spec, device, model, vlm, optimizer, _cycle(loader), flops.FlopModel.from_spec(spec),
-                      data_info, dist, info, reference=reference)
+    patient = Patient(cfg, spec, device, model, vlm, optimizer, _cycle(loader), flop_model, data_info, dist, info,
+                      reference=reference)
     return _with_mode(patient, mode_info, dataset, collator)
 
 def _apply_train_mode(llm: torch.nn.Module, cfg: RunConfig, device: torch.device) -> dict[str, Any]:
@@ -381,28 +391,10 @@ def _native_patient(cfg: RunConfig, spec: native.NativeSpec, device: torch.devic
     data_info = {"source": "synthetic", "length_model": dataset.lm["name"], "samples": len(dataset)}
     if len(dataset) < cfg.batch_size:
         raise UsageError(f"the data holds {len(dataset)} usable samples, fewer than one batch of {cfg.batch_size}")
-    collator: Any = Collator(spec.llm["special_tokens"]["pad"], cfg.pad_to_multiple_of)
-    if dpo:
-        collator = PairCollator(collator)
-    sampler = _batch_sampler(cfg, dataset.lengths, dist)
-    loader = torch.utils.data.DataLoader(
-        dataset, batch_sampler=sampler, collate_fn=collator, num_workers=cfg.num_workers,
-        pin_memory=cfg.pin_memory and device.type == "cuda", persistent_workers=cfg.num_workers > 0,
-    )
-    reference = modes.Reference(vlm, cfg, vlm.parts["projector"]) if dpo else None
-    if dist is None:
-        params = [p for p in vlm.parameters() if p.requires_grad]
-        optimizer = modes.make_optimizer(params, cfg)
-        model: torch.nn.Module = vlm
-        if cfg.compile != "off":
-            model = compile_vlm(vlm, cfg.compile, "model", cfg.compile_shape_padding, cfg.compile_regions)
-        info = None
-    else:
-        model, optimizer, info = _finish_model(cfg, vlm, device, dist, lambda m: _compile_wrapped(m, cfg))
-    patient = Patient(cfg, spec, device, model, vlm, optimizer, _cycle(loader), flops.FlopModel.from_native(spec),
-                      data_info, dist, info, reference=reference)
-    return _with_mode(patient, getattr(vlm, "mode_info", {"train": cfg.train, "objective": cfg.objective}), dataset,
-                      collator)
+    collator = Collator(spec.llm["special_tokens"]["pad"], cfg.pad_to_multiple_of)
+    # preflight refused --compile-vision on native classes, so compile_vlm compiles the whole model here
+    return _assemble(cfg, spec, device, vlm, vlm.parts["projector"], dataset, collator, flops.FlopModel.from_native(spec),
+                     data_info, getattr(vlm, "mode_info", {"train": cfg.train, "objective": cfg.objective}), dist)
 
 
 def _compile_wrapped(model: torch.nn.Module, cfg: RunConfig) -> torch.nn.Module:
