@@ -46,6 +46,8 @@ SDPA_OP = "aten::scaled_dot_product_attention"  # inputs (batch, heads, length, 
 EAGER_SOFTMAX = ("aten::_softmax",)  # attention written out as matmul + softmax (eager / math paths)
 DTYPE_BYTES = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8}
 TINY_KERNEL_US = 10.0  # under this a kernel is mostly launch overhead on current GPUs
+#: ops whose operand shapes and dtypes the LoRA and DPO facts read (trace/modes.py): GEMMs and casts
+OPERAND_OPS = frozenset(("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_to_copy"))
 SHAPE_OPS = ("aten::embedding",)  # its first input is the token-id batch: (batch, length)
 MODULE_PREFIX = "nn.Module: "  # python_function events of with_stack/with_modules traces: `nn.Module: Qwen2Model_0`
 BACKWARD_NODE = "autograd::engine::evaluate_function"
@@ -70,6 +72,7 @@ class Tables:
     memory: dict[int, list[float]] = field(default_factory=dict)  # device type -> [max allocated, max reserved]
     recorded: dict[str, bool] = field(default_factory=dict)  # which profiler options left their marks (shapes, memory, stack)
     comm: list[tuple[str, str, int, float, float, dict[str, Any]]] = field(default_factory=list)  # (kind, name, tid, ts, dur, args) of collectives (trace/comms.py)
+    operands: list[tuple[str, float, float, int, Any, Any]] = field(default_factory=list)  # (name, ts, dur, tid, input dims, input types) of GEMMs and casts (trace/modes.py)
 
 
 class _Column:
@@ -100,13 +103,14 @@ def load_tables(path: Path) -> Tables:
     memory: dict[int, list[float]] = {}
     recorded = {"shapes": False, "memory": False, "stack": False}
     comm: list[tuple[str, str, int, float, float, dict[str, Any]]] = []
+    operands: list[tuple[str, float, float, int, Any, Any]] = []
     count = 0
     try:
         for count, ev in enumerate(iter_events(path), 1):
             if not isinstance(ev, dict):
                 raise TraceError(f"{path}: traceEvents item {count} is a JSON {type(ev).__name__}, not an event object; "
                                  "expected a torch.profiler Chrome trace")
-            _take(ev, names, gpu, ops, rt, tids, steps, shapes, types, gpu_cats, memory, recorded, comm)
+            _take(ev, names, gpu, ops, rt, tids, steps, shapes, types, gpu_cats, memory, recorded, comm, operands)
     except (AttributeError, TypeError, ValueError, KeyError) as e:
         raise TraceError(f"{path}: event {count} is not a torch.profiler event ({type(e).__name__}: {e}); expected "
                          "objects with a name, a category and numeric ts/dur") from None
@@ -127,13 +131,14 @@ def load_tables(path: Path) -> Tables:
     rt_df["end"] = rt_df["ts"] + rt_df["dur"]
     for col in ("tid", "corr"):
         rt_df[col] = rt_df[col].astype(np.int64)
-    return Tables(path, meta, steps_df, gpu_df, ops_df, rt_df, shapes, types, memory, recorded, comm)
+    return Tables(path, meta, steps_df, gpu_df, ops_df, rt_df, shapes, types, memory, recorded, comm, operands)
 
 
 def _take(ev: dict[str, Any], names: dict[str, int], gpu: _Column, ops: _Column, rt: _Column, tids: dict[Any, int],
           steps: list[tuple[str, float, float]], shapes: list[tuple[float, str, Any]], types: dict[str, Any],
           gpu_cats: dict[str, float], memory: dict[int, list[float]], recorded: dict[str, bool],
-          comm: list[tuple[str, str, int, float, float, dict[str, Any]]]) -> None:
+          comm: list[tuple[str, str, int, float, float, dict[str, Any]]],
+          operands: list[tuple[str, float, float, int, Any, Any]]) -> None:
     """One trace event into the tables (a non-object or a non-numeric time raises, and the caller says where)."""
     intern = names.setdefault
     cat = ev.get("cat")
@@ -169,6 +174,8 @@ def _take(ev: dict[str, Any], names: dict[str, int], gpu: _Column, ops: _Column,
             if name in SHAPE_OPS or name in LOGITS_OPS or name == SDPA_OP:
                 shapes.append((ts, name, args["Input Dims"]))
                 types[name] = args.get("Input type")
+            elif name in OPERAND_OPS:
+                operands.append((name, ts, dur, tid, args["Input Dims"], args.get("Input type")))
     elif cat == "cuda_runtime" or cat == "cuda_driver":
         args = ev.get("args") or {}
         rt.codes.append(intern(ev.get("name", ""), len(names)))

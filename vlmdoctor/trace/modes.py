@@ -28,7 +28,6 @@ from typing import Any
 import numpy as np
 
 from vlmdoctor.trace.cpu_facts import union_ms
-from vlmdoctor.trace.read import iter_events
 
 REFERENCE_RANGE = "vlmdoctor::reference"
 GEMM_OPS = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::bmm": (0, 1), "aten::baddbmm": (1, 2)}
@@ -101,13 +100,9 @@ def mode_facts(t: Any, windows: list[tuple[float, float]], facts: dict[str, Any]
     ops = t.ops
     names = ops["name"].astype(str).to_numpy()
     in_win = _in_windows(ops["ts"].to_numpy(), windows)
-    tid_of = {}
-    gemm_rows = np.flatnonzero(np.isin(names, list(GEMM_OPS)) & in_win)
-    for r in gemm_rows:
-        tid_of[(names[r], round(float(ops["ts"].iat[r]), 3))] = int(ops["tid"].iat[r])
     denominator = facts.get("gpu.busy_ms") if gpu else facts.get("step.ms")
 
-    gemms, cast_dims = _read_shapes(t, windows, tid_of) if t.recorded.get("shapes") else ([], None)
+    gemms, cast_dims = _read_shapes(t, windows) if t.recorded.get("shapes") else ([], None)
     if gemms:
         _lora_facts(gemms, launches, gpu, n, out)
     _qlora_facts(t, names, in_win, windows, n, gpu, denominator, facts, out)
@@ -115,33 +110,27 @@ def mode_facts(t: Any, windows: list[tuple[float, float]], facts: dict[str, Any]
     return out
 
 
-def _read_shapes(t: Any, windows: list[tuple[float, float]], tid_of: dict[tuple[str, float], int]
-                 ) -> tuple[list[dict[str, Any]], dict[float, int]]:
-    """GEMM ops with their dimensions and input dtype; the input rank of each cast (by start time)."""
+def _read_shapes(t: Any, windows: list[tuple[float, float]]) -> tuple[list[dict[str, Any]], dict[float, int]]:
+    """GEMM ops with their dimensions and input dtype; the input rank of each cast (by start time).
+
+    From the operands the trace's one pass kept (`Tables.operands`), not from a second read of the file."""
     gemms = []
     cast_dims: dict[float, int] = {}
-    for ev in iter_events(t.path):
-        if not isinstance(ev, dict) or ev.get("ph") != "X" or ev.get("cat") != "cpu_op":
-            continue
-        name = ev.get("name")
-        if name not in GEMM_OPS and name not in CASTS:
-            continue
-        ts = float(ev.get("ts", 0.0))
+    for name, ts, dur, tid, dims, types in t.operands:
         if not any(s <= ts < e for s, e in windows):
             continue
-        args = ev.get("args") or {}
         if name in CASTS:  # an fp32 matrix (weight) or (batch, length, hidden) activation: its rank, else 0
-            dims, types = args.get("Input Dims") or [[]], args.get("Input type") or [""]
+            dims, types = dims or [[]], types or [""]
             fp32 = bool(types) and types[0] == FP32
             cast_dims[round(ts, 3)] = len(dims[0]) if fp32 and dims and isinstance(dims[0], list) else 0
             continue
-        d = _gemm_dims(name, args.get("Input Dims") or [])
+        if name not in GEMM_OPS:
+            continue
+        d = _gemm_dims(name, dims or [])
         if d is None:
             continue
         a = GEMM_OPS[name][0]
-        types = args.get("Input type") or []
-        dur = float(ev.get("dur", 0.0))
-        tid = tid_of.get((name, round(ts, 3)), -1)
+        types = types or []
         gemms.append({"ts": ts, "end": ts + dur, "dur": dur, "dims": d, "tid": tid,
                       "fp32": len(types) > a and types[a] == FP32})
     return gemms, cast_dims
