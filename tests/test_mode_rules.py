@@ -169,3 +169,79 @@ def test_qlora_rule_held_back_without_memory_headroom():
     ids = lambda fs: {x["id"] for x in diagnose(fs, rules)["findings"]}
     assert "precision-qlora-dequant" not in ids(facts)
     assert "precision-qlora-dequant" in ids({**facts, "memory.headroom_gb": 40.0})
+
+
+# --- H100 recordings (fixtures/mode_traces/h100_*: 0.5b stage 2, bf16 weights, recorded by -------------
+# bench/modes15/record.sh on one H100 80GB; the user trace by bench/modes15/train_modes.py)
+MODE_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "mode_traces"
+
+
+@lru_cache(maxsize=None)
+def _h100(name: str) -> tuple[dict, dict]:
+    facts = analyze(MODE_DIR / f"{name}.pt.trace.json.gz")["files"][0]["facts"]
+    rules, _ = load_rules()
+    d = diagnose(facts, rules)
+    return facts, {"fired": {x["id"] for x in d["findings"]}, "superseded": {x["id"] for x in d["superseded"]},
+                   "not_applicable": {x["id"]: x["why"] for x in d["not_applicable"]}}
+
+
+def test_h100_qlora_dequantization_and_adapters():
+    """NF4 base + LoRA r=16 on the 0.5b LLM (24 layers x 7 projections = 168 adapted NF4 layers),
+    checkpointing on: each layer dequantizes (weight + double-quantized statistics) in the forward,
+    the recompute and the backward; each runs 8 rank-16 GEMMs with the recompute."""
+    f, d = _h100("h100_qlora_r16_s2")
+    assert f["qlora.dequant_count"] == 168 * 6
+    assert 0.03 < f["qlora.dequant_share"] < 0.2
+    assert f["lora.rank"] == 16 and f["lora.lowrank_gemm_count"] == 168 * 8
+    # the adapters take far more of the GEMM time than of the GEMM FLOPs: launch-bound
+    assert f["lora.lowrank_gemm_share"] > 10 * f["lora.lowrank_flop_share"]
+    assert "precision-qlora-dequant" in d["fired"]
+    # the tiny-GEMM rule holds on this trace, but the host-bound step (layer 2) covers it
+    assert "fusion-lora-tiny-gemms" in d["superseded"]
+    assert not [k for k in f if k.startswith("dpo.") and f[k]]
+
+
+def test_h100_dpo_reference_as_a_first_script_writes_it_then_fixed():
+    """A deep-copied fp32 reference with grad tracking, then the fixed one (no_grad, bf16 copy)."""
+    bad, d_bad = _h100("h100_dpo_full_s2")
+    ok, d_ok = _h100("h100_dpo_fixed_s2")
+    assert bad["dpo.reference_count"] == ok["dpo.reference_count"] == 1
+    assert bad["dpo.reference_backward_nodes"] > 1000 and bad["dpo.reference_backward_share"] > 0.1
+    assert ok["dpo.reference_backward_nodes"] == 0
+    # the fp32 copy under autocast casts its weight matrices in every forward; the bf16 one does not
+    assert bad["dpo.reference_weight_casts"] > 100 and ok["dpo.reference_weight_casts"] == 0
+    assert {"precision-dpo-reference-grad", "precision-dpo-reference-fp32"} <= d_bad["fired"]
+    assert not {"precision-dpo-reference-grad", "precision-dpo-reference-fp32"} & d_ok["fired"]
+    # the reference still runs every step in both: precomputing it is the next fix
+    assert "system-dpo-reference-every-step" in d_bad["fired"] & d_ok["fired"]
+
+
+def test_h100_user_dpo_reference_found_by_the_users_range_name():
+    """train_modes.py names the reference forward as TRL's method does (compute_ref_log_probs)."""
+    f, d = _h100("h100_user_dpo")
+    assert f["trace.written_by_vlmdoctor"] is False
+    assert f["dpo.reference_count"] == 1 and f["dpo.reference_backward_share"] > 0.1
+    assert "precision-dpo-reference-grad" in d["fired"]
+
+
+def test_user_trace_without_a_reference_range_leaves_dpo_rules_not_applicable():
+    """A user's trace with no range named after the reference: no dpo.* fact at all (not 'none measured')."""
+    trace = Path(__file__).resolve().parents[1] / "fixtures" / "user_traces" / "llava_healthy_s2.pt.trace.json.gz"
+    facts = analyze(trace)["files"][0]["facts"]
+    assert not [k for k in facts if k.startswith("dpo.")]
+    rules, _ = load_rules()
+    na = {x["id"]: x["why"] for x in diagnose(facts, rules)["not_applicable"]}
+    assert "record_function('ref_forward')" in na["precision-dpo-reference-grad"]
+
+
+@pytest.mark.parametrize("name,hit", [
+    ("compute_ref_log_probs", True), ("ref_forward", True), ("reference", True), ("dpo/ref_model", True),
+    ("Reference model forward", True), ("ref", True),
+    ("prefetch", False), ("refine_masks", False), ("preference_loss", False), ("aten::ref_thing", False),
+    ("ProfilerStep#3", False)])
+def test_reference_range_names(name, hit):
+    import numpy as np
+
+    from vlmdoctor.trace.modes import _reference_ranges
+
+    assert bool(_reference_ranges(np.array([name, "aten::mm"])).any()) is hit

@@ -17,6 +17,8 @@ set -u
 OUT=${OUT:-bench/results/modes15}
 WHEELS=${WHEELS:-}
 STEPS=${STEPS:-10}
+MODEL=${MODEL:-0.5b}
+DEVICE=${DEVICE:-cuda}  # cpu with MODEL=tiny only smoke-tests the script (QLoRA is refused there)
 PY=${PYTHON:-python3}
 mkdir -p "$OUT/traces"
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -28,10 +30,14 @@ fi
 $PY -c "import peft, torch; print('peft', peft.__version__, 'torch', torch.__version__)"
 $PY -c "import bitsandbytes as b; print('bitsandbytes', b.__version__)" 2>&1 | tail -1
 
+RUNS=${RUNS:-}  # a subset of the run names below (profile and user runs), space-separated; empty: all
+ANALYZE=${ANALYZE:-1}  # 0: leave `vlmdoctor analyze` of the user traces to a machine without a GPU
+want() { [ -z "$RUNS" ] || [[ " $RUNS " == *" $1 "* ]]; }
 prof() {  # name, then profile flags
   local name="$1"; shift
+  want "$name" || return 0
   echo "== $name $*"
-  timeout 900 $PY -m vlmdoctor profile --model 0.5b --stage 2 --device cuda --steps "$STEPS" --warmup 3 \
+  timeout 900 $PY -m vlmdoctor profile --model "$MODEL" --stage 2 --device "$DEVICE" --steps "$STEPS" --warmup 3 \
     --weight-dtype bf16 --trace-dir "$OUT/traces/$name" --trace-memory --json "$OUT/$name.json" --force "$@" \
     > "$OUT/$name.txt" 2>&1
   echo "   exit $?"
@@ -50,9 +56,13 @@ prof dpo_full_precompute --objective dpo --batch-size 2 --num-samples 256 --dpo-
 prof dpo_lora            --objective dpo --train lora --batch-size 2 --num-samples 512
 prof dpo_lora_nograd     --objective dpo --train lora --batch-size 2 --num-samples 512 --dpo-reference-no-grad
 
-# a user's own script, no vlmdoctor markers but the reference range it names
+# a user's own script, no vlmdoctor markers: the DPO reference forward is a range named as the user
+# names it (TRL's method name), or not named at all (dpo_lora)
+[ "$DEVICE" = cuda ] || exit 0
 user() {
-  local name="$1"; shift
+  local name="user_$1"; shift
+  want "$name" || return 0
+  name=${name#user_}
   echo "== user $name $*"
   timeout 600 $PY "$here/train_modes.py" --out "$OUT/traces/user_$name.pt.trace.json.gz" "$@" \
     >> "$OUT/user_results.jsonl" 2>> "$OUT/user_stderr.log" || echo "{\"failed\": \"$name\"}" >> "$OUT/user_results.jsonl"
@@ -61,10 +71,11 @@ user lora       --mode lora --ckpt
 user qlora      --mode qlora --ckpt
 user dpo        --mode dpo --batch-size 4
 user dpo_nograd --mode dpo --batch-size 4 --no-grad-ref
-user dpo_lora   --mode dpo --lora --batch-size 4
+user dpo_lora   --mode dpo --lora --batch-size 4 --ref-range ""
 
 # the doctor on each trace, as a user runs it
 for t in "$OUT"/traces/user_*.pt.trace.json.gz; do
+  [ "$ANALYZE" = 1 ] || break
   [ -e "$t" ] || continue
   $PY -m vlmdoctor analyze "$t" --json "${t%.pt.trace.json.gz}.analysis.json" --force > "${t%.pt.trace.json.gz}.txt" 2>&1
 done

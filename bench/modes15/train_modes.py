@@ -12,11 +12,13 @@ model's q,k,v,o,gate,up,down (r=16, alpha=32, dropout 0.05), the projector train
 is frozen. QLoRA: the model is saved once and loaded back with BitsAndBytesConfig(NF4, double
 quantization, bf16 compute), as a user loads a checkpoint in 4 bits. DPO: what a first script
 does (seed 003's VisualDPOTrainer without its torch.no_grad): ref_model = copy.deepcopy(model),
-its forward inside a record_function("vlmdoctor::reference") range so the doctor can find it.
+its forward inside a record_function range named as TRL names the step (compute_ref_log_probs),
+or in none (--ref-range "").
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -61,6 +63,8 @@ def main() -> None:
     ap.add_argument("--ckpt", action="store_true", help="gradient checkpointing")
     ap.add_argument("--no-grad-ref", action="store_true", help="reference under torch.no_grad(), frozen")
     ap.add_argument("--profile-memory", action="store_true")
+    ap.add_argument("--ref-range", default="compute_ref_log_probs",
+                    help="record_function name around the DPO reference forward ('' for none)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     torch.manual_seed(0)
@@ -107,7 +111,7 @@ def main() -> None:
         else:
             inputs, labels = batch(2 * B)  # chosen rows, then rejected rows
             pi = logps(model, inputs, labels)
-            with record_function("vlmdoctor::reference"):
+            with record_function(a.ref_range) if a.ref_range else contextlib.nullcontext():
                 if a.lora:
                     with model.disable_adapter(), (torch.no_grad() if a.no_grad_ref else torch.enable_grad()):
                         rl = logps(model, inputs, labels)

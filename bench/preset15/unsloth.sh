@@ -32,10 +32,10 @@ $PY -c "import unsloth, unsloth_zoo, bitsandbytes, xformers, trl; print('unsloth
 BASE="--model $MODEL --stage $STAGE --device cuda --weight-dtype bf16 --batch-size 16 --pad-to-multiple-of 64
       --no-gradient-checkpointing --steps $STEPS --warmup $WARMUP"
 ARMS="eager|
+unsloth|--unsloth
 liger|--liger --liger-fused-ce
 liger_no_fce|--liger
-compile|--compile default
-unsloth|--unsloth"
+compile|--compile default"
 echo "$ARMS" | while IFS='|' read -r name flags; do
   echo "== $name"
   # shellcheck disable=SC2086

@@ -476,6 +476,9 @@ def _fire(rule: Rule, facts: dict[str, Any], not_evaluated: list[dict[str, Any]]
                                                           "(analyze a folder of per-rank traces)"})
         elif facts.get("trace.cpu_only") and GPU_ONLY.fullmatch(m.name):
             not_applicable.append({"id": rule.id, "why": f"needs {m.name}, a fact of GPU runs (this trace ran on the CPU)"})
+        elif m.name.startswith("dpo."):  # only vlmdoctor's runs and ranges a user named after the reference have them
+            not_applicable.append({"id": rule.id, "why": f"needs {m.name}: no DPO reference forward found; in a DPO loop, "
+                                                          "wrap it in record_function('ref_forward')"})
         elif "gpu.busy_ms" in facts and m.name.startswith("cpu."):
             not_applicable.append({"id": rule.id, "why": f"needs {m.name}, a fact of CPU-only runs (this trace has GPU kernels)"})
         else:

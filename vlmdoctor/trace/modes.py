@@ -11,8 +11,10 @@ All of them are measured in the trace, never read from the run config:
            launch-bound.
   qlora.*  bitsandbytes dequantization: kernels (GPU) or ops (CPU) whose name says dequantize
            (kDequantizeBlockwise..., dequantize_4bit), and their share of GPU (or step) time.
-  dpo.*    the `vlmdoctor::reference` range the runner puts around the reference forward: its
-           time and share of the step; the backward it got (autograd nodes whose sequence number
+  dpo.*    the reference forward: the `vlmdoctor::reference` range the runner puts around it, or a
+           range a user's own script names after it (record_function "ref_forward",
+           "compute_ref_log_probs", "reference_model", ...: a word `ref`/`reference` between
+           separators, REFERENCE_NAME); its time and share of the step; the backward it got (autograd nodes whose sequence number
            belongs to an op inside the range: a reference run with grad tracking); fp32 GEMMs and
            casts of fp32 matrices (the weights autocast casts, with shapes recorded) inside it:
            an fp32 reference under autocast casts every weight in every forward.
@@ -30,6 +32,10 @@ import numpy as np
 from vlmdoctor.trace.cpu_facts import union_ms
 
 REFERENCE_RANGE = "vlmdoctor::reference"
+# a user's range around the reference forward: `ref` or `reference` as a word of the name
+# (compute_ref_log_probs, ref_forward, reference, dpo/ref_model), not inside one (prefetch, refine)
+OP_NAMESPACES = ("aten::", "autograd::", "c10d::", "prim::", "cudnn", "nccl", "Optimizer.", "ProfilerStep")
+REFERENCE_NAME = re.compile(r"(?:^|[_:./ -])ref(?:erence)?(?:$|[_:./ -])", re.IGNORECASE)
 GEMM_OPS = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::bmm": (0, 1), "aten::baddbmm": (1, 2)}
 RANK_MAX = 64  # LoRA ranks in use: 4..64 (seed 003: r=16 typical, r=64 for all-linear)
 RANK_RATIO = 8  # the low dimension is at most 1/8 of the largest: 16 vs 896 on the 0.5b LLM
@@ -186,14 +192,17 @@ def _dpo_facts(t: Any, names: np.ndarray, in_win: np.ndarray, gemms: list[dict[s
                cast_dims: dict[float, int] | None, launches: _Launches, gpu: bool, n: int, denominator: float | None,
                out: dict[str, Any]) -> None:
     ops = t.ops
-    ref_rows = np.flatnonzero((names == REFERENCE_RANGE) & in_win)
-    if not len(ref_rows):  # no reference forward in the traced steps: measured as none
+    ref_rows = np.flatnonzero(_reference_ranges(names) & in_win)
+    if not len(ref_rows):
+        if not t.meta.get("vlmdoctor"):  # a user's trace without a named range: the reference cannot be told apart
+            return
+        # vlmdoctor's runner always names the reference forward: none in the traced steps is measured as none
         out.update({f"dpo.reference_{k}": 0.0 for k in ("count", "ms", "share", "backward_nodes", "backward_ms",
                                                          "backward_share", "weight_casts", "cast_ms", "cast_share")})
         return
     ts, end, tid = ops["ts"].to_numpy(), ops["end"].to_numpy(), ops["tid"].to_numpy()
     seq, ftid = ops["seq"].to_numpy(), ops["fwd_tid"].to_numpy()
-    ranges = [(int(tid[r]), float(ts[r]), float(end[r])) for r in ref_rows]
+    ranges = _outermost([(int(tid[r]), float(ts[r]), float(end[r])) for r in ref_rows])  # nested names once
     inside = np.zeros(len(ops), dtype=bool)
     for th, s, e in ranges:
         inside |= (tid == th) & (ts >= s) & (end <= e)
@@ -226,6 +235,16 @@ def _dpo_facts(t: Any, names: np.ndarray, in_win: np.ndarray, gemms: list[dict[s
         w = [(g.get("us", g["dur"]), g["fp32"]) for g in ref_gemms]
         tot = sum(x for x, _ in w)
         out["dpo.reference_fp32_gemm_share"] = sum(x for x, f in w if f) / tot if tot else 0.0
+
+
+def _reference_ranges(names: np.ndarray) -> np.ndarray:
+    """Rows of the reference forward's range: vlmdoctor's own, else a user's range named after it."""
+    own = names == REFERENCE_RANGE
+    if own.any():
+        return own
+    unique = np.unique(names)
+    named = [x for x in unique if not x.startswith(OP_NAMESPACES) and REFERENCE_NAME.search(x)]
+    return np.isin(names, named) if named else own
 
 
 def _outermost(spans: list[tuple[int, float, float]]) -> list[tuple[int, float, float]]:
