@@ -12,7 +12,8 @@ import pytest
 import torch
 import yaml
 
-from vlmdoctor.cli import app
+from vlmdoctor.cli import app, knob_flags
+from vlmdoctor.errors import UsageError
 from vlmdoctor.run.config import RunConfig
 from vlmdoctor.run.zoo import presets
 
@@ -149,6 +150,22 @@ def test_flags_override_config_file(cli_runner, tmp_path):
     assert result.exit_code == 0, result.output
     cfg = json.loads(r.read_text())["config"]
     assert cfg["batch_size"] == 3 and cfg["steps"] == 1 and cfg["autocast"] == "off"
+
+
+def test_a_flag_can_complete_a_config_file(tmp_path):
+    """Knobs are checked against each other after the flags apply: a file naming compile_regions
+    runs with --compile given on the command line; a file wrong on its own is still named."""
+    part = tmp_path / "regions.yaml"
+    part.write_text("compile_regions: true\n")
+    with pytest.raises(UsageError, match="regions.yaml: compile_regions"):
+        RunConfig.load(part)
+    cfg = RunConfig.load(part, {"compile": "default"})
+    assert cfg.compile_regions and cfg.compile == "default"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("batch_size: four\n")
+    with pytest.raises(UsageError, match="bad.yaml"):
+        RunConfig.load(bad, {"compile": "default"})
+    assert knob_flags()["compile_regions"][0] == "--compile-regions"
 
 
 def test_report_json_can_be_rerun_as_config(cli_runner, tmp_path):

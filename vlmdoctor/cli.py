@@ -154,6 +154,8 @@ def profile(
                                          "its own, fullgraph=True, static shapes)", P4, "--compile-vision"),
     compile_shape_padding: Optional[bool] = _opt("Inductor shape_padding [default: on, as torch's]", P4,
                                                  "--compile-shape-padding/--no-compile-shape-padding"),
+    compile_regions: Optional[bool] = _opt("with --compile: each repeated layer compiled on its own, one compile "
+                                           "serving every layer of a stack", P4, "--compile-regions/--no-compile-regions"),
     unsloth: Optional[bool] = _opt("LLM through Unsloth's fast path (CUDA; not with Liger or --compile)", P4,
                                    "--unsloth/--no-unsloth"),
     gradient_checkpointing: Optional[bool] = _opt(
@@ -250,8 +252,7 @@ def _profile(overrides: dict[str, Any], config: str | None, json_path: str | Non
     from vlmdoctor.report.console import render
     from vlmdoctor.run.runner import check, exit_code, run_distributed, run_profile
 
-    base = RunConfig.load(config) if config else RunConfig()
-    cfg = base.replace(source="command line", **overrides)
+    cfg = RunConfig.load(config, overrides) if config else RunConfig().replace(source="command line", **overrides)
     # every output is checked before any measurement: a bad path must not cost the run
     check_distinct(json=json_path, save_config=save_config, html=html_path)
     check_writable(json_path, force, "--json")

@@ -158,7 +158,7 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "config") -> "RunConfig":
+    def from_dict(cls, data: dict[str, Any], source: str = "config", combinations: bool = True) -> "RunConfig":
         """Build and validate; unknown keys and bad values are user errors naming the valid ones."""
         if not isinstance(data, dict):
             raise UsageError(f"{source}: expected a mapping of knob names to values, got {type(data).__name__}")
@@ -175,14 +175,14 @@ class RunConfig:
                 except ValueError:
                     pass
         cfg = cls(**data)
-        cfg.validate(source)
+        cfg.validate(source, combinations)
         return cfg
 
     def replace(self, source: str = "config patch", **changes: Any) -> "RunConfig":
         """A validated copy with some knobs changed (the shape of a prescription's config patch)."""
         return RunConfig.from_dict({**self.to_dict(), **changes}, source=source)
 
-    def validate(self, source: str = "config") -> None:
+    def validate(self, source: str = "config", combinations: bool = True) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             meta = f.metadata
@@ -212,7 +212,8 @@ class RunConfig:
                 raise UsageError(f"{name}={value!r} is not valid; choose one of: {valid}")
             if (lo is not None and value < lo) or (hi is not None and value > hi) or (above is not None and value <= above):
                 raise UsageError(f"{name} must be {wanted}, got {value!r}")
-        self._check_combinations(source)
+        if combinations:
+            self._check_combinations(source)
         if self.nproc_per_node > 1 and self.parallel == "none":
             raise UsageError(f"{_label('nproc_per_node', source)}={self.nproc_per_node} runs several processes; "
                              f"choose how they share the work: {_label('parallel', source)} ddp or fsdp2")
@@ -249,8 +250,19 @@ class RunConfig:
 
     # --- files -----------------------------------------------------------------------------
     @classmethod
-    def load(cls, path: str | Path) -> "RunConfig":
-        """Read YAML or JSON; a report JSON works too (its `config` section is used)."""
+    def load(cls, path: str | Path, overrides: dict[str, Any] | None = None, source: str = "command line") -> "RunConfig":
+        """Read YAML or JSON; a report JSON works too (its `config` section is used).
+
+        `overrides` (the command line's flags) apply before the knobs are checked against each
+        other, so a flag can complete a file (`compile_regions: true` in the file, `--compile` given)."""
+        data = cls._read(path)
+        if not overrides:
+            return cls.from_dict(data, source=str(path))
+        cls.from_dict(data, source=str(path), combinations=False)  # each of the file's values is valid on its own
+        return cls.from_dict({**data, **overrides}, source=source)
+
+    @classmethod
+    def _read(cls, path: str | Path) -> dict[str, Any]:
         from vlmdoctor.inputs import read_text
 
         p = Path(path)
@@ -271,7 +283,9 @@ class RunConfig:
             data = data["config"]
         if data is None:  # an empty file: every knob at its default
             data = {}
-        return cls.from_dict(data, source=str(p))
+        if not isinstance(data, dict):
+            raise UsageError(f"{p}: expected a mapping of knob names to values, got {type(data).__name__}")
+        return data
 
     def dump(self, path: str | Path) -> None:
         from vlmdoctor.files import write_text
