@@ -494,6 +494,17 @@ def test_advice_covers_every_knob_and_every_rule(audience):
             assert advise(patch, audience), rule.id
 
 
+def test_regional_compile_is_said_as_block_compiles():
+    """compile + compile_regions (the compile rules' patch): each block compiled in place, no whole-model line."""
+    for audience in ("loop", "trainer"):
+        lines = advise({"compile": "max-autotune", "compile_regions": True, "liger_rope": False}, audience)
+        assert "    block.compile(mode='max-autotune')" in lines
+        assert not [x for x in lines if "torch.compile(model" in x or x == "torch_compile=True"]
+    assert "torch_compile=False  # the blocks are compiled already" in advise(
+        {"compile": "default", "compile_regions": True}, "trainer")
+    assert advise({"compile": "default"}, "loop") == ["model = torch.compile(model)"]
+
+
 def test_guess_sampler_reads_the_lengths_inside_batches():
     from vlmdoctor.api import guess_sampler
 

@@ -36,13 +36,15 @@ from train_native import build  # noqa: E402  (the user-style model configs)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def lora(model, rank: int):
+def lora(model, rank: int, train_projector: bool = True):
     from peft import LoraConfig, get_peft_model
 
-    # adapters on the language model's projections only (the regex keeps the tower's out)
+    # adapters on the language model's projections only (the regex keeps the tower's out); under
+    # QLoRA the projector is 4-bit too (transformers 5 quantizes it despite llm_int8_skip_modules),
+    # and a 4-bit weight cannot require grad, so only the adapters train there
     cfg = LoraConfig(r=rank, lora_alpha=32, lora_dropout=0.05,
                      target_modules=r".*language_model.*\.(" + "|".join(TARGETS) + r")$",
-                     modules_to_save=["multi_modal_projector"])
+                     modules_to_save=["multi_modal_projector"] if train_projector else None)
     return get_peft_model(model, cfg)
 
 
@@ -66,9 +68,10 @@ def main() -> None:
     ap.add_argument("--ref-range", default="compute_ref_log_probs",
                     help="record_function name around the DPO reference forward ('' for none)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cuda", help="cpu only to check the script (bitsandbytes has CPU 4-bit kernels)")
     a = ap.parse_args()
     torch.manual_seed(0)
-    dev = "cuda"
+    dev = a.device
     model, image_id, n_img = build("llava", "sdpa")
     model.to(torch.bfloat16)
     if a.mode == "qlora":
@@ -81,13 +84,13 @@ def main() -> None:
                                                                                              "multi_modal_projector",
                                                                                              "lm_head"])
         model = LlavaForConditionalGeneration.from_pretrained(folder, quantization_config=q, dtype=torch.bfloat16,
-                                                              device_map={"": 0})
+                                                              device_map={"": 0 if dev == "cuda" else "cpu"})
     model.to(dev) if a.mode != "qlora" else None
     model.vision_tower.requires_grad_(False) if hasattr(model, "vision_tower") else model.model.vision_tower.requires_grad_(False)
     if a.ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if a.mode in ("lora", "qlora") or a.lora:
-        model = lora(model, a.rank)
+        model = lora(model, a.rank, train_projector=a.mode != "qlora")
     ref = None
     if a.mode == "dpo" and not a.lora:
         ref = copy.deepcopy(model)  # a first script: the copy still requires grad
@@ -127,7 +130,8 @@ def main() -> None:
 
     for _ in range(3):
         step()
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    sync()
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True,
                  profile_memory=a.profile_memory, schedule=schedule(wait=1, warmup=1, active=2),
@@ -135,9 +139,9 @@ def main() -> None:
         for _ in range(4):
             loss = step()
             prof.step()
-    torch.cuda.synchronize()
+    sync()
     print(json.dumps({"mode": a.mode, "lora": a.lora, "out": a.out, "loss": float(loss),
-                      "wall_s": time.perf_counter() - t0, "peak_gb": torch.cuda.max_memory_allocated() / 2**30}))
+                      "wall_s": time.perf_counter() - t0, "peak_gb": torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None}))
 
 
 if __name__ == "__main__":

@@ -95,6 +95,8 @@ def _one(knob: str, value: Any, audience: str, ctx: dict[str, Any]) -> list[str]
         if trainer:
             return ["torch_compile=True"] + ([f"torch_compile_mode={value!r}"] if mode else [])
         return [f"model = torch.compile(model{mode})"]
+    if knob == "compile_regions":
+        return _regional("default", trainer) if value else ["compile the whole model: model = torch.compile(model)"]
     if knob == "compile_vision":
         if value == "fullgraph":
             return ["model.vision_tower = torch.compile(", "    model.vision_tower, fullgraph=True, dynamic=False)"]
@@ -202,14 +204,30 @@ def _one(knob: str, value: Any, audience: str, ctx: dict[str, Any]) -> list[str]
     return [f"{knob}={value!r} (no {'TrainingArguments' if trainer else 'loop'} equivalent known)"]
 
 
+def _regional(mode: str, trainer: bool) -> list[str]:
+    """Regional compilation in the user's code: each block of a stack compiled in place, one compile for all."""
+    arg = "" if mode == "default" else f"mode={mode!r}"
+    lines = ["# compile each repeated block in place: one compile serves every",
+             "# block of a stack (the LLM's decoder layers, the tower's layers)",
+             "for block in model.model.language_model.layers:", f"    block.compile({arg})"]
+    return lines + (["torch_compile=False  # the blocks are compiled already"] if trainer else [])
+
+
 def advise(patch: dict[str, Any], audience: str, context: dict[str, Any] | None = None) -> list[str]:
     """Lines the user writes to apply a finding's config patch: TrainingArguments fields or loop code."""
     if audience not in AUDIENCES:
         raise ValueError(f"audience must be one of {AUDIENCES}, not {audience!r}")
     ctx = context or {}
     lines: list[str] = []
+    regional = bool(patch.get("compile_regions")) and patch.get("compile", "default") != "off"
     for knob, value in patch.items():
-        for line in _one(knob, value, audience, ctx):
+        if regional and knob == "compile":  # said once, by compile_regions
+            continue
+        if regional and knob == "compile_regions":
+            value_lines = _regional(str(patch.get("compile", "default")), audience == "trainer")
+        else:
+            value_lines = _one(knob, value, audience, ctx)
+        for line in value_lines:
             if line not in lines:
                 lines.append(line)
     liger = {LIGER_KNOBS[k]: bool(v) for k, v in patch.items() if k in LIGER_KNOBS}
