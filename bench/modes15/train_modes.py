@@ -40,8 +40,8 @@ def lora(model, rank: int, train_projector: bool = True):
     from peft import LoraConfig, get_peft_model
 
     # adapters on the language model's projections only (the regex keeps the tower's out); under
-    # QLoRA the projector is 4-bit too (transformers 5 quantizes it despite llm_int8_skip_modules),
-    # and a 4-bit weight cannot require grad, so only the adapters train there
+    # QLoRA the loaded projector held 4-bit weights, which cannot require grad (peft's
+    # modules_to_save failed on it on the H100, 2026-11-23), so only the adapters train there
     cfg = LoraConfig(r=rank, lora_alpha=32, lora_dropout=0.05,
                      target_modules=r".*language_model.*\.(" + "|".join(TARGETS) + r")$",
                      modules_to_save=["multi_modal_projector"] if train_projector else None)
