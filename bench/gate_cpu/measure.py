@@ -203,7 +203,8 @@ def main() -> None:
                 res = json.loads(verdict.read_text())
                 tp = next(c for c in res["checks"] if c["name"] == "throughput")
                 row |= {k: tp.get(k) for k in ("ratio", "ci_low", "ci_high", "pairs", "ratios", "base_values",
-                                               "cur_values", "detail")}
+                                               "cur_values", "detail", "median_ratio",
+                                               "slower_ci_high", "extended")}
                 row["summary"] = res["summary"]
             else:
                 row["stderr"] = r.stderr[-1000:]
