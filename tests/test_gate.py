@@ -458,7 +458,8 @@ def _simulate_gate(slowdown: float, trials: int, seed: int, noise: dict = MEASUR
 
 def test_paired_gate_rarely_alarms_on_the_same_config_under_ci_load():
     # the target is 0 false alarms in 10 gates: at 1.6% a gate (simulated, 5,000 gates: 1.58%
-    # without the extension, 1.56% with it) that is the 85% case; at the 3% per-run noise of quieter hours 0.4%
+    # without the extension, 1.56% with it) that is the 85% case; at the 3% per-run noise of
+    # quieter hours 0.4%
     stats: dict = {}
     assert _simulate_gate(0.0, 600, seed=11, stats=stats) <= 0.02
     assert stats["extended"] < 0.02  # a same config rarely points to a slowdown at 16 pairs (0.4%)
@@ -480,8 +481,9 @@ def test_the_extension_is_what_catches_the_slow_tail_of_10_percent_slowdowns():
 
 def test_at_the_noisier_hour_the_extension_holds_false_alarms_and_recovers_most_misses():
     """The noisiest stretch of v6 on the CI host (three gate streams and the neighbours' suites): its
-    first 47 same-config pairs had log ratios of sd 0.111, about 7.5% a run (all 115: sd 0.094). 2,000 simulated gates: false alarms 1.9% stopping at 16 pairs, 2.1%
-    with the extension; -10% caught 73.4% -> 94.1% (23% of them extended): not the 99% target."""
+    first 47 same-config pairs had log ratios of sd 0.111, about 7.5% a run (all 115: sd 0.094).
+    2,000 simulated gates: false alarms 1.9% stopping at 16 pairs, 2.1% with the extension; -10%
+    caught 73.4% -> 94.1% (23% of them extended): not the 99% target."""
     noisy = MEASURED_NOISE | {"jitter": 0.075}
     assert _simulate_gate(0.0, 400, seed=16, noise=noisy) <= 0.03
     assert _simulate_gate(0.10, 200, seed=17, noise=noisy) >= 0.90
