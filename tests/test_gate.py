@@ -434,32 +434,96 @@ def _ci_host(rng, jitter, walk, burst_p, burst):
     return measure
 
 
-def _simulate_gate(slowdown: float, trials: int, seed: int, noise: dict = MEASURED_NOISE) -> float:
-    """Share of gates that fail, each on fresh synthetic paired runs."""
+def _simulate_gate(slowdown: float, trials: int, seed: int, noise: dict = MEASURED_NOISE,
+                   extend_pairs: int = 32, stats: dict | None = None) -> float:
+    """Share of gates that fail, each on fresh synthetic paired runs, judged as paired_gate judges
+    (max_pairs 16, extended up to `extend_pairs` while the ratio points to a slowdown)."""
     import numpy as np
 
     from vlmdoctor.doctor.decide import PairedOptions, interleaved
 
     rng = np.random.default_rng(seed)
-    fails = 0
+    fails = extended = 0
     for _ in range(trials):
         m = _ci_host(rng, **noise)
         r = interleaved({"b": lambda: m(1000.0), "c": lambda: m(1000.0 * (1 - slowdown))}, "b",
-                        PairedOptions(min_pairs=3, max_pairs=16),
-                        judge=lambda x, final: slowdown_verdict(x, 0.05, 0.98, final))
+                        PairedOptions(min_pairs=3, max_pairs=max(16, extend_pairs)),
+                        judge=lambda x, final: slowdown_verdict(x, 0.05, 0.98, final, max_pairs=16))
         fails += r["decisions"]["c"]["outcome"] == "slower"
+        extended += r["rounds"] > 16
+    if stats is not None:
+        stats["extended"] = extended / trials
     return fails / trials
 
 
 def test_paired_gate_rarely_alarms_on_the_same_config_under_ci_load():
-    # the target is 0 false alarms in 10 gates: at 1.7% a gate (simulated) that is the 84% case, not
-    # yet the target (measured: 0 in 7); at the 3% per-run noise of quieter hours it was 0.4%
-    assert _simulate_gate(0.0, 600, seed=11) <= 0.02
+    # the target is 0 false alarms in 10 gates: at 1.6% a gate (simulated, 5,000 gates: 1.58%
+    # without the extension, 1.56% with it) that is the 85% case; at the 3% per-run noise of
+    # quieter hours 0.4%
+    stats: dict = {}
+    assert _simulate_gate(0.0, 600, seed=11, stats=stats) <= 0.02
+    assert stats["extended"] < 0.02  # a same config rarely points to a slowdown at 16 pairs (0.4%)
 
 
 def test_paired_gate_catches_10_and_15_percent_slowdowns_under_ci_load():
-    assert _simulate_gate(0.10, 300, seed=12) >= 0.95  # 96.7% simulated, measured 4 of 5: not "every" yet
+    # 5,000 simulated gates at -10%: 96.1% caught stopping at 16 pairs, 99.3% with the extension to
+    # 32 (3.3% of the gates extended); 92.5% of -8% slowdowns (81.5% without)
+    assert _simulate_gate(0.10, 600, seed=12) >= 0.99
     assert _simulate_gate(0.15, 100, seed=13) == 1.0
+
+
+def test_the_extension_is_what_catches_the_slow_tail_of_10_percent_slowdowns():
+    stats: dict = {}
+    with_ext = _simulate_gate(0.08, 400, seed=15, stats=stats)
+    without = _simulate_gate(0.08, 400, seed=15, extend_pairs=16)
+    assert with_ext > without + 0.05 and 0.03 < stats["extended"] < 0.3
+
+
+def test_at_the_noisier_hour_the_extension_holds_false_alarms_and_recovers_most_misses():
+    """The noisiest stretch of v6 on the CI host (three gate streams and the neighbours' suites): its
+    first 47 same-config pairs had log ratios of sd 0.111, about 7.5% a run (all 115: sd 0.094).
+    2,000 simulated gates: false alarms 1.9% stopping at 16 pairs, 2.1% with the extension; -10%
+    caught 73.4% -> 94.1% (23% of them extended): not the 99% target."""
+    noisy = MEASURED_NOISE | {"jitter": 0.075}
+    assert _simulate_gate(0.0, 400, seed=16, noise=noisy) <= 0.03
+    assert _simulate_gate(0.10, 200, seed=17, noise=noisy) >= 0.90
+    assert _simulate_gate(0.10, 200, seed=17, noise=noisy, extend_pairs=16) <= 0.85
+
+
+def test_a_gate_pointing_to_a_slowdown_at_max_pairs_measures_on():
+    """The miss measured on the CI host: 16 pairs at x0.92, 98% interval below 1, 99.5% not. At
+    max_pairs the ratio is below the threshold: another pair, not a pass; at a ratio within the
+    allowed it passes there; past max_pairs the slower bound is at EXTENDED_CONFIDENCE."""
+    from vlmdoctor.ci.gate import EXTENDED_CONFIDENCE
+
+    wide = [0.808, 1.048, 0.862, 0.982] * 4  # x0.92, log ratios of sd 0.10
+    v = slowdown_verdict(wide, 0.05, max_pairs=16)
+    assert v["ratio"] < 0.95 and v["outcome"] == "undecided" and not v["extended"]
+    assert slowdown_verdict(wide, 0.05)["outcome"] == "undecided"  # the plain verdict: pass at final
+    ok = [r * 1.06 for r in wide]  # the same spread around x0.98: within the allowed at 16 pairs
+    assert slowdown_verdict(ok, 0.05, max_pairs=16)["outcome"] == "pass"
+    longer = slowdown_verdict(wide * 2, 0.05, max_pairs=16)
+    assert longer["extended"] and longer["slower_confidence"] == EXTENDED_CONFIDENCE
+    assert longer["outcome"] == "slower"
+    assert slowdown_verdict(wide, 0.05, max_pairs=16, final=True)["outcome"] == "pass"
+
+
+def test_paired_gate_extends_past_max_pairs_only_while_the_ratio_points_to_a_slowdown():
+    import itertools
+
+    wide = itertools.cycle([0.808, 1.048, 0.862, 0.982])
+    r = paired_gate(lambda: _ok(1000.0), lambda: _ok(1000.0 * next(wide)))
+    t = check(r, "throughput")
+    assert not r["passed"] and 16 < t["pairs"] <= 32 and t["extended"] and t["extend_pairs"] == 32
+    wide2 = itertools.cycle([0.808, 1.048, 0.862, 0.982])
+    r = paired_gate(lambda: _ok(1000.0), lambda: _ok(1000.0 * next(wide2)), extend_pairs=16)
+    t = check(r, "throughput")
+    assert r["passed"] and t["pairs"] == 16 and not t["extended"]
+    assert "not shown to be slower" in t["detail"]
+    near = itertools.cycle([0.87, 1.13, 0.92, 1.08])  # x0.995, as wide: undecided at 16, nothing to extend
+    r = paired_gate(lambda: _ok(1000.0), lambda: _ok(1000.0 * next(near)))
+    t = check(r, "throughput")
+    assert r["passed"] and t["pairs"] == 16 and not t["extended"]
 
 
 def test_wall_time_noise_of_the_loaded_host_is_beyond_any_gate():

@@ -791,6 +791,10 @@ def gate(
                                                      "(repeatable)"),
     max_pairs: int = typer.Option(16, "--max-pairs", help="with --remeasure-baseline: paired runs at most (3 at least; "
                                   "more only while undecided)"),
+    extend_pairs: Optional[int] = typer.Option(None, "--extend-pairs", help="with --remeasure-baseline: paired "
+                                               "runs at most when, at --max-pairs, the ratio is below "
+                                               "1 - --max-regression but not yet beyond the noise (default: "
+                                               "2 x --max-pairs; --max-pairs or less: stop there)"),
     cpu_threads: int = typer.Option(1, "--cpu-threads", help="with --remeasure-baseline on a CPU baseline: intra-op "
                                     "threads a side (0: torch's default); one keeps a shared host's load from "
                                     "stalling a side's parallel regions"),
@@ -838,6 +842,8 @@ def gate(
                                      "or --update-baseline")
             if max_pairs < 3:
                 raise VlmdoctorError("--max-pairs must be at least 3")
+            if extend_pairs is not None:
+                check_number("--extend-pairs", extend_pairs, minimum=0, maximum=1000, integer=True)
             check_number("--cpu-threads", cpu_threads, minimum=0, maximum=4096)
             env = {}
             for item in baseline_env or []:
@@ -850,7 +856,7 @@ def gate(
             with err.status("paired runs: baseline and current, alternating") as status:
                 result = remeasure(base, baseline_python, env or None, timeout, cpu_threads=cpu_threads,
                                    max_regression=max_regression,
-                                   max_pairs=max_pairs, max_memory_growth=max_memory_growth, fail_on=fail_on,
+                                   max_pairs=max_pairs, extend_pairs=extend_pairs, max_memory_growth=max_memory_growth, fail_on=fail_on,
                                    allow_env_change=allow_env_change, notify=lambda m: status.update(m))
             result.pop("reports", None)
             _gate_outputs(result, junit, json_path, summary)

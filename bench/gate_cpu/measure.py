@@ -114,8 +114,8 @@ def summarize(out: Path, truth: list[dict], gates: list[dict], fracs: list[float
                              f"{(statistics.median(v) / base - 1) * 100:+.1f}% | {statistics.median(c):,.0f} | "
                              f"{(statistics.median(c) / cbase - 1) * 100:+.1f}% |")
         lines.append("")
-    lines += ["## gates", "", "| kind | gates | failed (exit 1) | exit 2 | median pairs | median ratio | "
-              "ratios of the verdicts | minutes each |", "|---|---|---|---|---|---|---|---|"]
+    lines += ["## gates", "", "| kind | gates | failed (exit 1) | exit 2 | median pairs | past max-pairs | "
+              "median ratio | ratios of the verdicts | minutes each |", "|---|---|---|---|---|---|---|---|---|"]
     for f in [0.0, *fracs]:
         g = [x for x in gates if x["slowdown"] == f]
         if not g:
@@ -125,7 +125,7 @@ def summarize(out: Path, truth: list[dict], gates: list[dict], fracs: list[float
         ratios = [x["ratio"] for x in ok]
         kind = "same config" if f == 0 else f"slowdown {f:g}"
         lines.append(f"| {kind} | {len(g)} | {sum(x['rc'] == 1 for x in g)} | {sum(x['rc'] == 2 for x in g)} | "
-                     f"{statistics.median(pairs) if pairs else '-'} | "
+                     f"{statistics.median(pairs) if pairs else '-'} | {sum(bool(x.get('extended')) for x in ok)} | "
                      f"{statistics.median(ratios) if ratios else float('nan'):.3f} | "
                      + " ".join(f"{r:.3f}" for r in ratios) + f" | {statistics.median(x['wall_s'] for x in g) / 60:.1f} |")
     logs = [math.log(r) for x in gates if x["slowdown"] == 0 and x["rc"] in (0, 1) for r in x["ratios"]]
@@ -136,6 +136,14 @@ def summarize(out: Path, truth: list[dict], gates: list[dict], fracs: list[float
     text = "\n".join(lines) + "\n"
     (out / "summary.md").write_text(text)
     return text
+
+
+def resummarize(out: Path) -> str:
+    """summary.md again from a folder's truth.jsonl and gates.jsonl (after a stream was stopped)."""
+    rows = [json.loads(x) for x in (out / "gates.jsonl").read_text().splitlines()] if (out / "gates.jsonl").exists() else []
+    truth = [json.loads(x) for x in (out / "truth.jsonl").read_text().splitlines()] if (out / "truth.jsonl").exists() else []
+    fracs = sorted({x["slowdown"] for x in rows + truth} - {0.0})
+    return summarize(out, truth, rows, fracs)
 
 
 def main() -> None:
@@ -152,8 +160,13 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("gate_args", nargs="*", help="more gate options, after --")
+    ap.add_argument("--summary-only", action="store_true", help="rewrite OUT/summary.md from its jsonl files, "
+                    "measure nothing")
     args = ap.parse_args()
     out = Path(args.out).resolve()
+    if args.summary_only:
+        print(resummarize(out), flush=True)
+        return
     out.mkdir(parents=True, exist_ok=True)
     fracs = [float(f) for f in args.fracs.split(",")]
     base_tree, slow_tree = checkouts(Path(args.work), args.ref)
@@ -203,7 +216,8 @@ def main() -> None:
                 res = json.loads(verdict.read_text())
                 tp = next(c for c in res["checks"] if c["name"] == "throughput")
                 row |= {k: tp.get(k) for k in ("ratio", "ci_low", "ci_high", "pairs", "ratios", "base_values",
-                                               "cur_values", "detail")}
+                                               "cur_values", "detail", "median_ratio",
+                                               "slower_ci_high", "extended")}
                 row["summary"] = res["summary"]
             else:
                 row["stderr"] = r.stderr[-1000:]
