@@ -856,7 +856,8 @@ def gate(
             with err.status("paired runs: baseline and current, alternating") as status:
                 result = remeasure(base, baseline_python, env or None, timeout, cpu_threads=cpu_threads,
                                    max_regression=max_regression,
-                                   max_pairs=max_pairs, extend_pairs=extend_pairs, max_memory_growth=max_memory_growth, fail_on=fail_on,
+                                   max_pairs=max_pairs, extend_pairs=extend_pairs,
+                                   max_memory_growth=max_memory_growth, fail_on=fail_on,
                                    allow_env_change=allow_env_change, notify=lambda m: status.update(m))
             result.pop("reports", None)
             _gate_outputs(result, junit, json_path, summary)

@@ -95,8 +95,8 @@ def _one(knob: str, value: Any, audience: str, ctx: dict[str, Any]) -> list[str]
         if trainer:
             return ["torch_compile=True"] + ([f"torch_compile_mode={value!r}"] if mode else [])
         return [f"model = torch.compile(model{mode})"]
-    if knob == "compile_regions":
-        return _regional("default", trainer) if value else ["compile the whole model: model = torch.compile(model)"]
+    if knob == "compile_regions":  # on: said with the compile mode, in advise()
+        return ["compile the whole model: model = torch.compile(model)"]
     if knob == "compile_vision":
         if value == "fullgraph":
             return ["model.vision_tower = torch.compile(", "    model.vision_tower, fullgraph=True, dynamic=False)"]
@@ -219,9 +219,9 @@ def advise(patch: dict[str, Any], audience: str, context: dict[str, Any] | None 
         raise ValueError(f"audience must be one of {AUDIENCES}, not {audience!r}")
     ctx = context or {}
     lines: list[str] = []
-    regional = bool(patch.get("compile_regions")) and patch.get("compile", "default") != "off"
+    regional = bool(patch.get("compile_regions"))
     for knob, value in patch.items():
-        if regional and knob == "compile":  # said once, by compile_regions
+        if regional and knob == "compile":  # said once, with compile_regions
             continue
         if regional and knob == "compile_regions":
             value_lines = _regional(str(patch.get("compile", "default")), audience == "trainer")

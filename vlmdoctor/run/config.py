@@ -250,7 +250,7 @@ class RunConfig:
 
     # --- files -----------------------------------------------------------------------------
     @classmethod
-    def load(cls, path: str | Path, overrides: dict[str, Any] | None = None, source: str = "command line") -> "RunConfig":
+    def load(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> "RunConfig":
         """Read YAML or JSON; a report JSON works too (its `config` section is used).
 
         `overrides` (the command line's flags) apply before the knobs are checked against each
@@ -259,10 +259,10 @@ class RunConfig:
         if not overrides:
             return cls.from_dict(data, source=str(path))
         cls.from_dict(data, source=str(path), combinations=False)  # each of the file's values is valid on its own
-        return cls.from_dict({**data, **overrides}, source=source)
+        return cls.from_dict({**data, **overrides}, source="command line")
 
     @classmethod
-    def _read(cls, path: str | Path) -> dict[str, Any]:
+    def _read(cls, path: str | Path) -> Any:
         from vlmdoctor.inputs import read_text
 
         p = Path(path)
@@ -281,11 +281,7 @@ class RunConfig:
                 raise UsageError(f"config {p}: schema_version {version} was written by a newer vlmdoctor (this one "
                                  f"reads up to {SCHEMA_VERSION}); upgrade vlmdoctor")
             data = data["config"]
-        if data is None:  # an empty file: every knob at its default
-            data = {}
-        if not isinstance(data, dict):
-            raise UsageError(f"{p}: expected a mapping of knob names to values, got {type(data).__name__}")
-        return data
+        return {} if data is None else data  # an empty file: every knob at its default; from_dict checks the rest
 
     def dump(self, path: str | Path) -> None:
         from vlmdoctor.files import write_text

@@ -14,10 +14,11 @@ All of them are measured in the trace, never read from the run config:
   dpo.*    the reference forward: the `vlmdoctor::reference` range the runner puts around it, or a
            range a user's own script names after it (record_function "ref_forward",
            "compute_ref_log_probs", "reference_model", ...: a word `ref`/`reference` between
-           separators, REFERENCE_NAME); its time and share of the step; the backward it got (autograd nodes whose sequence number
-           belongs to an op inside the range: a reference run with grad tracking); fp32 GEMMs and
-           casts of fp32 matrices (the weights autocast casts, with shapes recorded) inside it:
-           an fp32 reference under autocast casts every weight in every forward.
+           separators, REFERENCE_NAME); its time and share of the step; the backward it got
+           (autograd nodes whose sequence number belongs to an op inside the range: a reference
+           run with grad tracking); fp32 GEMMs and casts of fp32 matrices (the weights autocast
+           casts, with shapes recorded) inside it: an fp32 reference under autocast casts every
+           weight in every forward.
 
 A second streaming pass over the trace reads the GEMM shapes (the tables keep only a few shapes).
 """
@@ -32,9 +33,9 @@ import numpy as np
 from vlmdoctor.trace.cpu_facts import union_ms
 
 REFERENCE_RANGE = "vlmdoctor::reference"
+OP_NAMESPACES = ("aten::", "autograd::", "c10d::", "prim::", "cudnn", "nccl", "Optimizer.", "ProfilerStep")
 # a user's range around the reference forward: `ref` or `reference` as a word of the name
 # (compute_ref_log_probs, ref_forward, reference, dpo/ref_model), not inside one (prefetch, refine)
-OP_NAMESPACES = ("aten::", "autograd::", "c10d::", "prim::", "cudnn", "nccl", "Optimizer.", "ProfilerStep")
 REFERENCE_NAME = re.compile(r"(?:^|[_:./ -])ref(?:erence)?(?:$|[_:./ -])", re.IGNORECASE)
 GEMM_OPS = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::bmm": (0, 1), "aten::baddbmm": (1, 2)}
 RANK_MAX = 64  # LoRA ranks in use: 4..64 (seed 003: r=16 typical, r=64 for all-linear)
