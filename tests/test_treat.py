@@ -159,26 +159,50 @@ def run_fake(runner: FakeRunner, **opts) -> dict:
     return treat(BASE, runner, TreatOptions(**{"time_budget_s": None, **opts}), validate=lambda c: None)
 
 
-def test_composition_then_ablation_keeps_what_pays_and_drops_the_rest():
+def test_composition_then_ablation_in_the_final_config_keeps_what_pays_and_drops_the_rest():
     result = run_fake(FakeRunner())
-    r1 = result["rounds"][0]
     assert result["ladder"][1]["composed_of"] == ["bf16", "batch", "pad", "compile", "fused-adamw"]
     contrib = {c["rule"]: c["contribution"] for c in result["ladder"][1]["changes"]}
-    # each change's own measured contribution, from its leave-one-out ablation
-    assert contrib["batch"]["outcome"] == "kept" and contrib["batch"]["ratio"] == pytest.approx(1.6 * 1.3, rel=0.05)
+    # each change's own contribution, from its leave-one-out ablation in the final config (batch 16): bf16
+    # weights pay there (in the fake world they pay only from batch 8 on)
     assert contrib["bf16"]["outcome"] == "kept" and contrib["bf16"]["ratio"] == pytest.approx(1.3, rel=0.05)
     assert contrib["compile"]["outcome"] == "kept" and contrib["compile"]["ratio"] == pytest.approx(1.4, rel=0.05)
     assert contrib["pad"]["outcome"] == "harmful" and contrib["fused-adamw"]["outcome"] == "no_gain"
-    assert sorted(r1["dropped"]) == ["fused-adamw", "pad"]
+    assert contrib["batch"]["outcome"] == "superseded"  # round 2 set the batch again: nothing to ablate
+    assert result["final_ablation"]["dropped"] == ["pad", "fused-adamw"]
     final = RunConfig.from_dict(result["final_config"])
     assert (final.weight_dtype, final.batch_size, final.compile, final.pad_to_multiple_of, final.fused_optimizer) == \
         ("bf16", 16, "default", 1, False)  # batch 16: round 2
     assert final.warmup == 10  # the compile patch's warm-up stays with compile
     kinds = [t["kind"] for t in result["trials"]]
-    assert kinds[:2] == ["composition", "composition"] and kinds[2:7] == ["ablation"] * 5
-    # the rung's speedup: the composition's paired ratio without the dropped changes' measured share
-    assert result["ladder"][1]["speedup"] == pytest.approx(1.6 * 1.3 * 1.4, rel=0.05)
+    assert kinds == ["composition"] * 3 + ["ablation"] * 4  # round 1 (two alternatives), round 2, the ablation
+    # rung 1: the composition's paired ratio, padding's cost included; the last rung: without what was dropped
     assert result["ladder"][1]["paired_ratio"] == pytest.approx(1.6 * 1.3 * 1.4 * 0.85, rel=0.05)
+    last = result["ladder"][-1]
+    assert last["change"] == "without pad, fused-adamw"
+    assert last["speedup"] == pytest.approx(1.6 * 1.3 * 1.4 * 1.2, rel=0.05)
+
+
+def test_an_ablation_left_open_by_the_pairs_keeps_the_change():
+    """A change whose interval is still open when the pairs run out stays: its composition paid.
+    (On the H100, bf16 weights measured x1.23 [0.99-1.54] in 4 pairs and were dropped before this.)"""
+    def speed(c):
+        return 1000.0 * (1.6 if c.batch_size >= 8 else 1.0) * (1.15 if c.weight_dtype == "bf16" else 1.0)
+
+    class Runner(FakeRunner):
+        def __call__(self, c, diagnose, timeout):
+            self.calls.append((c, diagnose, timeout))
+            v = speed(c) * float(np.exp(self.rng.normal(0, self.noise)))
+            findings = [F(k, 1, p) for k, p in (("bf16", {"weight_dtype": "bf16"}), ("batch", {"batch_size": 8}))
+                        if getattr(c, next(iter(p))) != next(iter(p.values()))]
+            return {"status": "ok", "repeats": [{"real_tokens_per_s": v}], "metrics": {"real_tokens_per_s": v},
+                    "findings": findings if diagnose else None, "superseded": []}
+
+    result = run_fake(Runner(seed=1, noise=0.15), max_pairs=4)
+    contrib = {c["rule"]: c["contribution"] for c in result["ladder"][1]["changes"]}
+    k = contrib["bf16"]
+    assert k["pairs"] == 4 and k["ci_low"] < 1.02 < k["ci_high"]  # not resolved in 4 pairs at 15% noise
+    assert k["outcome"] == "undecided" and result["final_config"]["weight_dtype"] == "bf16"
 
 
 def test_alternatives_are_both_measured_and_the_better_is_adopted():
@@ -190,15 +214,15 @@ def test_alternatives_are_both_measured_and_the_better_is_adopted():
     assert comps[0]["ratio"] > comps[1]["ratio"] > 1
 
 
-def test_rediagnoses_after_a_round_and_does_not_compose_dropped_changes_again():
+def test_rediagnoses_after_a_round_before_any_ablation():
     result = run_fake(FakeRunner())
-    # round 2 starts from the confirmed config: its diagnosis finds batch 16 (visible only once bf16 and
-    # batch 8 are in); pad and fused-adamw, dropped by round 1's ablation, are not composed again
+    # round 2 starts from round 1's config: its diagnosis finds batch 16 (visible only once bf16 and
+    # batch 8 are in); no ablation runs before it
     assert len(result["rounds"]) == 2
     r2 = result["trials"][result["rounds"][1]["compositions"][0] - 1]
-    assert r2["rule"] == "batch-16" and r2["outcome"] == "kept"
+    assert r2["trial"] == 3 and r2["rule"] == "batch-16" and r2["outcome"] == "kept"
     assert result["final_config"]["batch_size"] == 16 and result["final_config"]["pad_to_multiple_of"] == 1
-    assert result["ladder"][2]["speedup"] == pytest.approx(1.6 * 1.3 * 1.4 * 1.2, rel=0.05)
+    assert result["ladder"][2]["speedup"] == pytest.approx(1.6 * 1.3 * 1.4 * 0.85 * 1.2, rel=0.05)
     assert result["stopped_because"] == "no prescription left"
 
 
@@ -224,11 +248,13 @@ def test_a_composition_that_runs_out_of_memory_is_reverted():
 
 
 def test_max_trials_leaves_changes_unconfirmed_not_dropped():
-    result = run_fake(FakeRunner(), max_trials=4)  # 2 compositions + 2 of the 5 ablations
+    result = run_fake(FakeRunner(), max_trials=5)  # 3 compositions + 2 of the 4 ablations
     contrib = {c["rule"]: c["contribution"] for c in result["ladder"][1]["changes"]}
-    assert [r for r, c in contrib.items() if c["outcome"] == "undecided"] == ["pad", "compile", "fused-adamw"]
-    assert result["final_config"]["compile"] == "default"  # measured in the composition, kept unconfirmed
-    assert result["stopped_because"] == "--max-trials 4 reached"
+    assert len([t for t in result["trials"] if t["kind"] == "ablation"]) == 2
+    undecided = [r for r, c in contrib.items() if c["outcome"] == "undecided"]
+    assert len(undecided) == 2 and all(contrib[r]["how"].startswith("not ablated") for r in undecided)
+    assert result["final_config"]["compile"] == "default"  # measured in the composition, kept
+    assert result["stopped_because"] == "no prescription left"
 
 
 def test_time_budget_caps_runs_and_the_treatment(monkeypatch):
@@ -312,9 +338,9 @@ def test_seed_grid_is_48_runs_over_models_and_stages():
 
 
 def test_ablations_are_sized_to_the_time_left(monkeypatch):
-    """900 s at 40 s a run: the start and the compositions (large effects, two pairs) take 240 s;
-    the 660 s left fit 3 rounds of 5 runs, so 4 of the 5 changes are ablated and 1 stays, marked
-    not ablated."""
+    """900 s at 40 s a run: the start and round 1 (two alternatives, large effects decided on two
+    pairs) take 240 s, round 2 (one composition, three pairs) 200 s; the 460 s left fit 3 rounds of 3
+    runs, so 2 of the 4 changes are ablated and 2 stay, marked not ablated."""
     clock = {"t": 0.0}
     monkeypatch.setattr(time, "time", lambda: clock["t"])
     runner = FakeRunner()
@@ -324,11 +350,10 @@ def test_ablations_are_sized_to_the_time_left(monkeypatch):
         return runner(c, d, timeout)
 
     result = treat(BASE, timed, TreatOptions(time_budget_s=900), validate=lambda c: None)
-    r1 = result["rounds"][0]
-    assert len(r1["ablations"]) == 4
+    assert len(result["final_ablation"]["trials"]) == 2
     contrib = {c["rule"]: c["contribution"] for c in result["ladder"][1]["changes"]}
     unmeasured = [r for r, c in contrib.items() if c["how"].startswith("not ablated")]
-    assert len(unmeasured) == 1 and all(contrib[r]["outcome"] == "undecided" for r in unmeasured)
+    assert len(unmeasured) == 2 and all(contrib[r]["outcome"] == "undecided" for r in unmeasured)
     assert result["wall_s"] <= 900 + 40
 
 

@@ -11,10 +11,11 @@ step was host-bound, and +30% at batch 48). So a round of `treat`:
 2. compares each composition with the current config on paired evidence
    (`vlmdoctor.doctor.decide`: interleaved fresh-process runs, a t-interval on the paired
    ratio) and adopts the best one that is kept;
-3. confirms each change of the adopted composition by leave-one-out ablation: the composition
-   minus that change, paired against the composition. A change whose own contribution is not
-   above `min_gain` is dropped; one the time budget left unconfirmed stays, marked so;
-4. re-diagnoses and repeats while time and `--max-trials` allow.
+3. re-diagnoses the adopted config and repeats while prescriptions, time and `--max-trials` last;
+4. then confirms each adopted change by leave-one-out ablation in the final config: the final
+   config minus that change, paired against the final config. A change whose own contribution is
+   shown to stay below `min_gain` is dropped; one whose interval the time or the pairs left open
+   stays, marked undecided (the composition it came in was measured to pay).
 
 A trial is one arm of a comparison (a composition, or one ablation). Ctrl-C ends the treatment
 and keeps what was measured.
@@ -41,6 +42,7 @@ Notify = Callable[[str], None]
 #: knobs that only say how a run is measured, never what it trains: a patch may raise them (compile needs a
 #: longer warm-up) and an ablation does not remove them
 MEASUREMENT_KNOBS = ("warmup", "steps", "repeats")
+NOT_ABLATED = "not ablated: --max-trials or the time budget left no room"
 
 
 @dataclass
@@ -218,7 +220,7 @@ def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lamb
     speedup = 1.0
     tried: set[str] = set()
     pending: list[dict[str, Any]] = []  # a composition to retry with a smaller batch after an OOM
-    dropped_before: dict[str, int] = {}  # changes an ablation dropped (rule + patch -> round): not composed again
+    adopted: list[tuple[RunConfig, list[dict[str, Any]]]] = []  # each round's config before it, and its changes
     live: dict[str, Any] = {}  # what the round in flight has measured, for Ctrl-C
     try:
         notify("measuring the start config")
@@ -242,7 +244,7 @@ def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lamb
             if time_left() <= 0:
                 out["stopped_because"] = f"--time-budget {opts.time_budget_s:.0f} s spent"
                 break
-            found = pending or compose(current_cfg, _without(current, dropped_before), out["skipped"], validate)
+            found = pending or compose(current_cfg, current, out["skipped"], validate)
             pending = []
             comps = [c for c in found if json.dumps(c["config"].to_dict(), sort_keys=True) not in tried][:budget]
             if not comps:
@@ -287,84 +289,30 @@ def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lamb
             # its diagnosed run: the next round composes from its findings
             composed_report = next((r for r in arm.reports if r.get("findings") is not None),
                                    next(r for r in reversed(arm.reports) if r.get("status") == "ok"))
-            # 2. each change's own contribution: the composition minus that change, against the composition
-            contributions: dict[str, dict[str, Any]] = {}
-            if len(comp["changes"]) == 1:
-                ch = comp["changes"][0]
-                contributions[ch["rule"]] = {"outcome": "kept", "ratio": d["ratio"], "ci_low": d["ci_low"],
-                                             "ci_high": d["ci_high"], "pairs": d["pairs"], "how": "the composition"}
-            else:
-                # as many ablations as --max-trials and the time allow (min_pairs rounds of them plus the
-                # composition's own runs); the most doubtful changes (smallest expected gain) first
-                left = max(0, opts.max_trials - len(out["trials"]))
-                if run_s and not math.isinf(time_left()):
-                    left = min(left, max(0, int(time_left() / (statistics.fmean(run_s) * opts.min_pairs)) - 1))
-                by_doubt = sorted(comp["changes"], key=_expected_x)
-                ablate = [ch for ch in comp["changes"] if ch in by_doubt[:left]]
-                why_not = "not ablated: --max-trials or the time budget left no room"
-                arms = {"composed": runner(composed_cfg, False)}
-                for ch in list(ablate):
-                    others = [o for o in comp["changes"] if o is not ch]
-                    try:
-                        arms[f"without {ch['rule']}"] = runner(apply(current_cfg, others), False)
-                    except UsageError:  # the others need it to make a valid config: it stays
-                        ablate.remove(ch)
-                notify(f"round {rnd['round']}: ablation of {len(ablate)} changes")
-                latest = next(r for r in reversed(arm.reports) if r.get("status") == "ok")  # next to the new runs
-                ab = interleaved(arms, "composed", po, time_left, contribution=True, first={"composed": latest},
-                                 notify=notify, on_round=lambda r: live.update(arms=r, kind="ablation"))
-                for ch in ablate:
-                    name = f"without {ch['rule']}"
-                    dd, a = ab["decisions"][name], ab["arms"][name]
-                    o = _outcome(dd, a)
-                    # a change whose removal breaks the run (OOM without bf16 weights, say) is needed
-                    o = "kept" if o in ("oom", "nan_loss", "error", "timeout") else o
-                    entry = _trial(out, "ablation", name, [ch], o, dd, a)
-                    rnd["ablations"].append(entry["trial"])
-                    contributions[ch["rule"]] = {k: dd.get(k) for k in ("ratio", "ci_low", "ci_high", "pairs")} | \
-                        {"outcome": o, "how": "leave-one-out ablation", "trial": entry["trial"]}
-                for ch in comp["changes"]:
-                    if ch not in ablate:
-                        contributions[ch["rule"]] = {"outcome": "undecided", "how": why_not}
-            keep = [ch for ch in comp["changes"] if contributions[ch["rule"]]["outcome"] in ("kept", "undecided")]
-            if not keep:  # the composition paid, but no change could be resolved alone (two +8% changes, say):
-                keep = [ch for ch in comp["changes"] if contributions[ch["rule"]]["outcome"] != "harmful"]
-                for ch in keep:  # keep them as the group that was measured to pay, and say so
-                    contributions[ch["rule"]]["kept_as_group"] = True
-            dropped = [ch for ch in comp["changes"] if ch not in keep]
-            # the composition's paired ratio, without what the dropped changes measured in their ablation
-            adjust = math.prod(1 / contributions[ch["rule"]]["ratio"] for ch in dropped
-                               if contributions[ch["rule"]].get("ratio"))
-            speedup *= d["ratio"] * adjust
-            new_cfg = apply(current_cfg, keep) if keep else current_cfg
+            speedup *= d["ratio"]
             rnd["adopted"] = comp["name"]
-            rnd["dropped"] = [ch["rule"] for ch in dropped]
-            dropped_before.update({_key(ch["rule"], ch["config_patch"]): rnd["round"] for ch in dropped})
             rnd["ended_s"] = time.time() - t0
+            changes = []
+            for ch in comp["changes"]:
+                if len(comp["changes"]) == 1:  # its own contribution is the composition's
+                    k = {"outcome": "kept", "ratio": d["ratio"], "ci_low": d["ci_low"], "ci_high": d["ci_high"],
+                         "pairs": d["pairs"], "how": "the composition"}
+                else:
+                    k = {"outcome": "undecided", "how": NOT_ABLATED}
+                changes.append({**ch, "contribution": k})
             out["ladder"].append({
-                "step": len(out["ladder"]), "change": _label(_merged(keep)) or "(nothing confirmed)",
-                "rule": ", ".join(ch["rule"] for ch in keep), "config_patch": _merged(keep),
+                "step": len(out["ladder"]), "change": _label(_merged(comp["changes"])),
+                "rule": ", ".join(ch["rule"] for ch in comp["changes"]), "config_patch": _merged(comp["changes"]),
                 **summary(composed_report), "real_tokens_per_s": throughput(composed_report),
                 "speedup": speedup, "paired_ratio": d["ratio"], "ci": [d["ci_low"], d["ci_high"]],
-                "speedup_how": "paired ratio of the composition vs the rung before"
-                               + (", times 1/contribution of each dropped change" if dropped else ""),
-                "composed_of": [ch["rule"] for ch in comp["changes"]], "dropped": rnd["dropped"],
-                "changes": [{**ch, "contribution": contributions[ch["rule"]]} for ch in comp["changes"]],
-                "elapsed_s": time.time() - t0,
+                "speedup_how": "paired ratio of the composition vs the rung before",
+                "composed_of": [ch["rule"] for ch in comp["changes"]], "dropped": [],
+                "changes": changes, "elapsed_s": time.time() - t0,
             })
-            if not keep:
-                out["stopped_because"] = "no change of the composition paid off on its own"
-                break
-            current_cfg = new_cfg
-            # 3. the config now kept is measured (with its diagnosis) when something was dropped from what was run
-            if current_cfg == composed_cfg:
-                current = composed_report
-            else:
-                notify("measuring the confirmed config")
-                current = runner(current_cfg, True)()
-                if throughput(current) is None:
-                    out["stopped_because"] = f"the confirmed config did not run: {current.get('status')}"
-                    break
+            adopted.append((current_cfg, changes))
+            current_cfg, current = composed_cfg, composed_report
+        # 3. each change's own contribution, in the final config: without it, against the final config
+        current_cfg = _final_ablation(out, adopted, current_cfg, current, runner, opts, time_left, run_s, notify, live)
     except KeyboardInterrupt:
         out["interrupted"] = True
         out["stopped_because"] = "interrupted (Ctrl-C)"
@@ -373,6 +321,96 @@ def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lamb
     out["final_config"] = current_cfg.to_dict()
     out["wall_s"] = time.time() - t0
     return out
+
+
+def _rebuild(adopted: list[tuple[RunConfig, list[dict[str, Any]]]], leave_out: list[dict[str, Any]]) -> RunConfig:
+    """The final config built again round by round without some changes (a later round's knob wins)."""
+    cfg = adopted[0][0]
+    for _, changes in adopted:
+        keep = [c for c in changes if not any(c is x for x in leave_out)]
+        if keep:
+            cfg = apply(cfg, keep)
+    return cfg
+
+
+def _final_ablation(out: dict[str, Any], adopted: list[tuple[RunConfig, list[dict[str, Any]]]], final_cfg: RunConfig,
+                    final_report: dict[str, Any], runner: Callable[[RunConfig, bool], Callable[[], dict[str, Any]]],
+                    opts: TreatOptions, time_left: Callable[[], float], run_s: list[float], notify: Notify,
+                    live: dict[str, Any]) -> RunConfig:
+    """Each adopted change's own contribution, by leave-one-out in the final config; the config without
+    the changes that did not pay.
+
+    In the final config, not in the round that adopted it: a change's worth depends on the others
+    (bf16 weights measured no gain at batch 4 and +30% at batch 48 on the H100), and ablating after
+    every round spent a 0.5b ladder's budget (400 of 535 s, one H100, 2026-11-23) before the round
+    that would have raised the batch 6x. A change whose interval is still open when the pairs or the
+    time run out stays: the composition it came in was measured to pay.
+    """
+    everything = [c for _, changes in adopted for c in changes]
+    cands: list[tuple[dict[str, Any], RunConfig]] = []
+    for c in everything:
+        if c["contribution"]["how"] != NOT_ABLATED:
+            continue
+        try:
+            without = _rebuild(adopted, [c])
+        except UsageError:
+            c["contribution"] = {"outcome": "kept", "how": "the other changes need it: the config is invalid without it"}
+            continue
+        if without == final_cfg:
+            c["contribution"] = {"outcome": "superseded", "how": "a later round set its knobs again"}
+            continue
+        cands.append((c, without))
+    # as many ablations as --max-trials and the time allow (min_pairs rounds of them with the final config's
+    # own runs); the most doubtful changes (smallest expected gain) first
+    left = max(0, opts.max_trials - len(out["trials"]))
+    if run_s and not math.isinf(time_left()):
+        left = min(left, max(0, int(time_left() / (statistics.fmean(run_s) * opts.min_pairs)) - 1))
+    cands = sorted(cands, key=lambda cw: _expected_x(cw[0]))[:left]
+    if not cands:
+        return final_cfg
+    arms = {"final": runner(final_cfg, False)}
+    arms.update({f"without {c['rule']}": runner(w, False) for c, w in cands})
+    notify(f"ablation of {len(cands)} changes in the final config")
+    ab = interleaved(arms, "final", opts.paired(), time_left, contribution=True, first={"final": final_report},
+                     notify=notify, on_round=lambda r: live.update(arms=r, kind="ablation"))
+    trials = []
+    for c, _ in cands:
+        name = f"without {c['rule']}"
+        dd, a = ab["decisions"][name], ab["arms"][name]
+        o = _outcome(dd, a)
+        # a change whose removal breaks the run (OOM without bf16 weights, say) is needed
+        o = "kept" if o in ("oom", "nan_loss", "error", "timeout") else o
+        if o == "no_gain" and (dd.get("ci_high") or 0.0) >= 1 + opts.min_gain:
+            o = "undecided"  # the pairs or the time ran out with the interval still open
+        entry = _trial(out, "ablation", name, [c], o, dd, a)
+        trials.append(entry["trial"])
+        c["contribution"] = {k: dd.get(k) for k in ("ratio", "ci_low", "ci_high", "pairs")} | \
+            {"outcome": o, "how": "leave-one-out ablation in the final config", "trial": entry["trial"]}
+    dropped: list[dict[str, Any]] = []
+    for rung, (_, changes) in zip(out["ladder"][1:], adopted):
+        out_ = [c for c in changes if c["contribution"]["outcome"] in ("no_gain", "harmful")]
+        if out_ and len(out_) == len(changes) and all(c["contribution"]["outcome"] == "no_gain" for c in out_):
+            for c in out_:  # the round paid, but no change of it could be resolved alone: kept as the group measured
+                c["contribution"]["kept_as_group"] = True
+            continue
+        rung["dropped"] = [c["rule"] for c in out_]
+        dropped += out_
+    out["final_ablation"] = {"trials": trials, "dropped": [c["rule"] for c in dropped]}
+    if not dropped:
+        return final_cfg
+    cfg = _rebuild(adopted, dropped)
+    last = out["ladder"][-1]
+    adjust = math.prod(1 / c["contribution"]["ratio"] for c in dropped if c["contribution"].get("ratio"))
+    measured = ab["arms"][f"without {dropped[0]['rule']}"] if len(dropped) == 1 else None
+    report = next((r for r in reversed(measured.reports) if r.get("status") == "ok"), None) if measured else None
+    rung = {"step": len(out["ladder"]), "change": "without " + ", ".join(c["rule"] for c in dropped),
+            "rule": None, "config_patch": {}, **(summary(report) if report else {}),
+            "real_tokens_per_s": statistics.median(v for v in measured.values if v) if measured else
+            (last.get("real_tokens_per_s") or 0.0) * adjust,
+            "speedup": last["speedup"] * adjust, "speedup_how": "the last rung's speedup times 1/contribution of "
+            "each dropped change", "dropped": [c["rule"] for c in dropped], "elapsed_s": None}
+    out["ladder"].append(rung)
+    return cfg
 
 
 def _smaller_batch(cfg: RunConfig, comp: dict[str, Any]) -> dict[str, Any] | None:
@@ -417,18 +455,6 @@ def _expected_x(change: dict[str, Any]) -> float:
     """The throughput factor the rule expected (1 when it gave none): ablations start with the smallest."""
     g = change.get("expected_gain") or {}
     return float(g.get("throughput_x") or 1.0)
-
-
-def _key(rule: str, patch: dict[str, Any]) -> str:
-    return rule + json.dumps(patch, sort_keys=True, default=str)
-
-
-def _without(report: dict[str, Any], dropped: dict[str, int]) -> dict[str, Any]:
-    """The report with the findings an earlier ablation dropped left out (their patch, unchanged, did not pay)."""
-    if not dropped:
-        return report
-    keep = [f for f in report.get("findings") or [] if _key(f["id"], f["config_patch"]) not in dropped]
-    return {**report, "findings": keep}
 
 
 def _merged(changes: list[dict[str, Any]]) -> dict[str, Any]:
