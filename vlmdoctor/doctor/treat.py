@@ -313,6 +313,8 @@ def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lamb
             current_cfg, current = composed_cfg, composed_report
         # 3. each change's own contribution, in the final config: without it, against the final config
         current_cfg = _final_ablation(out, adopted, current_cfg, current, runner, opts, time_left, run_s, notify, live)
+        if out["ladder"][-1].get("elapsed_s") is None:  # the rung without what the ablation dropped
+            out["ladder"][-1]["elapsed_s"] = time.time() - t0
     except KeyboardInterrupt:
         out["interrupted"] = True
         out["stopped_because"] = "interrupted (Ctrl-C)"
