@@ -99,9 +99,12 @@ def preflight(cfg: RunConfig, spec: ModelSpec | native.NativeSpec, device: torch
                          "on CPU")
     if cfg.attention in GPU_ONLY_ATTENTION and device.type != "cuda":
         raise UsageError(f"the {cfg.attention!r} SDPA backend exists only on CUDA; use sdpa, math or eager on CPU")
+    if cfg.attention == "flex" and device.type != "cuda":
+        raise UsageError(f"--attention flex trains only on CUDA: FlexAttention has no backward on {device.type} "
+                         f"(torch {torch.__version__.split('+')[0]}); use --attention sdpa here")
     if cfg.packing and cfg.attention == "eager":
-        raise UsageError("packing needs an SDPA attention backend (the packed block mask is built for SDPA); "
-                         "use --attention sdpa")
+        raise UsageError("packing needs a masked attention path (eager drops the packed block mask here); use "
+                         "--attention flex (FlexAttention skips the blocks between samples) or --attention sdpa")
     if cfg.data == "synthetic" and cfg.num_samples < cfg.batch_size * cfg.grad_accum * cfg.nproc_per_node:
         raise UsageError("--num-samples must hold at least one optimizer step of samples"
                          + (" on every rank" if cfg.nproc_per_node > 1 else ""))
@@ -204,7 +207,8 @@ class Patient:
 
 
 def _attention_context(backend: str):
-    if backend in ("sdpa", "eager"):
+    """The SDPA backend pinned around the step; sdpa, eager and flex choose their kernels themselves."""
+    if backend in ("sdpa", "eager", "flex"):
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -1,0 +1,154 @@
+"""Padding-free packing through FlexAttention: no cross-sample attention, same numbers as SDPA.
+
+Real forwards of the tiny preset on CPU. FlexAttention runs here as transformers runs it
+(`integrations/flex_attention.py` compiles `flex_attention` itself, and `masking_utils` builds
+a BlockMask with `create_block_mask(_compile=True)`), so each new mask or shape costs an
+Inductor compile of some seconds: the checks share one packed batch shape to keep that to three.
+FlexAttention has no backward on CPU (torch 2.13), so these are forwards; training on flex is
+refused on CPU by the runner's preflight (tested below).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.functional import cross_entropy
+
+from vlmdoctor.errors import UsageError
+from vlmdoctor.run.data import IGNORE, Collator, SyntheticVQA
+from vlmdoctor.run.model import build_model, llm_attn_implementation, vision_attn_implementation
+
+pytest.importorskip("torch.nn.attention.flex_attention")
+
+
+@pytest.fixture(scope="module")
+def models(tiny_spec):
+    """The tiny VLM twice, same weights: LLM on SDPA and LLM on FlexAttention."""
+    torch.manual_seed(0)
+    sdpa = build_model(tiny_spec, attention="sdpa").eval()
+    flex = build_model(tiny_spec, attention="flex").eval()
+    flex.load_state_dict(sdpa.state_dict())
+    return {"sdpa": sdpa, "flex": flex}
+
+
+@pytest.fixture(scope="module")
+def samples(tiny_spec):
+    ds = SyntheticVQA(tiny_spec, 16)
+    return [ds[i] for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def pad_id(tiny_spec):
+    return tiny_spec.llm["special_tokens"]["pad"]
+
+
+def _forward(model, batch, **override):
+    b = {k: v for k, v in batch.items() if k != "counts"}
+    b.update(override)
+    with torch.no_grad():
+        out = model(**b)
+    return out.logits, out.loss
+
+
+def _sample_loss(logits: torch.Tensor, labels: list[int]) -> tuple[torch.Tensor, int]:
+    """Summed next-token loss of one sample's logits, and how many labels it has."""
+    target = torch.tensor(labels[1:])
+    keep = target != IGNORE
+    return cross_entropy(logits[:-1][keep], target[keep], reduction="sum"), int(keep.sum())
+
+
+@pytest.fixture(scope="module")
+def alone(models, samples, pad_id):
+    """Each sample run alone, unpacked and unpadded, on SDPA: the reference."""
+    return [_forward(models["sdpa"], Collator(pad_id)([s]))[0][0] for s in samples]
+
+
+@pytest.fixture(scope="module")
+def packed(pad_id, samples):
+    """All samples in one packed row (position ids restart per sample, no 2-D mask)."""
+    batch = Collator(pad_id, packing=True, pack_length=4096)(samples)
+    assert batch["input_ids"].shape[0] == 1 and batch["attention_mask"] is None
+    return batch
+
+
+def _segments(samples):
+    """(index into samples, start, length) of each sample in the packed row (packing puts longest first)."""
+    at, out = 0, []
+    for i in sorted(range(len(samples)), key=lambda i: -len(samples[i]["input_ids"])):
+        k = len(samples[i]["input_ids"])
+        out.append((i, at, k))
+        at += k
+    return out
+
+
+def test_attn_implementation_per_part():
+    assert llm_attn_implementation("flex") == "flex_attention"
+    assert vision_attn_implementation("flex") == "sdpa"  # fixed-length, unmasked tower: fused SDPA already
+    for backend in ("sdpa", "flash", "efficient", "cudnn", "math"):
+        assert llm_attn_implementation(backend) == vision_attn_implementation(backend) == "sdpa"
+    assert llm_attn_implementation("eager") == vision_attn_implementation("eager") == "eager"
+
+
+def test_flex_model_is_built_on_flex_for_the_llm_only(models):
+    assert models["flex"].llm.config._attn_implementation == "flex_attention"
+    assert models["flex"].vision.config._attn_implementation == "sdpa"
+    assert models["sdpa"].llm.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_packed_row_equals_each_sample_alone(models, samples, alone, packed, attention):
+    """Each sample's logits in the packed row equal its logits alone: no cross-sample attention.
+
+    sdpa gets there through transformers' dense block-diagonal mask, flex through a BlockMask
+    whose mask_mod is the packed-sequence (document) mask; both are detected from the position ids.
+    """
+    logits, loss = _forward(models[attention], packed)
+    total, count = torch.zeros(()), 0
+    for i, at, k in _segments(samples):
+        torch.testing.assert_close(logits[0, at : at + k], alone[i], atol=1e-4, rtol=1e-4)
+        s, n = _sample_loss(alone[i], samples[i]["labels"])
+        total, count = total + s, count + n
+    # the row's loss is the label-weighted mean of the samples' losses alone
+    torch.testing.assert_close(loss, total / count, atol=1e-5, rtol=1e-5)
+
+
+def test_flex_without_position_restarts_matches_sdpa_and_leaks(models, samples, alone, packed):
+    """One running position sequence over the packed row: plain causal attention on both paths.
+
+    flex and sdpa agree (same loss, same logits), and the samples now do attend to each other,
+    which is what the packed-row test above rules out: that test has teeth.
+    """
+    width = packed["input_ids"].shape[1]
+    running = torch.arange(width)[None]
+    flex_logits, flex_loss = _forward(models["flex"], packed, position_ids=running)
+    sdpa_logits, sdpa_loss = _forward(models["sdpa"], packed, position_ids=running)
+    torch.testing.assert_close(flex_loss, sdpa_loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(flex_logits, sdpa_logits, atol=1e-4, rtol=1e-4)
+    i, at, k = _segments(samples)[1]
+    assert (flex_logits[0, at : at + k] - alone[i]).abs().max() > 1e-2
+
+
+@pytest.mark.slow  # a second shape recompiles flex (~20 s); the running-position test covers flex == sdpa
+def test_flex_padded_batch_matches_sdpa(models, samples, pad_id):
+    """Packing off: a padded batch with a 2-D mask gives flex the same loss and real-token logits as sdpa."""
+    batch = Collator(pad_id, pad_to_multiple_of=64)(samples)
+    assert int((batch["attention_mask"] == 0).sum()) > 0  # there is padding to mask
+    flex_logits, flex_loss = _forward(models["flex"], batch)
+    sdpa_logits, sdpa_loss = _forward(models["sdpa"], batch)
+    torch.testing.assert_close(flex_loss, sdpa_loss, atol=1e-5, rtol=1e-5)
+    real = batch["attention_mask"].bool()
+    torch.testing.assert_close(flex_logits[real], sdpa_logits[real], atol=1e-4, rtol=1e-4)
+
+
+def test_flex_training_refused_on_cpu_in_one_line(tiny_cfg):
+    from vlmdoctor.run.runner import check
+
+    with pytest.raises(UsageError, match="FlexAttention") as e:
+        check(tiny_cfg(packing=True, attention="flex"))
+    assert "\n" not in str(e.value)
+
+
+def test_eager_packing_still_refused(tiny_cfg):
+    from vlmdoctor.run.runner import check
+
+    with pytest.raises(UsageError, match="--attention flex"):
+        check(tiny_cfg(packing=True, attention="eager"))
