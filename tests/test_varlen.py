@@ -152,3 +152,47 @@ def test_eager_packing_still_refused(tiny_cfg):
 
     with pytest.raises(UsageError, match="--attention flex"):
         check(tiny_cfg(packing=True, attention="eager"))
+
+
+# --- the trace side: FlexAttention's kernels are attention ------------------------------------------
+
+#: names as the H100 and Inductor write them; the flex ones are Inductor template kernels named after
+#: the flex_attention HOP (torch/_inductor/kernel/flex/flex_attention.py: TritonTemplate(name="flex_attention"))
+ATTENTION_NAMES = {
+    "attention_flex": ["triton_tem_fused_flex_attention_0", "triton_tem_fused_flex_attention_backward_1",
+                       "triton_tem_fused__to_copy_flex_attention_3", "triton_per_fused_flex_attention_backward_zeros_2"],
+    "attention_flash": ["void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4>, true>(Params)",
+                        "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Traits, true>(Params)",
+                        "flash_fwd_splitkv_kernel"],
+    "attention_mem_efficient": ["fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<"
+                                "cutlass::bfloat16_t, cutlass::arch::Sm80, true, 64, 64, 64, true, true>::Params)",
+                                "fmha_cutlassB_bf16_aligned_64x64_k64_sm80(PyTorchMemEffAttention::AttentionBackward"
+                                "Kernel<cutlass::arch::Sm80, cutlass::bfloat16_t, true, false, false, 64, 64, 64>"
+                                "::Params)", "efficient_attention_forward"],
+    "attention_cudnn": ["cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x64_4x1x1",
+                        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64"],
+}
+#: names that must not become attention: other compiled kernels (the block-mask build among them), GEMMs
+OTHER_NAMES = {
+    "triton_compiled": ["triton_poi_fused_add_mul_0", "triton_red_fused__to_copy_mean_pow_1",
+                        "triton_tem_fused_mm_4", "triton_poi_fused_eq_index_lt_sum_2"],
+    "gemm_tensor_core": ["nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT"],
+    "softmax": ["void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float>(float*)"],
+}
+
+
+@pytest.mark.parametrize("expected, names", [*ATTENTION_NAMES.items(), *OTHER_NAMES.items()])
+def test_kernel_classes_with_flex(expected, names):
+    from vlmdoctor.trace.kernels import ATTENTION_CLASSES, classify
+
+    for name in names:
+        assert classify(name) == expected, name
+    assert (expected in ATTENTION_CLASSES) == (expected in ATTENTION_NAMES)
+
+
+def test_flex_advice_names_the_llm_only():
+    from vlmdoctor.doctor.advice import advise
+
+    lines = advise({"attention": "flex"}, "loop")
+    assert any('attn_implementation="flex_attention"' in x for x in lines)
+    assert not any("SDPBackend" in x for x in lines)
