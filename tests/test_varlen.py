@@ -196,3 +196,30 @@ def test_flex_advice_names_the_llm_only():
     lines = advise({"attention": "flex"}, "loop")
     assert any('attn_implementation="flex_attention"' in x for x in lines)
     assert not any("SDPBackend" in x for x in lines)
+
+
+# --- native transformers classes: FlexAttention for the language model only -----------------------
+
+@pytest.mark.parametrize("preset", ["tiny-llava", "tiny-smolvlm"])
+def test_native_flex_sets_the_text_model_only(preset):
+    """transformers takes a per-sub-config attn_implementation dict: text on flex, tower on SDPA."""
+    from vlmdoctor.run import native
+
+    vlm = native.build_native(native.resolve_native(preset), attention="flex")
+    impl = {type(m).__name__: m.config._attn_implementation for m in vlm.hf.modules()
+            if hasattr(m, "config") and hasattr(m.config, "_attn_implementation")}
+    text = vlm.hf.config.text_config._attn_implementation
+    vision = vlm.hf.config.vision_config._attn_implementation
+    assert (text, vision) == ("flex_attention", "sdpa"), impl
+
+
+def test_native_class_without_flex_support_is_one_line():
+    """Qwen2-VL's text model declares no FlexAttention support in transformers 5.23: refused cleanly."""
+    from vlmdoctor.run import native
+
+    spec = native.resolve_native("tiny-qwen2-vl")
+    try:
+        native.build_native(spec, attention="flex")
+    except UsageError as e:
+        assert "FlexAttention" in str(e) and "\n" not in str(e)
+    # a later transformers that supports it builds the model: nothing to refuse then

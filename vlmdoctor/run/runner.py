@@ -103,8 +103,8 @@ def preflight(cfg: RunConfig, spec: ModelSpec | native.NativeSpec, device: torch
         raise UsageError(f"--attention flex trains only on CUDA: FlexAttention has no backward on {device.type} "
                          f"(torch {torch.__version__.split('+')[0]}); use --attention sdpa here")
     if cfg.packing and cfg.attention == "eager":
-        raise UsageError("packing needs a masked attention path (eager drops the packed block mask here); use "
-                         "--attention flex (FlexAttention skips the blocks between samples) or --attention sdpa")
+        raise UsageError("packing runs on SDPA or FlexAttention here, not eager attention (it writes out every "
+                         "row's full score matrix); use --attention flex (it skips the blocks between samples) or sdpa")
     if cfg.data == "synthetic" and cfg.num_samples < cfg.batch_size * cfg.grad_accum * cfg.nproc_per_node:
         raise UsageError("--num-samples must hold at least one optimizer step of samples"
                          + (" on every rank" if cfg.nproc_per_node > 1 else ""))
