@@ -26,7 +26,11 @@ def measured(name: str) -> dict:
 
 
 def fired(name: str) -> dict[str, dict]:
-    return {f["id"]: f for f in diagnose(measured(name), RULES)["findings"]}
+    return fired_on(measured(name))
+
+
+def fired_on(facts: dict) -> dict[str, dict]:
+    return {f["id"]: f for f in diagnose(facts, RULES)["findings"]}
 
 
 def test_shipped_rules_load_cleanly():
@@ -292,14 +296,17 @@ def test_batching_gain_is_a_throughput_factor():
 def test_packing_prescribed_with_flex_on_a_gpu_run():
     """The packing fix pays only through a varlen attention path: on a GPU run its patch selects flex."""
     f = fired("bf16_s2")["data-packing"]
-    assert f["config_patch"] == {"packing": True, "attention": "flex"}
+    assert f["config_patch"] == {"packing": True, "attention": "flex", "warmup": 8}
+    # a CPU run (no device.name) packs on its own attention: FlexAttention has no backward on CPU
+    cpu = {k: v for k, v in measured("bf16_s2").items() if k != "device.name"}
+    assert fired_on(cpu)["data-packing"]["config_patch"] == {"packing": True}
 
 
 def test_packed_dense_mask_rule_is_measured_and_estimates_the_skipped_blocks():
     """It fires from the measured mask and attention time; config.packing alone does not make it fire."""
     facts = measured("packed_s2")
     f = fired("packed_s2")["fusion-packed-dense-mask"]
-    assert f["config_patch"] == {"attention": "flex"}
+    assert f["config_patch"] == {"attention": "flex", "warmup": 8}
     att = facts["attention.llm.forward_ms"] + facts["attention.llm.backward_ms"]
     rows, batch = facts["shapes.rows_per_micro_batch"], facts["config.batch_size"]
     assert rows < batch
