@@ -223,3 +223,30 @@ def test_native_class_without_flex_support_is_one_line():
     except UsageError as e:
         assert "FlexAttention" in str(e) and "\n" not in str(e)
     # a later transformers that supports it builds the model: nothing to refuse then
+
+
+@pytest.mark.slow  # 15-30 s of Inductor compile on 2 cores
+@pytest.mark.parametrize("regions", [True, False])
+def test_flex_under_compile_matches(models, packed, regions):
+    """--compile (whole model, or each decoder layer with --compile-regions) traces the flex call into
+    the compiled graph (transformers uses plain flex_attention inside a dynamo trace): same logits."""
+    import copy
+
+    from vlmdoctor.run.compile import compile_vlm
+
+    compiled = compile_vlm(copy.deepcopy(models["flex"]), "default", regions=regions)
+    want, want_loss = _forward(models["flex"], packed)
+    got, got_loss = _forward(compiled, packed)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got_loss, want_loss, atol=1e-5, rtol=1e-5)
+
+
+def test_flex_runs_get_the_compile_bookkeeping():
+    """transformers compiles flex in the first steps: warm-up settling and recompile checks apply."""
+    from vlmdoctor.run.compile import compiled
+    from vlmdoctor.run.config import RunConfig
+    from vlmdoctor.run.runner import recompile_warning
+
+    assert compiled(RunConfig(attention="flex")) and not compiled(RunConfig(attention="sdpa"))
+    warning = recompile_warning(RunConfig(attention="flex"), [{"step_ms": [100.0, 100.0, 900.0, 100.0]}])
+    assert warning and warning.startswith("--attention flex")

@@ -777,7 +777,8 @@ def recompile_warning(cfg: RunConfig, windows: list[dict[str, Any]]) -> str | No
         worst = max(range(len(steps)), key=steps.__getitem__)
         rest = statistics.median(steps[:worst] + steps[worst + 1:])
         if rest > 0 and steps[worst] > RECOMPILE_RATIO * rest:
-            what = f"--compile {cfg.compile}" if cfg.compile != "off" else f"--compile-vision {cfg.compile_vision}"
+            what = (f"--compile {cfg.compile}" if cfg.compile != "off" else f"--compile-vision {cfg.compile_vision}"
+                    if cfg.compile_vision != "model" else "--attention flex")
             return (f"{what}: timed step {worst + 1} of window {r + 1} took {steps[worst]:.0f} ms, "
                     f"{steps[worst] / rest:.0f}x the median of {rest:.0f} ms: compilation ran inside the timed "
                     "window, so tokens/s is too low; use more --warmup steps")
