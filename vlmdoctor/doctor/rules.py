@@ -50,10 +50,10 @@ HAS = "has"  # has(fact.name): whether the trace measured it; never "not evaluat
 #: (pattern, hint, test on the facts: true when that option was on already, so the hint would not help)
 FACT_OPTIONS: list[tuple[re.Pattern[str], str, Any]] = [
     (re.compile(r"(gpu|kernels|gemm|launch|idle|recompute|phase|liger|triton_compiled|optimizer|memcpy|memory|part)\."
-                r"|attention\.(fp32_kernels|backend)"),
+                r"|attention\.(fp32_kernels|backend|kernel_share)"),
      "a GPU trace (ProfilerActivity.CUDA)", lambda f: f.get("trace.gpu_kernels", True)),
     (re.compile(r"memory\."), "profile_memory=True", lambda f: f.get("trace.recorded.memory", True)),
-    (re.compile(r"shapes\.|lora\.|dpo\.reference_fp32|loss\.(logits|head_rows)|flops\.|attention\.[a-z_]+\.(head_dim|fwd_tflop)"),
+    (re.compile(r"shapes\.|lora\.|dpo\.reference_fp32|loss\.(logits|head_rows)|flops\.|attention\.[a-z_]+\.(head_dim|fwd_tflop|dense_mask)"),
      "record_shapes=True", lambda f: f.get("trace.recorded.shapes", True)),
     (re.compile(r"(part|attention)\.(vision|projector|llm)\."), "with_stack=True (records the nn.Module hierarchy)",
      lambda f: f.get("part.source", "none") != "none"),
