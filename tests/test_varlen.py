@@ -3,7 +3,8 @@
 Real forwards of the tiny preset on CPU. FlexAttention runs here as transformers runs it
 (`integrations/flex_attention.py` compiles `flex_attention` itself, and `masking_utils` builds
 a BlockMask with `create_block_mask(_compile=True)`), so each new mask or shape costs an
-Inductor compile of some seconds: the checks share one packed batch shape to keep that to three.
+Inductor compile of some seconds: the checks that run by default share one packed batch shape
+(two masks, about 25 s cold on 2 cores); the padded-batch and compile checks are `slow`.
 FlexAttention has no backward on CPU (torch 2.13), so these are forwards; training on flex is
 refused on CPU by the runner's preflight (tested below).
 """
