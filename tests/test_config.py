@@ -132,7 +132,7 @@ def test_unknown_knob_in_file_names_the_file(tmp_path):
     "knob, value, valid",
     [("weight_dtype", "fp16", ["fp32", "bf16"]),
      ("sampler", "sorted", ["random", "length_bucketed"]),
-     ("attention", "flash2", ["sdpa", "flash", "efficient", "cudnn", "math", "eager"]),
+     ("attention", "flash2", ["sdpa", "flash", "efficient", "cudnn", "math", "eager", "flex"]),
      ("stage", 3, ["1", "2"])],
 )
 def test_bad_choice_names_valid_choices(knob, value, valid):

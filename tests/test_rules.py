@@ -26,7 +26,11 @@ def measured(name: str) -> dict:
 
 
 def fired(name: str) -> dict[str, dict]:
-    return {f["id"]: f for f in diagnose(measured(name), RULES)["findings"]}
+    return fired_on(measured(name))
+
+
+def fired_on(facts: dict) -> dict[str, dict]:
+    return {f["id"]: f for f in diagnose(facts, RULES)["findings"]}
 
 
 def test_shipped_rules_load_cleanly():
@@ -56,6 +60,8 @@ CASES = {
     "data-packing": ("bf16_s2", "healthy_s2"),
     "fusion-eager-attention": ("eager_s2", "bf16_s2"),
     "fusion-lm-head-unlabeled": ("healthy_s2", "labeled_s2"),
+    # packed rows through SDPA's dense block-diagonal mask; the padded healthy run also masks, but is not packed
+    "fusion-packed-dense-mask": ("packed_s2", "healthy_s2"),
 }
 
 # rules that no H100 recording makes fire, because on this GPU the problem does not arise: each is
@@ -285,3 +291,30 @@ def test_batching_gain_is_a_throughput_factor():
     assert g["saves_ms_per_step"] is None
     busy = measured("default_s2")["gpu.busy_frac"]
     assert g["throughput_x"] == pytest.approx(min(b / 4, 1 / busy))  # the formula written in the rule file
+
+
+def test_packing_prescribed_with_flex_on_a_gpu_run():
+    """The packing fix pays only through a varlen attention path: on a GPU run its patch selects flex."""
+    f = fired("bf16_s2")["data-packing"]
+    assert f["config_patch"] == {"packing": True, "attention": "flex", "warmup": 8}
+    # a CPU run (no device.name) packs on its own attention: FlexAttention has no backward on CPU
+    cpu = {k: v for k, v in measured("bf16_s2").items() if k != "device.name"}
+    assert fired_on(cpu)["data-packing"]["config_patch"] == {"packing": True}
+
+
+def test_packed_dense_mask_rule_is_measured_and_estimates_the_skipped_blocks():
+    """It fires from the measured mask and attention time; config.packing alone does not make it fire."""
+    facts = measured("packed_s2")
+    f = fired("packed_s2")["fusion-packed-dense-mask"]
+    assert f["config_patch"] == {"attention": "flex", "warmup": 8}
+    att = facts["attention.llm.forward_ms"] + facts["attention.llm.backward_ms"]
+    rows, batch = facts["shapes.rows_per_micro_batch"], facts["config.batch_size"]
+    assert rows < batch
+    assert f["expected_gain"]["saves_ms_per_step"] == pytest.approx(att * (1 - rows / batch))
+    # packed, but the attention kernels barely show: no finding
+    quiet = {**facts, "attention.kernel_share": 0.05}
+    assert "fusion-packed-dense-mask" not in {x["id"] for x in diagnose(quiet, RULES)["findings"]}
+    # packed, but no dense mask (a flex run has no SDPA calls in the LLM)
+    flexed = {k: v for k, v in facts.items() if k != "attention.llm.dense_mask_share"}
+    d = diagnose(flexed, RULES)
+    assert "fusion-packed-dense-mask" not in {x["id"] for x in d["findings"]}

@@ -140,7 +140,7 @@ def profile(
     pad_to_multiple_of: Optional[int] = _opt("pad batch length to a multiple [default: 1]", P3, "--pad-to-multiple-of"),
     packing: Optional[bool] = _opt("pack samples into rows", P3, "--packing/--no-packing"),
     pack_length: Optional[int] = _opt("tokens per packed row [default: 2048]", P3, "--pack-length"),
-    attention: Optional[str] = _opt("sdpa (default), flash, efficient, cudnn, math, eager", P4, "--attention"),
+    attention: Optional[str] = _opt("sdpa (default), flash, efficient, cudnn, math, eager, flex", P4, "--attention"),
     liger_rope: Optional[bool] = _opt("Liger RoPE", P4, "--liger-rope/--no-liger-rope"),
     liger_rms_norm: Optional[bool] = _opt("Liger RMSNorm", P4, "--liger-rms-norm/--no-liger-rms-norm"),
     liger_swiglu: Optional[bool] = _opt("Liger SwiGLU", P4, "--liger-swiglu/--no-liger-swiglu"),

@@ -135,6 +135,10 @@ def _one(knob: str, value: Any, audience: str, ctx: dict[str, Any]) -> list[str]
     if knob == "allow_tf32":
         return ["tf32=True"] if trainer and value else [f"torch.backends.cuda.matmul.allow_tf32 = {bool(value)}"]
     if knob == "attention":
+        if value == "flex":  # the LLM only: packed position ids become a document BlockMask
+            return ['from_pretrained(..., attn_implementation="flex_attention")  # the LLM',
+                    '# a VLM class: attn_implementation={"text_config": "flex_attention"}',
+                    "# packed rows: position_ids restart per sample, attention_mask=None"]
         if value in ("sdpa", "eager", "flash"):
             impl = {"sdpa": "sdpa", "eager": "eager", "flash": "flash_attention_2"}[value]
             return [f'from_pretrained(..., attn_implementation="{impl}")']

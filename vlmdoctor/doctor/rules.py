@@ -50,10 +50,10 @@ HAS = "has"  # has(fact.name): whether the trace measured it; never "not evaluat
 #: (pattern, hint, test on the facts: true when that option was on already, so the hint would not help)
 FACT_OPTIONS: list[tuple[re.Pattern[str], str, Any]] = [
     (re.compile(r"(gpu|kernels|gemm|launch|idle|recompute|phase|liger|triton_compiled|optimizer|memcpy|memory|part)\."
-                r"|attention\.(fp32_kernels|backend)"),
+                r"|attention\.(fp32_kernels|backend|kernel_share)"),
      "a GPU trace (ProfilerActivity.CUDA)", lambda f: f.get("trace.gpu_kernels", True)),
     (re.compile(r"memory\."), "profile_memory=True", lambda f: f.get("trace.recorded.memory", True)),
-    (re.compile(r"shapes\.|lora\.|dpo\.reference_fp32|loss\.(logits|head_rows)|flops\.|attention\.[a-z_]+\.(head_dim|fwd_tflop)"),
+    (re.compile(r"shapes\.|lora\.|dpo\.reference_fp32|loss\.(logits|head_rows)|flops\.|attention\.[a-z_]+\.(head_dim|fwd_tflop|dense_mask)"),
      "record_shapes=True", lambda f: f.get("trace.recorded.shapes", True)),
     (re.compile(r"(part|attention)\.(vision|projector|llm)\."), "with_stack=True (records the nn.Module hierarchy)",
      lambda f: f.get("part.source", "none") != "none"),
@@ -84,7 +84,8 @@ KNOWN_FACTS = [re.compile(p) for p in (
     r"ops\.(fused_linear_cross_entropy|checkpoint_reentrant)", r"host\.(sync_calls|sync_ops)",
     r"part\.[a-z_]+\.(forward|backward|recompute|optimizer)_ms",
     r"attention\.[a-z_]+\.(forward|backward|recompute)_ms", r"attention\.(eager_softmax_calls|sdpa_calls|backends)",
-    r"attention\.[a-z_]+\.(head_dims|head_dim_pow2|fwd_tflop_per_step|fwd_tflops)",
+    r"attention\.[a-z_]+\.(head_dims|head_dim_pow2|fwd_tflop_per_step|fwd_tflops|dense_mask_share)",
+    r"attention\.kernel_share", r"shapes\.rows_per_micro_batch", r"device\.name",
     r"flops\.(vision_tflop_per_step|lm_head_tflop_per_step)", r"gpu\.busy_tflops", r"data\.loss_token_frac",
     r"memory\.(device_total_gb|peak_allocated_gb|peak_reserved_gb|peak_reserved_frac)",
     r"flops\.model_tflop_per_step_upper", r"mfu(\.upper_bound)?", r"data\.(pad_fraction|real_tokens_per_s)",
@@ -499,6 +500,8 @@ def _fire(rule: Rule, facts: dict[str, Any], not_evaluated: list[dict[str, Any]]
                 value = _eval(_tree(value), env)
             except _Missing:
                 continue
+            if value is None:  # the expression leaves this knob out here (`'flex' if ... else None`)
+                continue
         patch[knob] = value
     env.update({f"patch.{k}": v for k, v in patch.items()})
     saves = _gain(rule, "saves_ms", env)
@@ -531,5 +534,5 @@ def _gain(rule: Rule, key: str, env: dict[str, Any]) -> float | None:
 
 #: facts only GPU kernels give: on a CPU-only trace a rule that needs one does not apply (it is not unmeasured)
 GPU_ONLY = re.compile(r"(gpu|kernels|idle|launch|liger|gemm|phase|memcpy|recompute|triton_compiled|optimizer)\..*"
-                      r"|attention\.(fp32_kernels|[a-z]+\.(forward|backward|recompute)_ms|[a-z]+\.head_dim.*)"
+                      r"|attention\.(fp32_kernels|kernel_share|[a-z]+\.(forward|backward|recompute)_ms|[a-z]+\.head_dim.*)"
                       r"|part\.[a-z_]+\.(ms|share|forward_ms|backward_ms|recompute_ms)|part\.fp32_gemm_parts")

@@ -110,8 +110,13 @@ def compile_vlm(vlm: torch.nn.Module, mode: str, vision: str = "model", shape_pa
 
 
 def compiled(cfg: Any) -> bool:
-    """Whether a run config compiles anything (the warm-up and recompile bookkeeping need it)."""
-    return cfg.compile != "off" or getattr(cfg, "compile_vision", "model") != "model"
+    """Whether a run config compiles anything (the warm-up and recompile bookkeeping need it).
+
+    `attention: flex` compiles too: transformers compiles flex_attention (and the BlockMask builder)
+    in the first steps, and once more when the row shapes turn dynamic.
+    """
+    return (cfg.compile != "off" or getattr(cfg, "compile_vision", "model") != "model"
+            or getattr(cfg, "attention", "sdpa") == "flex")
 
 
 def mark_lengths_dynamic(batch: dict[str, Any]) -> None:

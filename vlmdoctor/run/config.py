@@ -103,7 +103,8 @@ class RunConfig:
     packing: bool = knob(False, 3, "pack samples into rows (position ids reset, no cross-sample attention)")
     pack_length: int = knob(2048, 3, "tokens per packed row", minimum=16, maximum=1 << 20)
     # --- layer 4: kernel fusion ----------------------------------------------------------
-    attention: str = knob("sdpa", 4, "attention backend", ("sdpa", "flash", "efficient", "cudnn", "math", "eager"))
+    attention: str = knob("sdpa", 4, "attention backend (flex: the LLM on FlexAttention)",
+                          ("sdpa", "flash", "efficient", "cudnn", "math", "eager", "flex"))
     liger_rope: bool = knob(False, 4, "Liger Triton RoPE")
     liger_rms_norm: bool = knob(False, 4, "Liger Triton RMSNorm")
     liger_swiglu: bool = knob(False, 4, "Liger Triton SwiGLU")

@@ -393,6 +393,7 @@ class Collator:
             "labels": labels,
             "position_ids": position_ids,
             # packing: no 2D mask, so transformers builds the block-diagonal causal mask from position ids
+            # (dense for SDPA, a document BlockMask for --attention flex)
             "attention_mask": None if self.packing else attention_mask,
         }
         if self.labeled_only:  # positions whose next token is a label, flat over (rows, width - 1)

@@ -153,23 +153,44 @@ def build_model(
     from transformers import AutoModelForCausalLM
 
     dtype = DTYPES[weight_dtype]
-    attn = "eager" if attention == "eager" else "sdpa"
+    vattn, lattn = vision_attn_implementation(attention), llm_attn_implementation(attention)
     vcls, vcfg_cls = _vision_class(spec.vision["family"])
     with torch.device(device):
         if weights == "pretrained":
-            vision, llm = _load_pretrained(spec, vcls, attn, dtype, device)
+            vision, llm = _load_pretrained(spec, vcls, (vattn, lattn), dtype, device)
         else:
             vcfg = vcfg_cls(**spec.vision["config"])
-            vision = vcls._from_config(vcfg, attn_implementation=attn, dtype=dtype)
+            vision = vcls._from_config(vcfg, attn_implementation=vattn, dtype=dtype)
             lcfg = _llm_config(spec.llm["family"], spec.llm["config"])
-            llm = AutoModelForCausalLM.from_config(lcfg, attn_implementation=attn, dtype=dtype)
+            llm = AutoModelForCausalLM.from_config(lcfg, attn_implementation=lattn, dtype=dtype)
         projector = Projector(spec.vision["config"]["hidden_size"], spec.projector_out, spec.pixel_shuffle, spec.projector)
         projector.to(dtype)
     llm.config.use_cache = False
     return VLM(spec, vision, projector, llm)
 
 
-def _load_pretrained(spec: ModelSpec, vcls, attn: str, dtype: torch.dtype, device) -> tuple[nn.Module, nn.Module]:
+def llm_attn_implementation(attention: str) -> str:
+    """The transformers `attn_implementation` of the LLM for the `attention` knob.
+
+    `flex` runs the LLM on FlexAttention: transformers turns packed position ids into a BlockMask
+    (masking_utils.find_packed_sequence_indices), so the kernel skips the blocks between samples
+    instead of SDPA reading a dense block-diagonal mask. The SDPA backends (flash, efficient, ...)
+    are chosen around the step by `sdpa_kernel`; the model itself is built on SDPA for them.
+    """
+    return {"eager": "eager", "flex": "flex_attention"}.get(attention, "sdpa")
+
+
+def vision_attn_implementation(attention: str) -> str:
+    """The tower's `attn_implementation`: SDPA even under `flex`.
+
+    The tower sees fixed-length, unmasked patch sequences (no packing there), which SDPA already
+    runs on its fused kernels; FlexAttention would add a compile for no skipped blocks.
+    """
+    return "eager" if attention == "eager" else "sdpa"
+
+
+def _load_pretrained(spec: ModelSpec, vcls, attn: tuple[str, str], dtype: torch.dtype,
+                     device) -> tuple[nn.Module, nn.Module]:
     from transformers import AutoModelForCausalLM
 
     for part in (spec.vision, spec.llm):
@@ -177,8 +198,8 @@ def _load_pretrained(spec: ModelSpec, vcls, attn: str, dtype: torch.dtype, devic
             raise UsageError(f"{part['name']} has no published checkpoint; use --weights random")
     extra = {"vision_use_head": False} if spec.vision["family"] == "siglip" else {}
     with loading_checkpoints(spec.vision["hub_id"], spec.llm["hub_id"]):
-        vision = vcls.from_pretrained(spec.vision["hub_id"], attn_implementation=attn, dtype=dtype, **extra)
-        llm = AutoModelForCausalLM.from_pretrained(spec.llm["hub_id"], attn_implementation=attn, dtype=dtype)
+        vision = vcls.from_pretrained(spec.vision["hub_id"], attn_implementation=attn[0], dtype=dtype, **extra)
+        llm = AutoModelForCausalLM.from_pretrained(spec.llm["hub_id"], attn_implementation=attn[1], dtype=dtype)
     return vision.to(device), llm.to(device)
 
 

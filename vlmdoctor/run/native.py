@@ -275,17 +275,27 @@ def build_native(spec: NativeSpec, weight_dtype: str = "fp32", attention: str = 
     """Random weights from the shipped config, or the class's `from_pretrained` when asked and reachable."""
     cls, _ = _classes(spec.cls_name)
     dtype = DTYPES[weight_dtype]
-    attn = "eager" if attention == "eager" else "sdpa"
-    if weights == "pretrained":
-        hf = _load_pretrained(spec, cls, attn, dtype).to(device)
-    else:
-        with torch.device(device):
-            hf = cls._from_config(hf_config(spec), attn_implementation=attn, dtype=dtype)
+    attn: str | dict[str, str] = "eager" if attention == "eager" else "sdpa"
+    if attention == "flex":
+        # transformers takes one implementation per sub-config (modeling_utils.set_attn_implementation):
+        # the language model on FlexAttention, the tower and the class itself on SDPA (fixed-length patches)
+        attn = {"": "sdpa", "text_config": "flex_attention", "vision_config": "sdpa"}
+    try:
+        if weights == "pretrained":
+            hf = _load_pretrained(spec, cls, attn, dtype).to(device)
+        else:
+            with torch.device(device):
+                hf = cls._from_config(hf_config(spec), attn_implementation=attn, dtype=dtype)
+    except ValueError as e:  # e.g. Qwen2VLTextModel: "does not support ... flex_attention" (transformers 5.23)
+        if attention != "flex" or "flex_attention" not in str(e):
+            raise
+        raise UsageError(f"transformers cannot run {spec.cls_name}'s language model on FlexAttention "
+                         f"({str(e).split('.')[0]}); use --attention sdpa") from None
     hf.config.use_cache = False
     return NativeVLM(spec, hf)
 
 
-def _load_pretrained(spec: NativeSpec, cls: type, attn: str, dtype: torch.dtype) -> nn.Module:
+def _load_pretrained(spec: NativeSpec, cls: type, attn: str | dict[str, str], dtype: torch.dtype) -> nn.Module:
     if not spec.hub_id:
         raise UsageError(f"{spec.preset} has no published checkpoint; use --weights random")
     with loading_checkpoints(spec.hub_id):

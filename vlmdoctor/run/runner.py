@@ -99,9 +99,12 @@ def preflight(cfg: RunConfig, spec: ModelSpec | native.NativeSpec, device: torch
                          "on CPU")
     if cfg.attention in GPU_ONLY_ATTENTION and device.type != "cuda":
         raise UsageError(f"the {cfg.attention!r} SDPA backend exists only on CUDA; use sdpa, math or eager on CPU")
+    if cfg.attention == "flex" and device.type != "cuda":
+        raise UsageError(f"--attention flex trains only on CUDA: FlexAttention has no backward on {device.type} "
+                         f"(torch {torch.__version__.split('+')[0]}); use --attention sdpa here")
     if cfg.packing and cfg.attention == "eager":
-        raise UsageError("packing needs an SDPA attention backend (the packed block mask is built for SDPA); "
-                         "use --attention sdpa")
+        raise UsageError("packing runs on SDPA or FlexAttention here, not eager attention (it writes out every "
+                         "row's full score matrix); use --attention flex (it skips the blocks between samples) or sdpa")
     if cfg.data == "synthetic" and cfg.num_samples < cfg.batch_size * cfg.grad_accum * cfg.nproc_per_node:
         raise UsageError("--num-samples must hold at least one optimizer step of samples"
                          + (" on every rank" if cfg.nproc_per_node > 1 else ""))
@@ -204,7 +207,8 @@ class Patient:
 
 
 def _attention_context(backend: str):
-    if backend in ("sdpa", "eager"):
+    """The SDPA backend pinned around the step; sdpa, eager and flex choose their kernels themselves."""
+    if backend in ("sdpa", "eager", "flex"):
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -773,7 +777,8 @@ def recompile_warning(cfg: RunConfig, windows: list[dict[str, Any]]) -> str | No
         worst = max(range(len(steps)), key=steps.__getitem__)
         rest = statistics.median(steps[:worst] + steps[worst + 1:])
         if rest > 0 and steps[worst] > RECOMPILE_RATIO * rest:
-            what = f"--compile {cfg.compile}" if cfg.compile != "off" else f"--compile-vision {cfg.compile_vision}"
+            what = (f"--compile {cfg.compile}" if cfg.compile != "off" else f"--compile-vision {cfg.compile_vision}"
+                    if cfg.compile_vision != "model" else "--attention flex")
             return (f"{what}: timed step {worst + 1} of window {r + 1} took {steps[worst]:.0f} ms, "
                     f"{steps[worst] / rest:.0f}x the median of {rest:.0f} ms: compilation ran inside the timed "
                     "window, so tokens/s is too low; use more --warmup steps")

@@ -488,6 +488,7 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
     facts["gemm.fp32_top_kernels"] = [k for k, _ in fp32_names.most_common(3)]
     att = g[g["cls"].isin(ATTENTION_CLASSES)]
     facts["attention.fp32_kernels"] = int(sum(is_fp32_attention(x) for x in att["name"])) / n
+    facts["attention.kernel_share"] = float(att["dur"].sum()) / gpu_time if gpu_time else 0.0
     for cls in LIGER_CLASSES:
         facts[f"liger.{cls.removeprefix('liger_')}.launches"] = float(by_cls["count"].get(cls, 0)) / n
     facts["triton_compiled.launches"] = float(by_cls["count"].get("triton_compiled", 0)) / n
@@ -817,10 +818,14 @@ def _attention_shape_facts(t: Tables, facts: dict[str, Any], n: int, ctx: pd.Dat
             continue
         (b, h, lq, d), lk = dims[0], dims[1][2]
         causal = 0.5 if part == "llm" else 1.0  # decoder attention is causal, the tower's is not
-        entry = per_part.setdefault(part, {"head_dims": set(), "flop": 0.0})
+        entry = per_part.setdefault(part, {"head_dims": set(), "flop": 0.0, "calls": 0, "masked": 0})
         entry["head_dims"].add(int(d))
         entry["flop"] += 4.0 * b * h * lq * lk * d * causal
+        entry["calls"] += 1
+        entry["masked"] += len(dims) > 3 and len(dims[3]) >= 2  # a dense attn_mask tensor, not is_causal
     for part, e in per_part.items():
+        # SDPA with a dense mask cannot take the flash path and computes every masked-out block
+        facts[f"attention.{part}.dense_mask_share"] = e["masked"] / e["calls"]
         dims = sorted(e["head_dims"])
         facts[f"attention.{part}.head_dims"] = dims
         facts[f"attention.{part}.head_dim_pow2"] = all(x & (x - 1) == 0 for x in dims)
@@ -868,6 +873,8 @@ def _host_facts(t: Tables, facts: dict[str, Any], n: int) -> None:
     ran = {backend: float(counts[op]) / n for op, backend in SDPA_BACKENDS.items() if op in counts.index}
     for backend, calls in ran.items():
         facts[f"attention.backend.{backend}.calls"] = calls
+    if facts.get("kernels.attention_flex.count"):  # compiled FlexAttention: Triton kernels, no SDPA op
+        ran["flex"] = facts["kernels.attention_flex.count"]
     facts["attention.backends"] = sorted(ran)
     facts["ops.fused_linear_cross_entropy"] = bool(ops["name"].str.contains("FusedLinearCrossEntropy").any())
     facts["ops.checkpoint_reentrant"] = bool(ops["name"].str.contains("CheckpointFunction").any())
@@ -882,6 +889,9 @@ def _host_facts(t: Tables, facts: dict[str, Any], n: int) -> None:
         facts["shapes.micro_batches_per_step"] = len(token_shapes) / n  # one LLM embedding call per micro-batch
         facts["shapes.distinct_token_batches"] = len(set(token_shapes))
         facts["shapes.token_batches"] = sorted({"x".join(map(str, s)) for s in set(token_shapes)})
+        rows = [s[0] for s in token_shapes if len(s) == 2]
+        if rows:  # rows per LLM batch; with packing, fewer than the samples of a micro-batch
+            facts["shapes.rows_per_micro_batch"] = float(np.mean(rows))
     logits = [(name, d[0]) for _, name, d in t.shapes if name in LOGITS_OPS and d and d[0]]
     if logits:
         name, dims = max(logits, key=lambda x: int(np.prod(x[1])))

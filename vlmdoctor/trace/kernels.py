@@ -22,6 +22,9 @@ KERNEL_CLASSES: list[tuple[str, str, str]] = [
     ("attention_flash", r"flash_fwd|flash_bwd|pytorch_flash|flash::|flash_attn", "FlashAttention"),
     ("attention_mem_efficient", r"fmha_cutlass|AttentionKernel|AttentionBackwardKernel|efficient_attention",
      "memory-efficient (cutlass) attention"),
+    # FlexAttention compiled by Inductor: template kernels `triton_tem_fused_flex_attention_0` and
+    # `..._flex_attention_backward_1`, named after the flex_attention HOP (before the Triton rows below)
+    ("attention_flex", r"flex_attention|flex_decoding", "FlexAttention (Inductor Triton template)"),
     ("gemm_tensor_core", r"nvjet|xmma_gemm|s16816gemm|h16816gemm|bf16.*gemm|gemm.*bf16|hgemm|cutlass.*gemm|gemm_kernel"
      r"|gemmk|gemv|cublasLt|sm90_.*gemm", "GEMM on tensor cores (bf16/fp16)"),
     ("liger_rms_norm", r"_rms_norm_(forward|backward)_kernel", "Liger RMSNorm (Triton)"),
@@ -39,7 +42,7 @@ KERNEL_CLASSES: list[tuple[str, str, str]] = [
 _COMPILED = [(name, re.compile(pat, re.IGNORECASE)) for name, pat, _ in KERNEL_CLASSES]
 
 GEMM_CLASSES = ("gemm_fp32_simt", "gemm_tf32", "gemm_tensor_core")
-ATTENTION_CLASSES = ("attention_cudnn", "attention_flash", "attention_mem_efficient")
+ATTENTION_CLASSES = ("attention_cudnn", "attention_flash", "attention_mem_efficient", "attention_flex")
 LIGER_CLASSES = ("liger_rms_norm", "liger_swiglu", "liger_rope", "liger_cross_entropy")
 
 
