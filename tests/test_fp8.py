@@ -142,6 +142,7 @@ FP8_GEMMS = [
     "cute::tuple<int, int, int, int>, cutlass::gemm::collective::CollectiveMma<cutlass::gemm::"
     "MainloopSm90TmaGmmaWarpSpecializedPingpongFP8FastAccum<8>, cutlass::float_e4m3_t, cutlass::float_e4m3_t> > > >(...)",
     "void fbgemm_gpu::f8f8bf16_rowwise_impl<128, 128, 128, 2, 1, 1>(...)",
+    "triton_tem_fused__scaled_mm_0",  # Inductor's max-autotune template for torch._scaled_mm
 ]
 NOT_FP8 = {
     "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel__5x_cublas":
