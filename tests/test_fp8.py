@@ -128,6 +128,27 @@ def test_conversion_runs_a_training_step_in_emulation(tiny_spec):
     assert torch.isfinite(out.loss) and vlm.llm.model.layers[0].mlp.up_proj.weight.grad is not None
 
 
+@pytest.mark.slow  # 10-20 s a run; and it needs torchao, which CI does not install
+@pytest.mark.parametrize("model, recipe", [("tiny", "tensorwise"), ("tiny-llava", "rowwise")])
+def test_the_runner_converts_the_composite_and_the_native_llm(monkeypatch, model, recipe):
+    """A real profile run through the runner with torchao's emulation standing in for the FP8 GEMMs (the
+    device check lifted: this is the CPU); skipped without torchao."""
+    pytest.importorskip("torchao.float8")
+    import functools
+
+    from vlmdoctor.run import runner
+
+    monkeypatch.setattr(fp8, "check_device", lambda cfg, device: None)
+    monkeypatch.setattr(fp8, "convert", functools.partial(fp8.convert, emulate=True))
+    cfg = RunConfig(model=model, device="cpu", steps=2, warmup=1, num_samples=32, autocast="off", batch_size=2,
+                    fp8=recipe)
+    report = runner.run_profile(cfg)
+    assert report["status"] == "ok", report.get("error")
+    info = report["mode"]["fp8"]
+    assert info["recipe"] == recipe and info["converted_linear_layers"] > 0 and info["pad_inner_dim"] is True
+    assert "lm_head" not in str(info["skipped_linear_layers"]) or model == "tiny"  # the native LLM part has no head
+
+
 # --- FP8 GEMM kernels in a trace ---------------------------------------------------------------------------------
 
 FP8_GEMMS = [
