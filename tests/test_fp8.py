@@ -212,6 +212,17 @@ def test_gemm_facts_split_bf16_and_fp8_and_name_the_gpu():
     assert 0 < f["gemm.bf16_llm_ms"] < f["gemm.bf16_ms"]  # the tower's GEMMs are not the LLM's
 
 
+def test_capability_falls_back_to_the_runs_environment():
+    """A GPU trace whose deviceProperties were dropped: the report's env (run/envinfo.py) says 9.0."""
+    report = json.loads((TRACES / "healthy_1.5b_s2.report.json").read_text())
+    facts = {k: v for k, v in analyze(TRACES / "healthy_1.5b_s2.pt.trace.json.gz")["files"][0]["facts"].items()
+             if k != "device.compute_capability"}
+    assert report["env"]["compute_capability"] == "9.0"
+    assert merge_measured(facts, report)["device.compute_capability"] == 9.0
+    cpu = {"trace.cpu_only": True}  # a CPU trace gets no GPU capability, whatever the report says
+    assert "device.compute_capability" not in merge_measured(cpu, report)
+
+
 def test_fp8_share_counts_fp8_kernel_time(tmp_path):
     """Not a recording: the compiled 0.5b trace with its bf16 GEMM kernels renamed to cuBLASLt's FP8 names
     (durations untouched), to check the arithmetic of gemm.fp8_share against the unchanged trace."""

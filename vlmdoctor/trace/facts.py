@@ -994,4 +994,10 @@ def merge_measured(facts: dict[str, Any], report: dict[str, Any]) -> dict[str, A
         out["data.loss_token_frac"] = m["loss_tokens_per_s"] * (1 - m["pad_fraction"]) / m["real_tokens_per_s"]
     if out.get("memory.peak_reserved_gb") and out.get("memory.device_total_gb"):
         out["memory.peak_reserved_frac"] = out["memory.peak_reserved_gb"] / out["memory.device_total_gb"]
+    env = report.get("env") if isinstance(report.get("env"), dict) else {}
+    if "device.compute_capability" not in out and "gpu.busy_ms" in out and env.get("compute_capability"):
+        try:  # a GPU trace without deviceProperties: the run's own record of the GPU (run/envinfo.py)
+            out["device.compute_capability"] = float(str(env["compute_capability"]))
+        except ValueError:
+            pass
     return out
