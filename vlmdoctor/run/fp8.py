@@ -6,9 +6,9 @@ gate/up/down at hidden 1536 and MLP 8960 in the 1.5b preset), where an FP8 tenso
 computes an amax and casts its input, weight and output gradient to FP8 in each step. What
 stays in bf16, and why:
 
-- the LM head: its output is the logits, the loss is sensitive to its precision, and torchao's
-  own recipes leave the output projection out; it also stays whatever Liger's fused linear
-  cross entropy does with its weight, so the two never touch the same layer;
+- the LM head: its output is the logits, whose precision the loss is sensitive to (torchtitan's
+  float8 converter leaves the output projection out too); and Liger's fused linear cross
+  entropy works on its weight directly, so the two never touch the same layer;
 - the vision tower: frozen in both stages, so an FP8 layer there would compute weight gradients
   that nobody needs, and its GEMMs (hidden 1152, head dim 72) are narrow;
 - the projector: two layers, a small share of the step; leaving it out keeps the conversion to one
