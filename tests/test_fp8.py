@@ -256,7 +256,16 @@ def test_rule_fires_on_the_gemm_bound_1_5b_step_with_an_honest_gain():
     gain = finding["expected_gain"]
     assert gain["saves_ms_per_step"] == pytest.approx(f["gemm.bf16_llm_ms"] / 3)  # 1 - 1/1.5 of the LLM's GEMMs
     assert gain["saves_ms_per_step"] < f["gemm.bf16_ms"] < f["step.ms"] and "upper bound" in gain["how"]
-    assert "compute capability 9.0" in " ".join(finding["evidence"])
+    assert "compute capability 9.0" in " ".join(finding["evidence"]) and len(finding["evidence"]) == 3
+
+
+def test_a_trace_without_part_attribution_gets_the_whole_bf16_gemm_time_as_the_base():
+    """A compiled run loses vlmdoctor's part ranges: the gain falls back to all bf16 GEMM time, the evidence
+    keeps its other lines."""
+    f = {k: v for k, v in measured("healthy_1.5b_s2").items() if k != "gemm.bf16_llm_ms"}
+    finding = next(x for x in diagnose(f, RULES)["findings"] if x["id"] == RULE)
+    assert finding["expected_gain"]["saves_ms_per_step"] == pytest.approx(f["gemm.bf16_ms"] / 3)
+    assert len(finding["evidence"]) == 2 and "of GPU time" in finding["evidence"][0]
     RunConfig(**json.loads((TRACES / "healthy_1.5b_s2.report.json").read_text())["config"]).replace(
         **finding["config_patch"])  # the patch makes a valid config from the run's own
 
