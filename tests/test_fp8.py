@@ -287,6 +287,8 @@ def test_rule_stays_quiet_on_the_host_bound_0_5b_steps(name):
     {"gemm.bf16_share_of_gpu": 0.3},  # not GEMM-bound
     {"config.fp8": "rowwise"},
     {"config.train": "lora"},
+    {"lora.lowrank_gemm_count": 1008.0},  # a user's LoRA run: its trace says so, it has no config facts
+    {"qlora.dequant_count": 1008.0},
 ])
 def test_rule_does_not_fire_where_fp8_cannot_or_need_not_help(changes):
     assert RULE in _ids(measured("healthy_1.5b_s2"))
