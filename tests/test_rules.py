@@ -59,6 +59,8 @@ CASES = {
     "fusion-compile-launch-bound": ("healthy_1.5b_s2", "compile_s2"),
     "data-packing": ("bf16_s2", "healthy_s2"),
     "fusion-eager-attention": ("eager_s2", "bf16_s2"),
+    # GEMM-bound (52% bf16 GEMMs, 72% busy) on an H100 vs the host-bound 0.5b step (tests/test_fp8.py: more)
+    "precision-fp8-gemm": ("healthy_1.5b_s2", "healthy_s2"),
     "fusion-lm-head-unlabeled": ("healthy_s2", "labeled_s2"),
     # packed rows through SDPA's dense block-diagonal mask; the padded healthy run also masks, but is not packed
     "fusion-packed-dense-mask": ("packed_s2", "healthy_s2"),

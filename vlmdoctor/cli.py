@@ -134,6 +134,8 @@ def profile(
     allow_tf32: Optional[bool] = _opt("TF32 for FP32 matmuls", P1, "--allow-tf32/--no-allow-tf32"),
     input_require_grads: Optional[bool] = _opt("enable_input_require_grads() on tower and LLM (frozen tower then "
                                                "builds a graph)", P1, "--input-require-grads/--no-input-require-grads"),
+    fp8: Optional[str] = _opt("off (default), tensorwise or rowwise: FP8 GEMMs in the LLM's decoder layers (torchao; "
+                              "GPU of compute capability 8.9+; pays with --compile)", P1, "--fp8"),
     batch_size: Optional[int] = _opt("samples per micro-batch [default: 4]", P2, "--batch-size"),
     grad_accum: Optional[int] = _opt("micro-batches per optimizer step [default: 1]", P2, "--grad-accum"),
     sampler: Optional[str] = _opt("random (default) or length_bucketed", P3, "--sampler"),

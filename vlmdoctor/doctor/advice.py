@@ -161,6 +161,15 @@ def _one(knob: str, value: Any, audience: str, ctx: dict[str, Any]) -> list[str]
     if knob == "cache_vision_features":
         return ["compute image features in the step instead of caching them" if not value
                 else "precompute the frozen tower's image features once and load them with the batch"]
+    if knob == "fp8":
+        if value == "off":
+            return ["train the linear layers in bf16 (no convert_to_float8_training)"]
+        return ["from torchao.float8 import convert_to_float8_training, Float8LinearConfig",
+                "# before torch.compile and the optimizer; not the LM head:",
+                "convert_to_float8_training(model.model.language_model,",
+                "    module_filter_fn=lambda m, fqn: m.in_features % 16 == 0",
+                "    and m.out_features % 16 == 0,",
+                f"    config=Float8LinearConfig.from_recipe_name({value!r}))"]
     if knob == "input_require_grads":
         return ["model.enable_input_require_grads()" if value else "drop model.enable_input_require_grads()"]
     if knob == "sync_loss":

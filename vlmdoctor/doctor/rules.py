@@ -75,6 +75,7 @@ KNOWN_FACTS = [re.compile(p) for p in (
     r"shapes\.micro_batches_per_step\.source",
     r"gpu\.(busy_ms|idle_ms|busy_frac)", r"idle\.[a-z_]+\.(ms|share)", r"idle\.op\.[a-z_]+\.ms",
     r"kernels\.[a-z0-9_]+\.(ms|count|share)", r"gemm\.(ms|count|fp32_share|tf32_share|fp32_share_of_gpu|fp32_top_kernels)",
+    r"gemm\.(fp8_share|fp8_ms|bf16_ms|bf16_share_of_gpu|bf16_llm_ms)", r"device\.(name|compute_capability)",
     r"part\.fp32_gemm_parts",
     r"attention\.(fp32_kernels|backend\.[a-z_]+\.calls)", r"liger\.[a-z_]+\.launches", r"triton_compiled\.launches",
     r"optimizer\.fused", r"launch\.(kernels|tiny_kernel_frac|api_ms|delay_us_median|delay_us_p90)",
@@ -533,6 +534,6 @@ def _gain(rule: Rule, key: str, env: dict[str, Any]) -> float | None:
 
 
 #: facts only GPU kernels give: on a CPU-only trace a rule that needs one does not apply (it is not unmeasured)
-GPU_ONLY = re.compile(r"(gpu|kernels|idle|launch|liger|gemm|phase|memcpy|recompute|triton_compiled|optimizer)\..*"
+GPU_ONLY = re.compile(r"(gpu|kernels|idle|launch|liger|gemm|phase|memcpy|recompute|triton_compiled|optimizer|device)\..*"
                       r"|attention\.(fp32_kernels|kernel_share|[a-z]+\.(forward|backward|recompute)_ms|[a-z]+\.head_dim.*)"
                       r"|part\.[a-z_]+\.(ms|share|forward_ms|backward_ms|recompute_ms)|part\.fp32_gemm_parts")

@@ -93,6 +93,9 @@ class RunConfig:
                                     "reference is the policy's own base)", ("fp32", "bf16"))
     dpo_reference_no_grad: bool = knob(False, 1, "run the DPO reference forward under torch.no_grad() with frozen "
                                        "weights (off: a deep-copied reference that still tracks grad)")
+    fp8: str = knob("off", 1, "FP8 training of the LLM's decoder linear layers through torchao.float8 (tensorwise "
+                    "or rowwise scaling; a GPU of compute capability 8.9+ and torchao; pays with --compile on "
+                    "wide GEMMs; docs/treat.md)", ("off", "tensorwise", "rowwise"))
     # --- layer 2: batching ---------------------------------------------------------------
     batch_size: int = knob(4, 2, "samples per micro-batch", minimum=1, maximum=65536)
     grad_accum: int = knob(1, 2, "micro-batches per optimizer step", minimum=1, maximum=65536)
@@ -240,6 +243,8 @@ class RunConfig:
                 raise UsageError(f"{_pair('unsloth', knob_name, source)} do not stack: Unsloth "
                                  "compiles its own parts (unsloth_zoo's compiler) around hand-written Triton kernels; "
                                  "measure Unsloth with compile off, or torch.compile without Unsloth")
+        if self.fp8 != "off":
+            self._check_fp8(source)
         if self.compile_regions and self.compile == "off":
             raise UsageError(f"{_label('compile_regions', source)} says how --compile compiles; add --compile default")
         if self.compile_regions and self.compile_vision != "model":
@@ -248,6 +253,20 @@ class RunConfig:
         if not self.compile_shape_padding and self.compile == "off" and self.compile_vision == "model":
             raise UsageError(f"{_label('compile_shape_padding', source)} off changes nothing without torch.compile; "
                              "add --compile or --compile-vision fullgraph")
+
+    def _check_fp8(self, source: str) -> None:
+        """FP8 converts trained, full-width linear layers: what does not train them is refused (no hardware here)."""
+        fp8 = _label("fp8", source)
+        if self.train != "full":
+            raise UsageError(f"{_pair('fp8', 'train', source)} {self.train} do not stack: FP8 training converts the "
+                             "LLM's trained linear layers; LoRA's base is frozen (an FP8 layer still computes its "
+                             "weight gradient) and its adapters are too narrow for FP8 GEMMs; use --train full")
+        if self.stage == 1:
+            raise UsageError(f"{fp8} converts the LLM's trained linear layers, but stage 1 freezes the LLM (an FP8 "
+                             "layer still computes its weight gradient); use --stage 2")
+        if self.unsloth:
+            raise UsageError(f"{_pair('fp8', 'unsloth', source)} do not stack: Unsloth replaces the LLM's forwards "
+                             "that FP8 training converts; choose one")
 
     # --- files -----------------------------------------------------------------------------
     @classmethod

@@ -34,7 +34,7 @@ from vlmdoctor.run.capture import TraceOptions, capture, trace_path
 from vlmdoctor.run.compile import compile_vlm, compiled, graphs_compiled, mark_lengths_dynamic
 from vlmdoctor.run.config import RunConfig
 from vlmdoctor.run.data import BatchSampler, Collator, LlavaFile, PairCollator, PreferenceFile, SyntheticPairs, SyntheticVQA
-from vlmdoctor.run import modes
+from vlmdoctor.run import fp8, modes
 from vlmdoctor.errors import EXIT_FAILED_RUN, EXIT_NAN, EXIT_OK, EXIT_OOM, UsageError
 from vlmdoctor.run import native
 from vlmdoctor.run.model import VLM, apply_stage, build_model, enable_gradient_checkpointing, enable_input_require_grads, param_counts
@@ -68,6 +68,8 @@ def preflight(cfg: RunConfig, spec: ModelSpec | native.NativeSpec, device: torch
     if isinstance(spec, native.NativeSpec):
         native.check_native(cfg, spec, device)
     modes.check_mode_device(cfg, device)
+    if cfg.fp8 != "off":
+        fp8.check_device(cfg, device)
     if cfg.uses_liger:
         if device.type != "cuda":
             raise UsageError("Liger kernels are Triton GPU kernels and cannot run on the CPU; drop the --liger-* flags "
@@ -277,6 +279,8 @@ def build_patient(cfg: RunConfig, device: torch.device, progress: Progress = _qu
     if cfg.uses_liger:
         _apply_liger(vlm, cfg)
     mode_info = _apply_train_mode(vlm.llm, cfg, device)
+    if cfg.fp8 != "off":
+        mode_info["fp8"] = fp8.convert(vlm.llm, cfg.fp8, pad_inner_dim=not fp8.tokens_aligned(cfg))
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(vlm, cfg.checkpoint_use_reentrant)
     if cfg.input_require_grads:
@@ -390,6 +394,9 @@ def _native_patient(cfg: RunConfig, spec: native.NativeSpec, device: torch.devic
     """A native transformers class on the same synthetic data, collation and optimizer as the composite model."""
     vlm = native.build_native(spec, cfg.weight_dtype, cfg.attention, cfg.weights, device)
     native.configure(vlm, cfg, lambda: _apply_train_mode(vlm.parts["llm"], cfg, device))
+    if cfg.fp8 != "off":  # the LLM part of a native class holds the decoder layers (its LM head sits outside)
+        vlm.mode_info = {**getattr(vlm, "mode_info", {"train": cfg.train, "objective": cfg.objective}),
+                         "fp8": fp8.convert(vlm.parts["llm"], cfg.fp8, pad_inner_dim=not fp8.tokens_aligned(cfg))}
     dpo = cfg.objective == "dpo"
     dataset = (SyntheticPairs if dpo else SyntheticVQA)(spec, cfg.num_samples, cfg.seed)  # type: ignore[arg-type]
     data_info = {"source": "synthetic", "length_model": dataset.lm["name"], "samples": len(dataset)}

@@ -484,6 +484,11 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
     facts["gemm.fp32_share"] = float(gemm["gemm_fp32_simt"] / gemm.sum()) if gemm.sum() else 0.0
     facts["gemm.tf32_share"] = float(gemm["gemm_tf32"] / gemm.sum()) if gemm.sum() else 0.0
     facts["gemm.fp32_share_of_gpu"] = float(gemm["gemm_fp32_simt"]) / gpu_time
+    # FP8 (torchao.float8): the share of GEMM time already in FP8, and the bf16/fp16 tensor-core GEMM time it could take
+    facts["gemm.fp8_share"] = float(gemm["gemm_fp8"] / gemm.sum()) if gemm.sum() else 0.0
+    facts["gemm.fp8_ms"] = float(gemm["gemm_fp8"]) / 1e3 / n
+    facts["gemm.bf16_ms"] = float(gemm["gemm_tensor_core"]) / 1e3 / n
+    facts["gemm.bf16_share_of_gpu"] = float(gemm["gemm_tensor_core"]) / gpu_time
     fp32_names = Counter(g.loc[g["cls"] == "gemm_fp32_simt", "name"])
     facts["gemm.fp32_top_kernels"] = [k for k, _ in fp32_names.most_common(3)]
     att = g[g["cls"].isin(ATTENTION_CLASSES)]
@@ -537,6 +542,8 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
     else:
         facts["recompute.kind"] = "none"
     facts["part.fp32_gemm_parts"] = sorted(set(g2.loc[g2["cls"] == "gemm_fp32_simt", "part"]))
+    if facts["part.source"] != "none":  # the LLM's bf16 GEMMs: what the fp8 knob converts (and its LM head, which it does not)
+        facts["gemm.bf16_llm_ms"] = float(g2.loc[(g2["cls"] == "gemm_tensor_core") & (g2["part"] == "llm"), "dur"].sum()) / 1e3 / n
 
     # copies
     mc = g[g["cat"] == "gpu_memcpy"]
@@ -548,6 +555,7 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
     _micro_batch_estimate(t, ctx, windows, facts)
     _attention_shape_facts(t, facts, n, ctx)
     _memory_facts(t, facts)
+    _device_facts(t, facts, vmeta)
     _flop_facts(t, facts, cfg)
     _mode_facts(t, windows, facts)
     facts["trace.warnings"] = warnings
@@ -687,6 +695,22 @@ def _memory_facts(t: Tables, facts: dict[str, Any]) -> None:
         facts["memory.peak_reserved_gb"] = reserved / 2**30
         if "memory.device_total_gb" in facts:
             facts["memory.peak_reserved_frac"] = facts["memory.peak_reserved_gb"] / facts["memory.device_total_gb"]
+
+
+def _device_facts(t: Tables, facts: dict[str, Any], vmeta: dict[str, Any]) -> None:
+    """The GPU's compute capability (8.9 and up have FP8 tensor cores): the profiler's deviceProperties, else
+    the environment vlmdoctor recorded with the run."""
+    props = t.meta.get("deviceProperties") or []
+    major, minor = (props[0].get("computeMajor"), props[0].get("computeMinor")) if props and isinstance(props[0], dict) \
+        else (None, None)
+    if isinstance(major, int) and isinstance(minor, int) and major > 0:
+        facts["device.compute_capability"] = major + minor / 10
+        return
+    env = vmeta.get("env") if isinstance(vmeta.get("env"), dict) else {}
+    try:
+        facts["device.compute_capability"] = float(str(env["compute_capability"]))
+    except (KeyError, ValueError):
+        pass
 
 
 def _flop_facts(t: Tables, facts: dict[str, Any], cfg: dict[str, Any]) -> None:
@@ -980,4 +1004,10 @@ def merge_measured(facts: dict[str, Any], report: dict[str, Any]) -> dict[str, A
         out["data.loss_token_frac"] = m["loss_tokens_per_s"] * (1 - m["pad_fraction"]) / m["real_tokens_per_s"]
     if out.get("memory.peak_reserved_gb") and out.get("memory.device_total_gb"):
         out["memory.peak_reserved_frac"] = out["memory.peak_reserved_gb"] / out["memory.device_total_gb"]
+    env = report.get("env") if isinstance(report.get("env"), dict) else {}
+    if "device.compute_capability" not in out and "gpu.busy_ms" in out and env.get("compute_capability"):
+        try:  # a GPU trace without deviceProperties: the run's own record of the GPU (run/envinfo.py)
+            out["device.compute_capability"] = float(str(env["compute_capability"]))
+        except ValueError:
+            pass
     return out

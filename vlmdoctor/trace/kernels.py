@@ -13,6 +13,15 @@ from functools import lru_cache
 #: (class, pattern, what it means). Order matters.
 KERNEL_CLASSES: list[tuple[str, str, str]] = [
     ("nccl", r"nccl", "collective communication"),
+    # FP8 GEMMs (torch._scaled_mm, torchao.float8): cuBLASLt names the operand types (`sm90_xmma_gemm_e4m3bf16_
+    # e4m3f32_f32_*`, `..._e5m2e4m3_...`; nvjet: `nvjet_qqtst_*`, q = e4m3), CUTLASS its element types
+    # (`cutlass::float_e4m3_t`, `cutlass3x_sm90_tensorop_gemm_e4m3_e4m3_*`, fbgemm-style `f8f8bf16_rowwise`). A
+    # GEMM word must be in the name too: eager casts to FP8 are elementwise kernels whose template names
+    # `Float8_e4m3fn`, and they are not GEMMs. `_scaled_mm` is FP8-only: Inductor's max-autotune template for it
+    # (`triton_tem_fused__scaled_mm_*`) is an FP8 GEMM, not a fused elementwise kernel.
+    ("gemm_fp8", r"nvjet_(sm\d+_)?(q[a-z]|[a-z]q)[a-z]{3}_|f8f8(bf16|f16|f32)|_scaled_mm"
+     r"|(gemm|xmma|cutlass|cublas|scaled_mm|nvjet).*(e4m3|e5m2|float8|fp8)"
+     r"|(e4m3|e5m2|float8|fp8).*(gemm|xmma|cutlass|cublas|scaled_mm|nvjet)", "FP8 GEMM on tensor cores"),
     ("gemm_tf32", r"tf32", "FP32 GEMM on TF32 tensor cores"),
     # a kernel whose template arguments are bf16/fp16 is not an FP32 GEMM whatever its name says
     # (cuDNN's `implicit_convolve_sgemm<__nv_bfloat16, ...>` runs a bf16 patch-embedding convolution)
@@ -41,7 +50,7 @@ KERNEL_CLASSES: list[tuple[str, str, str]] = [
 ]
 _COMPILED = [(name, re.compile(pat, re.IGNORECASE)) for name, pat, _ in KERNEL_CLASSES]
 
-GEMM_CLASSES = ("gemm_fp32_simt", "gemm_tf32", "gemm_tensor_core")
+GEMM_CLASSES = ("gemm_fp32_simt", "gemm_tf32", "gemm_tensor_core", "gemm_fp8")
 ATTENTION_CLASSES = ("attention_cudnn", "attention_flash", "attention_mem_efficient", "attention_flex")
 LIGER_CLASSES = ("liger_rms_norm", "liger_swiglu", "liger_rope", "liger_cross_entropy")
 
