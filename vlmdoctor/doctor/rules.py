@@ -75,7 +75,7 @@ KNOWN_FACTS = [re.compile(p) for p in (
     r"shapes\.micro_batches_per_step\.source",
     r"gpu\.(busy_ms|idle_ms|busy_frac)", r"idle\.[a-z_]+\.(ms|share)", r"idle\.op\.[a-z_]+\.ms",
     r"kernels\.[a-z0-9_]+\.(ms|count|share)", r"gemm\.(ms|count|fp32_share|tf32_share|fp32_share_of_gpu|fp32_top_kernels)",
-    r"gemm\.(fp8_share|fp8_ms|bf16_ms|bf16_share_of_gpu|bf16_llm_ms)", r"device\.(name|compute_capability)",
+    r"gemm\.(fp8_share|fp8_ms|bf16_ms|bf16_share_of_gpu|bf16_llm_ms|bf16_mean_ms)", r"device\.(name|compute_capability)",
     r"part\.fp32_gemm_parts",
     r"attention\.(fp32_kernels|backend\.[a-z_]+\.calls)", r"liger\.[a-z_]+\.launches", r"triton_compiled\.launches",
     r"optimizer\.fused", r"launch\.(kernels|tiny_kernel_frac|api_ms|delay_us_median|delay_us_p90)",

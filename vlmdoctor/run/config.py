@@ -247,6 +247,12 @@ class RunConfig:
             self._check_fp8(source)
         if self.compile_regions and self.compile == "off":
             raise UsageError(f"{_label('compile_regions', source)} says how --compile compiles; add --compile default")
+        if self.compile_regions and self.compile == "reduce-overhead":
+            # measured on the H100 (dino-135m): "accessing tensor output of CUDAGraphs that has been
+            # overwritten by a subsequent run" in the first step, because every layer replays one graph
+            raise UsageError(f"{_pair('compile_regions', 'compile', source)} reduce-overhead do not stack: every "
+                             "layer of a stack replays the same CUDA graph, whose output the next layer overwrites; "
+                             "use --compile default with regions, or reduce-overhead on the whole model")
         if self.compile_regions and self.compile_vision != "model":
             raise UsageError(f"{_pair('compile_regions', 'compile_vision', source)} do not stack: regional "
                              "compilation already compiles the tower's layers on their own; choose one")

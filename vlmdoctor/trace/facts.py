@@ -489,6 +489,9 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
     facts["gemm.fp8_ms"] = float(gemm["gemm_fp8"]) / 1e3 / n
     facts["gemm.bf16_ms"] = float(gemm["gemm_tensor_core"]) / 1e3 / n
     facts["gemm.bf16_share_of_gpu"] = float(gemm["gemm_tensor_core"]) / gpu_time
+    # how wide the GEMMs are, from the trace alone: FP8's casts grow with a GEMM's inputs, its saving with the FLOPs
+    bf16_count = float(by_cls["count"].get("gemm_tensor_core", 0))
+    facts["gemm.bf16_mean_ms"] = float(gemm["gemm_tensor_core"]) / 1e3 / bf16_count if bf16_count else 0.0
     fp32_names = Counter(g.loc[g["cls"] == "gemm_fp32_simt", "name"])
     facts["gemm.fp32_top_kernels"] = [k for k, _ in fp32_names.most_common(3)]
     att = g[g["cls"].isin(ATTENTION_CLASSES)]
