@@ -36,6 +36,8 @@ CW=$((WARMUP > 10 ? WARMUP : 10))  # compiled runs: warm-up long enough to keep 
 # where the regional one took 10.5 s. REGIONS= (empty) compiles the whole model instead.
 REGIONS=${REGIONS---compile-regions}
 RUN_TIMEOUT=${RUN_TIMEOUT:-300}  # seconds one profile may take before it is stopped and marked so
+# DEADLINE (epoch seconds): no profile runs on past it (bench/lib/timed_profile.sh)
+. "$(dirname "$0")/../lib/timed_profile.sh"
 # name | roadmap item | flags on top of BASE (the seed's profiling plan, tests 1-9, plus items 5, 6 and 8)
 PLAN=$(cat <<PLAN
 baseline|0 baseline (checkpointing on)|--gradient-checkpointing
@@ -70,18 +72,9 @@ fi
 for name in $RUNS; do
   line=$(echo "$PLAN" | grep "^$name|") || { echo "unknown run $name"; continue; }
   flags=$(echo "$line" | cut -d'|' -f3)
-  limit=$RUN_TIMEOUT
-  if [ -n "${DEADLINE:-}" ]; then  # DEADLINE: epoch seconds after which no profile runs on
-    left=$(( DEADLINE - $(date +%s) ))
-    [ "$left" -lt 30 ] && { echo "== $name: skipped, past DEADLINE"; continue; }
-    [ "$left" -lt "$limit" ] && limit=$left
-  fi
   echo "== $name: $(echo "$line" | cut -d'|' -f2)"
   # shellcheck disable=SC2086
-  timeout "$limit" $PY -m vlmdoctor profile $BASE --steps "$STEPS" --warmup "$WARMUP" $flags \
-    --json "$OUT/$name.json" --force > "$OUT/$name.txt" 2>&1
-  rc=$?; echo "   exit $rc"
-  [ "$rc" = 124 ] && echo "stopped after $limit s (timeout)" >> "$OUT/$name.txt"
+  timed_profile "$name" "$OUT" $BASE --steps "$STEPS" --warmup "$WARMUP" $flags
 done
 
 echo "$PLAN" > "$OUT/plan.txt"

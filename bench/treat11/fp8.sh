@@ -22,6 +22,7 @@ WARMUP=${WARMUP:-10}
 RUN_TIMEOUT=${RUN_TIMEOUT:-150}
 DEADLINE=${DEADLINE:-$(( $(date +%s) + ${BUDGET_S:-300} ))}
 DEVICE=${DEVICE:-cuda}
+. "$(dirname "$0")/../lib/timed_profile.sh"
 mkdir -p "$OUT"
 export PYTHONPATH="$(cd "$(dirname "$0")/../.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 COLUMNS=80
@@ -53,19 +54,9 @@ echo "$PLAN" > "$OUT/plan.txt"
 for name in $RUNS; do
   line=$(echo "$PLAN" | grep "^$name|") || { echo "unknown run $name"; continue; }
   model=$(echo "$line" | cut -d'|' -f2); recipe=$(echo "$line" | cut -d'|' -f3)
-  left=$(( DEADLINE - $(date +%s) ))
-  if [ "$left" -lt 45 ]; then
-    echo "== $name: skipped, past DEADLINE"; echo "skipped: past DEADLINE" > "$OUT/$name.txt"; continue
-  fi
-  limit=$(( left < RUN_TIMEOUT ? left : RUN_TIMEOUT ))
-  echo "== $name: --model $model --fp8 $recipe (limit ${limit}s)"
-  start=$(date +%s)
+  echo "== $name: --model $model --fp8 $recipe"
   # shellcheck disable=SC2086
-  timeout "$limit" $PY -m vlmdoctor profile --model "$model" $HEALTHY --fp8 "$recipe" --steps "$STEPS" \
-    --warmup "$WARMUP" --json "$OUT/$name.json" --force > "$OUT/$name.txt" 2>&1
-  rc=$?
-  echo "   exit $rc, $(( $(date +%s) - start )) s"
-  [ "$rc" = 124 ] && echo "stopped after $limit s (timeout)" >> "$OUT/$name.txt"
+  MIN_LEFT=45 timed_profile "$name" "$OUT" --model "$model" $HEALTHY --fp8 "$recipe" --steps "$STEPS" --warmup "$WARMUP"
 done
 
 $PY - "$OUT" <<'PYEOF'

@@ -25,6 +25,7 @@ STEPS=${STEPS:-15}
 WARMUP=${WARMUP:-8}   # FlexAttention compiles its kernels (and recompiles once, for dynamic shapes) in the warm-up
 PY=${PYTHON:-python3}
 RUN_TIMEOUT=${RUN_TIMEOUT:-120}
+. "$(dirname "$0")/../lib/timed_profile.sh"  # DEADLINE and RUN_TIMEOUT limit each run
 mkdir -p "$OUT"
 export PYTHONPATH="$(cd "$(dirname "$0")/../.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -53,19 +54,9 @@ for name in $RUNS; do
   line=$(echo "$PLAN" | grep "^$name|") || { echo "== $name: no such run"; continue; }
   stage=$(echo "$line" | cut -d'|' -f2)
   flags=$(echo "$line" | cut -d'|' -f4)
-  limit=$RUN_TIMEOUT
-  if [ -n "${DEADLINE:-}" ]; then  # DEADLINE: epoch seconds after which no profile runs
-    left=$(( DEADLINE - $(date +%s) ))
-    [ "$left" -lt 30 ] && { echo "== $name: skipped, past DEADLINE"; echo "skipped: past DEADLINE" > "$OUT/$name.txt"; continue; }
-    [ "$left" -lt "$limit" ] && limit=$left
-  fi
   echo "== $name: stage $stage, $(echo "$line" | cut -d'|' -f3)"
-  start=$(date +%s)
   # shellcheck disable=SC2086
-  timeout "$limit" $PY -m vlmdoctor profile $COMMON --stage "$stage" --steps "$STEPS" --warmup "$WARMUP" $flags \
-    --json "$OUT/$name.json" --force > "$OUT/$name.txt" 2>&1
-  rc=$?; echo "   exit $rc, $(( $(date +%s) - start )) s"
-  [ "$rc" = 124 ] && echo "stopped after $limit s (timeout)" >> "$OUT/$name.txt"
+  timed_profile "$name" "$OUT" $COMMON --stage "$stage" --steps "$STEPS" --warmup "$WARMUP" $flags
 done
 
 echo "$PLAN" > "$OUT/plan.txt"
