@@ -1,5 +1,11 @@
-# Sourced by the bench scripts: one `vlmdoctor profile` run under a time limit, so that a device
-# call with a fixed length gets every run it can finish and a line for each one it cannot.
+# Sourced by the bench scripts: their common set-up, and one `vlmdoctor profile` run under a time
+# limit, so that a device call with a fixed length gets every run it can finish and a line for each
+# one it cannot.
+#
+#   bench_setup OUT
+#
+# makes OUT, puts this checkout first on PYTHONPATH, and gives the runs one Inductor/Triton cache
+# under OUT/compile-cache, so that later compiled runs reuse what earlier ones compiled.
 #
 #   timed_profile NAME OUT PROFILE_ARGS...
 #
@@ -7,6 +13,13 @@
 # limit is RUN_TIMEOUT (default 300 s) or what is left before DEADLINE (epoch seconds), whichever
 # is less; with less than MIN_LEFT (default 30) seconds left the run is skipped. The console goes
 # to OUT/NAME.txt; a skip or a timeout is its last line, which the scripts' tables show.
+bench_setup() {
+  mkdir -p "$1"
+  PYTHONPATH="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTHONPATH PYTHONUNBUFFERED=1
+  export TORCHINDUCTOR_CACHE_DIR="$1/compile-cache/inductor" TRITON_CACHE_DIR="$1/compile-cache/triton"
+}
+
 timed_profile() {
   local name=$1 out=$2 limit=${RUN_TIMEOUT:-300} left start rc
   shift 2

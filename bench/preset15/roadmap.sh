@@ -22,11 +22,8 @@ WARMUP=${WARMUP:-5}
 PART=${PART:-profiles}
 PY=${PYTHON:-python3}
 DEVICE=${DEVICE:-cuda}  # cpu only to smoke-test the script with MODEL=tiny-dino
-mkdir -p "$OUT"
-export PYTHONPATH="$(cd "$(dirname "$0")/../.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
-# the compiled runs share one cache folder: later runs reuse what earlier ones compiled
-export TORCHINDUCTOR_CACHE_DIR="$OUT/compile-cache/inductor" TRITON_CACHE_DIR="$OUT/compile-cache/triton"
+. "$(dirname "$0")/../lib/timed_profile.sh"
+bench_setup "$OUT"  # the compiled runs share one cache folder: later runs reuse what earlier ones compiled
 
 BASE="--model $MODEL --stage $STAGE --device $DEVICE --weight-dtype bf16 --batch-size 8"
 NOCK="--no-gradient-checkpointing"
@@ -37,7 +34,6 @@ CW=$((WARMUP > 10 ? WARMUP : 10))  # compiled runs: warm-up long enough to keep 
 REGIONS=${REGIONS---compile-regions}
 RUN_TIMEOUT=${RUN_TIMEOUT:-300}  # seconds one profile may take before it is stopped and marked so
 # DEADLINE (epoch seconds): no profile runs on past it (bench/lib/timed_profile.sh)
-. "$(dirname "$0")/../lib/timed_profile.sh"
 # name | roadmap item | flags on top of BASE (the seed's profiling plan, tests 1-9, plus items 5, 6 and 8)
 PLAN=$(cat <<PLAN
 baseline|0 baseline (checkpointing on)|--gradient-checkpointing

@@ -23,10 +23,8 @@ RUN_TIMEOUT=${RUN_TIMEOUT:-150}
 DEADLINE=${DEADLINE:-$(( $(date +%s) + ${BUDGET_S:-300} ))}
 DEVICE=${DEVICE:-cuda}
 . "$(dirname "$0")/../lib/timed_profile.sh"
-mkdir -p "$OUT"
-export PYTHONPATH="$(cd "$(dirname "$0")/../.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1 COLUMNS=80
-export TORCHINDUCTOR_CACHE_DIR="$OUT/compile-cache/inductor" TRITON_CACHE_DIR="$OUT/compile-cache/triton"
+bench_setup "$OUT"
+export COLUMNS=80
 
 if ! $PY -c "import torchao.float8" 2>/dev/null; then
   if [ -n "${TORCHAO_WHEEL:-}" ]; then  # offline: the wheel alone (torchao has no runtime dependencies)

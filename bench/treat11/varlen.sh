@@ -26,11 +26,7 @@ WARMUP=${WARMUP:-8}   # FlexAttention compiles its kernels (and recompiles once,
 PY=${PYTHON:-python3}
 RUN_TIMEOUT=${RUN_TIMEOUT:-120}
 . "$(dirname "$0")/../lib/timed_profile.sh"  # DEADLINE and RUN_TIMEOUT limit each run
-mkdir -p "$OUT"
-export PYTHONPATH="$(cd "$(dirname "$0")/../.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
-# compiled kernels (FlexAttention's among them) shared between runs: later runs reuse them
-export TORCHINDUCTOR_CACHE_DIR="$OUT/compile-cache/inductor" TRITON_CACHE_DIR="$OUT/compile-cache/triton"
+bench_setup "$OUT"  # compiled kernels (FlexAttention's among them) shared between runs
 
 COMMON="--model $MODEL --device $DEVICE --weight-dtype bf16 --batch-size 32 --no-gradient-checkpointing --lm-head-labeled-only"
 PADDED="--sampler length_bucketed --pad-to-multiple-of 64"

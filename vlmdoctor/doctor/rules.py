@@ -86,7 +86,7 @@ KNOWN_FACTS = [re.compile(p) for p in (
     r"part\.[a-z_]+\.(forward|backward|recompute|optimizer)_ms",
     r"attention\.[a-z_]+\.(forward|backward|recompute)_ms", r"attention\.(eager_softmax_calls|sdpa_calls|backends)",
     r"attention\.[a-z_]+\.(head_dims|head_dim_pow2|fwd_tflop_per_step|fwd_tflops|dense_mask_share)",
-    r"attention\.kernel_share", r"shapes\.rows_per_micro_batch", r"device\.name",
+    r"attention\.kernel_share", r"shapes\.rows_per_micro_batch",
     r"flops\.(vision_tflop_per_step|lm_head_tflop_per_step)", r"gpu\.busy_tflops", r"data\.loss_token_frac",
     r"memory\.(device_total_gb|peak_allocated_gb|peak_reserved_gb|peak_reserved_frac)",
     r"flops\.model_tflop_per_step_upper", r"mfu(\.upper_bound)?", r"data\.(pad_fraction|real_tokens_per_s)",
@@ -500,8 +500,6 @@ def _fire(rule: Rule, facts: dict[str, Any], not_evaluated: list[dict[str, Any]]
             try:
                 value = _eval(_tree(value), env)
             except _Missing:
-                continue
-            if value is None:  # the expression leaves this knob out here (`'flex' if ... else None`)
                 continue
         patch[knob] = value
     env.update({f"patch.{k}": v for k, v in patch.items()})

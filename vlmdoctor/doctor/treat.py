@@ -220,7 +220,7 @@ def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lamb
     speedup = 1.0
     tried: set[str] = set()
     pending: list[dict[str, Any]] = []  # a composition to retry with a smaller batch after an OOM
-    adopted: list[tuple[RunConfig, list[dict[str, Any]]]] = []  # each round's config before it, and its changes
+    adopted: list[list[dict[str, Any]]] = []  # each adopted round's changes, in order
     live: dict[str, Any] = {}  # what the round in flight has measured, for Ctrl-C
     try:
         notify("measuring the start config")
@@ -250,7 +250,7 @@ def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lamb
             if not comps:
                 break
             rnd: dict[str, Any] = {"round": len(out["rounds"]) + 1, "started_s": time.time() - t0,
-                                   "current_config": current_cfg.to_dict(), "compositions": [], "ablations": []}
+                                   "current_config": current_cfg.to_dict(), "compositions": []}
             out["rounds"].append(rnd)
             for c in comps:
                 tried.add(json.dumps(c["config"].to_dict(), sort_keys=True))
@@ -309,12 +309,11 @@ def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lamb
                 "composed_of": [ch["rule"] for ch in comp["changes"]], "dropped": [],
                 "changes": changes, "elapsed_s": time.time() - t0,
             })
-            adopted.append((current_cfg, changes))
+            adopted.append(changes)
             current_cfg, current = composed_cfg, composed_report
         # 3. each change's own contribution, in the final config: without it, against the final config
-        current_cfg = _final_ablation(out, adopted, current_cfg, current, runner, opts, time_left, run_s, notify, live)
-        if out["ladder"][-1].get("elapsed_s") is None:  # the rung without what the ablation dropped
-            out["ladder"][-1]["elapsed_s"] = time.time() - t0
+        current_cfg = _final_ablation(out, cfg, adopted, current_cfg, current, runner, opts, time_left, run_s,
+                                      notify, live, lambda: time.time() - t0)
     except KeyboardInterrupt:
         out["interrupted"] = True
         out["stopped_because"] = "interrupted (Ctrl-C)"
@@ -325,20 +324,21 @@ def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lamb
     return out
 
 
-def _rebuild(adopted: list[tuple[RunConfig, list[dict[str, Any]]]], leave_out: list[dict[str, Any]]) -> RunConfig:
+def _rebuild(start: RunConfig, adopted: list[list[dict[str, Any]]], leave_out: list[dict[str, Any]]) -> RunConfig:
     """The final config built again round by round without some changes (a later round's knob wins)."""
-    cfg = adopted[0][0]
-    for _, changes in adopted:
+    cfg = start
+    for changes in adopted:
         keep = [c for c in changes if not any(c is x for x in leave_out)]
         if keep:
             cfg = apply(cfg, keep)
     return cfg
 
 
-def _final_ablation(out: dict[str, Any], adopted: list[tuple[RunConfig, list[dict[str, Any]]]], final_cfg: RunConfig,
-                    final_report: dict[str, Any], runner: Callable[[RunConfig, bool], Callable[[], dict[str, Any]]],
-                    opts: TreatOptions, time_left: Callable[[], float], run_s: list[float], notify: Notify,
-                    live: dict[str, Any]) -> RunConfig:
+def _final_ablation(out: dict[str, Any], start: RunConfig, adopted: list[list[dict[str, Any]]],
+                    final_cfg: RunConfig, final_report: dict[str, Any],
+                    runner: Callable[[RunConfig, bool], Callable[[], dict[str, Any]]], opts: TreatOptions,
+                    time_left: Callable[[], float], run_s: list[float], notify: Notify, live: dict[str, Any],
+                    elapsed: Callable[[], float]) -> RunConfig:
     """Each adopted change's own contribution, by leave-one-out in the final config; the config without
     the changes that did not pay.
 
@@ -348,13 +348,13 @@ def _final_ablation(out: dict[str, Any], adopted: list[tuple[RunConfig, list[dic
     that would have raised the batch 6x. A change whose interval is still open when the pairs or the
     time run out stays: the composition it came in was measured to pay.
     """
-    everything = [c for _, changes in adopted for c in changes]
+    everything = [c for changes in adopted for c in changes]
     cands: list[tuple[dict[str, Any], RunConfig]] = []
     for c in everything:
         if c["contribution"]["how"] != NOT_ABLATED:
             continue
         try:
-            without = _rebuild(adopted, [c])
+            without = _rebuild(start, adopted, [c])
         except UsageError:
             c["contribution"] = {"outcome": "kept", "how": "the other changes need it: the config is invalid without it"}
             continue
@@ -389,7 +389,7 @@ def _final_ablation(out: dict[str, Any], adopted: list[tuple[RunConfig, list[dic
         c["contribution"] = {k: dd.get(k) for k in ("ratio", "ci_low", "ci_high", "pairs")} | \
             {"outcome": o, "how": "leave-one-out ablation in the final config", "trial": entry["trial"]}
     dropped: list[dict[str, Any]] = []
-    for rung, (_, changes) in zip(out["ladder"][1:], adopted):
+    for rung, changes in zip(out["ladder"][1:], adopted):
         out_ = [c for c in changes if c["contribution"]["outcome"] in ("no_gain", "harmful")]
         if out_ and len(out_) == len(changes) and all(c["contribution"]["outcome"] == "no_gain" for c in out_):
             for c in out_:  # the round paid, but no change of it could be resolved alone: kept as the group measured
@@ -400,7 +400,7 @@ def _final_ablation(out: dict[str, Any], adopted: list[tuple[RunConfig, list[dic
     out["final_ablation"] = {"trials": trials, "dropped": [c["rule"] for c in dropped]}
     if not dropped:
         return final_cfg
-    cfg = _rebuild(adopted, dropped)
+    cfg = _rebuild(start, adopted, dropped)
     last = out["ladder"][-1]
     adjust = math.prod(1 / c["contribution"]["ratio"] for c in dropped if c["contribution"].get("ratio"))
     measured = ab["arms"][f"without {dropped[0]['rule']}"] if len(dropped) == 1 else None
@@ -410,7 +410,7 @@ def _final_ablation(out: dict[str, Any], adopted: list[tuple[RunConfig, list[dic
             "real_tokens_per_s": statistics.median(v for v in measured.values if v) if measured else
             (last.get("real_tokens_per_s") or 0.0) * adjust,
             "speedup": last["speedup"] * adjust, "speedup_how": "the last rung's speedup times 1/contribution of "
-            "each dropped change", "dropped": [c["rule"] for c in dropped], "elapsed_s": None}
+            "each dropped change", "dropped": [c["rule"] for c in dropped], "elapsed_s": elapsed()}
     out["ladder"].append(rung)
     return cfg
 

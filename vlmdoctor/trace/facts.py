@@ -709,11 +709,18 @@ def _device_facts(t: Tables, facts: dict[str, Any], vmeta: dict[str, Any]) -> No
     if isinstance(major, int) and isinstance(minor, int) and major > 0:
         facts["device.compute_capability"] = major + minor / 10
         return
-    env = vmeta.get("env") if isinstance(vmeta.get("env"), dict) else {}
+    cc = _env_capability(vmeta)
+    if cc is not None:
+        facts["device.compute_capability"] = cc
+
+
+def _env_capability(meta: dict[str, Any]) -> float | None:
+    """The compute capability vlmdoctor recorded with a run (run/envinfo.py: "9.0"), if any."""
+    env = meta.get("env") if isinstance(meta.get("env"), dict) else {}
     try:
-        facts["device.compute_capability"] = float(str(env["compute_capability"]))
+        return float(str(env["compute_capability"]))
     except (KeyError, ValueError):
-        pass
+        return None
 
 
 def _flop_facts(t: Tables, facts: dict[str, Any], cfg: dict[str, Any]) -> None:
@@ -1007,10 +1014,8 @@ def merge_measured(facts: dict[str, Any], report: dict[str, Any]) -> dict[str, A
         out["data.loss_token_frac"] = m["loss_tokens_per_s"] * (1 - m["pad_fraction"]) / m["real_tokens_per_s"]
     if out.get("memory.peak_reserved_gb") and out.get("memory.device_total_gb"):
         out["memory.peak_reserved_frac"] = out["memory.peak_reserved_gb"] / out["memory.device_total_gb"]
-    env = report.get("env") if isinstance(report.get("env"), dict) else {}
-    if "device.compute_capability" not in out and "gpu.busy_ms" in out and env.get("compute_capability"):
-        try:  # a GPU trace without deviceProperties: the run's own record of the GPU (run/envinfo.py)
-            out["device.compute_capability"] = float(str(env["compute_capability"]))
-        except ValueError:
-            pass
+    if "device.compute_capability" not in out and "gpu.busy_ms" in out:
+        cc = _env_capability(report)  # a GPU trace without deviceProperties: the run's own record of the GPU
+        if cc is not None:
+            out["device.compute_capability"] = cc
     return out
