@@ -409,9 +409,9 @@ def test_a_composition_that_runs_out_of_memory_is_retried_with_a_smaller_batch()
     trials = result["trials"]
     assert [t["outcome"] for t in trials[:2]] == ["oom", "oom"]
     retry = trials[2]
-    # batch 4 -> 8 halved is the current 4: the batch step goes, the rest of the composition is measured
-    assert retry["name"].endswith("(batch halved after OOM)") and "batch_size" not in retry["config_patch"]
-    assert retry["outcome"] == "kept" and result["final_config"]["batch_size"] == 4
+    # batch 4 -> 8 with its step halved: batch 6, with the rest of the composition
+    assert retry["name"].endswith("(batch halved after OOM)") and retry["config_patch"]["batch_size"] == 6
+    assert retry["outcome"] == "kept" and result["final_config"]["batch_size"] == 6
     assert result["final_config"]["compile"] == "default"
 
 
@@ -426,4 +426,4 @@ def test_smaller_batch_halves_the_batch_step():
         comp = _smaller_batch(cfg, comp)
         if comp:
             sizes.append(comp["config"].batch_size)
-    assert sizes == [24, 12, 6, 3]
+    assert sizes == [25, 13, 7, 4, 3]  # the step 2 -> 48 halved each time, then the batch change goes

@@ -416,14 +416,15 @@ def _final_ablation(out: dict[str, Any], start: RunConfig, adopted: list[list[di
 
 
 def _smaller_batch(cfg: RunConfig, comp: dict[str, Any]) -> dict[str, Any] | None:
-    """The composition with its batch-size change halved (dropped when that reaches the current batch)."""
+    """The composition with its batch-size step halved (dropped when that reaches the current batch): from
+    batch 22 a step to 55 that ran out of memory is measured again at 38, not at 27."""
     changes = []
     found = False
     for ch in comp["changes"]:
         bs = ch["config_patch"].get("batch_size")
         if isinstance(bs, int) and bs > cfg.batch_size:
             found = True
-            smaller = max(cfg.batch_size, bs // 2)
+            smaller = cfg.batch_size + (bs - cfg.batch_size) // 2  # half the step, not half the batch
             if smaller == cfg.batch_size:
                 rest = {k: v for k, v in ch["config_patch"].items() if k != "batch_size"}
                 if rest:

@@ -174,7 +174,8 @@ def cross_rank(per: list[RankComms], rank_facts: list[dict[str, Any]]) -> dict[s
         if synced and sync_bytes:
             # one synchronization moves every trained gradient once: its size is the trained parameters' bytes
             facts["dist.grad_gb"] = sync_bytes / synced / 2**30
-    for key in ("memory.device_total_gb", "memory.peak_reserved_gb", "memory.peak_reserved_frac"):
+    for key in ("memory.device_total_gb", "memory.peak_reserved_gb", "memory.peak_reserved_frac",
+                "memory.peak_allocated_gb", "memory.peak_allocated_frac"):
         vals = [f[key] for f in rank_facts if f.get(key) is not None]
         if vals:
             facts[key] = max(vals)
