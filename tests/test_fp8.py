@@ -289,10 +289,11 @@ def test_a_trace_without_part_attribution_gets_the_whole_bf16_gemm_time_as_the_b
 @pytest.mark.parametrize("name", ["healthy_s2", "compile_s2", "bf16_s2", "labeled_s2", "liger_fce_s2", "default_s2",
                                   "sync_compile_s2"])
 def test_rule_stays_quiet_on_the_host_bound_0_5b_steps(name):
-    """0.5b on the H100: the GPU waits for the host (busy 8-57%), so a faster GEMM would not shorten the step.
-    No kernel of these bf16 runs may be classed FP8 either."""
+    """0.5b on the H100: the GPU is busy 12-75% of the untraced step, and its bf16 GEMMs average under
+    0.08 ms, narrower than the 1.5b GEMMs where FP8 lost 19%. No kernel of these bf16 runs may be classed
+    FP8 either."""
     f = measured(name)
-    assert f["gpu.busy_frac"] < 0.7 and RULE not in _ids(f)
+    assert f["gpu.busy_frac"] < 0.76 and f["gemm.bf16_mean_ms"] < 0.08 and RULE not in _ids(f)
     assert f["gemm.fp8_share"] == 0.0 and "kernels.gemm_fp8.count" not in f and f["gemm.bf16_ms"] > 0
 
 

@@ -427,3 +427,23 @@ def test_smaller_batch_halves_the_batch_step():
         if comp:
             sizes.append(comp["config"].batch_size)
     assert sizes == [25, 13, 7, 4, 3]  # the step 2 -> 48 halved each time, then the batch change goes
+
+
+def test_a_round_the_time_cut_short_shows_what_it_measured():
+    """H100, 0.5b stage 1: round 3 (batch 163) measured x1.18 and x1.19, 174K tokens/s, before the budget ran
+    out. The console and the HTML page show those pairs and the knobs, within 80 columns."""
+    import io
+
+    from rich.console import Console
+
+    from vlmdoctor.report.console import render_ladder
+    from vlmdoctor.report.html import treat_html
+
+    result = json.loads((Path(__file__).parents[1] / "bench/results/2026-11-23-h100-treat11d/s1_05b/treat.json")
+                        .read_text())
+    buf = io.StringIO()
+    render_ladder(result, Console(file=buf, width=80, color_system=None))
+    text = buf.getvalue()
+    assert "1.18, 1.19 (2 of 3 pairs)" in text and "batch_size=163" in text and "173,573" in text
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert "x1.18, x1.19: 2 pair(s) measured before the time ran out" in treat_html(result)

@@ -342,12 +342,20 @@ def render_ladder(result: dict[str, Any], console: Console) -> None:
     rejected = [x for x in result["trials"] if x.get("outcome") != "kept"]
     if rejected:
         t = Table(title="trials not kept", header_style="bold")
-        for col in ("trial", "what", "outcome", "x [95% CI]"):
-            t.add_column(col)
+        for col in ("trial", "what", "outcome", "x [95% CI]", "tokens/s"):
+            t.add_column(col, justify="right" if col == "tokens/s" else "left")
         for x in rejected:
             old = f"{x['gain'] * 100:+.1f}% vs +/-{x['margin'] * 100:.1f}%" if "margin" in x else None
-            t.add_row(str(x["trial"]), x.get("name") or x["rule"], x["outcome"],
-                      _ci(x) if "ratio" in x else old or (x.get("error") or x.get("why") or "")[:40])
+            # a round the time cut short: the pairs it measured, which decided nothing but are what was seen
+            need = (result.get("decision") or {}).get("min_pairs", 3)
+            pairs = (", ".join(f"{r:.2f}" for r in x["ratios"]) + f" ({len(x['ratios'])} of {need} pairs)"
+                     if x.get("ratios") and "ratio" not in x else None)
+            what = x.get("name") or x["rule"]
+            if x.get("kind") == "composition" and x.get("config_patch"):  # which knobs, not just "composition"
+                what = ", ".join(f"{k}={v}" for k, v in x["config_patch"].items())
+            t.add_row(str(x["trial"]), what, x["outcome"],
+                      _ci(x) if "ratio" in x else pairs or old or (x.get("error") or x.get("why") or "")[:40],
+                      _fmt(x["real_tokens_per_s"], "", 0) if x.get("real_tokens_per_s") else "")
         console.print(t)
     for s in result.get("skipped") or []:
         console.print(f"skipped {s['rule']}: {s['why']}")

@@ -618,6 +618,8 @@ def treat_html(result: dict[str, Any]) -> str:
                 measured = esc(_paired(t))
             elif "gain" in t:  # a treat.json of the first treat: gain against the spread-based margin
                 measured = f"{t['gain'] * 100:+.1f}% vs ±{(t.get('margin') or 0) * 100:.1f}%"
+            elif t.get("ratios"):  # the time cut the comparison short: the pairs it did measure
+                measured = esc(", ".join(f"x{r:.2f}" for r in t["ratios"]) + f": {t.get('why') or ''}")
             else:
                 measured = esc(str(t.get("error") or t.get("why") or ""))
             rows.append((esc(str(t.get("trial"))), f"{esc(str(t.get('layer', '')))}",
