@@ -362,12 +362,8 @@ def _final_ablation(out: dict[str, Any], start: RunConfig, adopted: list[list[di
             c["contribution"] = {"outcome": "superseded", "how": "a later round set its knobs again"}
             continue
         cands.append((c, without))
-    # as many ablations as --max-trials and the time allow (min_pairs rounds of them with the final config's
-    # own runs); the most doubtful changes (smallest expected gain) first
-    left = max(0, opts.max_trials - len(out["trials"]))
-    if run_s and not math.isinf(time_left()):
-        left = min(left, max(0, int(time_left() / (statistics.fmean(run_s) * opts.min_pairs)) - 1))
-    cands = sorted(cands, key=lambda cw: _expected_x(cw[0]))[:left]
+    cands = _ablations_that_fit(cands, max(0, opts.max_trials - len(out["trials"])), opts,
+                                (time_left() / statistics.fmean(run_s)) if run_s else math.inf)
     if not cands:
         return final_cfg
     arms = {"final": runner(final_cfg, False)}
@@ -386,7 +382,7 @@ def _final_ablation(out: dict[str, Any], start: RunConfig, adopted: list[list[di
             o = "undecided"  # the pairs or the time ran out with the interval still open
         entry = _trial(out, "ablation", name, [c], o, dd, a)
         trials.append(entry["trial"])
-        c["contribution"] = {k: dd.get(k) for k in ("ratio", "ci_low", "ci_high", "pairs")} | \
+        c["contribution"] = {k: dd.get(k) for k in ("ratio", "ci_low", "ci_high", "pairs", "ratios")} | \
             {"outcome": o, "how": "leave-one-out ablation in the final config", "trial": entry["trial"]}
     dropped: list[dict[str, Any]] = []
     for rung, changes in zip(out["ladder"][1:], adopted):
@@ -413,6 +409,26 @@ def _final_ablation(out: dict[str, Any], start: RunConfig, adopted: list[list[di
             "each dropped change", "dropped": [c["rule"] for c in dropped], "elapsed_s": elapsed()}
     out["ladder"].append(rung)
     return cfg
+
+
+def _ablations_that_fit(cands: list[tuple[dict[str, Any], RunConfig]], most: int, opts: TreatOptions,
+                        runs_left: float) -> list[tuple[dict[str, Any], RunConfig]]:
+    """The ablations to run: as many as --max-trials and the time allow, the most doubtful first.
+
+    k arms decided in p pairs take k*p runs plus p-1 of the final config (its first run is the last
+    round's). With room for min_pairs pairs, the changes with the smallest expected gain go first:
+    they are the ones a composition may carry without paying. With room for two pairs only, a pair
+    of rounds decides nothing under 1.5x, so only changes expected to be worth that much are ablated,
+    the largest first: on the H100 a 0.5b ladder ended with 183 s left at 39 s a run, room for one
+    arm in two pairs and none in three, and ablated nothing.
+    """
+    def arms(pairs: int) -> int:
+        return max(0, min(most, int((runs_left - (pairs - 1)) // pairs))) if not math.isinf(runs_left) else most
+
+    if arms(opts.min_pairs) >= 1 or opts.min_pairs <= 2:
+        return sorted(cands, key=lambda cw: _expected_x(cw[0]))[:arms(opts.min_pairs)]
+    large = [cw for cw in cands if _expected_x(cw[0]) >= opts.paired().large_effect]
+    return sorted(large, key=lambda cw: -_expected_x(cw[0]))[:arms(2)]
 
 
 def _smaller_batch(cfg: RunConfig, comp: dict[str, Any]) -> dict[str, Any] | None:

@@ -348,8 +348,8 @@ def render_ladder(result: dict[str, Any], console: Console) -> None:
             old = f"{x['gain'] * 100:+.1f}% vs +/-{x['margin'] * 100:.1f}%" if "margin" in x else None
             # a round the time cut short: the pairs it measured, which decided nothing but are what was seen
             need = (result.get("decision") or {}).get("min_pairs", 3)
-            pairs = (", ".join(f"{r:.2f}" for r in x["ratios"]) + f" ({len(x['ratios'])} of {need} pairs)"
-                     if x.get("ratios") and "ratio" not in x else None)
+            pairs = (_ci(x) + f" ({len(x['ratios'])} of {need} pairs)" if x.get("ratios") and "ratio" not in x
+                     else None)
             what = x.get("name") or x["rule"]
             if x.get("kind") == "composition" and x.get("config_patch"):  # which knobs, not just "composition"
                 what = ", ".join(f"{k}={v}" for k, v in x["config_patch"].items())
@@ -364,8 +364,8 @@ def render_ladder(result: dict[str, Any], console: Console) -> None:
 
 
 def _ci(d: dict[str, Any]) -> str:
-    if d.get("ratio") is None:
-        return ""
+    if d.get("ratio") is None:  # undecided when the time ran out: the pairs it did measure
+        return ", ".join(f"{r:.2f}" for r in d.get("ratios") or [])
     lo, hi = d.get("ci_low"), d.get("ci_high")
     if lo is None or hi is None or hi == float("inf"):
         return f"{d['ratio']:.2f}"
