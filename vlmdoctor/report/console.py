@@ -344,17 +344,20 @@ def render_ladder(result: dict[str, Any], console: Console) -> None:
         t = Table(title="trials not kept", header_style="bold")
         for col in ("trial", "what", "outcome", "x [95% CI]", "tokens/s"):
             t.add_column(col, justify="right" if col == "tokens/s" else "left")
+        need = (result.get("decision") or {}).get("min_pairs", 3)
         for x in rejected:
-            old = f"{x['gain'] * 100:+.1f}% vs +/-{x['margin'] * 100:.1f}%" if "margin" in x else None
-            # a round the time cut short: the pairs it measured, which decided nothing but are what was seen
-            need = (result.get("decision") or {}).get("min_pairs", 3)
-            pairs = (_ci(x) + f" ({len(x['ratios'])} of {need} pairs)" if x.get("ratios") and "ratio" not in x
-                     else None)
+            if "ratio" in x:
+                measured = _ci(x)
+            elif x.get("ratios"):  # a round the time cut short: the pairs it measured, which decided nothing
+                measured = f"{_ci(x)} ({len(x['ratios'])} of {need} pairs)"
+            elif "margin" in x:  # a treat.json of the first treat: gain against the spread-based margin
+                measured = f"{x['gain'] * 100:+.1f}% vs +/-{x['margin'] * 100:.1f}%"
+            else:
+                measured = (x.get("error") or x.get("why") or "")[:40]
             what = x.get("name") or x["rule"]
             if x.get("kind") == "composition" and x.get("config_patch"):  # which knobs, not just "composition"
                 what = ", ".join(f"{k}={v}" for k, v in x["config_patch"].items())
-            t.add_row(str(x["trial"]), what, x["outcome"],
-                      _ci(x) if "ratio" in x else pairs or old or (x.get("error") or x.get("why") or "")[:40],
+            t.add_row(str(x["trial"]), what, x["outcome"], measured,
                       _fmt(x["real_tokens_per_s"], "", 0) if x.get("real_tokens_per_s") else "")
         console.print(t)
     for s in result.get("skipped") or []:

@@ -696,9 +696,14 @@ def _memory_facts(t: Tables, facts: dict[str, Any]) -> None:
         alloc, reserved = t.memory[CUDA_DEVICE_TYPE]
         facts["memory.peak_allocated_gb"] = alloc / 2**30
         facts["memory.peak_reserved_gb"] = reserved / 2**30
-        if "memory.device_total_gb" in facts:
-            facts["memory.peak_reserved_frac"] = facts["memory.peak_reserved_gb"] / facts["memory.device_total_gb"]
-            facts["memory.peak_allocated_frac"] = facts["memory.peak_allocated_gb"] / facts["memory.device_total_gb"]
+        _memory_fractions(facts)
+
+
+def _memory_fractions(facts: dict[str, Any]) -> None:
+    """Peak memory as a share of the card, allocated and reserved, wherever both numbers are known."""
+    for kind in ("allocated", "reserved"):
+        if facts.get(f"memory.peak_{kind}_gb") and facts.get("memory.device_total_gb"):
+            facts[f"memory.peak_{kind}_frac"] = facts[f"memory.peak_{kind}_gb"] / facts["memory.device_total_gb"]
 
 
 def _device_facts(t: Tables, facts: dict[str, Any], vmeta: dict[str, Any]) -> None:
@@ -1019,10 +1024,7 @@ def merge_measured(facts: dict[str, Any], report: dict[str, Any]) -> dict[str, A
         # The GPU's busy time per traced step over the untraced median step is the share the run really had.
         out["gpu.busy_frac_traced"] = out["gpu.busy_frac"]
         out["gpu.busy_frac"] = min(1.0, out["gpu.busy_ms"] / m["step_ms"])
-    if out.get("memory.peak_reserved_gb") and out.get("memory.device_total_gb"):
-        out["memory.peak_reserved_frac"] = out["memory.peak_reserved_gb"] / out["memory.device_total_gb"]
-    if out.get("memory.peak_allocated_gb") and out.get("memory.device_total_gb"):
-        out["memory.peak_allocated_frac"] = out["memory.peak_allocated_gb"] / out["memory.device_total_gb"]
+    _memory_fractions(out)
     if "device.compute_capability" not in out and "gpu.busy_ms" in out:
         cc = _env_capability(report)  # a GPU trace without deviceProperties: the run's own record of the GPU
         if cc is not None:
