@@ -339,6 +339,23 @@ def test_labeled_only_head_gives_the_same_loss_and_gradients(tiny_cfg):
     assert torch.allclose(grads[0], grads[1], atol=1e-6)
 
 
+@pytest.mark.slow
+def test_regional_compilation_gives_the_eager_loss_and_gradients(tiny_cfg):
+    """The compiled layers and the compiled head-and-loss region compute what eager does."""
+    losses, grads = [], []
+    for regions in (False, True):
+        extra = {"compile": "default", "compile_regions": True} if regions else {}
+        p = build_patient(tiny_cfg(stage=2, lm_head_labeled_only=True, gradient_checkpointing=False, **extra), CPU)
+        batch = runner._to_device(next(p.batches), CPU, torch.float32)
+        batch.pop("counts")
+        loss = p.model(**batch).loss
+        loss.backward()
+        losses.append(float(loss.detach()))
+        grads.append(p.vlm.llm.get_output_embeddings().weight.grad.clone())
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+    assert torch.allclose(grads[0], grads[1], atol=1e-5)
+
+
 def test_labeled_only_head_counts_fewer_model_flops(tiny_cfg):
     full = run_profile(tiny_cfg(steps=1, warmup=0))["repeats"][0]
     labeled = run_profile(tiny_cfg(steps=1, warmup=0, lm_head_labeled_only=True))["repeats"][0]
@@ -371,7 +388,8 @@ def test_a_compiled_run_warms_up_until_its_time_per_token_settles():
 
 
 def test_regional_compilation_finds_the_stacks_of_any_model():
-    """The tower's encoder layers and the decoder layers, by structure; each compiled in place."""
+    """The tower's encoder layers and the decoder layers, by structure, each compiled in place; and the
+    LM head with its loss as one more region, unless Liger's FusedCE computes them."""
     from vlmdoctor.run.compile import compile_regions, repeated_blocks
     from vlmdoctor.run.model import build_model
 
@@ -380,8 +398,14 @@ def test_regional_compilation_finds_the_stacks_of_any_model():
     decoder, tower = list(vlm.llm.model.layers), [m for m in blocks if m not in list(vlm.llm.model.layers)]
     assert all(any(b is d for b in blocks) for d in decoder) and len(tower) >= 2
     assert not any(b is vlm.llm.model for b in blocks)  # whole models stay eager around their layers
+    eager_loss = vlm.head_loss
     n = compile_regions(vlm, "default")
-    assert n == len(blocks) and all(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)
+    assert n == len(blocks) + 1 and all(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)
+    assert vlm.head_loss is not eager_loss and getattr(vlm.head_loss, "_torchdynamo_orig_callable", None) is eager_loss
+
+    fused = build_model(runner.resolve("tiny"))
+    fused.fused_ce = True  # Liger's kernel takes the head and the loss: nothing to compile there
+    assert compile_regions(fused, "default") == len(repeated_blocks(fused)) and fused.head_loss is eager_loss
 
 
 def test_regional_compilation_is_a_way_to_compile_not_a_switch_of_its_own():
@@ -403,7 +427,7 @@ def test_a_regionally_compiled_tiny_model_trains(tmp_path):
     from vlmdoctor.run.config import RunConfig
 
     cfg = RunConfig(model="tiny", device="cpu", steps=2, warmup=3, compile="default", compile_regions=True,
-                    pad_to_multiple_of=16)
+                    pad_to_multiple_of=16, lm_head_labeled_only=True)  # the compiled head-and-loss region too
     r = runner.run_profile(cfg)
     assert r["status"] == "ok", r.get("error")
     assert r["warmup"]["graphs_compiled_in_timed_windows"] == 0

@@ -60,6 +60,7 @@ class VLM(nn.Module):
         self.vision_no_grad = False
         self.fused_ce = False  # Liger FusedCE, for the labeled-only head path
         self._fused_loss: nn.Module | None = None
+        self.head_loss = head_loss  # regional compilation swaps in a compiled copy
 
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Frozen tower forward; under no_grad only when the run config asks for it."""
@@ -115,8 +116,20 @@ class VLM(nn.Module):
                 self._fused_loss = LigerFusedLinearCrossEntropyLoss()
             loss = self._fused_loss(head.weight, h, loss_targets, head.bias)
         else:
-            loss = nn.functional.cross_entropy(head(h).float(), loss_targets)
+            torch._dynamo.maybe_mark_dynamic(h, 0)  # the labeled count changes every step: one graph for all
+            loss = self.head_loss(h, head.weight, head.bias, loss_targets)
         return _Output(loss)
+
+
+def head_loss(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor) -> torch.Tensor:
+    """The LM head and the cross entropy over the labeled positions, as one function.
+
+    Why one function: regional compilation compiles the repeated layers only, so the loss ran eager.
+    On the H100 (0.5b stage 2, batch 54) that was 14.7 ms of softmax kernels and 7.5 ms of casts a
+    step over the 151,936-entry vocabulary, which the whole-model graph fuses; compiled as one
+    more region, Inductor fuses the cast, the log-softmax and the gather here too.
+    """
+    return nn.functional.cross_entropy(nn.functional.linear(h, weight, bias).float(), targets)
 
 
 class _Output:
