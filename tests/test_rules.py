@@ -350,3 +350,31 @@ def test_batch_is_sized_from_live_tensors_not_the_allocator_pool():
     assert fired_on(pool)["batching-gpu-underfed"]["config_patch"]["batch_size"] < b
     busy = {**f, "gpu.busy_frac": 0.9}
     assert "batching-gpu-underfed" not in fired_on(busy)
+
+
+TREATED = ("treated_s2", "treated_s1", "treated_1.5b_s2")
+
+
+@pytest.mark.parametrize("name", TREATED)
+def test_the_final_configs_of_the_h100_ladders_are_diagnosed_healthy(name):
+    """What `treat` ended on (docs/treat.md): the GPU saturated, memory under the batch rule's headroom, and
+    no rule fires, so a treatment that re-diagnoses it stops there."""
+    f = measured(name)
+    assert f["gpu.busy_frac"] >= 0.85 and f["memory.peak_allocated_frac"] < 0.7
+    d = diagnose(f, RULES)
+    assert d["findings"] == [], [x["id"] for x in d["findings"]]
+
+
+def test_the_treated_loss_runs_as_fused_triton_kernels_not_eager_softmax():
+    """Regional compilation compiles the LM head and its loss as one region: the treated trace holds
+    Inductor's fused log-softmax + cast + NLL kernels, where the eager labeled-head run holds aten's."""
+    import gzip
+    import re
+
+    def kernels(name: str) -> list[str]:
+        with gzip.open(TRACES / f"{name}.pt.trace.json.gz", "rt") as fh:
+            return [e["name"] for e in json.load(fh)["traceEvents"] if e.get("cat") == "kernel"]
+
+    treated, eager = kernels("treated_s2"), kernels("labeled_s2")
+    assert not any("cunn_SoftMax" in k for k in treated) and any("cunn_SoftMax" in k for k in eager)
+    assert any(re.match(r"triton_\w+_fused_.*log_softmax.*nll_loss", k) for k in treated)

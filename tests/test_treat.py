@@ -483,3 +483,41 @@ def test_with_room_for_two_pairs_only_the_large_expected_change_is_ablated(monke
     assert contrib["compile"]["how"] == "leave-one-out ablation in the final config"
     assert all(c["how"].startswith(("not ablated", "a later round", "the composition"))
                for r, c in contrib.items() if r != "compile")
+
+
+def test_an_ablation_arm_that_runs_out_of_memory_keeps_the_change_and_says_why():
+    """H100, 0.5b stage 2: the final config (batch 83) without compile ran out of memory, since the eager loss
+    holds the fp32 logits. The change is needed; the table says why, not an empty cell."""
+    import io
+
+    from rich.console import Console
+
+    from vlmdoctor.report.console import render_ladder
+    from vlmdoctor.report.html import treat_html
+
+    class Runner(FakeRunner):
+        def __call__(self, c, diagnose, timeout):
+            if c.batch_size == 16 and c.compile == "off":
+                self.calls.append((c, diagnose, timeout))
+                return {"status": "oom", "error": {"message": "CUDA out of memory. Tried to allocate 11.76 GiB"}}
+            return super().__call__(c, diagnose, timeout)
+
+    result = run_fake(Runner())
+    contrib = {c["rule"]: c["contribution"] for c in result["ladder"][1]["changes"]}
+    assert contrib["compile"]["outcome"] == "kept" and contrib["compile"]["why"] == "out of memory without it"
+    assert "why" not in contrib["bf16"]  # an arm that ran: its ratio says it
+    assert result["final_config"]["compile"] == "default"
+    buf = io.StringIO()
+    render_ladder(result, Console(file=buf, width=80, color_system=None))
+    row = next(line for line in buf.getvalue().splitlines() if "compile" in line and "kept" in line)
+    assert "out of memory without it" in row
+    assert "out of memory without it: CUDA out of memory" in treat_html(result)
+
+
+def test_the_h100_ladder_whose_ablation_ran_out_of_memory_renders():
+    result = json.loads((Path(__file__).parents[1] / "bench/results/2026-11-23-h100-treat11e/s2_05b/treat.json")
+                        .read_text())
+    from vlmdoctor.report.html import treat_html
+
+    assert result["trials"][2]["status"] == "oom" and result["trials"][2]["outcome"] == "kept"
+    assert "CUDA out of memory" in treat_html(result)

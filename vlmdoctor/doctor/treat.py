@@ -42,6 +42,9 @@ Notify = Callable[[str], None]
 #: knobs that only say how a run is measured, never what it trains: a patch may raise them (compile needs a
 #: longer warm-up) and an ablation does not remove them
 MEASUREMENT_KNOBS = ("warmup", "steps", "repeats")
+#: what an ablation arm that failed says of the change it left out: the final config needs it
+BROKEN_WITHOUT = {"oom": "out of memory without it", "nan_loss": "NaN loss without it",
+                  "error": "the run fails without it", "timeout": "the run timed out without it"}
 NOT_ABLATED = "not ablated: --max-trials or the time budget left no room"
 
 
@@ -376,14 +379,17 @@ def _final_ablation(out: dict[str, Any], start: RunConfig, adopted: list[list[di
         name = f"without {c['rule']}"
         dd, a = ab["decisions"][name], ab["arms"][name]
         o = _outcome(dd, a)
-        # a change whose removal breaks the run (OOM without bf16 weights, say) is needed
-        o = "kept" if o in ("oom", "nan_loss", "error", "timeout") else o
+        # a change whose removal breaks the run is needed: on the H100 the 0.5b batch-83 config ran out of
+        # memory without compile, whose fused loss never holds the fp32 logits (an 11.8 GiB allocation)
+        broke = BROKEN_WITHOUT.get(o)
+        o = "kept" if broke else o
         if o == "no_gain" and (dd.get("ci_high") or 0.0) >= 1 + opts.min_gain:
             o = "undecided"  # the pairs or the time ran out with the interval still open
-        entry = _trial(out, "ablation", name, [c], o, dd, a)
+        entry = _trial(out, "ablation", name, [c], o, dd | ({"why": broke} if broke else {}), a)
         trials.append(entry["trial"])
         c["contribution"] = {k: dd.get(k) for k in ("ratio", "ci_low", "ci_high", "pairs", "ratios")} | \
-            {"outcome": o, "how": "leave-one-out ablation in the final config", "trial": entry["trial"]}
+            {"outcome": o, "how": "leave-one-out ablation in the final config", "trial": entry["trial"]} | \
+            ({"why": broke} if broke else {})
     dropped: list[dict[str, Any]] = []
     for rung, changes in zip(out["ladder"][1:], adopted):
         out_ = [c for c in changes if c["contribution"]["outcome"] in ("no_gain", "harmful")]

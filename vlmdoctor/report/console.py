@@ -337,7 +337,7 @@ def render_ladder(result: dict[str, Any], console: Console) -> None:
             t.add_column(col)
         for step, c in own:
             k = c["contribution"]
-            t.add_row(str(step), c["rule"], _ci(k), str(k.get("pairs") or ""), k["outcome"])
+            t.add_row(str(step), c["rule"], _ci(k) or k.get("why", ""), str(k.get("pairs") or ""), k["outcome"])
         console.print(t)
     rejected = [x for x in result["trials"] if x.get("outcome") != "kept"]
     if rejected:

@@ -620,8 +620,8 @@ def treat_html(result: dict[str, Any]) -> str:
                 measured = f"{t['gain'] * 100:+.1f}% vs ±{(t.get('margin') or 0) * 100:.1f}%"
             elif t.get("ratios"):  # the time cut the comparison short: the pairs it did measure
                 measured = esc(", ".join(f"x{r:.2f}" for r in t["ratios"]) + f": {t.get('why') or ''}")
-            else:
-                measured = esc(str(t.get("error") or t.get("why") or ""))
+            else:  # a failed arm: why it failed; an ablation's says what that means for the change it left out
+                measured = esc(": ".join(str(x) for x in (t.get("why"), t.get("error")) if x))
             rows.append((esc(str(t.get("trial"))), f"{esc(str(t.get('layer', '')))}",
                          f"<b>{esc(str(t.get('title') or ''))}</b><br><code>{esc(str(t.get('rule')))}</code>",
                          _patch_html(t.get("config_patch")), _gain(t.get("expected_gain")),
