@@ -321,20 +321,27 @@ def test_tiny_with_device_auto_runs_on_cpu(tiny_cfg):
 
 # --- knobs that reproduce common mistakes, and their fixes ----------------------------------------
 
+def _loss_and_head_grad(cfg) -> tuple[float, torch.Tensor, dict, dict]:
+    """One batch through a fresh patient: the loss, the LM head's gradient, the batch and its counts."""
+    p = build_patient(cfg, CPU)
+    batch = runner._to_device(next(p.batches), CPU, torch.float32)
+    counts = batch.pop("counts")
+    loss = p.model(**batch).loss
+    loss.backward()
+    return float(loss.detach()), p.vlm.llm.get_output_embeddings().weight.grad.clone(), batch, counts
+
+
 def test_labeled_only_head_gives_the_same_loss_and_gradients(tiny_cfg):
     """The LM head on labeled positions only is the same loss, with the same gradients, on fewer rows."""
     losses, grads = [], []
     for labeled in (False, True):
-        p = build_patient(tiny_cfg(stage=2, lm_head_labeled_only=labeled, gradient_checkpointing=False), CPU)
-        batch = runner._to_device(next(p.batches), CPU, torch.float32)
-        counts = batch.pop("counts")
+        loss, grad, batch, counts = _loss_and_head_grad(
+            tiny_cfg(stage=2, lm_head_labeled_only=labeled, gradient_checkpointing=False))
         assert ("loss_index" in batch) == labeled
         if labeled:
             assert len(batch["loss_index"]) == counts["loss_tokens"] < counts["real_tokens"]
-        loss = p.model(**batch).loss
-        loss.backward()
-        losses.append(float(loss.detach()))
-        grads.append(p.vlm.llm.get_output_embeddings().weight.grad.clone())
+        losses.append(loss)
+        grads.append(grad)
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)
     assert torch.allclose(grads[0], grads[1], atol=1e-6)
 
@@ -345,15 +352,23 @@ def test_regional_compilation_gives_the_eager_loss_and_gradients(tiny_cfg):
     losses, grads = [], []
     for regions in (False, True):
         extra = {"compile": "default", "compile_regions": True} if regions else {}
-        p = build_patient(tiny_cfg(stage=2, lm_head_labeled_only=True, gradient_checkpointing=False, **extra), CPU)
-        batch = runner._to_device(next(p.batches), CPU, torch.float32)
-        batch.pop("counts")
-        loss = p.model(**batch).loss
-        loss.backward()
-        losses.append(float(loss.detach()))
-        grads.append(p.vlm.llm.get_output_embeddings().weight.grad.clone())
+        loss, grad, _, _ = _loss_and_head_grad(
+            tiny_cfg(stage=2, lm_head_labeled_only=True, gradient_checkpointing=False, **extra))
+        losses.append(loss)
+        grads.append(grad)
     assert losses[1] == pytest.approx(losses[0], rel=1e-4)
     assert torch.allclose(grads[0], grads[1], atol=1e-5)
+
+
+def test_the_labeled_head_traces_inside_a_whole_model_graph(tiny_cfg):
+    """Dynamo (eager backend: tracing only, no Inductor) goes through the labeled head's path: its
+    dynamic mark is skipped while compiling, where dynamo forbids it."""
+    p = build_patient(tiny_cfg(stage=2, lm_head_labeled_only=True, gradient_checkpointing=False), CPU)
+    batch = runner._to_device(next(p.batches), CPU, torch.float32)
+    batch.pop("counts")
+    eager = float(p.vlm(**batch).loss)
+    traced = torch.compile(p.vlm, backend="eager", fullgraph=False)(**batch).loss
+    assert float(traced) == pytest.approx(eager, rel=1e-5)
 
 
 def test_labeled_only_head_counts_fewer_model_flops(tiny_cfg):
@@ -423,11 +438,14 @@ def test_regional_compilation_is_a_way_to_compile_not_a_switch_of_its_own():
 
 
 @pytest.mark.slow
-def test_a_regionally_compiled_tiny_model_trains(tmp_path):
+@pytest.mark.parametrize("regions", [True, False])
+def test_a_compiled_tiny_model_with_the_labeled_head_trains(regions):
+    """By region (the head-and-loss region too) and whole: the labeled head's dynamic mark is made only
+    outside a compiled graph, where dynamo allows it (inside one it raised)."""
     from vlmdoctor.run.config import RunConfig
 
-    cfg = RunConfig(model="tiny", device="cpu", steps=2, warmup=3, compile="default", compile_regions=True,
-                    pad_to_multiple_of=16, lm_head_labeled_only=True)  # the compiled head-and-loss region too
+    cfg = RunConfig(model="tiny", device="cpu", steps=2, warmup=3, compile="default", compile_regions=regions,
+                    pad_to_multiple_of=16, lm_head_labeled_only=True)
     r = runner.run_profile(cfg)
     assert r["status"] == "ok", r.get("error")
     assert r["warmup"]["graphs_compiled_in_timed_windows"] == 0

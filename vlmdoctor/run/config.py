@@ -123,8 +123,8 @@ class RunConfig:
                                        "torch's default is on, false turns it off for a with/without comparison")
     compile_regions: bool = knob(False, 4, "with --compile: compile each layer of every stack of repeated layers on its "
                                  "own (regional compilation: one graph serves all decoder layers, a fraction of the "
-                                 "whole model's compile time), and the LM head with the loss on labeled positions as one more region; the "
-                                 "rest stays eager")
+                                 "whole model's compile time), and the LM head with the loss on labeled positions as "
+                                 "one more region; the rest stays eager")
     unsloth: bool = knob(False, 4, "load the LLM through Unsloth's fast path (FastLanguageModel, llama and qwen2 "
                          "classes; CUDA only); an alternative to Liger and torch.compile, never combined with them")
     # --- layer 5: system tuning ----------------------------------------------------------
