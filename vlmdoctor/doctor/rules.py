@@ -73,7 +73,7 @@ KNOWN_FACTS = [re.compile(p) for p in (
     r"trace\.(steps|partial|written_by_vlmdoctor|windows_from|gpu_kernels)", r"trace\.recorded\.(shapes|memory|stack)",
     r"step\.ms", r"run\.(stage|model)", r"run\.(stage|model)_source", r"run\.stage_estimate", r"part\.source",
     r"shapes\.micro_batches_per_step\.source",
-    r"gpu\.(busy_ms|idle_ms|busy_frac)", r"idle\.[a-z_]+\.(ms|share)", r"idle\.data_loader\.step_share", r"idle\.op\.[a-z_]+\.ms",
+    r"gpu\.(busy_ms|idle_ms|busy_frac)", r"idle\.[a-z_]+\.(ms|share)", r"idle\.op\.[a-z_]+\.ms",
     r"kernels\.[a-z0-9_]+\.(ms|count|share)", r"gemm\.(ms|count|fp32_share|tf32_share|fp32_share_of_gpu|fp32_top_kernels)",
     r"gemm\.(fp8_share|fp8_ms|bf16_ms|bf16_share_of_gpu|bf16_llm_ms|bf16_mean_ms)", r"device\.(name|compute_capability)",
     r"part\.fp32_gemm_parts",

@@ -382,14 +382,14 @@ def _final_ablation(out: dict[str, Any], start: RunConfig, adopted: list[list[di
         # a change whose removal breaks the run is needed: on the H100 the 0.5b batch-83 config ran out of
         # memory without compile, whose fused loss never holds the fp32 logits (an 11.8 GiB allocation)
         broke = BROKEN_WITHOUT.get(o)
+        why = {"why": broke} if broke else {}
         o = "kept" if broke else o
         if o == "no_gain" and (dd.get("ci_high") or 0.0) >= 1 + opts.min_gain:
             o = "undecided"  # the pairs or the time ran out with the interval still open
-        entry = _trial(out, "ablation", name, [c], o, dd | ({"why": broke} if broke else {}), a)
+        entry = _trial(out, "ablation", name, [c], o, dd | why, a)
         trials.append(entry["trial"])
         c["contribution"] = {k: dd.get(k) for k in ("ratio", "ci_low", "ci_high", "pairs", "ratios")} | \
-            {"outcome": o, "how": "leave-one-out ablation in the final config", "trial": entry["trial"]} | \
-            ({"why": broke} if broke else {})
+            {"outcome": o, "how": "leave-one-out ablation in the final config", "trial": entry["trial"]} | why
     dropped: list[dict[str, Any]] = []
     for rung, changes in zip(out["ladder"][1:], adopted):
         out_ = [c for c in changes if c["contribution"]["outcome"] in ("no_gain", "harmful")]

@@ -14,9 +14,10 @@ minutes of its run compiling: every new sequence length was a new graph. So when
 """
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -82,9 +83,24 @@ def compile_regions(model: torch.nn.Module, mode: str) -> int:
         b.compile(mode=m)
     owner = next((x for x in model.modules() if callable(getattr(x, "head_loss", None))), None)
     if owner is not None and not getattr(owner, "fused_ce", False):
-        owner.head_loss = torch.compile(owner.head_loss, mode=m)
+        owner.head_loss = _rows_dynamic(torch.compile(owner.head_loss, mode=m))
         return len(blocks) + 1
     return len(blocks)
+
+
+def _rows_dynamic(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """The compiled head-and-loss region, its rows marked dynamic before each call.
+
+    The labeled count changes every step and the region's input is an intermediate tensor, which
+    `mark_lengths_dynamic` does not reach: marked here, one graph serves every count. Marking is
+    done outside the graph, where dynamo allows it.
+    """
+    @functools.wraps(compiled)
+    def call(h: torch.Tensor, *rest: Any) -> Any:
+        torch._dynamo.maybe_mark_dynamic(h, 0)
+        return compiled(h, *rest)
+
+    return call
 
 
 def compile_vlm(vlm: torch.nn.Module, mode: str, vision: str = "model", shape_padding: bool = True,

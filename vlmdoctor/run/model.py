@@ -116,8 +116,6 @@ class VLM(nn.Module):
                 self._fused_loss = LigerFusedLinearCrossEntropyLoss()
             loss = self._fused_loss(head.weight, h, loss_targets, head.bias)
         else:
-            if not torch.compiler.is_compiling():  # inside a whole-model graph dynamo forbids marking
-                torch._dynamo.maybe_mark_dynamic(h, 0)  # the labeled count changes every step: one graph for all
             loss = self.head_loss(h, head.weight, head.bias, loss_targets)
         return _Output(loss)
 

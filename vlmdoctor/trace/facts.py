@@ -786,8 +786,6 @@ def _idle_causes(t: Tables, idle: list[tuple[float, float]], facts: dict[str, An
         facts[f"idle.{name}.share"] = total(hit) / idle_total
         left = subtract(left, hit)
     facts["idle.other_host.ms"] = total(left) / 1e3 / n
-    if facts.get("step.ms"):  # the TensorBoard profiler plugin's yardstick: data loading as a share of the step
-        facts["idle.data_loader.step_share"] = facts["idle.data_loader.ms"] / facts["step.ms"]
     facts["idle.other_host.share"] = total(left) / idle_total
     # the host work running while the GPU waited: the innermost op or runtime call at each moment, any thread
     per_code = _idle_by_innermost(t, idle)
