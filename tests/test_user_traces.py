@@ -25,7 +25,9 @@ EXPECTED = {
     "llava_healthy_s2": (set(), {"fusion-fusedce-stage2", "system-checkpoint-recompute", "fusion-eager-attention"}),
     "qwen2vl_fp32_autocast_s2": ({"precision-autocast-casts", "system-checkpoint-recompute"}, set()),
     "qwen2vl_fce_s2": ({"fusion-fusedce-stage2"}, {"precision-fp32-gemms", "precision-autocast-casts"}),
-    "smolvlm_healthy_s1_loader": (set(), {"fusion-fusedce-stage2", "system-checkpoint-recompute"}),
+    "smolvlm_healthy_s1_loader": (set(), {"fusion-fusedce-stage2", "system-checkpoint-recompute", "system-data-loader"}),
+    # a DataLoader without workers: 20.9 ms a step of batch building against 139.7 ms of GPU work
+    "llava_loader_main_s2": ({"system-data-loader"}, {"fusion-fusedce-stage2", "precision-fp32-gemms"}),
 }
 HEALTHY = {"llava_healthy_s2", "smolvlm_healthy_s1_loader"}
 

@@ -21,4 +21,6 @@ run llava_healthy_s2            --model llava --weights bf16 --stage 2 --batch-s
 run qwen2vl_fp32_autocast_s2    --model qwen2vl --weights fp32 --autocast --ckpt --stage 2 --recipe plain --with-modules --batch-size 4
 run qwen2vl_fce_s2              --model qwen2vl --weights bf16 --stage 2 --liger fused_linear_cross_entropy,rms_norm,swiglu,rope --batch-size 4
 run smolvlm_healthy_s1_loader   --model smolvlm --weights bf16 --stage 1 --dataloader --with-stack --active 1 --batch-size 16
+# added for issue 11's data-loader rule: the DataLoader without workers, its batches built in the training process
+run llava_loader_main_s2        --model llava --weights bf16 --stage 2 --batch-size 16 --dataloader --loader-workers 0
 ls -la "$out/traces" >&2

@@ -130,7 +130,8 @@ def main() -> None:
     ap.add_argument("--profile-memory", action="store_true")
     ap.add_argument("--with-stack", action="store_true")
     ap.add_argument("--with-modules", action="store_true")
-    ap.add_argument("--dataloader", action="store_true", help="batches through a DataLoader (2 workers)")
+    ap.add_argument("--dataloader", action="store_true", help="batches through a DataLoader")
+    ap.add_argument("--loader-workers", type=int, default=2, help="its worker processes (0: built in the loop's process)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", required=True, help="trace file (.json or .json.gz)")
     args = ap.parse_args()
@@ -171,7 +172,8 @@ def main() -> None:
                 g = torch.Generator().manual_seed(i)
                 return make_batch(args.model, image_token, n_img, args.batch_size, "cpu", dtype, g)
 
-        loader = iter(torch.utils.data.DataLoader(DS(), batch_size=None, num_workers=2, pin_memory=True))
+        loader = iter(torch.utils.data.DataLoader(DS(), batch_size=None, num_workers=args.loader_workers,
+                                                  pin_memory=True))
         next_batch = lambda: {k: v.to(device, non_blocking=True) for k, v in next(loader).items()}  # noqa: E731
     else:
         next_batch = lambda: make_batch(args.model, image_token, n_img, args.batch_size, device, dtype, gen)  # noqa
