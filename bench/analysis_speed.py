@@ -7,6 +7,7 @@ Each tool runs in its own process under /usr/bin/time -v, one after the other. H
 TraceAnalysis (the parse) plus the breakdowns that overlap vlmdoctor's facts: temporal,
 idle time and kernel launch statistics.
 """
+
 from __future__ import annotations
 
 import json
@@ -53,8 +54,14 @@ def main() -> None:
     hta = timed([sys.executable, "-c", HTA.format(folder=str(trace.parent))])
     m = re.search(r"HTA idle_pct (\S+)", hta["stdout_tail"])
     hta["idle_pct"] = float(m.group(1)) if m else None
-    result = {"trace": str(trace), "trace_gb": size_gb, "cpus": os.cpu_count(), "vlmdoctor": ours, "traceinsight": hta,
-              "speedup": hta["wall_s"] / ours["wall_s"]}
+    result = {
+        "trace": str(trace),
+        "trace_gb": size_gb,
+        "cpus": os.cpu_count(),
+        "vlmdoctor": ours,
+        "traceinsight": hta,
+        "speedup": hta["wall_s"] / ours["wall_s"],
+    }
     print(json.dumps(result, indent=2))
 
 

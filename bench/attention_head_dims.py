@@ -10,6 +10,7 @@ rule about head dims rests on a measurement of this GPU rather than on folklore.
 
 FLOPs: forward 4 * B * H * Lq * Lk * D (halved when causal), backward 2.5x the forward.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,12 +21,18 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-            "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "math": SDPBackend.MATH,
+}
 # (what, batch, heads, length, causal): the presets' attention shapes at batch 16
-SHAPES = [("so400m tower (384px, 729 patches)", 16, 16, 729, False),
-          ("siglip2-base tower (224px, 196 patches)", 16, 12, 196, False),
-          ("qwen2.5 LLM, 512 tokens", 16, 14, 512, True)]
+SHAPES = [
+    ("so400m tower (384px, 729 patches)", 16, 16, 729, False),
+    ("siglip2-base tower (224px, 196 patches)", 16, 12, 196, False),
+    ("qwen2.5 LLM, 512 tokens", 16, 14, 512, True),
+]
 HEAD_DIMS = [64, 72, 80, 96, 128]
 
 
@@ -51,8 +58,15 @@ def main() -> None:
             q, k, v = (torch.randn(b, h, n, d, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
             flop = 4.0 * b * h * n * n * d * (0.5 if causal else 1.0)
             for name, backend in BACKENDS.items():
-                row = {"shape": what, "batch": b, "heads": h, "length": n, "head_dim": d, "causal": causal,
-                       "backend": name}
+                row = {
+                    "shape": what,
+                    "batch": b,
+                    "heads": h,
+                    "length": n,
+                    "head_dim": d,
+                    "causal": causal,
+                    "backend": name,
+                }
                 try:
                     with sdpa_kernel(backend):
                         fwd = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
@@ -62,9 +76,14 @@ def main() -> None:
                         def step() -> None:
                             o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
                             o.backward(grad)
+
                         both = timed(step)
-                    row.update(fwd_ms=fwd * 1e3, fwd_bwd_ms=both * 1e3, fwd_tflops=flop / fwd / 1e12,
-                               fwd_bwd_tflops=3.5 * flop / both / 1e12)
+                    row.update(
+                        fwd_ms=fwd * 1e3,
+                        fwd_bwd_ms=both * 1e3,
+                        fwd_tflops=flop / fwd / 1e12,
+                        fwd_bwd_tflops=3.5 * flop / both / 1e12,
+                    )
                 except RuntimeError as e:
                     row["error"] = str(e).splitlines()[0][:160]
                 rows.append(row)

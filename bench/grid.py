@@ -6,6 +6,7 @@
 Writes OUT/results.jsonl (one report per line, written as each run ends, so a cut-off grid
 keeps what it measured) and prints a Markdown table at the end.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,8 +18,8 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from vlmdoctor.run.runner import run_isolated  # noqa: E402
 from vlmdoctor.ci.sweep import grid_rows  # noqa: E402
+from vlmdoctor.run.runner import run_isolated  # noqa: E402
 
 
 def row(name: str, r: dict) -> str:
@@ -29,13 +30,17 @@ def row(name: str, r: dict) -> str:
     m = r["metrics"]
     mfu = f"{m['mfu'] * 100:.1f}" if m.get("mfu") is not None else "n/a"
     mem = f"{m['peak_mem_gb']:.1f}" if m.get("peak_mem_gb") is not None else "n/a"
-    return (f"| {cfg['stage']} | {name} | {m['real_tokens_per_s']:,.0f} | {m['loss_tokens_per_s']:,.0f} | "
-            f"{m['pad_fraction'] * 100:.1f} | {m['step_ms']:.1f} ({m['step_ms_p10']:.1f}-{m['step_ms_p90']:.1f}) | "
-            f"{mfu} | {mem} | {m['final_loss']:.3f} |")
+    return (
+        f"| {cfg['stage']} | {name} | {m['real_tokens_per_s']:,.0f} | {m['loss_tokens_per_s']:,.0f} | "
+        f"{m['pad_fraction'] * 100:.1f} | {m['step_ms']:.1f} ({m['step_ms_p10']:.1f}-{m['step_ms_p90']:.1f}) | "
+        f"{mfu} | {mem} | {m['final_loss']:.3f} |"
+    )
 
 
-HEADER = ("| stage | configuration | real tok/s | loss tok/s | pad % | ms/step median (p10-p90) | MFU % | peak GiB | loss |\n"
-          "|---|---|---:|---:|---:|---:|---:|---:|---:|")
+HEADER = (
+    "| stage | configuration | real tok/s | loss tok/s | pad % | ms/step median (p10-p90) | MFU % | peak GiB | loss |\n"
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|"
+)
 
 
 def main() -> None:

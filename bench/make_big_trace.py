@@ -7,6 +7,7 @@ source trace and with ids offset (correlation, External id, Sequence number, flo
 that steps, launches and autograd links stay consistent: a real trace, only longer. The
 output is uncompressed JSON, the way large traces usually sit on disk, written streaming.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,10 +31,14 @@ def main() -> None:
     t0 = min(e["ts"] for e in timed if "ts" in e)
     t1 = max(e["ts"] + e.get("dur", 0) for e in timed if "ts" in e)
     span = (t1 - t0) * 1.01
-    step_names = sorted({e["name"] for e in timed if str(e.get("name", "")).startswith("ProfilerStep#")},
-                        key=lambda s: int(s.split("#")[1]))
-    max_id = 1 + max(max(int((e.get("args") or {}).get(k, 0) or 0) for k in ("correlation", "External id", "Sequence number"))
-                     for e in timed)
+    step_names = sorted(
+        {e["name"] for e in timed if str(e.get("name", "")).startswith("ProfilerStep#")},
+        key=lambda s: int(s.split("#")[1]),
+    )
+    max_id = 1 + max(
+        max(int((e.get("args") or {}).get(k, 0) or 0) for k in ("correlation", "External id", "Sequence number"))
+        for e in timed
+    )
     max_flow = 1 + max((int(e.get("id", 0)) for e in timed if isinstance(e.get("id"), (int, float))), default=0)
     one = sum(len(json.dumps(e)) + 2 for e in timed)
     reps = max(1, int(args.min_gb * 2**30 / one) + 1)
@@ -61,8 +66,10 @@ def main() -> None:
                 out.write(("" if first else ",\n") + json.dumps(e2))
                 first = False
         out.write("\n]}\n")
-    print(f"{args.dst}: {os.path.getsize(args.dst) / 2**30:.2f} GiB, {reps} repetitions of "
-          f"{len(step_names)} steps = {reps * len(step_names)} steps, {reps * len(timed):,} events")
+    print(
+        f"{args.dst}: {os.path.getsize(args.dst) / 2**30:.2f} GiB, {reps} repetitions of "
+        f"{len(step_names)} steps = {reps * len(step_names)} steps, {reps * len(timed):,} events"
+    )
 
 
 if __name__ == "__main__":

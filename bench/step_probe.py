@@ -6,6 +6,7 @@
 Prints per-step times (not only the median: variance is a symptom) and, with --profile, the
 top ops by self CUDA time and by self CPU time over three steps under torch.profiler.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,7 +40,9 @@ def main() -> None:
         train_step(p)
         _sync(dev)
         times.append((time.perf_counter() - t0) * 1e3)
-    print(f"{' '.join(args.set)}: median {statistics.median(times):.1f} ms; steps: {' '.join(f'{t:.0f}' for t in times)}")
+    print(
+        f"{' '.join(args.set)}: median {statistics.median(times):.1f} ms; steps: {' '.join(f'{t:.0f}' for t in times)}"
+    )
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 

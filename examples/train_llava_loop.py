@@ -4,6 +4,7 @@ Random weights built from a config and synthetic batches, so it runs anywhere (C
 without downloads. The docs and tests use it as "somebody's own training" for
 `vlmdoctor run -- python examples/train_llava_loop.py`, and `--api` shows the in-code way in.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,13 +18,32 @@ PAD = 0
 
 
 def build_model(hidden: int = 64, layers: int = 2) -> LlavaForConditionalGeneration:
-    vision = SiglipVisionConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                                num_attention_heads=2, image_size=32, patch_size=8)
-    text = Qwen2Config(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                       num_attention_heads=2, num_key_value_heads=1, vocab_size=512, pad_token_id=PAD,
-                       max_position_embeddings=512)
-    cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN,
-                      vision_feature_layer=-1, vision_feature_select_strategy="full", pad_token_id=PAD)
+    vision = SiglipVisionConfig(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+    )
+    text = Qwen2Config(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=512,
+        pad_token_id=PAD,
+        max_position_embeddings=512,
+    )
+    cfg = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=IMAGE_TOKEN,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="full",
+        pad_token_id=PAD,
+    )
     return LlavaForConditionalGeneration(cfg)
 
 
@@ -36,13 +56,17 @@ def batches(batch_size: int, seed: int = 0, image_tokens: int = 16):
             q, a = rng.randint(8, 40), rng.randint(4, 24)
             ids = [1] + [IMAGE_TOKEN] * image_tokens + [rng.randint(10, 511) for _ in range(q + a)]
             rows.append(ids)
-            labels.append([-100] * (1 + image_tokens + q) + ids[1 + image_tokens + q:])
+            labels.append([-100] * (1 + image_tokens + q) + ids[1 + image_tokens + q :])
         n = max(len(r) for r in rows)
         input_ids = torch.tensor([r + [PAD] * (n - len(r)) for r in rows])
         lab = torch.tensor([r + [-100] * (n - len(r)) for r in labels])
         mask = torch.tensor([[1] * len(r) + [0] * (n - len(r)) for r in rows])
-        yield {"input_ids": input_ids, "attention_mask": mask, "labels": lab,
-               "pixel_values": torch.randn(batch_size, 3, 32, 32)}
+        yield {
+            "input_ids": input_ids,
+            "attention_mask": mask,
+            "labels": lab,
+            "pixel_values": torch.randn(batch_size, 3, 32, 32),
+        }
 
 
 def main() -> None:

@@ -3,6 +3,7 @@
 The one vlmdoctor line is `callbacks=[DoctorCallback(...)]`. CPU by default; needs accelerate
 (as every Trainer does).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,10 +40,12 @@ def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     def pad(t: torch.Tensor, value: int) -> torch.Tensor:
         return torch.cat([t, torch.full((n - len(t),), value, dtype=t.dtype)])
 
-    return {"input_ids": torch.stack([pad(x["input_ids"], 0) for x in items]),
-            "attention_mask": torch.stack([pad(x["attention_mask"], 0) for x in items]),
-            "labels": torch.stack([pad(x["labels"], -100) for x in items]),
-            "pixel_values": torch.stack([x["pixel_values"] for x in items])}
+    return {
+        "input_ids": torch.stack([pad(x["input_ids"], 0) for x in items]),
+        "attention_mask": torch.stack([pad(x["attention_mask"], 0) for x in items]),
+        "labels": torch.stack([pad(x["labels"], -100) for x in items]),
+        "pixel_values": torch.stack([x["pixel_values"] for x in items]),
+    }
 
 
 def main() -> None:
@@ -53,10 +56,23 @@ def main() -> None:
     torch.manual_seed(0)
     model = build_model()
     model.model.vision_tower.requires_grad_(False)
-    targs = TrainingArguments(output_dir="hf-out", max_steps=args.steps, per_device_train_batch_size=4,
-                              use_cpu=True, report_to=[], save_strategy="no", logging_steps=10, disable_tqdm=True)
-    trainer = Trainer(model=model, args=targs, train_dataset=Samples(256), data_collator=collate,
-                      callbacks=[DoctorCallback(out=args.out, warmup=3, steps=5, trace_steps=2)])
+    targs = TrainingArguments(
+        output_dir="hf-out",
+        max_steps=args.steps,
+        per_device_train_batch_size=4,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=10,
+        disable_tqdm=True,
+    )
+    trainer = Trainer(
+        model=model,
+        args=targs,
+        train_dataset=Samples(256),
+        data_collator=collate,
+        callbacks=[DoctorCallback(out=args.out, warmup=3, steps=5, trace_steps=2)],
+    )
     trainer.train()
 
 

@@ -1,4 +1,5 @@
 """Shared checks for the bad-input suites: one line, the documented exit code, no traceback, nothing lost."""
+
 from __future__ import annotations
 
 import hashlib
@@ -55,5 +56,8 @@ def assert_one_line(result, code: int, *needles: str) -> str:
 
 def no_temp_files(root: Path) -> list[str]:
     """Leftovers of an interrupted atomic write or of a temporary trace."""
-    return [str(p) for p in root.rglob("*") if p.name.endswith((".tmp", ".probe")) or p.name.startswith(
-        (".vlmdoctor-export-", "vlmdoctor-trace-"))]
+    return [
+        str(p)
+        for p in root.rglob("*")
+        if p.name.endswith((".tmp", ".probe")) or p.name.startswith((".vlmdoctor-export-", "vlmdoctor-trace-"))
+    ]

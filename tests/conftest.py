@@ -3,6 +3,7 @@
 Everything here is CPU-only and small: the `tiny` preset for real runs, the meta device for the
 big presets, and a tiny local tokenizer + PNG images for the LLaVA file loader.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,14 @@ import torch
 from vlmdoctor.run.config import RunConfig
 from vlmdoctor.run.zoo import resolve
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+]
 
 
 @pytest.fixture(scope="session")
@@ -69,11 +77,16 @@ def tokenizer_dir(tmp_path_factory) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(CORPUS * 20, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>",
-                                   additional_special_tokens=SPECIAL_TOKENS[1:])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<|endoftext|>", additional_special_tokens=SPECIAL_TOKENS[1:]
+    )
     out = tmp_path_factory.mktemp("tokenizer")
     fast.save_pretrained(out)
     assert len(fast) < 2048

@@ -1,24 +1,25 @@
 """Trace analysis on the real H100 traces under fixtures/traces/, on foreign traces, and on bad input."""
+
 from __future__ import annotations
 
 import gzip
 import json
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
-from vlmdoctor.trace.facts import analyze
 from vlmdoctor.cli import app
+from vlmdoctor.trace.facts import analyze
 from vlmdoctor.trace.kernels import classify
 
 TRACES = Path(__file__).resolve().parents[1] / "fixtures" / "traces"
 MANIFEST = json.loads((TRACES / "manifest.json").read_text())
 
 
-@lru_cache(maxsize=None)
+@cache
 def facts(name: str) -> dict:
     return analyze(TRACES / f"{name}.pt.trace.json.gz")["files"][0]["facts"]
 
@@ -125,6 +126,7 @@ def test_kernel_names_from_other_gpus_classify():
 
 # --- traces vlmdoctor did not write ---------------------------------------------------------------
 
+
 def _plain_trace(path: Path, steps: int = 3, schedule: bool = True) -> Path:
     """A plain torch.profiler loop over a small model, as anyone's training script would record it."""
     from torch.profiler import ProfilerActivity, profile
@@ -132,8 +134,14 @@ def _plain_trace(path: Path, steps: int = 3, schedule: bool = True) -> Path:
 
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    kwargs = {"schedule": sched(wait=0, warmup=1, active=steps),
-              "on_trace_ready": lambda p: p.export_chrome_trace(str(path))} if schedule else {}
+    kwargs = (
+        {
+            "schedule": sched(wait=0, warmup=1, active=steps),
+            "on_trace_ready": lambda p: p.export_chrome_trace(str(path)),
+        }
+        if schedule
+        else {}
+    )
     with profile(activities=[ProfilerActivity.CPU], **kwargs) as prof:
         for _ in range(steps + 1):
             loss = model(torch.randn(8, 32)).sum()
@@ -175,6 +183,7 @@ def test_folder_of_rank_traces(tmp_path):
 
 
 # --- bad input -------------------------------------------------------------------------------------
+
 
 def _cli(args):
     return CliRunner().invoke(app, args)
@@ -226,8 +235,26 @@ def test_analyze_cli_json_and_no_overwrite(tmp_path):
 
 def test_profile_report_carries_the_trace_facts(tmp_path):
     out = tmp_path / "r.json"
-    r = _cli(["profile", "--model", "tiny", "--device", "cpu", "--steps", "2", "--warmup", "1", "--autocast", "off",
-              "--trace-dir", str(tmp_path / "tr"), "--json", str(out), "--quiet"])
+    r = _cli(
+        [
+            "profile",
+            "--model",
+            "tiny",
+            "--device",
+            "cpu",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--autocast",
+            "off",
+            "--trace-dir",
+            str(tmp_path / "tr"),
+            "--json",
+            str(out),
+            "--quiet",
+        ]
+    )
     assert r.exit_code == 0, r.output
     report = json.loads(out.read_text())
     assert report["facts"]["trace.steps"] == 2 and report["facts"]["run.stage"] == 2
@@ -235,6 +262,7 @@ def test_profile_report_carries_the_trace_facts(tmp_path):
 
 
 # --- the vectorized building blocks, against brute force ----------------------------------------------
+
 
 def _random_laminar(rng, n=60):
     """Properly nested intervals: children inside parents, siblings disjoint."""
@@ -251,6 +279,7 @@ def _random_laminar(rng, n=60):
             if depth < 4 and rng.random() < 0.6:
                 fill(a, b, depth + 1)
             t = b
+
     fill(0.0, 1000.0, 0)
     return sorted(out, key=lambda x: (x[0], -x[1]))
 
@@ -304,7 +333,9 @@ def test_gpu_idle_agrees_with_traceinsight(tmp_path):
     (tmp_path / "t.json.gz").write_bytes((TRACES / "default_s2.pt.trace.json.gz").read_bytes())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        tb = TraceAnalysis(trace_dir=str(tmp_path), include_last_profiler_step=True).get_temporal_breakdown(visualize=False)
+        tb = TraceAnalysis(trace_dir=str(tmp_path), include_last_profiler_step=True).get_temporal_breakdown(
+            visualize=False
+        )
     hta_idle = float(tb["idle_time_pctg"].iloc[0])
     ours = 100 * (1 - facts("default_s2")["gpu.busy_frac"])
     assert abs(hta_idle - ours) < 2.0, (hta_idle, ours)
@@ -315,7 +346,9 @@ def test_memory_flops_and_per_step_busy(name):
     f = facts(name)
     report = json.loads((TRACES / f"{name}.report.json").read_text())
     assert len(f["gpu.busy_ms_list"]) == f["trace.steps"]
-    assert sum(f["gpu.busy_ms_list"]) / f["trace.steps"] == pytest.approx(f["gpu.busy_ms"], rel=1e-4)  # list is rounded to µs
+    assert sum(f["gpu.busy_ms_list"]) / f["trace.steps"] == pytest.approx(
+        f["gpu.busy_ms"], rel=1e-4
+    )  # list is rounded to µs
     assert f["memory.device_total_gb"] == pytest.approx(report["metrics"]["device_mem_total_gb"], rel=1e-3)
     # the trace sees padded token batches, so its FLOPs bound the report's real-token FLOPs from above
     real_tflop_per_step = report["metrics"]["model_tflops_per_s"] * report["metrics"]["step_ms"] / 1e3
@@ -329,6 +362,7 @@ def test_no_flops_without_model_or_stage(tmp_path):
 
 
 # --- facts the issue-4 rules read ------------------------------------------------------------------
+
 
 def test_only_device_syncs_count_as_syncs():
     """aten::item on the optimizer's CPU step counters is no sync; loss.item() on the device is."""

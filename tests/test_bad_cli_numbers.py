@@ -1,6 +1,7 @@
 """Every numeric flag of every command, out of range or not finite: exit 2 and one line naming the flag,
 before any model is built. And the top-level handler: every exception class becomes one line with
 the documented exit code; a bug's traceback goes to a file the line names."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -8,8 +9,8 @@ import math
 from pathlib import Path
 
 import pytest
-
 from _badinput import FAST, REPORT, TRACE, assert_one_line, invoke
+
 from vlmdoctor.run.config import FLAGS, RunConfig, _base_type
 
 TINY = ["--model", "tiny", "--device", "cpu"]
@@ -86,7 +87,10 @@ OTHER = [
     (["gate", "--baseline", REPORT, "--current", REPORT, "--alpha", "7"], "--alpha"),
     (["gate", "--baseline", REPORT, "--current", REPORT, "--alpha", "0"], "--alpha"),
     (["gate", "--baseline", REPORT, "--current", REPORT, "--max-memory-growth", "-1"], "--max-memory-growth"),
-    (["gate", "--baseline", REPORT, "--current", REPORT, "--max-memory-growth", "inf"], "--max-memory-growth"),
+    (
+        ["gate", "--baseline", REPORT, "--current", REPORT, "--max-memory-growth", "inf"],
+        "--max-memory-growth",
+    ),
     (["gate", "--baseline", REPORT, "--current", REPORT, "--fail-on", "critical"], "--fail-on"),
     (["analyze", TRACE, "--stage", "3"], "--stage"),
     (["profile", *FAST, "--compile", "reduce-overhead"], "reduce-overhead"),
@@ -100,8 +104,10 @@ def test_other_numbers_and_choices(tmp_path, monkeypatch, args, needle):
     assert_one_line(r, 2, needle)
 
 
-@pytest.mark.parametrize("command", [["analyze", TRACE], ["profile", *FAST], ["treat", *TINY], ["rules", "list"],
-                                     ["rules", "show", "x"]])
+@pytest.mark.parametrize(
+    "command",
+    [["analyze", TRACE], ["profile", *FAST], ["treat", *TINY], ["rules", "list"], ["rules", "show", "x"]],
+)
 def test_a_missing_rules_folder_is_refused(tmp_path, command):
     r = invoke([*command, "--rules", tmp_path / "no_such_dir"])
     assert_one_line(r, 2, "no_such_dir")
@@ -109,19 +115,24 @@ def test_a_missing_rules_folder_is_refused(tmp_path, command):
 
 # --- the top-level handler -------------------------------------------------------------------------
 
+
 def _raise(exc):
     def f(*a, **k):
         raise exc
+
     return f
 
 
-@pytest.mark.parametrize("exc, code, needle", [
-    (MemoryError(), 3, "out of host memory"),
-    (OSError(28, "No space left on device"), 1, "No space left"),
-    (PermissionError(13, "Permission denied", "/some/file"), 2, "/some/file"),
-    (UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"), 2, "not UTF-8"),
-    (ValueError("a bug"), 1, "internal error"),
-])
+@pytest.mark.parametrize(
+    "exc, code, needle",
+    [
+        (MemoryError(), 3, "out of host memory"),
+        (OSError(28, "No space left on device"), 1, "No space left"),
+        (PermissionError(13, "Permission denied", "/some/file"), 2, "/some/file"),
+        (UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"), 2, "not UTF-8"),
+        (ValueError("a bug"), 1, "internal error"),
+    ],
+)
 def test_every_exception_class_is_one_line(monkeypatch, exc, code, needle):
     import vlmdoctor.report.compare as compare
 
@@ -151,6 +162,7 @@ def test_quiet_failed_run_still_says_why(tmp_path, monkeypatch):
     def crash_in_step(cfg, *a, **k):  # a real run whose training step raises, as a CUDA fault would
         def bad_step(p):
             raise RuntimeError("illegal memory access")
+
         monkeypatch.setattr(runner, "train_step", bad_step)
         return real(cfg, *a, **k)
 
@@ -166,12 +178,15 @@ def test_lr_messages_name_the_flag_and_range(tmp_path):
     assert math.isfinite(RunConfig().lr)
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["profile", "--steps", "1e3"], "--steps"),
-    (["profile", "--nope"], "--nope"),
-    (["gate"], "--baseline"),
-    (["profile", "--model", "tiny", "--device", "cpu", "--lr", "nan"], "--lr"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["profile", "--steps", "1e3"], "--steps"),
+        (["profile", "--nope"], "--nope"),
+        (["gate"], "--baseline"),
+        (["profile", "--model", "tiny", "--device", "cpu", "--lr", "nan"], "--lr"),
+    ],
+)
 def test_the_console_entry_point_prints_usage_errors_as_one_line(tmp_path, args, needle):
     """click's own usage errors (a value that does not parse, an unknown flag) are one line too."""
     import os
@@ -179,8 +194,14 @@ def test_the_console_entry_point_prints_usage_errors_as_one_line(tmp_path, args,
     import sys
 
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    proc = subprocess.run([sys.executable, "-m", "vlmdoctor", *args], capture_output=True, text=True, cwd=tmp_path,
-                          env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "vlmdoctor", *args],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], lines

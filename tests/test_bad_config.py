@@ -1,10 +1,10 @@
 """Bad `--config` files (profile and treat): one line naming the file, exit 2, before anything is built."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
-
 from _badinput import FAST, REPORT, assert_one_line, invoke, snapshot
 
 TINY = ["--model", "tiny", "--device", "cpu"]
@@ -54,12 +54,15 @@ def _file(p):
     return p
 
 
-@pytest.mark.parametrize("make, needle", [
-    (lambda d: d / "missing.yaml", "no such file"),
-    (lambda d: d, "is a folder"),
-    (lambda d: d / ("c" * 300 + ".yaml"), "longer than 255"),
-    (lambda d: _file(d / "f") / "c.yaml", "cannot read"),
-])
+@pytest.mark.parametrize(
+    "make, needle",
+    [
+        (lambda d: d / "missing.yaml", "no such file"),
+        (lambda d: d, "is a folder"),
+        (lambda d: d / ("c" * 300 + ".yaml"), "longer than 255"),
+        (lambda d: _file(d / "f") / "c.yaml", "cannot read"),
+    ],
+)
 def test_unusable_config_path(tmp_path, make, needle):
     r = invoke(["profile", "--config", make(tmp_path), *FAST])
     assert_one_line(r, 2, needle)
@@ -105,18 +108,34 @@ def test_bad_sweep_grid(tmp_path, monkeypatch, name, content, needle):
     assert snapshot(tmp_path) == before
 
 
-@pytest.mark.parametrize("item, needle", [("lr=[", "--set lr=["), ("batch_size", "expected knob=value"),
-                                          ("nope=1", "unknown knob"), ("batch_size={a: 1}", "batch_size")])
+@pytest.mark.parametrize(
+    "item, needle",
+    [
+        ("lr=[", "--set lr=["),
+        ("batch_size", "expected knob=value"),
+        ("nope=1", "unknown knob"),
+        ("batch_size={a: 1}", "batch_size"),
+    ],
+)
 def test_bad_set_values(tmp_path, monkeypatch, item, needle):
     monkeypatch.chdir(tmp_path)
     assert_one_line(invoke(["treat", *TINY, "--set", item]), 2, needle)
 
 
-@pytest.mark.parametrize("text, needle", [
-    ("runs:\n  - {batch_size: 2}\n", "run 0: unknown key(s) batch_size"),  # a knob outside `set` is not silently dropped
-    ("runs:\n  - {set: {}}\nbogus: 1\n", "unknown key(s) bogus"),
-    ("runs:\n  - {set: {model: '0.5b', device: auto}}\n", "no CUDA GPU"),  # refused before any run, not a failed row
-])
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        (
+            "runs:\n  - {batch_size: 2}\n",
+            "run 0: unknown key(s) batch_size",
+        ),  # a knob outside `set` is not silently dropped
+        ("runs:\n  - {set: {}}\nbogus: 1\n", "unknown key(s) bogus"),
+        (
+            "runs:\n  - {set: {model: '0.5b', device: auto}}\n",
+            "no CUDA GPU",
+        ),  # refused before any run, not a failed row
+    ],
+)
 def test_sweep_grids_that_would_run_something_else_are_refused(tmp_path, text, needle):
     grid = tmp_path / "grid.yaml"
     grid.write_text(text)

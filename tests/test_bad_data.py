@@ -1,14 +1,15 @@
 """Bad `--data` files: a bad record is named by its line and, with --bad-records skip, skipped and
 counted, whatever is wrong with it (bad JSON, bad bytes, an image that does not decode); a path that
 is no data file at all is one line, exit 2."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
-
 from _badinput import FAST, assert_one_line, invoke
 from conftest import good_record, write_jsonl
+
 from vlmdoctor.errors import UsageError
 from vlmdoctor.run.data import LlavaFile
 
@@ -48,8 +49,9 @@ def test_a_bad_record_stops_with_its_line_or_is_skipped_and_counted(llava_dir, t
 def test_a_json_list_with_a_bad_byte_in_a_record_is_a_bad_record(llava_dir, tokenizer_dir, tiny_spec):
     good = [json.dumps(good_record(f"images/img{k}.png", k)).encode() for k in range(3)]
     path = llava_dir / "train.json"
-    path.write_bytes(b"[\n" + b",\n".join([good[0], b'{"image": "caf\xe9.png", "conversations": []}', *good[1:]])
-                     + b"\n]\n")
+    path.write_bytes(
+        b"[\n" + b",\n".join([good[0], b'{"image": "caf\xe9.png", "conversations": []}', *good[1:]]) + b"\n]\n"
+    )
     with pytest.raises(UsageError, match=r"record 1: not UTF-8"):
         LlavaFile(str(path), str(tokenizer_dir), tiny_spec)
     ds = LlavaFile(str(path), str(tokenizer_dir), tiny_spec, bad_records="skip")
@@ -63,11 +65,14 @@ def test_a_bad_byte_outside_any_record_names_its_line(llava_dir, tokenizer_dir, 
         LlavaFile(str(path), str(tokenizer_dir), tiny_spec)
 
 
-@pytest.mark.parametrize("make, needle", [
-    (lambda d: d, "is a folder"),
-    (lambda d: d / "missing.jsonl", "no such file"),
-    (lambda d: d / ("d" * 300 + ".jsonl"), "longer than 255"),
-])
+@pytest.mark.parametrize(
+    "make, needle",
+    [
+        (lambda d: d, "is a folder"),
+        (lambda d: d / "missing.jsonl", "no such file"),
+        (lambda d: d / ("d" * 300 + ".jsonl"), "longer than 255"),
+    ],
+)
 def test_a_data_path_that_is_no_file(tmp_path, tokenizer_dir, make, needle):
     r = invoke(["profile", *FAST, "--data", make(tmp_path), "--tokenizer", tokenizer_dir])
     assert_one_line(r, 2, "--data", needle)
@@ -76,8 +81,24 @@ def test_a_data_path_that_is_no_file(tmp_path, tokenizer_dir, make, needle):
 def test_skipped_records_are_said_on_the_console(llava_dir, tokenizer_dir, monkeypatch):
     monkeypatch.chdir(llava_dir)
     path = _file(llava_dir, "{not json")
-    r = invoke(["profile", *FAST, "--data", path, "--tokenizer", tokenizer_dir, "--bad-records", "skip",
-                "--batch-size", "2", "--lr", "0.001", "--seed", "3"])
+    r = invoke(
+        [
+            "profile",
+            *FAST,
+            "--data",
+            path,
+            "--tokenizer",
+            tokenizer_dir,
+            "--bad-records",
+            "skip",
+            "--batch-size",
+            "2",
+            "--lr",
+            "0.001",
+            "--seed",
+            "3",
+        ]
+    )
     assert r.exit_code == 0, r.output
     flat = " ".join(r.stdout.split())
     assert "1 of 5 records skipped" in flat

@@ -4,6 +4,7 @@ final write fails after the work (a full disk), the results are kept in a fallba
 
 Nothing here touches a real system file: links and fifos are made in tmp_path.
 """
+
 from __future__ import annotations
 
 import errno
@@ -13,9 +14,9 @@ import os
 from pathlib import Path
 
 import pytest
+from _badinput import FAST, REPORT, REPORT_1, TRACE, assert_one_line, invoke, no_temp_files, snapshot
 
 import vlmdoctor.files as files
-from _badinput import FAST, REPORT, REPORT_1, TRACE, assert_one_line, invoke, no_temp_files, snapshot
 from vlmdoctor.errors import UsageError
 
 TINY = ["--model", "tiny", "--device", "cpu"]
@@ -33,8 +34,18 @@ WRITERS = [
     ("treat --out", "folder", "treated", lambda t, d: ["treat", *TINY, "--out", t]),
     ("sweep --csv", "file", "s.csv", lambda t, d: ["sweep", "--set", "batch_size=1,2", "--csv", t]),
     ("sweep --jsonl", "append", "s.jsonl", lambda t, d: ["sweep", "--set", "batch_size=1,2", "--jsonl", t]),
-    ("gate --junit", "file", "g.xml", lambda t, d: ["gate", "--baseline", REPORT, "--current", REPORT, "--junit", t]),
-    ("gate --json", "file", "g.json", lambda t, d: ["gate", "--baseline", REPORT, "--current", REPORT, "--json", t]),
+    (
+        "gate --junit",
+        "file",
+        "g.xml",
+        lambda t, d: ["gate", "--baseline", REPORT, "--current", REPORT, "--junit", t],
+    ),
+    (
+        "gate --json",
+        "file",
+        "g.json",
+        lambda t, d: ["gate", "--baseline", REPORT, "--current", REPORT, "--json", t],
+    ),
     ("compare --json", "file", "c.json", lambda t, d: ["compare", REPORT, REPORT, "--json", t]),
     ("export --chrome", "file", "e.json.gz", lambda t, d: ["export", TRACE, "--chrome", t]),
     ("export --hta-dir", "folder", "hta", lambda t, d: ["export", TRACE, "--hta-dir", t]),
@@ -101,9 +112,11 @@ def _link_to_folder(tmp_path, name):
 FILE_CASES = [_symlink, _fifo, _folder, _missing_parent, _parent_is_file, _too_long, _exists]
 APPEND_CASES = [_symlink, _fifo, _folder, _missing_parent, _parent_is_file, _too_long]
 FOLDER_CASES = [_file_in_place, _link_to_folder, _parent_is_file, _too_long]
-CASES = [pytest.param((build, name), make, id=f"{wid}-{make.__name__.strip('_')}")
-         for wid, kind, name, build in WRITERS
-         for make in {"file": FILE_CASES, "append": APPEND_CASES, "folder": FOLDER_CASES}[kind]]
+CASES = [
+    pytest.param((build, name), make, id=f"{wid}-{make.__name__.strip('_')}")
+    for wid, kind, name, build in WRITERS
+    for make in {"file": FILE_CASES, "append": APPEND_CASES, "folder": FOLDER_CASES}[kind]
+]
 
 
 @pytest.mark.parametrize("spec, make", CASES)
@@ -121,8 +134,9 @@ def test_bad_output_target_is_refused_before_the_work(tmp_path, monkeypatch, spe
 
 
 def test_every_writing_command_has_force():
-    from vlmdoctor.cli import app
     import typer.main
+
+    from vlmdoctor.cli import app
 
     cmd = typer.main.get_command(app)
     for name in ("profile", "analyze", "treat", "sweep", "gate", "compare", "export"):
@@ -131,6 +145,7 @@ def test_every_writing_command_has_force():
 
 
 # --- the one writer -----------------------------------------------------------------------------------
+
 
 def _full_disk(monkeypatch, fail_times: int = 1):
     """os.write fails with ENOSPC the first `fail_times` times (half the data written first)."""
@@ -179,7 +194,10 @@ def test_save_keeps_the_content_in_a_fallback_file(tmp_path, monkeypatch):
 def test_non_finite_numbers_are_written_as_null(tmp_path, value):
     t = tmp_path / "r.json"
     files.write_json({"status": "nan_loss", "metrics": {"final_loss": value, "losses": [1.0, value]}}, str(t))
-    assert json.loads(t.read_text()) == {"status": "nan_loss", "metrics": {"final_loss": None, "losses": [1.0, None]}}
+    assert json.loads(t.read_text()) == {
+        "status": "nan_loss",
+        "metrics": {"final_loss": None, "losses": [1.0, None]},
+    }
     assert "NaN" not in t.read_text() and "Infinity" not in t.read_text()
 
 
@@ -193,6 +211,7 @@ def test_the_writer_itself_never_replaces_special_files(tmp_path, make):
 
 
 # --- results are kept when the final write fails --------------------------------------------------------
+
 
 def test_profile_keeps_the_measurement_when_the_disk_is_full(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -218,8 +237,10 @@ def test_gate_outputs_on_a_full_disk_leave_no_empty_file(tmp_path, monkeypatch, 
 
 
 def test_gate_step_summary_in_a_missing_folder_is_a_warning(tmp_path):
-    r = invoke(["gate", "--baseline", REPORT, "--current", REPORT],
-               env={"GITHUB_STEP_SUMMARY": str(tmp_path / "missing" / "summary.md")})
+    r = invoke(
+        ["gate", "--baseline", REPORT, "--current", REPORT],
+        env={"GITHUB_STEP_SUMMARY": str(tmp_path / "missing" / "summary.md")},
+    )
     assert r.exit_code == 0, r.output
     assert "Traceback" not in r.output and "step summary is skipped" in r.stderr
 
@@ -248,6 +269,7 @@ def test_update_baseline_never_replaces_a_link(tmp_path):
 
 
 # --- export --hta-dir --force removes only what it wrote, after the new export is complete ---------------
+
 
 def _rank_file(folder: Path, name: str) -> None:
     with gzip.open(folder / name, "wt") as f:
@@ -291,6 +313,7 @@ def test_treat_outputs_on_a_full_disk_are_each_rescued(tmp_path, monkeypatch):
     """A recorded treatment (H100, bench/results) written while the disk is full: every file that fails
     is kept in a fallback file the message names; nothing half-written is left in the folder."""
     from _badinput import ROOT
+
     from vlmdoctor.report.treat_outputs import write_outputs
 
     recorded = ROOT / "bench" / "results" / "2026-11-23-h100" / "a" / "treat_0.5b_s2" / "treat.json"
@@ -328,15 +351,32 @@ def test_treat_out_folder_holding_a_link_where_a_result_goes(tmp_path, monkeypat
     assert snapshot(tmp_path) == before
 
 
-@pytest.mark.parametrize("args", [
-    ["profile", "--model", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "0", "--no-diagnose",
-     "--json", "{p}", "--html", "{p}"],
-    ["profile", "--model", "tiny", "--device", "cpu", "--json", "{p}", "--save-config", "./{p}"],
-    ["gate", "--baseline", REPORT, "--current", REPORT, "--junit", "{p}", "--json", "{p}"],
-    ["analyze", TRACE, "--json", "{p}", "--html", "{p}"],
-    ["treat", "--model", "tiny", "--device", "cpu", "--json", "{p}", "--html", "{p}"],
-    ["sweep", "--set", "batch_size=1,2", "--csv", "{p}", "--json", "{p}"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        [
+            "profile",
+            "--model",
+            "tiny",
+            "--device",
+            "cpu",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--no-diagnose",
+            "--json",
+            "{p}",
+            "--html",
+            "{p}",
+        ],
+        ["profile", "--model", "tiny", "--device", "cpu", "--json", "{p}", "--save-config", "./{p}"],
+        ["gate", "--baseline", REPORT, "--current", REPORT, "--junit", "{p}", "--json", "{p}"],
+        ["analyze", TRACE, "--json", "{p}", "--html", "{p}"],
+        ["treat", "--model", "tiny", "--device", "cpu", "--json", "{p}", "--html", "{p}"],
+        ["sweep", "--set", "batch_size=1,2", "--csv", "{p}", "--json", "{p}"],
+    ],
+)
 def test_two_outputs_of_one_command_on_one_file_are_refused(tmp_path, monkeypatch, args):
     """Only the last write would survive: the other result would be lost without a word."""
     monkeypatch.chdir(tmp_path)

@@ -3,12 +3,12 @@
 Named cases from the probe, then every top-level field and every metric of a real recorded report
 replaced by values of the wrong type: whatever the comparison does with them, it must not crash.
 """
+
 from __future__ import annotations
 
 import json
 
 import pytest
-
 from _badinput import REPORT, assert_one_line, invoke, snapshot
 
 BASE = json.loads(REPORT.read_text())
@@ -93,11 +93,14 @@ def test_no_wrong_typed_field_crashes_gate_or_compare(tmp_path, where, key):
             assert "Traceback" not in r.output and "internal error" not in r.output, (key, value, r.output)
 
 
-@pytest.mark.parametrize("content, needle", [
-    (b"\xff\xfe{}", "not UTF-8"),
-    (b'{"schema_version": 1', "not valid JSON"),
-    (b"", "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "content, needle",
+    [
+        (b"\xff\xfe{}", "not UTF-8"),
+        (b'{"schema_version": 1', "not valid JSON"),
+        (b"", "not valid JSON"),
+    ],
+)
 def test_unreadable_report_files(tmp_path, content, needle):
     bad = tmp_path / "bad.json"
     bad.write_bytes(content)

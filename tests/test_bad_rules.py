@@ -1,12 +1,13 @@
 """User rule files that are broken when loaded or fail while evaluated: each is a rule problem naming
 its file, the other rules still run, and no expression can allocate unbounded memory."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
-
 from _badinput import TRACE, TRACES, invoke
+
 from vlmdoctor.doctor.rules import diagnose, load_rules
 from vlmdoctor.trace.facts import analyze, merge_measured
 
@@ -65,13 +66,20 @@ def test_a_rule_failing_while_evaluated_is_a_problem_and_the_rest_run(tmp_path, 
 LOAD_CASES = [
     ("when is a number", rule().replace('when: "gpu.busy_frac < LIMIT"', "when: 1"), "when and unless"),
     ("when is a list", rule().replace('when: "gpu.busy_frac < LIMIT"', "when: [a, b]"), "when and unless"),
-    ("evidence is a string", rule().replace('evidence: ["busy {gpu.busy_frac:pct}"]', "evidence: hi"), "evidence"),
+    (
+        "evidence is a string",
+        rule().replace('evidence: ["busy {gpu.busy_frac:pct}"]', "evidence: hi"),
+        "evidence",
+    ),
     ("stage 3", rule() + "stages: [3]\n", "stages"),
     ("id is a number", rule().replace("id: user-bad", "id: 5"), "id must be"),
     ("layer is a bool", rule().replace("layer: 2", "layer: true"), "layer"),
     ("gain is a number", rule() + "gain: {saves_ms: 5}\n", "gain"),
-    ("constants is a list", rule().replace("constants: {LIMIT: {value: 0.9, why: test}}", "constants: [1]"),
-     "constants"),
+    (
+        "constants is a list",
+        rule().replace("constants: {LIMIT: {value: 0.9, why: test}}", "constants: [1]"),
+        "constants",
+    ),
     ("patch is a list", rule().replace("patch: {batch_size: 8}", "patch: [1]"), "patch"),
     ("a bare scalar", "7\n", "expected a mapping"),
 ]
@@ -101,8 +109,14 @@ def test_non_utf8_rule_file_and_a_folder_named_like_one(tmp_path):
     assert "user-good" in {r.id for r in rules}
 
 
-@pytest.mark.parametrize("text", [rule(when="[0] * 1000000000000 == []"), rule(when="gpu.busy_frac / 0 > 1"),
-                                  rule().replace('when: "gpu.busy_frac < LIMIT"', "when: 1")])
+@pytest.mark.parametrize(
+    "text",
+    [
+        rule(when="[0] * 1000000000000 == []"),
+        rule(when="gpu.busy_frac / 0 > 1"),
+        rule().replace('when: "gpu.busy_frac < LIMIT"', "when: 1"),
+    ],
+)
 def test_analyze_with_a_broken_user_rule_reports_it_and_finishes(tmp_path, text):
     d = tmp_path / "rules"
     d.mkdir()

@@ -1,12 +1,13 @@
 """Faults during a run: a temporary trace never outlives the command, and a compiled run that
 compiles inside its timed window says its numbers are wrong."""
+
 from __future__ import annotations
 
 import tempfile
 
 import pytest
-
 from _badinput import invoke
+
 from vlmdoctor.run.config import RunConfig
 from vlmdoctor.run.runner import recompile_warning
 

@@ -1,4 +1,5 @@
 """The `vlmdoctor` command line: real tiny CPU profiles, report files, and one-line user errors."""
+
 from __future__ import annotations
 
 import json
@@ -129,8 +130,20 @@ def test_gpu_preset_without_gpu_hints_device_cpu(cli_runner):
 
 def test_save_config_then_config_reproduces_it(cli_runner, tmp_path):
     saved, r1, r2 = tmp_path / "c.yaml", tmp_path / "r1.json", tmp_path / "r2.json"
-    args = [*FAST, "--stage", "1", "--batch-size", "2", "--sampler", "length_bucketed", "--pad-to-multiple-of", "8",
-            "--no-gradient-checkpointing", "--seed", "3"]
+    args = [
+        *FAST,
+        "--stage",
+        "1",
+        "--batch-size",
+        "2",
+        "--sampler",
+        "length_bucketed",
+        "--pad-to-multiple-of",
+        "8",
+        "--no-gradient-checkpointing",
+        "--seed",
+        "3",
+    ]
     first = _invoke(cli_runner, ["profile", *args, "--save-config", str(saved), "--json", str(r1)])
     assert first.exit_code == 0, first.output
     on_disk = yaml.safe_load(saved.read_text())
@@ -226,15 +239,27 @@ def test_models_table(cli_runner, monkeypatch):
 def test_python_m_vlmdoctor_end_to_end(tmp_path):
     out = tmp_path / "r.json"
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-m", "vlmdoctor", "profile", *FAST, "--stage", "1", "--json", str(out),
-                           "--quiet"], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "vlmdoctor", "profile", *FAST, "--stage", "1", "--json", str(out), "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == ""  # --quiet: no table
     r = json.loads(out.read_text())
     assert r["status"] == "ok" and METRIC_KEYS <= set(r["metrics"])
 
-    bad = subprocess.run([sys.executable, "-m", "vlmdoctor", "profile", "--model", "nope", "--device", "cpu"],
-                         capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    bad = subprocess.run(
+        [sys.executable, "-m", "vlmdoctor", "profile", "--model", "nope", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    )
     assert bad.returncode == 2
     assert "Traceback" not in bad.stderr and "unknown model preset" in bad.stderr
 
@@ -250,9 +275,29 @@ def test_pretrained_unreachable_hub_says_so(tmp_path):
     A subprocess, because huggingface_hub reads HF_HUB_OFFLINE when it is imported.
     """
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-    proc = subprocess.run([sys.executable, "-m", "vlmdoctor", "profile", "--model", "0.5b", "--device", "cpu",
-                           "--steps", "1", "--warmup", "0", "--weights", "pretrained", "--quiet"],
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vlmdoctor",
+            "profile",
+            "--model",
+            "0.5b",
+            "--device",
+            "cpu",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--weights",
+            "pretrained",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
     flat = " ".join(proc.stderr.split())
@@ -265,8 +310,10 @@ def test_trace_dir_writes_profiled_window(cli_runner, tmp_path):
     import gzip
 
     out = tmp_path / "r.json"
-    result = _invoke(cli_runner, ["profile", *FAST, "--trace-dir", str(tmp_path / "tr"), "--trace-steps", "2",
-                                  "--json", str(out)])
+    result = _invoke(
+        cli_runner,
+        ["profile", *FAST, "--trace-dir", str(tmp_path / "tr"), "--trace-steps", "2", "--json", str(out)],
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     trace_file = Path(report["trace"]["path"])

@@ -1,4 +1,5 @@
 """The CI-facing commands through the CLI: gate, compare, export, --html (exit codes, files, messages)."""
+
 from __future__ import annotations
 
 import gzip
@@ -37,8 +38,11 @@ def test_gate_passes_the_other_way_and_says_why():
 def test_gate_unusable_input_exits_2(tmp_path):
     bad = tmp_path / "cut.json"
     bad.write_text(Path(BF16).read_text()[:500])
-    for args in (["--baseline", str(tmp_path / "missing.json"), "--current", BF16], ["--baseline", str(bad), "--current", BF16],
-                 ["--baseline", str(TRACES / "bf16_s1.report.json"), "--current", BF16]):
+    for args in (
+        ["--baseline", str(tmp_path / "missing.json"), "--current", BF16],
+        ["--baseline", str(bad), "--current", BF16],
+        ["--baseline", str(TRACES / "bf16_s1.report.json"), "--current", BF16],
+    ):
         r = CliRunner().invoke(app, ["gate", *args])
         assert r.exit_code == 2, (args, r.output)
 
@@ -67,8 +71,21 @@ def test_gate_remeasure_judges_paired_runs(tmp_path, monkeypatch):
 
     monkeypatch.setattr(runner, "run_isolated", fake)
     out = tmp_path / "verdict.json"
-    r = CliRunner().invoke(app, ["gate", "--baseline", BF16, "--remeasure-baseline", "--baseline-python", "/old/python",
-                                 "--baseline-env", "PYTHONPATH=/old", "--json", str(out)])
+    r = CliRunner().invoke(
+        app,
+        [
+            "gate",
+            "--baseline",
+            BF16,
+            "--remeasure-baseline",
+            "--baseline-python",
+            "/old/python",
+            "--baseline-env",
+            "PYTHONPATH=/old",
+            "--json",
+            str(out),
+        ],
+    )
     assert r.exit_code == 1, r.output
     verdict = json.loads(out.read_text())
     assert verdict["remeasured"] and verdict["checks"][0]["method"].startswith("paired")
@@ -84,7 +101,9 @@ def test_gate_update_baseline_writes_on_purpose(tmp_path):
 
 
 def test_compare_prints_both_sides(tmp_path):
-    r = CliRunner().invoke(app, ["compare", BF16, str(TRACES / "healthy_s2.report.json"), "--json", str(tmp_path / "c.json")])
+    r = CliRunner().invoke(
+        app, ["compare", BF16, str(TRACES / "healthy_s2.report.json"), "--json", str(tmp_path / "c.json")]
+    )
     assert r.exit_code == 0, r.output
     assert "bf16_s2.report.json" in r.output and "healthy_s2.report.json" in r.output
     result = json.loads((tmp_path / "c.json").read_text())
@@ -95,8 +114,17 @@ def test_compare_prints_both_sides(tmp_path):
 
 def test_export_chrome_and_hta_folder(tmp_path):
     out = tmp_path / "t.json.gz"
-    r = CliRunner().invoke(app, ["export", str(TRACES / "healthy_s2.pt.trace.json.gz"), "--chrome", str(out),
-                                 "--hta-dir", str(tmp_path / "hta")])
+    r = CliRunner().invoke(
+        app,
+        [
+            "export",
+            str(TRACES / "healthy_s2.pt.trace.json.gz"),
+            "--chrome",
+            str(out),
+            "--hta-dir",
+            str(tmp_path / "hta"),
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert json.loads(gzip.decompress(out.read_bytes()))["traceEvents"]
     assert list((tmp_path / "hta").glob("rank0*"))

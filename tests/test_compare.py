@@ -1,4 +1,5 @@
 """`vlmdoctor compare`: two real H100 reports side by side, with the causes from their traces."""
+
 from __future__ import annotations
 
 import copy
@@ -7,10 +8,10 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from vlmdoctor.trace.facts import analyze, merge_measured
-from vlmdoctor.report.compare import compare, render_compare
-from vlmdoctor.errors import UsageError
 from vlmdoctor.ci.gate import load_report
+from vlmdoctor.errors import UsageError
+from vlmdoctor.report.compare import compare, render_compare
+from vlmdoctor.trace.facts import analyze, merge_measured
 
 TRACES = Path(__file__).resolve().parent.parent / "fixtures" / "traces"
 
@@ -36,7 +37,14 @@ def rows(result: dict) -> dict:
 
 def test_metrics_side_by_side(bf16_vs_healthy):
     m = rows(bf16_vs_healthy)
-    assert set(m) == {"real_tokens_per_s", "loss_tokens_per_s", "step_ms", "mfu", "peak_mem_gb", "pad_fraction"}
+    assert set(m) == {
+        "real_tokens_per_s",
+        "loss_tokens_per_s",
+        "step_ms",
+        "mfu",
+        "peak_mem_gb",
+        "pad_fraction",
+    }
     t = m["real_tokens_per_s"]
     assert round(t["a"]) == 26909 and round(t["b"]) == 51793
     assert t["delta"] == pytest.approx(t["b"] - t["a"]) and t["rel"] == pytest.approx(t["b"] / t["a"] - 1)
@@ -75,8 +83,17 @@ def test_render_fits_a_terminal(bf16_vs_healthy):
     console = Console(record=True, width=100)
     render_compare(bf16_vs_healthy, console)
     text = console.export_text()
-    for needle in ("real tokens/s", "better", "worse", "gemm_tensor_core", "data_loader", "batch_size",
-                   "bf16_s2.json", "healthy_s2.json", "GPU busy"):
+    for needle in (
+        "real tokens/s",
+        "better",
+        "worse",
+        "gemm_tensor_core",
+        "data_loader",
+        "batch_size",
+        "bf16_s2.json",
+        "healthy_s2.json",
+        "GPU busy",
+    ):
         assert needle in text, needle
     assert max(len(line) for line in text.splitlines()) <= 100
 

@@ -1,4 +1,5 @@
 """RunConfig: defaults, layers, file round trips and validation errors."""
+
 from __future__ import annotations
 
 import json
@@ -7,8 +8,8 @@ from dataclasses import fields
 import pytest
 import yaml
 
-from vlmdoctor.run.config import LAYER_NAMES, RunConfig, knob_table
 from vlmdoctor.errors import EXIT_USAGE, UsageError
+from vlmdoctor.run.config import LAYER_NAMES, RunConfig, knob_table
 
 LIGER_KNOBS = ["liger_rope", "liger_rms_norm", "liger_swiglu", "liger_fused_linear_cross_entropy"]
 
@@ -50,9 +51,20 @@ def test_every_knob_has_a_layer_0_to_5():
 
 @pytest.mark.parametrize(
     "name, layer",
-    [("model", 0), ("stage", 0), ("weight_dtype", 1), ("autocast", 1), ("batch_size", 2), ("sampler", 3),
-     ("packing", 3), ("attention", 4), ("liger_rope", 4), ("compile", 4), ("gradient_checkpointing", 5),
-     ("num_workers", 5)],
+    [
+        ("model", 0),
+        ("stage", 0),
+        ("weight_dtype", 1),
+        ("autocast", 1),
+        ("batch_size", 2),
+        ("sampler", 3),
+        ("packing", 3),
+        ("attention", 4),
+        ("liger_rope", 4),
+        ("compile", 4),
+        ("gradient_checkpointing", 5),
+        ("num_workers", 5),
+    ],
 )
 def test_knobs_sit_in_their_recipe_layer(name, layer):
     rows = {row["name"]: row for row in knob_table()}
@@ -67,10 +79,27 @@ def test_knob_table_defaults_match_dataclass():
             assert row["default"] is None or row["default"] in row["choices"]
 
 
-NON_DEFAULT = dict(model="tiny", stage=1, device="cpu", lr=3e-4, weight_dtype="bf16", autocast="off", batch_size=16,
-                   sampler="length_bucketed", packing=True, pack_length=4096, pad_to_multiple_of=64,
-                   attention="math", liger_rms_norm=True, compile="max-autotune", gradient_checkpointing=False,
-                   num_workers=2, pixel_shuffle=3, projector="mlp2x_gelu", vision="clip-vit-l-14-336")
+NON_DEFAULT = dict(
+    model="tiny",
+    stage=1,
+    device="cpu",
+    lr=3e-4,
+    weight_dtype="bf16",
+    autocast="off",
+    batch_size=16,
+    sampler="length_bucketed",
+    packing=True,
+    pack_length=4096,
+    pad_to_multiple_of=64,
+    attention="math",
+    liger_rms_norm=True,
+    compile="max-autotune",
+    gradient_checkpointing=False,
+    num_workers=2,
+    pixel_shuffle=3,
+    projector="mlp2x_gelu",
+    vision="clip-vit-l-14-336",
+)
 
 
 @pytest.mark.parametrize("suffix", [".yaml", ".yml", ".json"])
@@ -104,7 +133,12 @@ def test_partial_yaml_fills_defaults(tmp_path):
 
 def test_report_json_is_accepted_as_config(tmp_path):
     cfg = RunConfig(model="tiny", stage=1, batch_size=2, packing=True)
-    report = {"schema_version": 1, "status": "ok", "config": cfg.to_dict(), "metrics": {"real_tokens_per_s": 1.0}}
+    report = {
+        "schema_version": 1,
+        "status": "ok",
+        "config": cfg.to_dict(),
+        "metrics": {"real_tokens_per_s": 1.0},
+    }
     path = tmp_path / "report.json"
     path.write_text(json.dumps(report))
     assert RunConfig.load(path) == cfg
@@ -130,10 +164,12 @@ def test_unknown_knob_in_file_names_the_file(tmp_path):
 
 @pytest.mark.parametrize(
     "knob, value, valid",
-    [("weight_dtype", "fp16", ["fp32", "bf16"]),
-     ("sampler", "sorted", ["random", "length_bucketed"]),
-     ("attention", "flash2", ["sdpa", "flash", "efficient", "cudnn", "math", "eager", "flex"]),
-     ("stage", 3, ["1", "2"])],
+    [
+        ("weight_dtype", "fp16", ["fp32", "bf16"]),
+        ("sampler", "sorted", ["random", "length_bucketed"]),
+        ("attention", "flash2", ["sdpa", "flash", "efficient", "cudnn", "math", "eager", "flex"]),
+        ("stage", 3, ["1", "2"]),
+    ],
 )
 def test_bad_choice_names_valid_choices(knob, value, valid):
     with pytest.raises(UsageError) as ei:
@@ -146,8 +182,15 @@ def test_bad_choice_names_valid_choices(knob, value, valid):
 
 @pytest.mark.parametrize(
     "knob, value",
-    [("batch_size", "4"), ("batch_size", 4.0), ("batch_size", True), ("gradient_checkpointing", "yes"),
-     ("gradient_checkpointing", 1), ("packing", "false"), ("lr", "fast")],
+    [
+        ("batch_size", "4"),
+        ("batch_size", 4.0),
+        ("batch_size", True),
+        ("gradient_checkpointing", "yes"),
+        ("gradient_checkpointing", 1),
+        ("packing", "false"),
+        ("lr", "fast"),
+    ],
 )
 def test_wrong_type_is_usage_error(knob, value):
     with pytest.raises(UsageError, match=knob):

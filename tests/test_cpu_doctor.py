@@ -4,6 +4,7 @@ Traces here are recorded by torch.profiler in the test: a small language-model-s
 (embedding, projections, LM head, cross entropy) inside a `vlmdoctor::llm` range, with and
 without bf16 autocast.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,19 +41,39 @@ def _record(path: Path, autocast: bool, weight_dtype: torch.dtype = torch.float3
     from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 32), torch.nn.Linear(32, 64), torch.nn.GELU(),
-                                torch.nn.Linear(64, 32), torch.nn.Linear(32, VOCAB)).to(weight_dtype)
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(VOCAB, 32),
+        torch.nn.Linear(32, 64),
+        torch.nn.GELU(),
+        torch.nn.Linear(64, 32),
+        torch.nn.Linear(32, VOCAB),
+    ).to(weight_dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    meta = {"config": {**RunConfig(model="tiny", device="cpu").to_dict(), "autocast": "bf16" if autocast else "off"},
-            "env": {"device_type": "cpu", "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                    "cpu_matmul_gflops": _probe()}}
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, schedule=schedule(wait=0, warmup=1, active=steps, repeat=1),
-                 on_trace_ready=lambda p: p.export_chrome_trace(str(path))) as prof:
+    meta = {
+        "config": {
+            **RunConfig(model="tiny", device="cpu").to_dict(),
+            "autocast": "bf16" if autocast else "off",
+        },
+        "env": {
+            "device_type": "cpu",
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu_matmul_gflops": _probe(),
+        },
+    }
+    with profile(
+        activities=[ProfilerActivity.CPU],
+        record_shapes=True,
+        schedule=schedule(wait=0, warmup=1, active=steps, repeat=1),
+        on_trace_ready=lambda p: p.export_chrome_trace(str(path)),
+    ) as prof:
         for i in range(1 + steps):
             if i == 1:
                 prof.add_metadata_json("vlmdoctor", json.dumps(meta))
             ids = torch.randint(0, VOCAB, (4, 96))
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), record_function("vlmdoctor::llm"):
+            with (
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast),
+                record_function("vlmdoctor::llm"),
+            ):
                 logits = model(ids)
                 loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
             loss.backward()
@@ -65,8 +86,11 @@ def _record(path: Path, autocast: bool, weight_dtype: torch.dtype = torch.float3
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory):
     d = tmp_path_factory.mktemp("cpu_traces")
-    return {"bf16": _record(d / "bf16.pt.trace.json", True), "fp32": _record(d / "fp32.pt.trace.json", False),
-            "bf16_weights": _record(d / "bf16w.pt.trace.json", False, torch.bfloat16)}
+    return {
+        "bf16": _record(d / "bf16.pt.trace.json", True),
+        "fp32": _record(d / "fp32.pt.trace.json", False),
+        "bf16_weights": _record(d / "bf16w.pt.trace.json", False, torch.bfloat16),
+    }
 
 
 def _facts(path: Path) -> dict:
@@ -114,15 +138,21 @@ def test_bf16_cpu_rule_fires_from_the_measurement(traces):
     fp32 = diagnose(_with_probe(off, 1.0, 50.0), rules)  # nothing in bf16: nothing to fix, whatever the CPU
     assert "precision-cpu-bf16-emulated" not in [f["id"] for f in fp32["findings"]]
     # the same facts with the config saying bf16 but no measured bf16 work do not fire either
-    assert "precision-cpu-bf16-emulated" not in [f["id"] for f in diagnose(
-        _with_probe({**off, "config.autocast": "bf16"}, 1.0, 50.0), rules)["findings"]]
+    assert "precision-cpu-bf16-emulated" not in [
+        f["id"] for f in diagnose(_with_probe({**off, "config.autocast": "bf16"}, 1.0, 50.0), rules)["findings"]
+    ]
 
 
 def test_gpu_rules_do_not_apply_to_a_cpu_trace(traces):
     rules, _ = load_rules()
     d = diagnose(_facts(traces["bf16"]), rules)
     na = {n["id"]: n["why"] for n in d["not_applicable"]}
-    for rid in ("batching-gpu-underfed", "precision-fp32-gemms", "precision-autocast-casts", "system-data-loader"):
+    for rid in (
+        "batching-gpu-underfed",
+        "precision-fp32-gemms",
+        "precision-autocast-casts",
+        "system-data-loader",
+    ):
         assert "GPU" in na[rid]
     assert not any(n["id"] in na for n in d["not_evaluated"])
 
@@ -151,7 +181,8 @@ def test_knob_flags_come_from_the_typer_app():
 def test_run_command_is_the_runs_own_command_with_the_patch():
     cfg = RunConfig(model="tiny", stage=2, device="cpu", batch_size=8).to_dict()
     assert run_command(cfg, {"sampler": "length_bucketed"}) == (
-        "vlmdoctor profile --model tiny --stage 2 --device cpu --batch-size 8 --sampler length_bucketed")
+        "vlmdoctor profile --model tiny --stage 2 --device cpu --batch-size 8 --sampler length_bucketed"
+    )
     # a patch replaces the knob's old value; booleans take --x / --no-x; a no-op knob is left out
     cmd = run_command(cfg, {"batch_size": 32, "gradient_checkpointing": False, "weight_dtype": "fp32"})
     assert cmd.endswith("--batch-size 32 --no-gradient-checkpointing") and "--batch-size 8" not in cmd
@@ -160,12 +191,25 @@ def test_run_command_is_the_runs_own_command_with_the_patch():
 
 def test_patch_commands_are_whole_lines_at_80_columns(traces):
     rules, _ = load_rules()
-    facts = {**_facts(traces["bf16"]), "data.pad_fraction": 0.2, "data.loss_token_frac": 0.5, "loss.head_rows_frac": 1.0,
-             "cpu.bf16_cost.share": 0.5, "cpu.probe.bf16_gflops": 1.0, "cpu.probe.fp32_gflops": 50.0}
+    facts = {
+        **_facts(traces["bf16"]),
+        "data.pad_fraction": 0.2,
+        "data.loss_token_frac": 0.5,
+        "loss.head_rows_frac": 1.0,
+        "cpu.bf16_cost.share": 0.5,
+        "cpu.probe.bf16_gflops": 1.0,
+        "cpu.probe.fp32_gflops": 50.0,
+    }
     d = diagnose(facts, rules)
     assert len(d["findings"]) >= 3
-    cfg = RunConfig(model="tiny", stage=2, device="cpu", liger_fused_linear_cross_entropy=True,
-                    checkpoint_use_reentrant=True, pad_to_multiple_of=64).to_dict()
+    cfg = RunConfig(
+        model="tiny",
+        stage=2,
+        device="cpu",
+        liger_fused_linear_cross_entropy=True,
+        checkpoint_use_reentrant=True,
+        pad_to_multiple_of=64,
+    ).to_dict()
     console = Console(width=80, record=True, color_system=None)
     render_findings(d, console, lambda patch: run_command(cfg, patch))
     lines = [line.strip() for line in console.export_text().splitlines()]
@@ -191,8 +235,17 @@ def test_version_and_json_on_reporting_commands(tmp_path):
     assert runner.invoke(app, ["rules", "list", "--json", str(out)]).exit_code == 0
     again = runner.invoke(app, ["rules", "list", "--json", str(out)])  # never overwritten without --force
     assert again.exit_code == 2 and "--force" in again.output
-    for command in (["profile"], ["analyze"], ["rules", "list"], ["rules", "show"], ["models"], ["compare"], ["gate"],
-                    ["sweep"], ["export"]):
+    for command in (
+        ["profile"],
+        ["analyze"],
+        ["rules", "list"],
+        ["rules", "show"],
+        ["models"],
+        ["compare"],
+        ["gate"],
+        ["sweep"],
+        ["export"],
+    ):
         help_text = " ".join(runner.invoke(app, [*command, "--help"], env={"COLUMNS": "200"}).stdout.split())
         assert "--json" in help_text and "'-': standard output" in help_text, command
 
@@ -228,7 +281,9 @@ def test_the_runner_carries_the_matmul_probe_into_the_trace(tiny_cfg, tmp_path):
     from vlmdoctor.run.capture import TraceOptions
     from vlmdoctor.run.runner import run_profile
 
-    report = run_profile(tiny_cfg(steps=1, warmup=1, batch_size=2), trace=TraceOptions(str(tmp_path), 1, True, False, False))
+    report = run_profile(
+        tiny_cfg(steps=1, warmup=1, batch_size=2), trace=TraceOptions(str(tmp_path), 1, True, False, False)
+    )
     examine(report)
     f = report["facts"]
     assert f["cpu.probe.fp32_gflops"] > 0 and f["cpu.probe.bf16_gflops"] > 0 and f["cpu.capability"]

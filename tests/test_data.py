@@ -1,4 +1,5 @@
 """Synthetic data shape, padding, packing, and the LLaVA-format file loader."""
+
 from __future__ import annotations
 
 import json
@@ -6,11 +7,11 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import good_record, write_jsonl
 from transformers.masking_utils import find_packed_sequence_indices
 
-from conftest import good_record, write_jsonl
-from vlmdoctor.run.data import IGNORE, IMAGE_POOL, BatchSampler, Collator, LlavaFile, SyntheticVQA
 from vlmdoctor.errors import UsageError
+from vlmdoctor.run.data import IGNORE, IMAGE_POOL, BatchSampler, Collator, LlavaFile, SyntheticVQA
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +29,7 @@ def _tok(spec, key):
 
 
 # --- synthetic samples ----------------------------------------------------------------------------
+
 
 def test_mean_real_length_and_answer_tokens(samples05):
     # targets of the issue: ~340 real tokens per sample for the 0.5b preset, ~190 of them answer tokens
@@ -70,7 +72,11 @@ def test_labels_are_one_answer_span_ending_with_im_end(spec_05b, samples05):
 
 
 def test_image_pad_tokens_sit_between_vision_markers(spec_05b, samples05):
-    pad_img, vs, ve = _tok(spec_05b, "image_pad"), _tok(spec_05b, "vision_start"), _tok(spec_05b, "vision_end")
+    pad_img, vs, ve = (
+        _tok(spec_05b, "image_pad"),
+        _tok(spec_05b, "vision_start"),
+        _tok(spec_05b, "vision_end"),
+    )
     for s in samples05[:50]:
         ids = s["input_ids"]
         assert ids.count(pad_img) == spec_05b.image_tokens == 49
@@ -93,13 +99,15 @@ def test_text_tokens_avoid_special_ids(spec_05b, samples05):
 
 # --- padding ----------------------------------------------------------------------------------------
 
+
 def _padding(ds, batch_size, bucketed, n_batches=100, seed=0, multiple=1, packing=False):
     """Pad fraction measured by the real collator over n_batches of the real sampler."""
     ds.with_pixels = False
     try:
         pad_id = _tok(ds.spec, "pad")
-        collate = Collator(pad_id, pad_to_multiple_of=multiple, packing=packing,
-                           vision_features=torch.zeros(IMAGE_POOL, 1))
+        collate = Collator(
+            pad_id, pad_to_multiple_of=multiple, packing=packing, vision_features=torch.zeros(IMAGE_POOL, 1)
+        )
         real = padded = 0
         it = iter(BatchSampler(ds.lengths, batch_size, bucketed=bucketed, seed=seed))
         for _ in range(n_batches):
@@ -165,6 +173,7 @@ def test_pad_to_multiple_of_64(ds05):
 
 # --- packing ----------------------------------------------------------------------------------------
 
+
 def _segments(row_pos):
     """Real-token segments of one packed row: (start, end) per packed sample, by the transformers rule."""
     seq = find_packed_sequence_indices(row_pos[None])
@@ -228,8 +237,9 @@ def test_packing_beats_padding(ds05):
 
 
 def test_packing_never_pads_more_than_no_packing(ds05):
-    assert _padding(ds05, 8, bucketed=False, n_batches=50, packing=True) <= _padding(ds05, 8, bucketed=False,
-                                                                                      n_batches=50)
+    assert _padding(ds05, 8, bucketed=False, n_batches=50, packing=True) <= _padding(
+        ds05, 8, bucketed=False, n_batches=50
+    )
 
 
 def test_packed_and_padded_batches_give_the_same_logits_as_single_samples(tiny_spec):
@@ -276,12 +286,15 @@ def test_packed_and_padded_batches_give_the_same_logits_as_single_samples(tiny_s
 
 # --- LLaVA-format files -------------------------------------------------------------------------------
 
+
 def _ids(tokenizer_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
-    return tok, {k: tok.convert_tokens_to_ids(f"<|{k}|>") for k in ("im_start", "im_end", "vision_start",
-                                                                      "vision_end", "image_pad")}
+    return tok, {
+        k: tok.convert_tokens_to_ids(f"<|{k}|>")
+        for k in ("im_start", "im_end", "vision_start", "vision_end", "image_pad")
+    }
 
 
 def test_llava_jsonl_good_records(llava_dir, tokenizer_dir, tiny_spec):
@@ -323,11 +336,23 @@ def test_llava_json_list_and_absolute_paths(llava_dir, tokenizer_dir, tiny_spec)
 
 @pytest.mark.parametrize(
     "bad_line, problem",
-    [('{"image": "images/img1.png", "conversations": [', "not valid JSON"),
-     (json.dumps(good_record("images/missing.png")), "image not found"),
-     (json.dumps({"image": "images/img1.png"}), "conversations"),
-     (json.dumps({"image": "images/img1.png", "conversations": [{"from": "human", "value": "no image tag"},
-                                                                {"from": "gpt", "value": "x"}]}), "<image>")],
+    [
+        ('{"image": "images/img1.png", "conversations": [', "not valid JSON"),
+        (json.dumps(good_record("images/missing.png")), "image not found"),
+        (json.dumps({"image": "images/img1.png"}), "conversations"),
+        (
+            json.dumps(
+                {
+                    "image": "images/img1.png",
+                    "conversations": [
+                        {"from": "human", "value": "no image tag"},
+                        {"from": "gpt", "value": "x"},
+                    ],
+                }
+            ),
+            "<image>",
+        ),
+    ],
 )
 def test_llava_bad_record_stop_and_skip(llava_dir, tokenizer_dir, tiny_spec, bad_line, problem):
     # line 2 is blank: line numbers are those of the file, blank lines included

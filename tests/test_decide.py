@@ -7,6 +7,7 @@ The noise model is this host's, as measured: a run's throughput is the true valu
   ladders' 29,085 vs 24,888 an hour apart),
 - load bursts: 5% of runs slowed by 5-20% (a neighbour taking the host during one run).
 """
+
 from __future__ import annotations
 
 import math
@@ -17,8 +18,14 @@ import pytest
 from vlmdoctor.doctor.decide import PairedOptions, interleaved, ratio_interval, t_quantile, verdict
 
 
-def host(rng: np.random.Generator, jitter: float = 0.02, walk: float = 0.02, burst_p: float = 0.05,
-         burst: tuple[float, float] = (0.80, 0.95), trend: float = 0.0):
+def host(
+    rng: np.random.Generator,
+    jitter: float = 0.02,
+    walk: float = 0.02,
+    burst_p: float = 0.05,
+    burst: tuple[float, float] = (0.80, 0.95),
+    trend: float = 0.0,
+):
     """A measuring function: true tokens/s -> a report, with the host's state carried between runs."""
     state = {"level": 0.0, "runs": 0}
 
@@ -61,13 +68,16 @@ def test_interval_is_geometric_and_symmetric_in_log():
     assert lo2 == pytest.approx(1 / hi) and hi2 == pytest.approx(1 / lo)
 
 
-@pytest.mark.parametrize("ratios,outcome", [
-    ([1.30, 1.28, 1.33], "kept"),
-    ([0.70, 0.72, 0.69], "harmful"),
-    ([1.005, 0.995, 1.0], "no_gain"),          # the whole interval is under 1 + min_gain
-    ([1.10, 0.95, 1.20], "undecided"),         # straddles the threshold: more pairs wanted
-    ([1.30, 1.31], "kept"),                    # two tight pairs of a large gain are enough
-])
+@pytest.mark.parametrize(
+    "ratios,outcome",
+    [
+        ([1.30, 1.28, 1.33], "kept"),
+        ([0.70, 0.72, 0.69], "harmful"),
+        ([1.005, 0.995, 1.0], "no_gain"),  # the whole interval is under 1 + min_gain
+        ([1.10, 0.95, 1.20], "undecided"),  # straddles the threshold: more pairs wanted
+        ([1.30, 1.31], "kept"),  # two tight pairs of a large gain are enough
+    ],
+)
 def test_verdict_classes(ratios, outcome):
     assert verdict(ratios, 0.02)["outcome"] == outcome
     assert verdict(ratios, 0.02, final=True)["outcome"] == ("no_gain" if outcome == "undecided" else outcome)
@@ -91,14 +101,20 @@ def test_a_true_10_percent_loss_is_never_kept_and_mostly_called_harmful():
     assert r.get("kept", 0) == 0 and r.get("harmful", 0) >= 0.75, r
 
 
-@pytest.mark.parametrize("noise,limit", [
-    ({"jitter": 0.03}, 0.01),                                          # 3% per process: still under 1%
-    ({"jitter": 0.02, "walk": 0.0, "trend": 0.02}, 0.01),              # a steady drift (thermal, a growing load)
-    ({"jitter": 0.02, "burst_p": 0.15, "burst": (0.5, 0.9)}, 0.01),    # frequent heavy bursts (the 2-core CI machine)
-    # 5% per process and a faster-wandering host: measured 3.7% false keeps (docs/treat.md); more
-    # looks at a noisier mean. The bound here says how far it degrades, not that it meets 1%.
-    ({"jitter": 0.05, "walk": 0.03}, 0.05),
-])
+@pytest.mark.parametrize(
+    "noise,limit",
+    [
+        ({"jitter": 0.03}, 0.01),  # 3% per process: still under 1%
+        ({"jitter": 0.02, "walk": 0.0, "trend": 0.02}, 0.01),  # a steady drift (thermal, a growing load)
+        (
+            {"jitter": 0.02, "burst_p": 0.15, "burst": (0.5, 0.9)},
+            0.01,
+        ),  # frequent heavy bursts (the 2-core CI machine)
+        # 5% per process and a faster-wandering host: measured 3.7% false keeps (docs/treat.md); more
+        # looks at a noisier mean. The bound here says how far it degrades, not that it meets 1%.
+        ({"jitter": 0.05, "walk": 0.03}, 0.05),
+    ],
+)
 def test_same_config_is_rarely_kept_under_harsher_noise(noise, limit):
     r = simulate(0.0, 600, seed=4, **noise)
     assert r.get("kept", 0) < limit, r
@@ -135,8 +151,9 @@ def counting_arm() -> tuple:
 
 def test_time_budget_stops_before_the_least_evidence_and_says_so():
     arm, calls = counting_arm()
-    r = interleaved({"cur": arm, "cand": arm}, "cur", PairedOptions(),
-                    time_left=lambda: 100.0 if len(calls) < 2 else -1.0)
+    r = interleaved(
+        {"cur": arm, "cand": arm}, "cur", PairedOptions(), time_left=lambda: 100.0 if len(calls) < 2 else -1.0
+    )
     d = r["decisions"]["cand"]
     assert r["rounds"] == 1 and len(calls) == 2 and d["outcome"] == "undecided" and "time" in d["why"]
 
@@ -144,8 +161,9 @@ def test_time_budget_stops_before_the_least_evidence_and_says_so():
 def test_no_run_starts_after_the_budget_and_a_cut_round_pairs_nothing():
     arm, calls = counting_arm()
     # two full rounds, then the budget runs out after the first run of round 3
-    r = interleaved({"cur": arm, "cand": arm}, "cur", PairedOptions(),
-                    time_left=lambda: 100.0 if len(calls) < 5 else -1.0)
+    r = interleaved(
+        {"cur": arm, "cand": arm}, "cur", PairedOptions(), time_left=lambda: 100.0 if len(calls) < 5 else -1.0
+    )
     assert len(calls) == 5 and r["rounds"] == 2
     assert [len(a.values) for a in r["arms"].values()] == [2, 2]  # the cut round's run is not paired
     assert r["decisions"]["cand"]["pairs"] == 2
@@ -167,13 +185,16 @@ def test_order_alternates_within_rounds():
     assert order[:8] == ["A", "B", "B", "A", "A", "B", "B", "A"]
 
 
-@pytest.mark.parametrize("noise,early_limit", [
-    ({}, 0),                                                     # this host's model: never
-    # frequent heavy bursts (one run in seven slowed to 0.5-0.9x): two bursts in a row on the
-    # current side can fake a 1.5x pair twice; measured 2 in 600 (0.3%)
-    ({"jitter": 0.02, "burst_p": 0.15, "burst": (0.5, 0.9)}, 0.01),
-    ({"jitter": 0.05, "walk": 0.03}, 0),                         # a noisy, wandering host
-])
+@pytest.mark.parametrize(
+    "noise,early_limit",
+    [
+        ({}, 0),  # this host's model: never
+        # frequent heavy bursts (one run in seven slowed to 0.5-0.9x): two bursts in a row on the
+        # current side can fake a 1.5x pair twice; measured 2 in 600 (0.3%)
+        ({"jitter": 0.02, "burst_p": 0.15, "burst": (0.5, 0.9)}, 0.01),
+        ({"jitter": 0.05, "walk": 0.03}, 0),  # a noisy, wandering host
+    ],
+)
 def test_the_two_pair_shortcut_keeps_false_keeps_under_1_percent(noise, early_limit):
     """Two pairs both beyond 1.5x: the shortcut must not turn host noise into keeps (the same seeds
     with the shortcut off give the false keeps the 3-pair rule has anyway)."""
@@ -183,8 +204,9 @@ def test_the_two_pair_shortcut_keeps_false_keeps_under_1_percent(noise, early_li
         kept[le] = early = 0
         for _ in range(600):
             m, _state = host(rng, **noise)
-            d = interleaved({"cur": lambda: m(1000.0), "cand": lambda: m(1000.0)}, "cur",
-                            PairedOptions(large_effect=le))["decisions"]["cand"]
+            d = interleaved(
+                {"cur": lambda: m(1000.0), "cand": lambda: m(1000.0)}, "cur", PairedOptions(large_effect=le)
+            )["decisions"]["cand"]
             kept[le] += d["outcome"] == "kept"
             early += d["outcome"] == "kept" and d["pairs"] == 2
         if le:
@@ -193,10 +215,10 @@ def test_the_two_pair_shortcut_keeps_false_keeps_under_1_percent(noise, early_li
 
 
 def test_a_large_gain_is_decided_on_two_pairs_and_a_small_one_is_not():
-    assert simulate(1.0, 200, seed=6)["runs_per_decision"] == 4        # 2x: two pairs
-    r = simulate(0.3, 200, seed=7)                                     # +30%: under the shortcut, three pairs or more
+    assert simulate(1.0, 200, seed=6)["runs_per_decision"] == 4  # 2x: two pairs
+    r = simulate(0.3, 200, seed=7)  # +30%: under the shortcut, three pairs or more
     assert r["kept"] > 0.95 and r["runs_per_decision"] >= 6
-    bad = simulate(-0.6, 100, seed=8)                                  # 0.4x: harmful on two pairs
+    bad = simulate(-0.6, 100, seed=8)  # 0.4x: harmful on two pairs
     assert bad["harmful"] == 1.0 and bad["runs_per_decision"] == 4
 
 
@@ -206,7 +228,9 @@ def test_the_next_round_is_sized_without_the_first_compile(monkeypatch):
 
     import vlmdoctor.doctor.decide as decide
 
-    assert decide.next_run_s(140.0, {"metrics": {"compile_s": 100.0}}) == pytest.approx(140.0 - 100.0 + decide.CACHE_HIT_S)
+    assert decide.next_run_s(140.0, {"metrics": {"compile_s": 100.0}}) == pytest.approx(
+        140.0 - 100.0 + decide.CACHE_HIT_S
+    )
     assert decide.next_run_s(40.0, {"metrics": {"compile_s": None}}) == 40.0
     assert decide.next_run_s(40.0, {"status": "oom"}) == 40.0
     clock = {"t": 0.0}
@@ -220,9 +244,14 @@ def test_the_next_round_is_sized_without_the_first_compile(monkeypatch):
             runs.append(1)
             clock["t"] += took - compile_s + c
             return {"status": "ok", "repeats": [{"real_tokens_per_s": 100.0}], "metrics": {"compile_s": c}}
+
         return run
 
     # 100 s left after round 1: a round of the 40 s reference and the candidate (140 s, 100 of them compiling) fits
-    r = decide.interleaved({"cur": arm(40.0, 0.0), "cand": arm(140.0, 100.0)}, "cur",
-                           PairedOptions(min_pairs=2, max_pairs=2, large_effect=0), time_left=lambda: 280.0 - clock["t"])
+    r = decide.interleaved(
+        {"cur": arm(40.0, 0.0), "cand": arm(140.0, 100.0)},
+        "cur",
+        PairedOptions(min_pairs=2, max_pairs=2, large_effect=0),
+        time_left=lambda: 280.0 - clock["t"],
+    )
     assert r["rounds"] == 2

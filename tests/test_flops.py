@@ -1,4 +1,5 @@
 """FLOP model of a training step, checked against the built model, and the device peak table."""
+
 from __future__ import annotations
 
 import pytest
@@ -37,8 +38,11 @@ def test_vision_and_projector_linear_params_match_built_model(spec_and_model):
     fm = FlopModel.from_spec(spec)
     conv = [m for m in model.vision.modules() if isinstance(m, nn.Conv2d)]
     assert len(conv) == 1  # the patch embedding, counted as a linear map
-    encoder_layers = [m for name, m in model.vision.named_modules() if name.endswith("encoder.layers")
-                      or name.endswith("encoder.layer")]
+    encoder_layers = [
+        m
+        for name, m in model.vision.named_modules()
+        if name.endswith("encoder.layers") or name.endswith("encoder.layer")
+    ]
     assert len(encoder_layers) == 1
     assert fm.vision_linear_params == _linear_weights(encoder_layers[0]) + conv[0].weight.numel()
     assert fm.projector_params == _linear_weights(model.projector)
@@ -119,12 +123,14 @@ def test_describe_mentions_every_part():
 
 @pytest.mark.parametrize(
     "name, peak",
-    [("NVIDIA H100 80GB HBM3", 989.4e12),
-     ("NVIDIA H100 PCIe", 756e12),
-     ("NVIDIA H200", 989.4e12),
-     ("NVIDIA A100-SXM4-80GB", 312e12),
-     ("NVIDIA L40S", 362e12),
-     ("NVIDIA L4", 121e12)],
+    [
+        ("NVIDIA H100 80GB HBM3", 989.4e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H200", 989.4e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA L40S", 362e12),
+        ("NVIDIA L4", 121e12),
+    ],
 )
 def test_peak_flops_known_gpus(name, peak):
     value, source = peak_flops(name)

@@ -3,11 +3,11 @@
 Architectures are checked against the published checkpoints' numbers, FLOPs against
 torch.utils.flop_counter on the tiny DINOv2 + Llama model, and a real training step runs.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import vlmdoctor.run.compile as compile_mod
@@ -27,16 +27,38 @@ def test_the_roadmap_presets_exist_with_the_published_architectures():
     assert {"dino-135m", "dino-1.7b", "tiny-dino"} <= set(DINO_PRESETS)
     small, big = resolve("dino-135m"), resolve("dino-1.7b")
     # facebook/dinov2-small: ViT-S/14, 384 wide, 12 layers, 6 heads; dinov2-base: 768, 12, 12
-    assert [small.vision["config"][k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                                                "patch_size")] == [384, 12, 6, 14]
-    assert [big.vision["config"][k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads")] == [768, 12, 12]
+    assert [
+        small.vision["config"][k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "patch_size")
+    ] == [384, 12, 6, 14]
+    assert [big.vision["config"][k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads")] == [
+        768,
+        12,
+        12,
+    ]
     # SmolLM2-135M: 576 wide, 30 layers, 9 heads / 3 KV heads; SmolLM2-1.7B: 2048, 24 layers, 32/32 heads
     c = small.llm["config"]
-    assert [c[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                           "num_key_value_heads", "vocab_size")] == [576, 1536, 30, 9, 3, 49152]
+    assert [
+        c[k]
+        for k in (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "vocab_size",
+        )
+    ] == [576, 1536, 30, 9, 3, 49152]
     c = big.llm["config"]
-    assert [c[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                           "num_key_value_heads")] == [2048, 8192, 24, 32, 32]
+    assert [
+        c[k]
+        for k in (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+        )
+    ] == [2048, 8192, 24, 32, 32]
 
 
 def test_parameter_counts_match_the_checkpoints():
@@ -112,7 +134,9 @@ def test_llm_and_projector_flops_match_the_flop_counter(tiny_dino, length):
         counted_proj = _counted(lambda: vlm.projector(feats))
     lin, att = fm.llm_forward([length])
     c = spec.llm["config"]
-    square = 4.0 * c["num_hidden_layers"] * fm.llm_attn_dim * length * length  # eager attention computes the masked half too
+    square = (
+        4.0 * c["num_hidden_layers"] * fm.llm_attn_dim * length * length
+    )  # eager attention computes the masked half too
     assert lin + square == counted
     assert att == pytest.approx(square * (length + 1) / (2 * length))  # the model counts the causal half only
     assert 2 * fm.projector_params * spec.image_tokens == counted_proj
@@ -153,6 +177,7 @@ def test_liger_patches_the_llama_llm(tiny_dino, llama_module_restored):
 
 
 # --- roadmap item 5: the encoder compiled with fullgraph=True -------------------------------------------
+
 
 def test_the_dinov2_tower_traces_as_one_graph(tiny_dino):
     """What fullgraph=True needs: dynamo sees the whole tower without a graph break."""
@@ -197,6 +222,7 @@ def test_model_mode_compiles_the_whole_model_once(monkeypatch):
 
 
 # --- roadmap item 6: Inductor shape padding ------------------------------------------------------------
+
 
 @pytest.mark.parametrize("on", [False, True])
 def test_shape_padding_is_set_before_compiling(monkeypatch, on):

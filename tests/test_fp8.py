@@ -1,18 +1,19 @@
 """FP8 training (torchao.float8, the `fp8` knob): refusals, the layer filter, FP8 GEMM kernels in traces,
 and the rule precision-fp8-gemm on the real H100 traces. The GPU measurement is bench/treat11/fp8.sh."""
+
 from __future__ import annotations
 
 import gzip
 import json
 import sys
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
 import torch
+from _badinput import FAST, assert_one_line, invoke
 from torch import nn
 
-from _badinput import FAST, assert_one_line, invoke
 from vlmdoctor.doctor.rules import diagnose, load_rules
 from vlmdoctor.errors import UsageError
 from vlmdoctor.run import fp8
@@ -27,12 +28,16 @@ RULE = "precision-fp8-gemm"
 
 # --- the knob and its refusals ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("changes, needles", [
-    ({"train": "lora"}, ("--fp8 and --train lora", "use --train full")),
-    ({"train": "qlora"}, ("--fp8 and --train qlora",)),
-    ({"stage": 1}, ("stage 1 freezes the LLM", "--stage 2")),
-    ({"unsloth": True, "weight_dtype": "bf16"}, ("--fp8 and --unsloth",)),
-])
+
+@pytest.mark.parametrize(
+    "changes, needles",
+    [
+        ({"train": "lora"}, ("--fp8 and --train lora", "use --train full")),
+        ({"train": "qlora"}, ("--fp8 and --train qlora",)),
+        ({"stage": 1}, ("stage 1 freezes the LLM", "--stage 2")),
+        ({"unsloth": True, "weight_dtype": "bf16"}, ("--fp8 and --unsloth",)),
+    ],
+)
 def test_combinations_that_do_not_train_full_linear_layers_are_refused(changes, needles):
     with pytest.raises(UsageError) as e:
         RunConfig().replace(source="command line", fp8="tensorwise", **changes)
@@ -58,8 +63,12 @@ def test_a_config_file_sets_the_knob_and_a_bad_value_names_the_file(tmp_path):
     good.write_text("model: tiny\ndevice: cpu\nfp8: rowwise\n")
     bad.write_text("model: tiny\ndevice: cpu\nfp8: e4m3\n")
     assert RunConfig.load(good).fp8 == "rowwise"
-    assert_one_line(invoke(["profile", "--config", str(good), "--steps", "1", "--no-diagnose"]), 2, "--fp8 rowwise",
-                    "this device is the CPU")
+    assert_one_line(
+        invoke(["profile", "--config", str(good), "--steps", "1", "--no-diagnose"]),
+        2,
+        "--fp8 rowwise",
+        "this device is the CPU",
+    )
     assert_one_line(invoke(["profile", "--config", str(bad), "--no-diagnose"]), 2, str(bad), "fp8", "tensorwise")
 
 
@@ -87,6 +96,7 @@ def test_an_fp8_gpu_without_torchao_says_how_to_install_it(monkeypatch, capabili
 
 # --- which layers are converted --------------------------------------------------------------------------------
 
+
 def test_filter_takes_aligned_projections_and_leaves_the_lm_head_and_odd_dims():
     assert fp8.fp8_filter(nn.Linear(896, 4864), "model.layers.0.mlp.gate_proj")
     assert fp8.fp8_filter(nn.Linear(1536, 256), "layers.3.self_attn.k_proj")
@@ -106,8 +116,10 @@ def test_filter_on_the_tiny_presets_llm_takes_every_decoder_projection(tiny_spec
     assert "lm_head" in linears - taken
 
 
-@pytest.mark.parametrize("pad, packing, aligned", [(64, False, True), (16, False, True), (1, False, False),
-                                                   (8, False, False), (1, True, True)])
+@pytest.mark.parametrize(
+    "pad, packing, aligned",
+    [(64, False, True), (16, False, True), (1, False, False), (8, False, False), (1, True, True)],
+)
 def test_torchao_pads_the_token_dim_only_where_collation_does_not(pad, packing, aligned):
     assert fp8.tokens_aligned(RunConfig(pad_to_multiple_of=pad, packing=packing)) is aligned
 
@@ -140,8 +152,9 @@ def test_the_runner_converts_the_composite_and_the_native_llm(monkeypatch, model
 
     monkeypatch.setattr(fp8, "check_device", lambda cfg, device: None)
     monkeypatch.setattr(fp8, "convert", functools.partial(fp8.convert, emulate=True))
-    cfg = RunConfig(model=model, device="cpu", steps=2, warmup=1, num_samples=32, autocast="off", batch_size=2,
-                    fp8=recipe)
+    cfg = RunConfig(
+        model=model, device="cpu", steps=2, warmup=1, num_samples=32, autocast="off", batch_size=2, fp8=recipe
+    )
     report = runner.run_profile(cfg)
     assert report["status"] == "ok", report.get("error")
     info = report["mode"]["fp8"]
@@ -166,13 +179,11 @@ FP8_GEMMS = [
     "triton_tem_fused__scaled_mm_0",  # Inductor's max-autotune template for torch._scaled_mm
 ]
 NOT_FP8 = {
-    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel__5x_cublas":
-        "gemm_tensor_core",
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel__5x_cublas": "gemm_tensor_core",
     "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN": "gemm_tensor_core",
     "nvjet_hsh_128x128_64x4_2x1_v_bz_TNT": "gemm_tensor_core",
     "cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_32x6_tn_align8": "gemm_tensor_core",
-    "sm80_xmma_gemm_f32f32_f32f32_f32_nn_n_tilesize128x128x8_stage3_warpsize2x2x1_ffma_aligna4_alignc4_execute_kernel":
-        "gemm_fp32_simt",
+    "sm80_xmma_gemm_f32f32_f32f32_f32_nn_n_tilesize128x128x8_stage3_warpsize2x2x1_ffma_aligna4_alignc4_execute_kernel": "gemm_fp32_simt",
     "ampere_sgemm_128x64_tn": "gemm_fp32_simt",
     "cutlass_80_simt_sgemm_128x128_8x4_nn_align1": "gemm_fp32_simt",
     "sm80_xmma_gemm_tf32f32_tf32f32_f32_nn_n_tilesize64x64x16_stage4_warpsize2x2x1_tensor16x8x8_kernel": "gemm_tf32",
@@ -197,7 +208,8 @@ def test_bf16_fp32_and_cast_kernels_are_not_fp8(name, cls):
 
 # --- facts and the rule on the real H100 traces ---------------------------------------------------------------
 
-@lru_cache(maxsize=None)
+
+@cache
 def measured(name: str) -> dict:
     facts = analyze(TRACES / f"{name}.pt.trace.json.gz")["files"][0]["facts"]
     return merge_measured(facts, json.loads((TRACES / f"{name}.report.json").read_text()))
@@ -215,8 +227,11 @@ def test_gemm_facts_split_bf16_and_fp8_and_name_the_gpu():
 def test_capability_falls_back_to_the_runs_environment():
     """A GPU trace whose deviceProperties were dropped: the report's env (run/envinfo.py) says 9.0."""
     report = json.loads((TRACES / "healthy_1.5b_s2.report.json").read_text())
-    facts = {k: v for k, v in analyze(TRACES / "healthy_1.5b_s2.pt.trace.json.gz")["files"][0]["facts"].items()
-             if k != "device.compute_capability"}
+    facts = {
+        k: v
+        for k, v in analyze(TRACES / "healthy_1.5b_s2.pt.trace.json.gz")["files"][0]["facts"].items()
+        if k != "device.compute_capability"
+    }
     assert report["env"]["compute_capability"] == "9.0"
     assert merge_measured(facts, report)["device.compute_capability"] == 9.0
     cpu = {"trace.cpu_only": True}  # a CPU trace gets no GPU capability, whatever the report says
@@ -267,8 +282,12 @@ def test_rule_stays_quiet_at_1_5b_where_fp8_was_measured_to_lose():
 def test_rule_fires_on_a_gemm_bound_step_of_wide_gemms_with_an_honest_gain():
     f = wide()
     finding = next(x for x in diagnose(f, RULES)["findings"] if x["id"] == RULE)
-    assert finding["config_patch"] == {"fp8": "tensorwise", "compile": "default", "compile_regions": True,
-                                       "warmup": 10}
+    assert finding["config_patch"] == {
+        "fp8": "tensorwise",
+        "compile": "default",
+        "compile_regions": True,
+        "warmup": 10,
+    }
     gain = finding["expected_gain"]
     assert gain["saves_ms_per_step"] == pytest.approx(f["gemm.bf16_llm_ms"] / 3)  # 1 - 1/1.5 of the LLM's GEMMs
     assert gain["saves_ms_per_step"] < f["gemm.bf16_ms"] < f["step.ms"] and "upper bound" in gain["how"]
@@ -283,11 +302,14 @@ def test_a_trace_without_part_attribution_gets_the_whole_bf16_gemm_time_as_the_b
     assert finding["expected_gain"]["saves_ms_per_step"] == pytest.approx(f["gemm.bf16_ms"] / 3)
     assert len(finding["evidence"]) == 3 and "of GPU time" in finding["evidence"][0]
     RunConfig(**json.loads((TRACES / "healthy_1.5b_s2.report.json").read_text())["config"]).replace(
-        **finding["config_patch"])  # the patch makes a valid config from the run's own
+        **finding["config_patch"]
+    )  # the patch makes a valid config from the run's own
 
 
-@pytest.mark.parametrize("name", ["healthy_s2", "compile_s2", "bf16_s2", "labeled_s2", "liger_fce_s2", "default_s2",
-                                  "sync_compile_s2"])
+@pytest.mark.parametrize(
+    "name",
+    ["healthy_s2", "compile_s2", "bf16_s2", "labeled_s2", "liger_fce_s2", "default_s2", "sync_compile_s2"],
+)
 def test_rule_stays_quiet_on_the_host_bound_0_5b_steps(name):
     """0.5b on the H100: the GPU is busy 12-75% of the untraced step, and its bf16 GEMMs average under
     0.08 ms, narrower than the 1.5b GEMMs where FP8 lost 19%. No kernel of these bf16 runs may be classed
@@ -297,16 +319,19 @@ def test_rule_stays_quiet_on_the_host_bound_0_5b_steps(name):
     assert f["gemm.fp8_share"] == 0.0 and "kernels.gemm_fp8.count" not in f and f["gemm.bf16_ms"] > 0
 
 
-@pytest.mark.parametrize("changes", [
-    {"gemm.fp8_share": 0.8},  # FP8 already on
-    {"device.compute_capability": 8.0},  # an A100
-    {"gpu.busy_frac": 0.5},  # host-bound
-    {"gemm.bf16_share_of_gpu": 0.3},  # not GEMM-bound
-    {"config.fp8": "rowwise"},
-    {"config.train": "lora"},
-    {"lora.lowrank_gemm_count": 1008.0},  # a user's LoRA run: its trace says so, it has no config facts
-    {"qlora.dequant_count": 1008.0},
-])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"gemm.fp8_share": 0.8},  # FP8 already on
+        {"device.compute_capability": 8.0},  # an A100
+        {"gpu.busy_frac": 0.5},  # host-bound
+        {"gemm.bf16_share_of_gpu": 0.3},  # not GEMM-bound
+        {"config.fp8": "rowwise"},
+        {"config.train": "lora"},
+        {"lora.lowrank_gemm_count": 1008.0},  # a user's LoRA run: its trace says so, it has no config facts
+        {"qlora.dequant_count": 1008.0},
+    ],
+)
 def test_rule_does_not_fire_where_fp8_cannot_or_need_not_help(changes):
     assert RULE in _ids(wide())
     assert RULE not in _ids({**wide(), **changes})

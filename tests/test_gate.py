@@ -1,5 +1,6 @@
 """`vlmdoctor gate`: the verdict on real H100 reports, refusals of unusable input, the statistics,
 the CI outputs, and one real pair of CPU runs of the same config that must pass."""
+
 from __future__ import annotations
 
 import copy
@@ -14,11 +15,8 @@ from pathlib import Path
 import pytest
 
 from vlmdoctor import SCHEMA_VERSION
-from vlmdoctor.errors import EXIT_USAGE, UsageError
 from vlmdoctor.ci.gate import (
     check_comparable,
-    paired_gate,
-    slowdown_verdict,
     check_findings,
     check_memory,
     check_throughput,
@@ -27,8 +25,11 @@ from vlmdoctor.ci.gate import (
     load_report,
     mann_whitney_u,
     markdown,
+    paired_gate,
     run_current,
+    slowdown_verdict,
 )
+from vlmdoctor.errors import EXIT_USAGE, UsageError
 
 TRACES = Path(__file__).resolve().parent.parent / "fixtures" / "traces"
 
@@ -49,6 +50,7 @@ def check(result: dict, name: str) -> dict:
 
 # --- the verdict on real H100 reports ----------------------------------------------------------
 
+
 def test_real_slowdown_fails_on_throughput():
     base, cur = fixture("bf16_s2"), fixture("fp32_noautocast_s2")
     notes = check_comparable(base, cur, allow_env_change=False)  # same model, stage and machine
@@ -60,7 +62,13 @@ def test_real_slowdown_fails_on_throughput():
     assert round(t["base_median"]) == 26909 and round(t["cur_median"]) == 4337
     assert t["ratio"] == pytest.approx(4336.604 / 26908.553, rel=1e-4)
     # old reports: one real_tokens_per_s per repeat, too few for a test, so the ranges decide
-    assert (t["samples"], t["method"], t["n_base"], t["n_cur"], t["p"]) == ("per-repeat", "range-overlap", 1, 1, None)
+    assert (t["samples"], t["method"], t["n_base"], t["n_cur"], t["p"]) == (
+        "per-repeat",
+        "range-overlap",
+        1,
+        1,
+        None,
+    )
     assert "26,909 -> 4,337" in t["detail"] and "-83.9%" in t["detail"]
     assert result["summary"].startswith("FAILED") and "throughput" in result["summary"]
     assert check(result, "memory")["passed"]  # fp32 without autocast at B4 uses less memory
@@ -86,8 +94,11 @@ def test_report_against_itself_passes(name):
 
 # --- comparability -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("key,value", [("torch", "2.12.0+cu130"), ("transformers", "5.30.0"),
-                                       ("liger_kernel", "0.9.0"), ("driver", "590.1")])
+
+@pytest.mark.parametrize(
+    "key,value",
+    [("torch", "2.12.0+cu130"), ("transformers", "5.30.0"), ("liger_kernel", "0.9.0"), ("driver", "590.1")],
+)
 def test_software_upgrades_are_compared_and_named(key, value):
     """An upgrade of torch, transformers, liger-kernel or the driver is what a regression gate is for."""
     base = fixture("bf16_s2")
@@ -123,6 +134,7 @@ def test_different_model_is_always_refused():
 
 
 # --- unusable files ----------------------------------------------------------------------------
+
 
 def test_missing_file(tmp_path):
     path = str(tmp_path / "nope.json")
@@ -163,13 +175,16 @@ def test_failed_run_is_refused_naming_its_status(tmp_path, status):
     assert path in e.value.message and f"status {status}" in e.value.message
 
 
-@pytest.mark.parametrize("doc, needle", [
-    ({"schema_version": 1, "kind": "treat", "ladder": []}, "treat result"),
-    ({"schema_version": 1, "kind": "analysis", "files": []}, "analysis result"),
-    ({"schema_version": 1, "status": "ok"}, "no config or metrics"),
-    ({"config": {}, "metrics": {}}, "no schema_version"),
-    ([1, 2, 3], "not a vlmdoctor profile report"),
-])
+@pytest.mark.parametrize(
+    "doc, needle",
+    [
+        ({"schema_version": 1, "kind": "treat", "ladder": []}, "treat result"),
+        ({"schema_version": 1, "kind": "analysis", "files": []}, "analysis result"),
+        ({"schema_version": 1, "status": "ok"}, "no config or metrics"),
+        ({"config": {}, "metrics": {}}, "no schema_version"),
+        ([1, 2, 3], "not a vlmdoctor profile report"),
+    ],
+)
 def test_not_a_profile_report(tmp_path, doc, needle):
     path = write(tmp_path, "other.json", doc)
     with pytest.raises(UsageError) as e:
@@ -183,6 +198,7 @@ def test_manifest_is_not_a_report():
 
 
 # --- statistics --------------------------------------------------------------------------------
+
 
 def test_mann_whitney_completely_separated():
     u, p = mann_whitney_u(list(range(1, 11)), list(range(11, 21)))
@@ -222,9 +238,14 @@ def test_mann_whitney_tie_correction():
 def _with_steps(report: dict, tokens_per_s: list[list[float]], tokens: int = 1000) -> dict:
     """A copy whose repeats hold per-step samples with the given throughputs (new-style report)."""
     r = copy.deepcopy(report)
-    r["repeats"] = [{"real_tokens_per_s": len(rep) * tokens / sum(tokens / v for v in rep),
-                     "step_real_tokens": [tokens] * len(rep), "step_ms": [tokens / v * 1000 for v in rep]}
-                    for rep in tokens_per_s]
+    r["repeats"] = [
+        {
+            "real_tokens_per_s": len(rep) * tokens / sum(tokens / v for v in rep),
+            "step_real_tokens": [tokens] * len(rep),
+            "step_ms": [tokens / v * 1000 for v in rep],
+        }
+        for rep in tokens_per_s
+    ]
     return r
 
 
@@ -274,6 +295,7 @@ def test_overlapping_ranges_with_few_samples_pass():
 
 
 # --- memory and findings -----------------------------------------------------------------------
+
 
 def test_memory_growth():
     base = fixture("bf16_s2")
@@ -328,6 +350,7 @@ def test_findings_between_real_diagnosed_reports():
 
 # --- CI outputs --------------------------------------------------------------------------------
 
+
 def test_junit_xml_and_markdown():
     result = gate(fixture("bf16_s2"), fixture("fp32_noautocast_s2"))
     root = ET.fromstring(junit_xml(result))
@@ -349,8 +372,27 @@ def test_junit_xml_and_markdown():
 
 # --- a real pair of runs -----------------------------------------------------------------------
 
-PROFILE = ["-m", "vlmdoctor", "profile", "--model", "tiny", "--device", "cpu", "--steps", "6", "--warmup", "1",
-           "--repeats", "2", "--num-samples", "64", "--autocast", "off", "--no-diagnose", "--quiet"]
+PROFILE = [
+    "-m",
+    "vlmdoctor",
+    "profile",
+    "--model",
+    "tiny",
+    "--device",
+    "cpu",
+    "--steps",
+    "6",
+    "--warmup",
+    "1",
+    "--repeats",
+    "2",
+    "--num-samples",
+    "64",
+    "--autocast",
+    "off",
+    "--no-diagnose",
+    "--quiet",
+]
 
 
 def _profile(path: Path) -> str:
@@ -401,12 +443,16 @@ def test_run_current_remeasures_the_baseline_config(same_config_pair):
 
 # --- the paired gate: baseline re-measured in the same job ---------------------------------------
 
-@pytest.mark.parametrize("ratios,outcome", [
-    ([0.85, 0.86, 0.84], "slower"),
-    ([1.0, 1.01, 0.99], "pass"),            # within the 5% allowed, confidently
-    ([0.97, 0.972, 0.968], "pass"),         # slower, but surely less than allowed
-    ([0.90, 1.05, 0.80], "undecided"),      # could be either: more pairs
-])
+
+@pytest.mark.parametrize(
+    "ratios,outcome",
+    [
+        ([0.85, 0.86, 0.84], "slower"),
+        ([1.0, 1.01, 0.99], "pass"),  # within the 5% allowed, confidently
+        ([0.97, 0.972, 0.968], "pass"),  # slower, but surely less than allowed
+        ([0.90, 1.05, 0.80], "undecided"),  # could be either: more pairs
+    ],
+)
 def test_slowdown_verdict_classes(ratios, outcome):
     assert slowdown_verdict(ratios, 0.05)["outcome"] == outcome
     assert slowdown_verdict(ratios, 0.05, final=True)["outcome"] == ("pass" if outcome == "undecided" else outcome)
@@ -434,8 +480,14 @@ def _ci_host(rng, jitter, walk, burst_p, burst):
     return measure
 
 
-def _simulate_gate(slowdown: float, trials: int, seed: int, noise: dict = MEASURED_NOISE,
-                   extend_pairs: int = 32, stats: dict | None = None) -> float:
+def _simulate_gate(
+    slowdown: float,
+    trials: int,
+    seed: int,
+    noise: dict = MEASURED_NOISE,
+    extend_pairs: int = 32,
+    stats: dict | None = None,
+) -> float:
     """Share of gates that fail, each on fresh synthetic paired runs, judged as paired_gate judges
     (max_pairs 16, extended up to `extend_pairs` while the ratio points to a slowdown)."""
     import numpy as np
@@ -446,9 +498,12 @@ def _simulate_gate(slowdown: float, trials: int, seed: int, noise: dict = MEASUR
     fails = extended = 0
     for _ in range(trials):
         m = _ci_host(rng, **noise)
-        r = interleaved({"b": lambda: m(1000.0), "c": lambda: m(1000.0 * (1 - slowdown))}, "b",
-                        PairedOptions(min_pairs=3, max_pairs=max(16, extend_pairs)),
-                        judge=lambda x, final: slowdown_verdict(x, 0.05, 0.98, final, max_pairs=16))
+        r = interleaved(
+            {"b": lambda: m(1000.0), "c": lambda: m(1000.0 * (1 - slowdown))},
+            "b",
+            PairedOptions(min_pairs=3, max_pairs=max(16, extend_pairs)),
+            judge=lambda x, final: slowdown_verdict(x, 0.05, 0.98, final, max_pairs=16),
+        )
         fails += r["decisions"]["c"]["outcome"] == "slower"
         extended += r["rounds"] > 16
     if stats is not None:
@@ -583,6 +638,7 @@ def test_remeasure_on_cpu_passes_the_same_config(tmp_path):
 
 # --- CPU baselines: the CPU is the hardware -----------------------------------------------------
 
+
 @pytest.mark.parametrize("key,value", [("torch", "2.14.0+cpu"), ("transformers", "5.30.0"), ("liger_kernel", "0.9.0")])
 def test_cpu_baseline_across_software_upgrades_is_compared_and_named(same_config_pair, key, value):
     base, cur = same_config_pair[0], copy.deepcopy(same_config_pair[1])
@@ -618,6 +674,7 @@ def test_cpu_baseline_against_a_gpu_run_is_refused(same_config_pair):
 
 # --- the paired gate's measurement --------------------------------------------------------------
 
+
 def test_a_run_is_valued_at_its_median_step_so_a_burst_does_not_move_it():
     from vlmdoctor.doctor.decide import step_throughput, throughput
 
@@ -628,17 +685,26 @@ def test_a_run_is_valued_at_its_median_step_so_a_burst_does_not_move_it():
         burst = list(ms)
         for i in rng.sample(range(15), 4):  # a neighbour takes the CPU for 4 of 15 steps: 5-30x slower
             burst[i] *= rng.uniform(5, 30)
-        rep = {"status": "ok", "repeats": [{"step_real_tokens": tokens[i:i + 5], "step_ms": burst[i:i + 5],
-                                            "real_tokens_per_s": sum(tokens[i:i + 5]) / sum(burst[i:i + 5]) * 1000}
-                                           for i in (0, 5, 10)]}
+        rep = {
+            "status": "ok",
+            "repeats": [
+                {
+                    "step_real_tokens": tokens[i : i + 5],
+                    "step_ms": burst[i : i + 5],
+                    "real_tokens_per_s": sum(tokens[i : i + 5]) / sum(burst[i : i + 5]) * 1000,
+                }
+                for i in (0, 5, 10)
+            ],
+        }
         assert step_throughput(rep) == pytest.approx(10_000, rel=0.04)
         assert throughput(rep) < 9_000  # what the median of windows saw: the burst
     assert step_throughput({"status": "oom"}) is None
     assert step_throughput({"status": "ok", "repeats": [{"real_tokens_per_s": 5.0}]}) == 5.0  # old reports
 
 
-@pytest.mark.parametrize("base_device,threads,expected", [("cpu", 1, "1"), ("cpu", 2, "2"), ("cpu", 0, None),
-                                                           ("cuda", 1, None)])
+@pytest.mark.parametrize(
+    "base_device,threads,expected", [("cpu", 1, "1"), ("cpu", 2, "2"), ("cpu", 0, None), ("cuda", 1, None)]
+)
 def test_remeasure_pins_cpu_threads_on_both_sides(monkeypatch, base_device, threads, expected):
     import vlmdoctor.run.runner as runner
     from vlmdoctor.ci.gate import remeasure
@@ -660,7 +726,8 @@ def test_remeasure_pins_cpu_threads_on_both_sides(monkeypatch, base_device, thre
         assert not diagnose  # the baseline has no diagnosis: nothing to compare findings with
     assert [p for p, _, _ in seen].count("/opt/old/bin/python") == 3
     assert all(e.get("PYTHONPATH") == "/src/old" for p, e, _ in seen if p) and not any(
-        "PYTHONPATH" in e for p, e, _ in seen if not p)
+        "PYTHONPATH" in e for p, e, _ in seen if not p
+    )
     assert any("--cpu-threads" in n for n in result["notes"]) == (expected is not None)
 
 
@@ -684,9 +751,15 @@ def test_gate_json_carries_the_verdict_pairs_and_ratios(tmp_path, monkeypatch):
     from vlmdoctor.cli import app
 
     slow = itertools.cycle([0.84, 0.86, 0.85, 0.83])
-    monkeypatch.setattr(gate_module, "remeasure", lambda base, *a, **kw: paired_gate(
-        lambda: _ok(1000.0), lambda: _ok(1000.0 * next(slow)),
-        **{k: v for k, v in kw.items() if k not in ("cpu_threads",)}))
+    monkeypatch.setattr(
+        gate_module,
+        "remeasure",
+        lambda base, *a, **kw: paired_gate(
+            lambda: _ok(1000.0),
+            lambda: _ok(1000.0 * next(slow)),
+            **{k: v for k, v in kw.items() if k not in ("cpu_threads",)},
+        ),
+    )
     base = write(tmp_path, "base.json", fixture("bf16_s2"))
     out = tmp_path / "verdict.json"
     r = CliRunner().invoke(app, ["gate", "--baseline", base, "--remeasure-baseline", "--json", str(out)])

@@ -1,5 +1,6 @@
 """HTML reports from real H100 reports, analyses and a treat ladder: charts, prescriptions, escaping,
 no external resources; and a look at each page in headless Chromium (skipped without it)."""
+
 from __future__ import annotations
 
 import copy
@@ -12,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from vlmdoctor.trace.facts import analyze, merge_measured
+from vlmdoctor.doctor.rules import diagnose, load_rules
 from vlmdoctor.errors import UsageError
 from vlmdoctor.report.html import analyze_html, profile_html, treat_html, write_html
-from vlmdoctor.doctor.rules import diagnose, load_rules
+from vlmdoctor.trace.facts import analyze, merge_measured
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACES = ROOT / "fixtures" / "traces"
@@ -67,6 +68,7 @@ def _layers_in_order(page: str, findings: list[dict]) -> None:
 
 
 # --- profile -------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", ["default_s2", "sync_s2"])
 def test_profile_html_from_a_real_report(name):
@@ -140,6 +142,7 @@ def test_every_text_is_escaped():
 
 # --- analyze -------------------------------------------------------------------------------------------
 
+
 def test_analyze_html_of_one_trace():
     result = _analysis("default_s2")
     page = analyze_html(result)
@@ -167,6 +170,7 @@ def test_analyze_html_of_a_folder_of_ranks(tmp_path):
 
 # --- treat ---------------------------------------------------------------------------------------------
 
+
 def test_treat_html_of_a_real_ladder():
     result = json.loads(TREAT.read_text())
     page = treat_html(result)
@@ -179,7 +183,7 @@ def test_treat_html_of_a_real_ladder():
         assert f"<code>{t['rule']}</code>" in page
         assert f">{t['outcome']}</span>" in page
     # not kept: the no-gain trial is a grey dot at what it measured, the timeout a red cross
-    assert page.count('<circle cx=') >= 1 + 1  # one trial dot + the legend's
+    assert page.count("<circle cx=") >= 1 + 1  # one trial dot + the legend's
     assert "trial 3: batching-host-bound (compile=default): timeout" in page
     assert "batch_size=24" in page and "pad_to_multiple_of=64" in page  # the final config's changes
     assert "+63.2% vs ±51.7%" in page  # the decision's numbers
@@ -187,15 +191,23 @@ def test_treat_html_of_a_real_ladder():
 
 
 def test_treat_html_when_the_start_did_not_run():
-    result = {"start_config": {"model": "0.5b", "stage": 2}, "ladder": [], "trials": [], "skipped": [],
-              "start": {"status": "oom", "error": "CUDA out of memory"}, "stopped_because": "the start config did not run: oom",
-              "final_config": {"model": "0.5b", "stage": 2}, "env": {}}
+    result = {
+        "start_config": {"model": "0.5b", "stage": 2},
+        "ladder": [],
+        "trials": [],
+        "skipped": [],
+        "start": {"status": "oom", "error": "CUDA out of memory"},
+        "stopped_because": "the start config did not run: oom",
+        "final_config": {"model": "0.5b", "stage": 2},
+        "env": {},
+    }
     page = treat_html(result)
     _self_contained(page)
     assert "did not run" in page and "CUDA out of memory" in page
 
 
 # --- writing -------------------------------------------------------------------------------------------
+
 
 def test_write_html_refuses_to_overwrite(tmp_path):
     path = tmp_path / "sub" / "r.html"
@@ -218,17 +230,32 @@ CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if os.path.exists("/
 def test_page_renders_in_headless_chromium(tmp_path, kind):
     from PIL import Image
 
-    page = {"profile": lambda: profile_html(_report("sync_s2")),
-            "analyze": lambda: analyze_html(_analysis("default_s2")),
-            "treat": lambda: treat_html(json.loads(TREAT.read_text()))}[kind]()
+    page = {
+        "profile": lambda: profile_html(_report("sync_s2")),
+        "analyze": lambda: analyze_html(_analysis("default_s2")),
+        "treat": lambda: treat_html(json.loads(TREAT.read_text())),
+    }[kind]()
     html_path = tmp_path / f"{kind}.html"
     write_html(page, html_path, force=False)
     shot = tmp_path / f"{kind}.png"
     profile_dir = tmp_path / "chromium-profile"
-    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-           "--disable-background-networking", "--disable-component-update", "--disable-sync",
-           f"--user-data-dir={profile_dir}", "--enable-logging=stderr", "--v=0", f"--screenshot={shot}",
-           "--window-size=1280,2000", html_path.as_uri()]
+    cmd = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={profile_dir}",
+        "--enable-logging=stderr",
+        "--v=0",
+        f"--screenshot={shot}",
+        "--window-size=1280,2000",
+        html_path.as_uri(),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert shot.is_file() and shot.stat().st_size > 10_000
@@ -239,8 +266,9 @@ def test_page_renders_in_headless_chromium(tmp_path, kind):
         if colors:  # a page of charts and tables: many colours, and not almost all one
             assert len(colors) > 50
             assert max(c for c, _ in colors) < 0.97 * img.size[0] * img.size[1]
-    console = [line for line in proc.stderr.splitlines()
-               if "CONSOLE" in line or "Uncaught" in line or "Refused to" in line]
+    console = [
+        line for line in proc.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line or "Refused to" in line
+    ]
     assert not console, console  # no script error, and nothing the page's CSP had to block
     artifacts = os.environ.get("VLMDOCTOR_ARTIFACTS")
     if artifacts:

@@ -6,14 +6,13 @@ dequantization kernels exist only on a GPU with bitsandbytes; its fact code is c
 QLoRA step on the CPU (bitsandbytes 0.50 has CPU kernels; the trace is a committed fixture with
 the script that recorded it), and the GPU input is recorded by bench/modes15/record.sh on the H100.
 """
+
 from __future__ import annotations
 
-import json
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
-import torch
 
 from vlmdoctor.doctor.rules import diagnose, load_rules
 from vlmdoctor.run import runner
@@ -25,27 +24,47 @@ LAYERS = 2  # tiny preset: LLM layers
 
 
 def _record(tmp: Path, **kw) -> dict:
-    base = dict(model="tiny", device="cpu", steps=1, warmup=0, num_samples=2, batch_size=1,
-                gradient_checkpointing=False)
+    base = dict(
+        model="tiny",
+        device="cpu",
+        steps=1,
+        warmup=0,
+        num_samples=2,
+        batch_size=1,
+        gradient_checkpointing=False,
+    )
     base.update(kw)
     report = runner.run_profile(RunConfig(**base), trace=TraceOptions(str(tmp), steps=1))
     assert report["status"] == "ok", report.get("error")
     facts = analyze(report["trace"]["path"])["files"][0]["facts"]
     rules, problems = load_rules()
     assert not problems
-    return {"facts": facts, "fired": {f["id"]: f for f in diagnose(facts, rules)["findings"]}, "report": report}
+    return {
+        "facts": facts,
+        "fired": {f["id"]: f for f in diagnose(facts, rules)["findings"]},
+        "report": report,
+    }
 
 
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("mode-traces")
     return {  # four recordings cover every rule both ways
-        "lora": _record(tmp / "lora", train="lora", lora_rank=4, objective="dpo", dpo_reference_no_grad=True,
-                        dpo_precompute_reference=True),
-        "lora_ckpt_dpo": _record(tmp / "lora_dpo", train="lora", lora_rank=4, objective="dpo",
-                                 gradient_checkpointing=True),
+        "lora": _record(
+            tmp / "lora",
+            train="lora",
+            lora_rank=4,
+            objective="dpo",
+            dpo_reference_no_grad=True,
+            dpo_precompute_reference=True,
+        ),
+        "lora_ckpt_dpo": _record(
+            tmp / "lora_dpo", train="lora", lora_rank=4, objective="dpo", gradient_checkpointing=True
+        ),
         "dpo": _record(tmp / "dpo", objective="dpo"),
-        "dpo_fixed": _record(tmp / "dpo_fixed", objective="dpo", dpo_reference_no_grad=True, dpo_reference_dtype="bf16"),
+        "dpo_fixed": _record(
+            tmp / "dpo_fixed", objective="dpo", dpo_reference_no_grad=True, dpo_reference_dtype="bf16"
+        ),
     }
 
 
@@ -132,8 +151,21 @@ def test_treat_applies_every_mode_patch(traces):
     cfg = RunConfig(**traces["dpo"]["report"]["config"])
     found = [f for name in ("dpo", "lora") for f in traces[name]["fired"].values()]
     changes = [c for c in (_change(f, cfg) for f in found) if c]
-    treated = apply(cfg, changes + [_change({"id": "precision-dpo-reference-fp32", "layer": 1, "title": "",
-                                            "config_patch": {"dpo_reference_dtype": "bf16"}}, cfg)])
+    treated = apply(
+        cfg,
+        changes
+        + [
+            _change(
+                {
+                    "id": "precision-dpo-reference-fp32",
+                    "layer": 1,
+                    "title": "",
+                    "config_patch": {"dpo_reference_dtype": "bf16"},
+                },
+                cfg,
+            )
+        ],
+    )
     assert treated.dpo_reference_no_grad and treated.dpo_reference_dtype == "bf16"
     assert treated.dpo_precompute_reference == ("system-dpo-reference-every-step" in traces["dpo"]["fired"])
 
@@ -164,8 +196,14 @@ def test_no_dequantization_without_a_4bit_base(traces):
 
 def test_qlora_rule_held_back_without_memory_headroom():
     rules, _ = load_rules()
-    facts = {"qlora.dequant_share": 0.2, "qlora.dequant_ms": 10.0, "qlora.dequant_count": 400.0,
-             "memory.headroom_gb": 2.0, "qlora.bf16_extra_gb": 5.0, "trace.gpu_kernels": True}
+    facts = {
+        "qlora.dequant_share": 0.2,
+        "qlora.dequant_ms": 10.0,
+        "qlora.dequant_count": 400.0,
+        "memory.headroom_gb": 2.0,
+        "qlora.bf16_extra_gb": 5.0,
+        "trace.gpu_kernels": True,
+    }
     ids = lambda fs: {x["id"] for x in diagnose(fs, rules)["findings"]}
     assert "precision-qlora-dequant" not in ids(facts)
     assert "precision-qlora-dequant" in ids({**facts, "memory.headroom_gb": 40.0})
@@ -176,13 +214,16 @@ def test_qlora_rule_held_back_without_memory_headroom():
 MODE_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "mode_traces"
 
 
-@lru_cache(maxsize=None)
+@cache
 def _h100(name: str) -> tuple[dict, dict]:
     facts = analyze(MODE_DIR / f"{name}.pt.trace.json.gz")["files"][0]["facts"]
     rules, _ = load_rules()
     d = diagnose(facts, rules)
-    return facts, {"fired": {x["id"] for x in d["findings"]}, "superseded": {x["id"] for x in d["superseded"]},
-                   "not_applicable": {x["id"]: x["why"] for x in d["not_applicable"]}}
+    return facts, {
+        "fired": {x["id"] for x in d["findings"]},
+        "superseded": {x["id"] for x in d["superseded"]},
+        "not_applicable": {x["id"]: x["why"] for x in d["not_applicable"]},
+    }
 
 
 def test_h100_qlora_dequantization_and_adapters():
@@ -234,11 +275,22 @@ def test_user_trace_without_a_reference_range_leaves_dpo_rules_not_applicable():
     assert "record_function('ref_forward')" in na["precision-dpo-reference-grad"]
 
 
-@pytest.mark.parametrize("name,hit", [
-    ("compute_ref_log_probs", True), ("ref_forward", True), ("reference", True), ("dpo/ref_model", True),
-    ("Reference model forward", True), ("ref", True),
-    ("prefetch", False), ("refine_masks", False), ("preference_loss", False), ("aten::ref_thing", False),
-    ("ProfilerStep#3", False)])
+@pytest.mark.parametrize(
+    "name,hit",
+    [
+        ("compute_ref_log_probs", True),
+        ("ref_forward", True),
+        ("reference", True),
+        ("dpo/ref_model", True),
+        ("Reference model forward", True),
+        ("ref", True),
+        ("prefetch", False),
+        ("refine_masks", False),
+        ("preference_loss", False),
+        ("aten::ref_thing", False),
+        ("ProfilerStep#3", False),
+    ],
+)
 def test_reference_range_names(name, hit):
     import numpy as np
 

@@ -1,5 +1,6 @@
 """Training modes on the tiny preset, on CPU: LoRA placement, the DPO loss and reference, preference data,
 the knobs' usage errors, and each mode's FLOP count against torch's own FLOP counter."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -10,35 +11,46 @@ import math
 import pytest
 import torch
 
+from tests.conftest import write_jsonl
 from vlmdoctor.errors import UsageError
 from vlmdoctor.run import flops, modes, runner
 from vlmdoctor.run.config import RunConfig
 from vlmdoctor.run.data import Collator, PairCollator, PreferenceFile, SyntheticPairs
-from tests.conftest import write_jsonl
 
 CPU = torch.device("cpu")
 
 
 def _cfg(**kw) -> RunConfig:
-    base = dict(model="tiny", device="cpu", steps=1, warmup=0, num_samples=4, batch_size=1, autocast="off",
-                gradient_checkpointing=False)
+    base = dict(
+        model="tiny",
+        device="cpu",
+        steps=1,
+        warmup=0,
+        num_samples=4,
+        batch_size=1,
+        autocast="off",
+        gradient_checkpointing=False,
+    )
     base.update(kw)
     return RunConfig(**base)
 
 
 # --- knobs ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("changes, words", [
-    ({"train": "lora", "stage": 1}, "stage 1 trains the projector only"),
-    ({"train": "qlora", "stage": 1}, "use --stage 2"),
-    ({"lora_targets": " , "}, "comma list"),
-    ({"lora_targets": "q_proj;v_proj"}, "comma list"),
-    ({"objective": "dpo", "packing": True}, "--packing is for the SFT loss"),
-    ({"objective": "dpo", "lm_head_labeled_only": True}, "--lm-head-labeled-only"),
-    ({"optimizer": "paged_adamw", "fused_optimizer": True}, "does not combine"),
-    ({"lora_rank": 0}, "--lora-rank must be"),
-    ({"dpo_beta": 0}, "--dpo-beta must be"),
-    ({"train": "dora"}, "choose one of: full, lora, qlora"),
-])
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        ({"train": "lora", "stage": 1}, "stage 1 trains the projector only"),
+        ({"train": "qlora", "stage": 1}, "use --stage 2"),
+        ({"lora_targets": " , "}, "comma list"),
+        ({"lora_targets": "q_proj;v_proj"}, "comma list"),
+        ({"objective": "dpo", "packing": True}, "--packing is for the SFT loss"),
+        ({"objective": "dpo", "lm_head_labeled_only": True}, "--lm-head-labeled-only"),
+        ({"optimizer": "paged_adamw", "fused_optimizer": True}, "does not combine"),
+        ({"lora_rank": 0}, "--lora-rank must be"),
+        ({"dpo_beta": 0}, "--dpo-beta must be"),
+        ({"train": "dora"}, "choose one of: full, lora, qlora"),
+    ],
+)
 def test_bad_mode_knobs_are_one_line_usage_errors(changes, words):
     with pytest.raises(UsageError) as e:
         RunConfig().replace(source="command line", **changes)
@@ -46,8 +58,16 @@ def test_bad_mode_knobs_are_one_line_usage_errors(changes, words):
 
 
 def test_mode_knobs_go_through_a_saved_config(tmp_path):
-    cfg = RunConfig(train="lora", lora_rank=8, lora_targets="q_proj,v_proj", objective="dpo", dpo_beta=0.2,
-                    dpo_reference_dtype="bf16", dpo_reference_no_grad=True, dpo_precompute_reference=True)
+    cfg = RunConfig(
+        train="lora",
+        lora_rank=8,
+        lora_targets="q_proj,v_proj",
+        objective="dpo",
+        dpo_beta=0.2,
+        dpo_reference_dtype="bf16",
+        dpo_reference_no_grad=True,
+        dpo_precompute_reference=True,
+    )
     cfg.dump(tmp_path / "c.yaml")
     assert RunConfig.load(tmp_path / "c.yaml") == cfg
 
@@ -82,23 +102,27 @@ def test_unknown_lora_target_names_the_llm_layers():
 
 
 # --- LoRA placement ------------------------------------------------------------------------------
-@pytest.mark.parametrize("model, targets, per_layer", [("tiny", "attention_mlp", 7), ("tiny", "q_proj,v_proj", 2),
-                                                       ("tiny-llava", "attention", 4)])
+@pytest.mark.parametrize(
+    "model, targets, per_layer",
+    [("tiny", "attention_mlp", 7), ("tiny", "q_proj,v_proj", 2), ("tiny-llava", "attention", 4)],
+)
 def test_lora_adapts_the_llm_only_and_the_projector_trains(model, targets, per_layer):
     p = runner.build_patient(_cfg(model=model, train="lora", lora_rank=4, lora_targets=targets), CPU)
     parts = {"vision": p.vlm.vision, "projector": p.vlm.projector, "llm": p.vlm.llm} if model == "tiny" else p.vlm.parts
     assert not any(x.requires_grad for x in parts["vision"].parameters())
     assert all(x.requires_grad for x in parts["projector"].parameters())
     named = dict((p.vlm if model == "tiny" else p.vlm.hf).named_parameters())
-    trainable_llm = [n for n, x in named.items() if x.requires_grad and id(x) not in
-                     {id(q) for q in parts["projector"].parameters()}]
+    trainable_llm = [
+        n for n, x in named.items() if x.requires_grad and id(x) not in {id(q) for q in parts["projector"].parameters()}
+    ]
     assert trainable_llm and all("lora_A" in n or "lora_B" in n for n in trainable_llm)
     layers = modes.lora_layers(parts["llm"])
     n_layers = (p.spec.llm["config"] if model == "tiny" else p.spec.text_config)["num_hidden_layers"]
     assert len(layers) == per_layer * n_layers and not modes.lora_layers(parts["vision"])
     assert p.mode_info["adapter_params"] == modes.adapter_params(parts["llm"])
-    expected = modes.expected_adapter_params(p.spec.llm["config"] if model == "tiny" else p.spec.text_config,
-                                             p.spec.llm_head_dim, targets, 4)
+    expected = modes.expected_adapter_params(
+        p.spec.llm["config"] if model == "tiny" else p.spec.text_config, p.spec.llm_head_dim, targets, 4
+    )
     assert expected == p.mode_info["adapter_params"]
 
 
@@ -153,16 +177,31 @@ def test_synthetic_pairs_share_prompt_and_image(tiny_spec):
 
 
 def _pref(img: str, k: int) -> dict:
-    return {"prompt": "<image>\nWhat is in the picture?", "images": [img],
-            "chosen": f"A red cat sits on a blue mat {k}.", "rejected": "The sky is clear."}
+    return {
+        "prompt": "<image>\nWhat is in the picture?",
+        "images": [img],
+        "chosen": f"A red cat sits on a blue mat {k}.",
+        "rejected": "The sky is clear.",
+    }
 
 
 def test_preference_file_reads_trl_records_and_counts_bad_ones(tmp_path, llava_dir, tokenizer_dir, tiny_spec):
-    conv = {"prompt": [{"role": "user", "content": "What is in the picture?"}], "image": "images/img1.png",
-            "chosen": [{"role": "assistant", "content": "A cat."}], "rejected": "A dog."}
-    path = write_jsonl(llava_dir / "pref.jsonl", [_pref("images/img0.png", 0), conv, "{not json",
-                                                  {**_pref("images/img0.png", 1), "rejected": ""},
-                                                  {**_pref("images/nope.png", 2)}])
+    conv = {
+        "prompt": [{"role": "user", "content": "What is in the picture?"}],
+        "image": "images/img1.png",
+        "chosen": [{"role": "assistant", "content": "A cat."}],
+        "rejected": "A dog.",
+    }
+    path = write_jsonl(
+        llava_dir / "pref.jsonl",
+        [
+            _pref("images/img0.png", 0),
+            conv,
+            "{not json",
+            {**_pref("images/img0.png", 1), "rejected": ""},
+            {**_pref("images/nope.png", 2)},
+        ],
+    )
     with pytest.raises(UsageError) as e:
         PreferenceFile(str(path), str(tokenizer_dir), tiny_spec, "stop")
     assert "pref.jsonl:line 3" in e.value.message and "--bad-records skip" in e.value.message
@@ -202,8 +241,9 @@ def test_reference_stays_at_the_start_while_the_policy_trains():
     batch.pop("counts"), batch.pop("pair_index")
     labels = batch.pop("labels")
     before = p.reference.logps(dict(batch), labels)
-    p.batches = itertools.chain([{**batch, "labels": labels, "counts": _counts(batch, labels), "pair_index": [0]}],
-                                p.batches)
+    p.batches = itertools.chain(
+        [{**batch, "labels": labels, "counts": _counts(batch, labels), "pair_index": [0]}], p.batches
+    )
     for _ in range(2):
         runner.train_step(p)
     after = p.reference.logps(dict(batch), labels)
@@ -214,13 +254,21 @@ def test_reference_stays_at_the_start_while_the_policy_trains():
 
 def _counts(batch, labels):
     mask = batch["attention_mask"]
-    return {"real_tokens": int(mask.sum()), "loss_tokens": int((labels != -100).sum()), "padded_tokens": mask.numel(),
-            "samples": 1, "lengths": mask.sum(1).tolist(), "rows": mask.shape[0], "width": mask.shape[1]}
+    return {
+        "real_tokens": int(mask.sum()),
+        "loss_tokens": int((labels != -100).sum()),
+        "padded_tokens": mask.numel(),
+        "samples": 1,
+        "lengths": mask.sum(1).tolist(),
+        "rows": mask.shape[0],
+        "width": mask.shape[1],
+    }
 
 
 def test_precomputed_reference_is_reported_and_leaves_the_step(monkeypatch):
-    report = runner.run_profile(_cfg(objective="dpo", dpo_precompute_reference=True, dpo_reference_no_grad=True,
-                                     num_samples=3))
+    report = runner.run_profile(
+        _cfg(objective="dpo", dpo_precompute_reference=True, dpo_reference_no_grad=True, num_samples=3)
+    )
     pre = report["mode"]["precompute"]
     assert report["status"] == "ok" and pre["pairs"] == 3 and pre["wall_s"] > 0 and pre["tflop"] > 0
 
@@ -241,13 +289,22 @@ def _counted(p: runner.Patient) -> tuple[float, dict]:
     return sum(v for k, v in per_op.items() if str(k).split(".")[1] in GEMM_OPS), counts
 
 
-@pytest.mark.parametrize("kw", [
-    {"stage": 2}, {"stage": 1},
-    {"train": "lora", "lora_rank": 8, "lora_targets": "attention"},
-    {"objective": "dpo", "dpo_reference_no_grad": True},
-    {"objective": "dpo", "train": "lora", "lora_rank": 4, "dpo_reference_no_grad": True},
-    {"objective": "dpo", "dpo_reference_no_grad": True, "dpo_precompute_reference": True, "num_samples": 2},
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"stage": 2},
+        {"stage": 1},
+        {"train": "lora", "lora_rank": 8, "lora_targets": "attention"},
+        {"objective": "dpo", "dpo_reference_no_grad": True},
+        {"objective": "dpo", "train": "lora", "lora_rank": 4, "dpo_reference_no_grad": True},
+        {
+            "objective": "dpo",
+            "dpo_reference_no_grad": True,
+            "dpo_precompute_reference": True,
+            "num_samples": 2,
+        },
+    ],
+)
 def test_mode_flops_match_torch_flop_counter(kw):
     """The GEMM FLOPs (linear layers, patch convolution) of one step, counted independently by
     torch.utils.flop_counter on the padded batch; attention is left out of both sides (layers = 0)."""
@@ -275,7 +332,9 @@ def test_lora_counts_two_base_passes_plus_six_adapter_passes(tiny_spec):
     assert lora["llm"] == pytest.approx(2 * lin + 3 * att + 6 * 1000 * 100) and lora["llm"] < full["llm"]
     dpo = fm.step([100, 90], 2, mode=flops.Mode(objective="dpo"))
     lin2, att2 = fm.llm_forward([100, 90])
-    assert dpo["reference"] == pytest.approx(lin2 + att2 + fm.vision_forward(2) + 2 * fm.projector_params * fm.image_tokens * 2)
+    assert dpo["reference"] == pytest.approx(
+        lin2 + att2 + fm.vision_forward(2) + 2 * fm.projector_params * fm.image_tokens * 2
+    )
     assert fm.step([100, 90], 2, mode=flops.Mode(objective="dpo", reference_in_step=False))["reference"] == 0
 
 
@@ -285,7 +344,9 @@ def test_profile_reports_the_mode(kw, tmp_path):
     """A native class in both modes at once (the composite model's runs: the DPO and precompute tests above)."""
     report = runner.run_profile(_cfg(**kw))
     assert report["status"] == "ok", report.get("error")
-    assert report["mode"]["train"] == kw.get("train", "full") and report["mode"]["objective"] == kw.get("objective", "sft")
+    assert report["mode"]["train"] == kw.get("train", "full") and report["mode"]["objective"] == kw.get(
+        "objective", "sft"
+    )
     assert report["metrics"]["model_tflops_per_s"] > 0 and math.isfinite(report["metrics"]["final_loss"])
     json.dumps(report)
 

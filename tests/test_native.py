@@ -1,4 +1,5 @@
 """Native transformers VLM classes as patients: tiny CPU runs, refused knobs, full-size parameter counts."""
+
 from __future__ import annotations
 
 import gzip
@@ -15,8 +16,14 @@ from vlmdoctor.errors import UsageError
 from vlmdoctor.run.capture import TraceOptions
 from vlmdoctor.run.config import RunConfig
 from vlmdoctor.run.flops import FlopModel
-from vlmdoctor.run.native import (build_native, native_catalogue, native_param_counts, native_presets, qwen2vl_patches,
-                                  resolve_native)
+from vlmdoctor.run.native import (
+    build_native,
+    native_catalogue,
+    native_param_counts,
+    native_presets,
+    qwen2vl_patches,
+    resolve_native,
+)
 from vlmdoctor.run.runner import check, run_profile
 from vlmdoctor.trace.facts import analyze
 
@@ -37,7 +44,9 @@ def _ops_per_range(path: str) -> dict[str, int]:
     ops = [e for e in events if e["name"].startswith("aten::")]
     out: dict[str, int] = {}
     for r in ranges:
-        inside = sum(1 for o in ops if o["tid"] == r["tid"] and r["ts"] <= o["ts"] and o["ts"] + o["dur"] <= r["ts"] + r["dur"])
+        inside = sum(
+            1 for o in ops if o["tid"] == r["tid"] and r["ts"] <= o["ts"] and o["ts"] + o["dur"] <= r["ts"] + r["dur"]
+        )
         out[r["name"]] = out.get(r["name"], 0) + inside
     return out
 
@@ -119,8 +128,16 @@ def test_qwen2vl_patches_match_the_image_processor_layout():
     assert torch.equal(got[:, 0], expect) and torch.equal(got[:, 1], expect)
 
 
-@pytest.mark.parametrize("knob", [{"packing": True}, {"lm_head_labeled_only": True}, {"cache_vision_features": True},
-                                  {"vision": "siglip-tiny"}, {"pixel_shuffle": 2}])
+@pytest.mark.parametrize(
+    "knob",
+    [
+        {"packing": True},
+        {"lm_head_labeled_only": True},
+        {"cache_vision_features": True},
+        {"vision": "siglip-tiny"},
+        {"pixel_shuffle": 2},
+    ],
+)
 @pytest.mark.parametrize("model", TINY)
 def test_composite_only_knobs_are_refused(model, knob):
     with pytest.raises(UsageError, match="not supported for the native preset"):
@@ -129,8 +146,23 @@ def test_composite_only_knobs_are_refused(model, knob):
 
 def test_refused_knob_through_the_cli_is_one_line_exit_2():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "vlmdoctor", "profile", "--model", "tiny-llava", "--device", "cpu",
-                           "--packing"], capture_output=True, text=True, env=env, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vlmdoctor",
+            "profile",
+            "--model",
+            "tiny-llava",
+            "--device",
+            "cpu",
+            "--packing",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
     assert proc.returncode == 2
     lines = [x for x in (proc.stderr + proc.stdout).splitlines() if x.strip()]
     assert len(lines) == 1 and "--packing" in lines[0] and "tiny-llava" in lines[0] and "Traceback" not in lines[0]
@@ -221,8 +253,9 @@ def test_vision_no_grad_keeps_the_tower_out_of_autograd_but_not_the_projector(mo
         configure(vlm, _cfg(model, stage=1, vision_no_grad=no_grad, gradient_checkpointing=True))
         seen: list[bool] = []
         blocks = [m for m in vlm.parts["vision"].modules() if type(m).__name__.endswith(("EncoderLayer", "Block"))]
-        blocks[-1].register_forward_hook(lambda _m, _a, out: seen.append(
-            (out[0] if isinstance(out, tuple) else out).requires_grad))
+        blocks[-1].register_forward_hook(
+            lambda _m, _a, out: seen.append((out[0] if isinstance(out, tuple) else out).requires_grad)
+        )
         vlm(**batch).loss.backward()
         assert seen == [tower_graph]
         assert all(p.grad is not None for p in vlm.parts["projector"].parameters())
@@ -232,7 +265,11 @@ def test_findings_with_refused_knobs_are_set_aside_for_native_presets():
     """A rule that fires on a native run but prescribes a composite-only knob moves to not_applicable."""
     from vlmdoctor.doctor.diagnosis import _set_aside_refused
 
-    finding = {"id": "fusion-lm-head-labeled-only", "config_patch": {"lm_head_labeled_only": True}, "evidence": ["x"]}
+    finding = {
+        "id": "fusion-lm-head-labeled-only",
+        "config_patch": {"lm_head_labeled_only": True},
+        "evidence": ["x"],
+    }
     other = {"id": "system-non-fused-optimizer", "config_patch": {"fused_optimizer": True}, "evidence": ["y"]}
     for model, kept in (("tiny-llava", [other]), ("tiny", [finding, other])):
         d = {"findings": [finding, other], "not_applicable": []}

@@ -1,4 +1,5 @@
 """The package as users get it: a built wheel carries the rules and configs; imports follow the flow."""
+
 from __future__ import annotations
 
 import ast
@@ -73,25 +74,50 @@ def test_the_built_wheel_ships_the_rules_outside_the_source_tree(tmp_path):
     """Built and installed like a user's `pip install vlmdoctor`: no source checkout to fall back on."""
     isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
     wheels = tmp_path / "wheels"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *isolation, "-w", str(wheels), str(ROOT)],
-                   check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *isolation, "-w", str(wheels), str(ROOT)],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     (wheel,) = wheels.glob("vlmdoctor-*.whl")
     site = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
-                   check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {**os.environ, "PYTHONPATH": str(site)}
-    probe = ("import json, vlmdoctor.doctor.rules as r; from vlmdoctor.run.zoo import presets; "
-             "print(json.dumps({'dir': str(r.RULES_DIR), 'rules': len(r.load_rules()[0]), 'presets': len(presets())}))")
-    got = json.loads(subprocess.run([sys.executable, "-c", probe], cwd=elsewhere, env=env, check=True,
-                                    capture_output=True, text=True, timeout=120).stdout)
+    probe = (
+        "import json, vlmdoctor.doctor.rules as r; from vlmdoctor.run.zoo import presets; "
+        "print(json.dumps({'dir': str(r.RULES_DIR), 'rules': len(r.load_rules()[0]), 'presets': len(presets())}))"
+    )
+    got = json.loads(
+        subprocess.run(
+            [sys.executable, "-c", probe],
+            cwd=elsewhere,
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        ).stdout
+    )
     shipped = len(list((ROOT / "rules").glob("*.yaml")))
     assert got["rules"] == shipped > 0
     assert Path(got["dir"]).is_relative_to(site), got["dir"]
     assert got["presets"] >= 3
-    r = subprocess.run([sys.executable, "-m", "vlmdoctor", "rules", "list"], cwd=elsewhere, env=env,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "vlmdoctor", "rules", "list"],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0 and "precision" in r.stdout
 
 

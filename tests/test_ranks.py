@@ -1,5 +1,6 @@
 """Collective facts per rank and the ranks joined, on real 2-rank gloo traces (fixtures/dist_cpu and one
 recorded here), plus the NCCL name and size conventions."""
+
 from __future__ import annotations
 
 import json
@@ -8,15 +9,15 @@ import shutil
 import socket
 import subprocess
 import sys
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from vlmdoctor.cli import app
-from vlmdoctor.trace.comms import bus_factor, kind_of, rank_comms, rank_of
-from vlmdoctor.trace.facts import analyze, load_tables
+from vlmdoctor.trace.comms import bus_factor, kind_of, rank_of
+from vlmdoctor.trace.facts import analyze
 from vlmdoctor.trace.ranks import hta_overlap
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,7 +25,7 @@ DIST = ROOT / "fixtures" / "dist_cpu"
 CASES = sorted(p.name for p in DIST.iterdir() if p.is_dir())
 
 
-@lru_cache(maxsize=None)
+@cache
 def result(case: str) -> dict:
     return analyze(DIST / case)
 
@@ -33,7 +34,7 @@ def cross(case: str) -> dict:
     return result(case)["cross_rank"]["facts"]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _trained_params() -> int:
     """The recorder's own model, built the way it builds it."""
     import importlib.util
@@ -52,8 +53,24 @@ def fresh(tmp_path_factory) -> Path:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, str(DIST / "record.py"), "--parallel", "ddp", "--straggler", "loader",
-                    "--port", str(port), "--out", str(out)], check=True, env=env, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            str(DIST / "record.py"),
+            "--parallel",
+            "ddp",
+            "--straggler",
+            "loader",
+            "--port",
+            str(port),
+            "--out",
+            str(out),
+        ],
+        check=True,
+        env=env,
+        capture_output=True,
+        timeout=300,
+    )
     return out
 
 
@@ -83,18 +100,29 @@ def test_collectives_and_their_bytes_are_the_wrappers_own():
     assert set(ddp["comm.kinds"]) >= {"all_reduce"} and "all_gather" not in ddp["comm.kinds"]
     assert ddp["comm.all_reduce.bytes"] == grad_bytes
     fsdp = result("fsdp2")["files"][0]["facts"]
-    assert set(fsdp["comm.kinds"]) == {"all_gather", "reduce_scatter"}  # gloo ran the reduce-scatter as all_reduce
+    assert set(fsdp["comm.kinds"]) == {
+        "all_gather",
+        "reduce_scatter",
+    }  # gloo ran the reduce-scatter as all_reduce
     assert fsdp["comm.reduce_scatter.bytes"] == grad_bytes
     assert fsdp["comm.all_gather.bytes"] >= grad_bytes  # every parameter gathered at least once, for forward
-    for f, kind, factor in ((ddp, "all_reduce", 2 * (2 - 1) / 2), (fsdp, "all_gather", (2 - 1) / 2),
-                            (fsdp, "reduce_scatter", (2 - 1) / 2)):
+    for f, kind, factor in (
+        (ddp, "all_reduce", 2 * (2 - 1) / 2),
+        (fsdp, "all_gather", (2 - 1) / 2),
+        (fsdp, "reduce_scatter", (2 - 1) / 2),
+    ):
         assert f[f"comm.{kind}.busbw_gbps"] == pytest.approx(f[f"comm.{kind}.algbw_gbps"] * factor)
         assert f[f"comm.{kind}.algbw_gbps"] > 0
 
 
 def test_gradient_syncs_per_micro_batch_are_counted():
-    for case, synced, extra in (("ddp_accum", 2, True), ("ddp_accum_nosync", 1, False), ("fsdp2_accum", 2, True),
-                                ("ddp", 1, False), ("fsdp2", 1, False)):
+    for case, synced, extra in (
+        ("ddp_accum", 2, True),
+        ("ddp_accum_nosync", 1, False),
+        ("fsdp2_accum", 2, True),
+        ("ddp", 1, False),
+        ("fsdp2", 1, False),
+    ):
         f = cross(case)
         assert f["dist.micro_batches_per_step"] == (2 if "accum" in case else 1), case
         assert f["dist.synced_micro_batches_per_step"] == synced, case
@@ -150,7 +178,11 @@ def test_balanced_ranks_name_no_cause():
 
 def test_rank_from_metadata_then_file_name_else_none():
     assert rank_of({"distributedInfo": {"rank": 3}}, "whatever.json") == 3
-    for name, rank in (("trace_rank5.json.gz", 5), ("rank-12.Apr_03.pt.trace.json.gz", 12), ("x_rank_2.json", 2)):
+    for name, rank in (
+        ("trace_rank5.json.gz", 5),
+        ("rank-12.Apr_03.pt.trace.json.gz", 12),
+        ("x_rank_2.json", 2),
+    ):
         assert rank_of({}, name) == rank
     assert rank_of({"distributedInfo": {"backend": "nccl"}}, "worker.json.gz") is None
 
@@ -179,19 +211,29 @@ def test_a_single_trace_gets_no_rank_and_no_cross_section():
     assert not any(k.startswith(("comm.", "dist.")) for k in r["files"][0]["facts"])
 
 
-@pytest.mark.parametrize("name, kind", [
-    ("ncclDevKernel_AllGather_RING_LL(ncclDevComm*, unsigned long, ncclWork*)", "all_gather"),
-    ("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL(ncclDevComm*)", "reduce_scatter"),
-    ("ncclKernel_AllReduce_RING_LL_Sum_float(ncclDevComm*)", "all_reduce"),
-    ("ncclKernel_SendRecv_RING_SIMPLE_Sum_int8_t(ncclDevComm*, unsigned long, ncclWork*)", "send_recv"),
-    ("ncclDevKernel_Broadcast_RING_LL(ncclDevComm*)", "broadcast"),
-    ("ncclDevKernel_Reduce_Sum_f32_RING_LL(ncclDevComm*)", "reduce"),
-    ("nccl:_all_gather_base", "all_gather"), ("nccl:_reduce_scatter_base", "reduce_scatter"),
-    ("nccl:all_to_all", "all_to_all"), ("c10d::alltoall_base_", "all_to_all"), ("c10d::allreduce_", "all_reduce"),
-    ("c10d::_allgather_base_", "all_gather"), ("c10d::allgather_into_tensor_coalesced_", "all_gather"),
-    ("gloo:all_reduce", "all_reduce"), ("allreduce", "all_reduce"), ("_reduce_scatter_base", "reduce_scatter"),
-    ("nccl:send", "send_recv"), ("c10d::barrier", "barrier"),
-])
+@pytest.mark.parametrize(
+    "name, kind",
+    [
+        ("ncclDevKernel_AllGather_RING_LL(ncclDevComm*, unsigned long, ncclWork*)", "all_gather"),
+        ("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL(ncclDevComm*)", "reduce_scatter"),
+        ("ncclKernel_AllReduce_RING_LL_Sum_float(ncclDevComm*)", "all_reduce"),
+        ("ncclKernel_SendRecv_RING_SIMPLE_Sum_int8_t(ncclDevComm*, unsigned long, ncclWork*)", "send_recv"),
+        ("ncclDevKernel_Broadcast_RING_LL(ncclDevComm*)", "broadcast"),
+        ("ncclDevKernel_Reduce_Sum_f32_RING_LL(ncclDevComm*)", "reduce"),
+        ("nccl:_all_gather_base", "all_gather"),
+        ("nccl:_reduce_scatter_base", "reduce_scatter"),
+        ("nccl:all_to_all", "all_to_all"),
+        ("c10d::alltoall_base_", "all_to_all"),
+        ("c10d::allreduce_", "all_reduce"),
+        ("c10d::_allgather_base_", "all_gather"),
+        ("c10d::allgather_into_tensor_coalesced_", "all_gather"),
+        ("gloo:all_reduce", "all_reduce"),
+        ("allreduce", "all_reduce"),
+        ("_reduce_scatter_base", "reduce_scatter"),
+        ("nccl:send", "send_recv"),
+        ("c10d::barrier", "barrier"),
+    ],
+)
 def test_collective_names_in_every_spelling(name, kind):
     assert kind_of(name) == kind
 

@@ -1,25 +1,26 @@
 """The rule engine and the shipped rules, on the real H100 traces under fixtures/traces/."""
+
 from __future__ import annotations
 
 import json
 import math
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
 import yaml
 from typer.testing import CliRunner
 
-from vlmdoctor.trace.facts import analyze, merge_measured
 from vlmdoctor.cli import app
-from vlmdoctor.run.config import RunConfig
 from vlmdoctor.doctor.rules import RULES_DIR, diagnose, load_rules
+from vlmdoctor.run.config import RunConfig
+from vlmdoctor.trace.facts import analyze, merge_measured
 
 TRACES = Path(__file__).resolve().parents[1] / "fixtures" / "traces"
 RULES, PROBLEMS = load_rules()
 
 
-@lru_cache(maxsize=None)
+@cache
 def measured(name: str) -> dict:
     """Trace facts plus what the same run's report measured (padding, memory): what `profile` diagnoses."""
     facts = analyze(TRACES / f"{name}.pt.trace.json.gz")["files"][0]["facts"]
@@ -101,17 +102,30 @@ SUPERSEDED_CASES = {
 CPU_CASES = {"precision-cpu-bf16-emulated"}
 
 # rules over several ranks' traces together: tested on real 2-rank recordings (tests/test_dist_rules.py)
-DIST_CASES = {"system-comm-exposed-fsdp", "system-comm-exposed-ddp", "batching-rank-token-imbalance",
-              "system-fsdp-small-model", "system-ddp-near-memory", "system-accum-sync", "batching-sharded-batch"}
+DIST_CASES = {
+    "system-comm-exposed-fsdp",
+    "system-comm-exposed-ddp",
+    "batching-rank-token-imbalance",
+    "system-fsdp-small-model",
+    "system-ddp-near-memory",
+    "system-accum-sync",
+    "batching-sharded-batch",
+}
 # training-mode rules (LoRA, QLoRA, DPO): tested both ways on traces of the modes recorded on CPU in
 # tests/test_mode_rules.py; their H100 traces are recorded by bench/modes15/record.sh
-MODE_CASES = {"fusion-lora-tiny-gemms", "precision-qlora-dequant", "precision-dpo-reference-grad",
-              "precision-dpo-reference-fp32", "system-dpo-reference-every-step"}
+MODE_CASES = {
+    "fusion-lora-tiny-gemms",
+    "precision-qlora-dequant",
+    "precision-dpo-reference-grad",
+    "precision-dpo-reference-fp32",
+    "system-dpo-reference-every-step",
+}
 
 
 def test_every_rule_has_a_case():
-    assert set(CASES) | set(SUPERSEDED_CASES) | set(VARIATION_CASES) | CPU_CASES | DIST_CASES | MODE_CASES == \
-        {r.id for r in RULES}
+    assert set(CASES) | set(SUPERSEDED_CASES) | set(VARIATION_CASES) | CPU_CASES | DIST_CASES | MODE_CASES == {
+        r.id for r in RULES
+    }
 
 
 @pytest.mark.parametrize("name", ["default_s2", "healthy_s2", "ckpt_s2", "bf16_s1", "compile_s2"])
@@ -208,7 +222,8 @@ def test_a_fix_covered_by_an_earlier_one_is_superseded():
     ids = [f["id"] for f in d["findings"]]
     assert ids[0] == "precision-fp32-gemms"  # the larger estimated saving in layer 1
     assert {"id": "precision-autocast-casts", "by": "precision-fp32-gemms"} in [
-        {"id": s["id"], "by": s["superseded_by"]} for s in d["superseded"]]
+        {"id": s["id"], "by": s["superseded_by"]} for s in d["superseded"]
+    ]
 
 
 # --- bad rule files ----------------------------------------------------------------------------------------
@@ -230,15 +245,24 @@ def _write(folder: Path, name: str, text: str) -> None:
     (folder / name).write_text(text)
 
 
-@pytest.mark.parametrize("text, needle", [
-    (GOOD.format(id="x").replace("gpu.busy_frac < LIMIT", "gpu.busyness < LIMIT"), "unknown fact(s) gpu.busyness"),
-    (GOOD.format(id="x").replace("gpu.busy_frac < LIMIT", "gpu.busy_frac <"), "does not parse"),
-    (GOOD.format(id="x").replace("gpu.busy_frac < LIMIT", "__import__('os').system('true')"), "only min, max"),
-    (GOOD.format(id="x").replace("layer: 2", "layer: 9"), "layer must be 1-5"),
-    (GOOD.format(id="x").replace("batch_size", "batchsize"), "unknown knob(s) batchsize"),
-    (GOOD.format(id="x").replace("< LIMIT", "< OTHER"), "undefined constant(s) OTHER"),
-    ("id: [unclosed", "not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        (
+            GOOD.format(id="x").replace("gpu.busy_frac < LIMIT", "gpu.busyness < LIMIT"),
+            "unknown fact(s) gpu.busyness",
+        ),
+        (GOOD.format(id="x").replace("gpu.busy_frac < LIMIT", "gpu.busy_frac <"), "does not parse"),
+        (
+            GOOD.format(id="x").replace("gpu.busy_frac < LIMIT", "__import__('os').system('true')"),
+            "only min, max",
+        ),
+        (GOOD.format(id="x").replace("layer: 2", "layer: 9"), "layer must be 1-5"),
+        (GOOD.format(id="x").replace("batch_size", "batchsize"), "unknown knob(s) batchsize"),
+        (GOOD.format(id="x").replace("< LIMIT", "< OTHER"), "undefined constant(s) OTHER"),
+        ("id: [unclosed", "not valid YAML"),
+    ],
+)
 def test_broken_rule_files_are_named_and_the_rest_still_run(tmp_path, text, needle):
     _write(tmp_path / "r", "bad.yaml", text)
     _write(tmp_path / "r", "good.yaml", GOOD.format(id="user-good"))
@@ -256,12 +280,23 @@ def test_duplicate_rule_id_is_reported(tmp_path):
 def test_user_rules_fire_through_the_cli(tmp_path):
     _write(tmp_path / "r", "mine.yaml", GOOD.format(id="user-busy"))
     out = tmp_path / "a.json"
-    r = CliRunner().invoke(app, ["analyze", str(TRACES / "healthy_s2.pt.trace.json.gz"), "--rules", str(tmp_path / "r"),
-                                 "--json", str(out)])
+    r = CliRunner().invoke(
+        app,
+        [
+            "analyze",
+            str(TRACES / "healthy_s2.pt.trace.json.gz"),
+            "--rules",
+            str(tmp_path / "r"),
+            "--json",
+            str(out),
+        ],
+    )
     assert r.exit_code == 0, r.output
     findings = {f["id"]: f for f in json.loads(out.read_text())["files"][0]["findings"]}
     assert "user-busy" in findings
-    assert findings["user-busy"]["evidence"][0].startswith("busy ") and findings["user-busy"]["config_patch"] == {"batch_size": 8}
+    assert findings["user-busy"]["evidence"][0].startswith("busy ") and findings["user-busy"]["config_patch"] == {
+        "batch_size": 8
+    }
 
 
 def test_rules_list_and_show():
@@ -271,7 +306,13 @@ def test_rules_list_and_show():
     assert r.exit_code == 0, r.output
     raw = yaml.safe_load((RULES_DIR / "fusion-fusedce-stage2.yaml").read_text())
     page = " ".join(r.output.split())  # a page, wrapped to the terminal: compare words, not lines
-    for heading in ("What it detects", "Evidence it shows", "Fix", "Thresholds and where they come from", "Sources"):
+    for heading in (
+        "What it detects",
+        "Evidence it shows",
+        "Fix",
+        "Thresholds and where they come from",
+        "Sources",
+    ):
         assert heading in r.output
     assert " ".join(raw["detects"].split()) in page and " ".join(raw["fix"].split()) in page
     for name, c in raw["constants"].items():  # every threshold with its value and where it comes from
@@ -282,15 +323,34 @@ def test_rules_list_and_show():
 
 def test_profile_report_holds_findings(tmp_path):
     out = tmp_path / "r.json"
-    r = CliRunner().invoke(app, ["profile", "--model", "tiny", "--device", "cpu", "--steps", "2", "--warmup", "1",
-                                 "--autocast", "off", "--json", str(out), "--quiet"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "profile",
+            "--model",
+            "tiny",
+            "--device",
+            "cpu",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--autocast",
+            "off",
+            "--json",
+            str(out),
+            "--quiet",
+        ],
+    )
     assert r.exit_code == 0, r.output
     report = json.loads(out.read_text())
     assert report["trace"]["path"] is None  # the temporary trace is gone
     ids = [f["id"] for f in report["findings"]]
     assert "data-padding-waste" in ids  # measured padding of random batches, on CPU too
-    assert all({"id", "layer", "severity", "evidence", "fix", "config_patch", "expected_gain"} <= f.keys()
-               for f in report["findings"])
+    assert all(
+        {"id", "layer", "severity", "evidence", "fix", "config_patch", "expected_gain"} <= f.keys()
+        for f in report["findings"]
+    )
 
 
 def test_batching_gain_is_a_throughput_factor():
@@ -345,8 +405,11 @@ def test_batch_is_sized_from_live_tensors_not_the_allocator_pool():
     assert f["memory.peak_reserved_gb"] > f["memory.peak_allocated_gb"]
     b = fired_on(f)["batching-gpu-underfed"]["config_patch"]["batch_size"]
     assert b == min(8 * 8, max(16, math.floor(8 * 0.7 / f["memory.peak_allocated_frac"])))
-    pool = {**f, "memory.peak_allocated_frac": f["memory.peak_reserved_frac"],
-            "memory.peak_allocated_gb": f["memory.peak_reserved_gb"]}
+    pool = {
+        **f,
+        "memory.peak_allocated_frac": f["memory.peak_reserved_frac"],
+        "memory.peak_allocated_gb": f["memory.peak_reserved_gb"],
+    }
     assert fired_on(pool)["batching-gpu-underfed"]["config_patch"]["batch_size"] < b
     busy = {**f, "gpu.busy_frac": 0.9}
     assert "batching-gpu-underfed" not in fired_on(busy)

@@ -1,4 +1,5 @@
 """Real tiny training steps on the CPU: what trains, what the report measures, how failures end."""
+
 from __future__ import annotations
 
 import math
@@ -7,8 +8,8 @@ import pytest
 import torch
 
 import vlmdoctor.run.runner as runner
-from vlmdoctor.run.data import BatchSampler, SyntheticVQA
 from vlmdoctor.errors import EXIT_FAILED_RUN, EXIT_NAN, EXIT_OK, EXIT_OOM, UsageError
+from vlmdoctor.run.data import BatchSampler, SyntheticVQA
 from vlmdoctor.run.runner import build_patient, exit_code, run_profile, train_step
 
 CPU = torch.device("cpu")
@@ -32,6 +33,7 @@ def _grad_probe(params):
 
 
 # --- what each stage trains ---------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_stage1_trains_only_the_projector(tiny_cfg, reentrant):
@@ -79,6 +81,7 @@ def test_grad_accum_consumes_micro_batches(tiny_cfg):
 
 
 # --- the report -----------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def ok_report():
@@ -132,16 +135,27 @@ def test_warmup_times_split_compilation_from_steady_steps():
 def test_compile_helpers_mark_lengths_dynamic_and_name_cache_folders(tmp_path):
     from vlmdoctor.run.compile import cache_env, graphs_compiled, mark_lengths_dynamic
 
-    batch = {"input_ids": torch.zeros(2, 64, dtype=torch.long), "attention_mask": torch.ones(2, 64),
-             "loss_index": torch.arange(10), "pixel_values": torch.zeros(2, 3, 8, 8)}
+    batch = {
+        "input_ids": torch.zeros(2, 64, dtype=torch.long),
+        "attention_mask": torch.ones(2, 64),
+        "loss_index": torch.arange(10),
+        "pixel_values": torch.zeros(2, 3, 8, 8),
+    }
     mark_lengths_dynamic(batch)
-    assert 1 in getattr(batch["input_ids"], "_dynamo_weak_dynamic_indices", set()) | \
-        getattr(batch["input_ids"], "_dynamo_dynamic_indices", set())
-    assert 0 in getattr(batch["loss_index"], "_dynamo_weak_dynamic_indices", set()) | \
-        getattr(batch["loss_index"], "_dynamo_dynamic_indices", set())
-    for k in ("input_ids", "attention_mask", "pixel_values"):  # the batch dimension: one graph for every batch size
-        assert 0 in getattr(batch[k], "_dynamo_weak_dynamic_indices", set()) | \
-            getattr(batch[k], "_dynamo_dynamic_indices", set())
+    assert 1 in getattr(batch["input_ids"], "_dynamo_weak_dynamic_indices", set()) | getattr(
+        batch["input_ids"], "_dynamo_dynamic_indices", set()
+    )
+    assert 0 in getattr(batch["loss_index"], "_dynamo_weak_dynamic_indices", set()) | getattr(
+        batch["loss_index"], "_dynamo_dynamic_indices", set()
+    )
+    for k in (
+        "input_ids",
+        "attention_mask",
+        "pixel_values",
+    ):  # the batch dimension: one graph for every batch size
+        assert 0 in getattr(batch[k], "_dynamo_weak_dynamic_indices", set()) | getattr(
+            batch[k], "_dynamo_dynamic_indices", set()
+        )
     assert 1 not in getattr(batch["pixel_values"], "_dynamo_weak_dynamic_indices", set())  # image sizes stay fixed
     env = cache_env(tmp_path / "cc")
     assert env["TORCHINDUCTOR_CACHE_DIR"].startswith(str(tmp_path)) and env["TRITON_CACHE_DIR"].endswith("triton")
@@ -228,6 +242,7 @@ def test_huge_learning_rate_diverges_to_nan(tiny_cfg):
 
 # --- data-layout knobs ---------------------------------------------------------------------------------
 
+
 def test_packing_lowers_padding(tiny_cfg):
     # default batch (4) and pack length (2048): the 4 samples of a step share one row
     plain = run_profile(tiny_cfg())
@@ -238,7 +253,8 @@ def test_packing_lowers_padding(tiny_cfg):
     assert packed["metrics"]["pad_fraction"] < 0.01
     # the same samples, so the same real tokens per step
     assert packed["repeats"][0]["real_tokens_per_s"] * packed["repeats"][0]["wall_s"] == pytest.approx(
-        plain["repeats"][0]["real_tokens_per_s"] * plain["repeats"][0]["wall_s"])
+        plain["repeats"][0]["real_tokens_per_s"] * plain["repeats"][0]["wall_s"]
+    )
     assert math.isfinite(packed["metrics"]["final_loss"])
 
 
@@ -255,7 +271,8 @@ def test_pad_to_multiple_of_run(tiny_cfg):
     # the same batches, padded further: more padding, same real tokens per step
     assert r["metrics"]["pad_fraction"] > plain["metrics"]["pad_fraction"]
     assert r["repeats"][0]["real_tokens_per_s"] * r["repeats"][0]["wall_s"] == pytest.approx(
-        plain["repeats"][0]["real_tokens_per_s"] * plain["repeats"][0]["wall_s"])
+        plain["repeats"][0]["real_tokens_per_s"] * plain["repeats"][0]["wall_s"]
+    )
 
 
 def test_cached_vision_features_give_the_same_losses(tiny_cfg):
@@ -264,8 +281,10 @@ def test_cached_vision_features_give_the_same_losses(tiny_cfg):
     assert cached["status"] == "ok"
     assert cached["repeats"][0]["final_loss"] == pytest.approx(plain["repeats"][0]["final_loss"], abs=1e-4)
     # the tower does not run, so the model FLOPs per step drop
-    assert cached["repeats"][0]["model_tflops_per_s"] * cached["repeats"][0]["wall_s"] < \
-        plain["repeats"][0]["model_tflops_per_s"] * plain["repeats"][0]["wall_s"]
+    assert (
+        cached["repeats"][0]["model_tflops_per_s"] * cached["repeats"][0]["wall_s"]
+        < plain["repeats"][0]["model_tflops_per_s"] * plain["repeats"][0]["wall_s"]
+    )
 
 
 def test_bf16_autocast_run(tiny_cfg):
@@ -275,6 +294,7 @@ def test_bf16_autocast_run(tiny_cfg):
 
 
 # --- usage errors ----------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("flag", ["liger_rope", "liger_rms_norm", "liger_swiglu", "liger_fused_linear_cross_entropy"])
 def test_liger_on_cpu_is_usage_error(tiny_cfg, flag):
@@ -321,6 +341,7 @@ def test_tiny_with_device_auto_runs_on_cpu(tiny_cfg):
 
 # --- knobs that reproduce common mistakes, and their fixes ----------------------------------------
 
+
 def _loss_and_head_grad(cfg) -> tuple[float, torch.Tensor, dict, dict]:
     """One batch through a fresh patient: the loss, the LM head's gradient, the batch and its counts."""
     p = build_patient(cfg, CPU)
@@ -336,7 +357,8 @@ def test_labeled_only_head_gives_the_same_loss_and_gradients(tiny_cfg):
     losses, grads = [], []
     for labeled in (False, True):
         loss, grad, batch, counts = _loss_and_head_grad(
-            tiny_cfg(stage=2, lm_head_labeled_only=labeled, gradient_checkpointing=False))
+            tiny_cfg(stage=2, lm_head_labeled_only=labeled, gradient_checkpointing=False)
+        )
         assert ("loss_index" in batch) == labeled
         if labeled:
             assert len(batch["loss_index"]) == counts["loss_tokens"] < counts["real_tokens"]
@@ -353,7 +375,8 @@ def test_regional_compilation_gives_the_eager_loss_and_gradients(tiny_cfg):
     for regions in (False, True):
         extra = {"compile": "default", "compile_regions": True} if regions else {}
         loss, grad, _, _ = _loss_and_head_grad(
-            tiny_cfg(stage=2, lm_head_labeled_only=True, gradient_checkpointing=False, **extra))
+            tiny_cfg(stage=2, lm_head_labeled_only=True, gradient_checkpointing=False, **extra)
+        )
         losses.append(loss)
         grads.append(grad)
     assert losses[1] == pytest.approx(losses[0], rel=1e-4)
@@ -396,10 +419,10 @@ def test_sync_loss_reads_the_loss_every_micro_batch(tiny_cfg):
 def test_a_compiled_run_warms_up_until_its_time_per_token_settles():
     from vlmdoctor.run.runner import SETTLE_RATIO, _unsettled
 
-    assert _unsettled([1.0, 1.0])                          # fewer than three steps: not yet
-    assert _unsettled([3.0, 1.5, 1.0])                     # still getting faster
-    assert not _unsettled([5.0, 1.0, 1.1, 1.0])            # the last three agree
-    assert _unsettled([1.0, 1.0, SETTLE_RATIO * 1.05])     # one slow step among them
+    assert _unsettled([1.0, 1.0])  # fewer than three steps: not yet
+    assert _unsettled([3.0, 1.5, 1.0])  # still getting faster
+    assert not _unsettled([5.0, 1.0, 1.1, 1.0])  # the last three agree
+    assert _unsettled([1.0, 1.0, SETTLE_RATIO * 1.05])  # one slow step among them
 
 
 def test_regional_compilation_finds_the_stacks_of_any_model():
@@ -444,8 +467,16 @@ def test_a_compiled_tiny_model_with_the_labeled_head_trains(regions):
     outside a compiled graph, where dynamo allows it (inside one it raised)."""
     from vlmdoctor.run.config import RunConfig
 
-    cfg = RunConfig(model="tiny", device="cpu", steps=2, warmup=3, compile="default", compile_regions=regions,
-                    pad_to_multiple_of=16, lm_head_labeled_only=True)
+    cfg = RunConfig(
+        model="tiny",
+        device="cpu",
+        steps=2,
+        warmup=3,
+        compile="default",
+        compile_regions=regions,
+        pad_to_multiple_of=16,
+        lm_head_labeled_only=True,
+    )
     r = runner.run_profile(cfg)
     assert r["status"] == "ok", r.get("error")
     assert r["warmup"]["graphs_compiled_in_timed_windows"] == 0

@@ -5,6 +5,7 @@ transformers VLM trained by a user-style loop (fixtures/user_cpu/record.py). The
 fixtures/user_h100/ were recorded by the same script on an H100 (its README says how): they
 hold the classes a CPU trace cannot show (kernels, no data-loader ops, recompute on the GPU).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,7 +19,16 @@ import pytest
 
 from vlmdoctor.cli import app
 from vlmdoctor.doctor.rules import diagnose, load_rules
-from vlmdoctor.trace.facts import analyze, intersect, load_tables, op_context, subtract, total, union, _measure
+from vlmdoctor.trace.facts import (
+    _measure,
+    analyze,
+    intersect,
+    load_tables,
+    op_context,
+    subtract,
+    total,
+    union,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 H100 = ROOT / "fixtures" / "user_h100"
@@ -35,8 +45,12 @@ RECIPES = {
     "modules_s2": {"with_modules": True, "with_stack": True, "record_shapes": True},
     "qwen2vl_stack": {"model": "qwen2vl", "with_stack": True},
     "ckpt_2mb_noschedule": {"checkpointing": True, "micro_batches": 2, "schedule": False},
-    "loader_shapes_memory_thread": {"dataloader": True, "record_shapes": True, "profile_memory": True,
-                                    "busy_thread": True},
+    "loader_shapes_memory_thread": {
+        "dataloader": True,
+        "record_shapes": True,
+        "profile_memory": True,
+        "busy_thread": True,
+    },
     "inference": {"inference": True, "schedule": False},
 }
 
@@ -89,6 +103,7 @@ def h100():
 
 
 # --- 1. never a traceback ------------------------------------------------------------------------
+
 
 def test_every_user_trace_analyzes_and_diagnoses(traces, facts_of):
     for name in RECIPES:
@@ -164,6 +179,7 @@ def test_empty_interval_sets():
 
 # --- 2. estimates, said to be estimates ----------------------------------------------------------
 
+
 def test_micro_batches_estimated_and_flagged(facts_of):
     f = facts_of("plain")
     assert f["shapes.micro_batches_per_step"] == 1
@@ -180,7 +196,12 @@ def test_micro_batches_estimated_and_flagged(facts_of):
 
 
 def test_stage_estimated_from_weight_gradients(facts_of, h100):
-    for f in (facts_of("plain"), facts_of("modules_s2"), facts_of("qwen2vl_stack"), h100("llava_s2_plain")[0]):
+    for f in (
+        facts_of("plain"),
+        facts_of("modules_s2"),
+        facts_of("qwen2vl_stack"),
+        h100("llava_s2_plain")[0],
+    ):
         assert f["run.stage"] == 2 and f["run.stage_source"].startswith("estimated")
     for f in (facts_of("stack_s1"), h100("llava_s1_plain")[0]):
         assert f["run.stage"] == 1 and "LLM frozen" in f["run.stage_source"]
@@ -203,6 +224,7 @@ def test_not_evaluated_names_the_profiler_option(facts_of, h100):
 
 
 # --- 3. --stage / --model overrides --------------------------------------------------------------
+
 
 def test_stage_override_that_contradicts_the_trace_warns(h100, cli_runner, tmp_path):
     f, _ = h100("llava_s1_plain", stage=2)
@@ -233,6 +255,7 @@ def test_unknown_model_is_refused(cli_runner):
 
 # --- 4. rules fire on the facts a user's trace has -----------------------------------------------
 
+
 def test_recompute_fires_without_memory_with_a_caveat(h100):
     f, d = h100("llava_s2_ckpt_autocast")
     assert "memory.peak_reserved_frac" not in f and f["recompute.share"] > 0.05
@@ -244,7 +267,12 @@ def test_recompute_fires_without_memory_with_a_caveat(h100):
 
 def test_memory_still_rules_the_fix_out_when_measured(h100):
     f, _ = h100("llava_s2_ckpt_autocast")
-    full = {**f, "memory.peak_reserved_frac": 0.9, "memory.peak_reserved_gb": 70.0, "memory.device_total_gb": 79.0}
+    full = {
+        **f,
+        "memory.peak_reserved_frac": 0.9,
+        "memory.peak_reserved_gb": 70.0,
+        "memory.device_total_gb": 79.0,
+    }
     assert "system-checkpoint-recompute" not in {x["id"] for x in diagnose(full, RULES)["findings"]}
 
 
@@ -253,7 +281,9 @@ def test_cast_rule_runs_on_estimated_micro_batches(h100):
     assert "precision-autocast-casts" not in {n["id"] for n in d["not_evaluated"]}
     # the tiny model casts far fewer kernels than a real one: with the threshold under what it measured, it fires
     rule = next(r for r in RULES if r.id == "precision-autocast-casts")
-    low = dataclasses.replace(rule, constants={**rule.constants, "MIN_CASTS_PER_MICRO_BATCH": {"value": 10, "why": "test"}})
+    low = dataclasses.replace(
+        rule, constants={**rule.constants, "MIN_CASTS_PER_MICRO_BATCH": {"value": 10, "why": "test"}}
+    )
     found = diagnose(f, [low])["findings"]
     assert found and any("estimated from forward/backward" in e for e in found[0]["evidence"])
 
@@ -273,6 +303,7 @@ def test_has_in_rules_is_validated(tmp_path):
 
 # --- 5. model parts from the module hierarchy ----------------------------------------------------
 
+
 def _op_parts(path: Path) -> dict[str, set]:
     t = load_tables(path)
     ctx = op_context(t)
@@ -288,7 +319,10 @@ def test_parts_from_module_hierarchy_on_cpu(traces, facts_of):
         assert facts_of(name)["part.source"] == "module hierarchy"
         parts = _op_parts(traces[name])
         assert {"vision", "projector", "llm"} <= parts["forward"], (name, parts)
-        assert {"projector", "llm"} <= parts["backward"], (name, parts)  # backward GEMMs through sequence numbers
+        assert {"projector", "llm"} <= parts["backward"], (
+            name,
+            parts,
+        )  # backward GEMMs through sequence numbers
     assert facts_of("plain")["part.source"] == "none"
     assert _op_parts(traces["plain"])["forward"] <= {"other", "loss"}
 

@@ -1,4 +1,5 @@
 """`vlmdoctor treat` and `vlmdoctor sweep`, end to end on CPU with the tiny preset (real runs, fresh processes)."""
+
 from __future__ import annotations
 
 import csv
@@ -12,12 +13,28 @@ import pytest
 from typer.testing import CliRunner
 
 from vlmdoctor.cli import app
-from vlmdoctor.run.config import RunConfig
 from vlmdoctor.doctor.decide import verdict
 from vlmdoctor.doctor.treat import TreatOptions, treat
+from vlmdoctor.run.config import RunConfig
 
-TINY = ["--model", "tiny", "--device", "cpu", "--steps", "3", "--warmup", "2", "--repeats", "1",
-        "--set", "num_samples=64", "--set", "autocast=off", "--set", "batch_size=1"]
+TINY = [
+    "--model",
+    "tiny",
+    "--device",
+    "cpu",
+    "--steps",
+    "3",
+    "--warmup",
+    "2",
+    "--repeats",
+    "1",
+    "--set",
+    "num_samples=64",
+    "--set",
+    "autocast=off",
+    "--set",
+    "batch_size=1",
+]
 
 # Rules that fire on any CPU run: batch 1 -> 4 (measured on 2 cores: 12k -> 18k tokens/s) and a
 # GPU-only knob, which the composition leaves out (this machine refuses it) instead of failing with it.
@@ -40,12 +57,29 @@ def treated(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("treat")
     rules = tmp / "rules"
     rules.mkdir()
-    for rid, when, patch in (("t1-bigger-batch", "step.ms > 0 and config.batch_size < 4", "{batch_size: 4}"),
-                             ("t3-gpu-only-knob", "step.ms > 0", "{liger_rms_norm: true}")):
+    for rid, when, patch in (
+        ("t1-bigger-batch", "step.ms > 0 and config.batch_size < 4", "{batch_size: 4}"),
+        ("t3-gpu-only-knob", "step.ms > 0", "{liger_rms_norm: true}"),
+    ):
         (rules / f"{rid}.yaml").write_text(RULE.format(id=rid, when=when, patch=patch))
     out = tmp / "out"
-    r = CliRunner().invoke(app, ["treat", *TINY, "--rules", str(rules), "--max-trials", "1", "--max-pairs", "3",
-                                 "--out", str(out), "--json", str(tmp / "t.json")])
+    r = CliRunner().invoke(
+        app,
+        [
+            "treat",
+            *TINY,
+            "--rules",
+            str(rules),
+            "--max-trials",
+            "1",
+            "--max-pairs",
+            "3",
+            "--out",
+            str(out),
+            "--json",
+            str(tmp / "t.json"),
+        ],
+    )
     return r, out, tmp / "t.json"
 
 
@@ -86,8 +120,22 @@ def test_final_config_runs_again(treated):
     _, out, _ = treated
     cfg = RunConfig.load(out / "final_config.yaml")
     assert cfg.model == "tiny"
-    r = CliRunner().invoke(app, ["profile", "--config", str(out / "final_config.yaml"), "--steps", "1", "--warmup", "0",
-                                 "--repeats", "1", "--no-diagnose", "--quiet"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "profile",
+            "--config",
+            str(out / "final_config.yaml"),
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--repeats",
+            "1",
+            "--no-diagnose",
+            "--quiet",
+        ],
+    )
     assert r.exit_code == 0, r.output
 
 
@@ -100,6 +148,7 @@ def test_treat_refuses_to_overwrite_results(treated):
 # --- the decision logic, on a fake runner: a throughput model of the knobs plus seeded noise ---------
 
 BASE = RunConfig(model="tiny", device="cpu", steps=2, warmup=0, repeats=1, num_samples=64, autocast="off")
+
 
 #: what each knob value does to throughput in the fake world: batch 8 pays 60%, padding costs 15%,
 #: the fused optimizer does nothing, compile pays 40%, Liger pays 10%; bf16 weights pay 30% but only
@@ -150,9 +199,14 @@ class FakeRunner:
                 return {"status": status, "error": {"message": status}}
         v = fake_speed(c) * float(np.exp(self.rng.normal(0, self.noise)))
         findings, superseded = fake_diagnosis(c)
-        return {"status": "ok", "config": c.to_dict(), "repeats": [{"real_tokens_per_s": v}],
-                "metrics": {"real_tokens_per_s": v, "step_ms": 1e3 / v, "mfu": None},
-                "findings": findings if diagnose else None, "superseded": superseded if diagnose else None}
+        return {
+            "status": "ok",
+            "config": c.to_dict(),
+            "repeats": [{"real_tokens_per_s": v}],
+            "metrics": {"real_tokens_per_s": v, "step_ms": 1e3 / v, "mfu": None},
+            "findings": findings if diagnose else None,
+            "superseded": superseded if diagnose else None,
+        }
 
 
 def run_fake(runner: FakeRunner, **opts) -> dict:
@@ -171,8 +225,13 @@ def test_composition_then_ablation_in_the_final_config_keeps_what_pays_and_drops
     assert contrib["batch"]["outcome"] == "superseded"  # round 2 set the batch again: nothing to ablate
     assert result["final_ablation"]["dropped"] == ["pad", "fused-adamw"]
     final = RunConfig.from_dict(result["final_config"])
-    assert (final.weight_dtype, final.batch_size, final.compile, final.pad_to_multiple_of, final.fused_optimizer) == \
-        ("bf16", 16, "default", 1, False)  # batch 16: round 2
+    assert (
+        final.weight_dtype,
+        final.batch_size,
+        final.compile,
+        final.pad_to_multiple_of,
+        final.fused_optimizer,
+    ) == ("bf16", 16, "default", 1, False)  # batch 16: round 2
     assert final.warmup == 10  # the compile patch's warm-up stays with compile
     kinds = [t["kind"] for t in result["trials"]]
     assert kinds == ["composition"] * 3 + ["ablation"] * 4  # round 1 (two alternatives), round 2, the ablation
@@ -186,6 +245,7 @@ def test_composition_then_ablation_in_the_final_config_keeps_what_pays_and_drops
 def test_an_ablation_left_open_by_the_pairs_keeps_the_change():
     """A change whose interval is still open when the pairs run out stays: its composition paid.
     (On the H100, bf16 weights measured x1.23 [0.99-1.54] in 4 pairs and were dropped before this.)"""
+
     def speed(c):
         return 1000.0 * (1.6 if c.batch_size >= 8 else 1.0) * (1.15 if c.weight_dtype == "bf16" else 1.0)
 
@@ -193,10 +253,18 @@ def test_an_ablation_left_open_by_the_pairs_keeps_the_change():
         def __call__(self, c, diagnose, timeout):
             self.calls.append((c, diagnose, timeout))
             v = speed(c) * float(np.exp(self.rng.normal(0, self.noise)))
-            findings = [F(k, 1, p) for k, p in (("bf16", {"weight_dtype": "bf16"}), ("batch", {"batch_size": 8}))
-                        if getattr(c, next(iter(p))) != next(iter(p.values()))]
-            return {"status": "ok", "repeats": [{"real_tokens_per_s": v}], "metrics": {"real_tokens_per_s": v},
-                    "findings": findings if diagnose else None, "superseded": []}
+            findings = [
+                F(k, 1, p)
+                for k, p in (("bf16", {"weight_dtype": "bf16"}), ("batch", {"batch_size": 8}))
+                if getattr(c, next(iter(p))) != next(iter(p.values()))
+            ]
+            return {
+                "status": "ok",
+                "repeats": [{"real_tokens_per_s": v}],
+                "metrics": {"real_tokens_per_s": v},
+                "findings": findings if diagnose else None,
+                "superseded": [],
+            }
 
     result = run_fake(Runner(seed=1, noise=0.15), max_pairs=4)
     contrib = {c["rule"]: c["contribution"] for c in result["ladder"][1]["changes"]}
@@ -304,20 +372,43 @@ def test_compose_leaves_out_what_the_machine_refuses():
 
     comps = compose(BASE, report, skipped, refuse_compile)
     assert [ch["rule"] for ch in comps[0]["changes"]] == ["bf16", "batch", "pad", "fused-adamw"]
-    assert skipped == [{"rule": "compile", "config_patch": report["findings"][3]["config_patch"],
-                        "why": "no compiler here"}]
+    assert skipped == [
+        {"rule": "compile", "config_patch": report["findings"][3]["config_patch"], "why": "no compiler here"}
+    ]
 
 
 def test_sweep_product_of_knob_values(tmp_path):
     out = tmp_path / "s.csv"
-    r = CliRunner().invoke(app, ["sweep", "--set", "model=tiny", "--set", "device=cpu", "--set", "batch_size=1,4",
-                                 "--set", "steps=2", "--set", "warmup=0", "--set", "num_samples=64",
-                                 "--set", "autocast=off", "--csv", str(out), "--jsonl", str(tmp_path / "s.jsonl")])
+    r = CliRunner().invoke(
+        app,
+        [
+            "sweep",
+            "--set",
+            "model=tiny",
+            "--set",
+            "device=cpu",
+            "--set",
+            "batch_size=1,4",
+            "--set",
+            "steps=2",
+            "--set",
+            "warmup=0",
+            "--set",
+            "num_samples=64",
+            "--set",
+            "autocast=off",
+            "--csv",
+            str(out),
+            "--jsonl",
+            str(tmp_path / "s.jsonl"),
+        ],
+    )
     assert r.exit_code == 0, r.output
     rows = list(csv.DictReader(out.open()))
-    assert [row["name"] for row in rows] == ["model=tiny, device=cpu, batch_size=1, steps=2, warmup=0, num_samples=64, "
-                                             "autocast=off", "model=tiny, device=cpu, batch_size=4, steps=2, warmup=0, "
-                                             "num_samples=64, autocast=off"]
+    assert [row["name"] for row in rows] == [
+        "model=tiny, device=cpu, batch_size=1, steps=2, warmup=0, num_samples=64, autocast=off",
+        "model=tiny, device=cpu, batch_size=4, steps=2, warmup=0, num_samples=64, autocast=off",
+    ]
     assert all(row["status"] == "ok" and float(row["real_tokens_per_s"]) > 0 for row in rows)
     assert len((tmp_path / "s.jsonl").read_text().splitlines()) == 2
 
@@ -372,8 +463,24 @@ def test_treat_json_to_stdout_with_the_runs_faked(tmp_path, monkeypatch):
 
     monkeypatch.setattr(runner_mod, "run_isolated", run_isolated)
     out = tmp_path / "out"
-    r = CliRunner().invoke(app, ["treat", "--model", "tiny", "--device", "cpu", "--set", "autocast=off",
-                                 "--max-trials", "2", "--out", str(out), "--json", "-"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "treat",
+            "--model",
+            "tiny",
+            "--device",
+            "cpu",
+            "--set",
+            "autocast=off",
+            "--max-trials",
+            "2",
+            "--out",
+            str(out),
+            "--json",
+            "-",
+        ],
+    )
     assert r.exit_code == 0, r.output
     result = json.loads(r.stdout)
     assert result["kind"] == "treat" and result["trials"][0]["kind"] == "composition"
@@ -383,6 +490,7 @@ def test_treat_json_to_stdout_with_the_runs_faked(tmp_path, monkeypatch):
 
 def test_changes_that_pay_only_together_are_kept_as_a_group():
     """Two +4% changes under a 5% bar: together (+8%) they clear it, alone neither does."""
+
     def speed(c):
         return 1000.0 * (1.04 if c.fused_optimizer else 1.0) * (1.04 if c.sampler == "length_bucketed" else 1.0)
 
@@ -390,11 +498,18 @@ def test_changes_that_pay_only_together_are_kept_as_a_group():
         def __call__(self, c, diagnose, timeout):
             self.calls.append((c, diagnose, timeout))
             v = speed(c) * float(np.exp(self.rng.normal(0, 0.003)))
-            findings = [F(k, 5, p) for k, p in (("fused", {"fused_optimizer": True}),
-                                                 ("bucket", {"sampler": "length_bucketed"}))
-                        if getattr(c, next(iter(p))) != next(iter(p.values()))]
-            return {"status": "ok", "repeats": [{"real_tokens_per_s": v}], "metrics": {"real_tokens_per_s": v},
-                    "findings": findings if diagnose else None, "superseded": []}
+            findings = [
+                F(k, 5, p)
+                for k, p in (("fused", {"fused_optimizer": True}), ("bucket", {"sampler": "length_bucketed"}))
+                if getattr(c, next(iter(p))) != next(iter(p.values()))
+            ]
+            return {
+                "status": "ok",
+                "repeats": [{"real_tokens_per_s": v}],
+                "metrics": {"real_tokens_per_s": v},
+                "findings": findings if diagnose else None,
+                "superseded": [],
+            }
 
     result = run_fake(Runner(seed=3), min_gain=0.05)
     assert result["trials"][0]["outcome"] == "kept"
@@ -420,8 +535,11 @@ def test_smaller_batch_halves_the_batch_step():
     from vlmdoctor.doctor.treat import _smaller_batch
 
     cfg = BASE.replace(batch_size=2)
-    comp = {"name": "composition", "changes": [{"rule": "batch", "layer": 2, "title": "b",
-                                                "config_patch": {"batch_size": 48}}], "config": None}
+    comp = {
+        "name": "composition",
+        "changes": [{"rule": "batch", "layer": 2, "title": "b", "config_patch": {"batch_size": 48}}],
+        "config": None,
+    }
     sizes = []
     while comp is not None:
         comp = _smaller_batch(cfg, comp)
@@ -440,8 +558,9 @@ def test_a_round_the_time_cut_short_shows_what_it_measured():
     from vlmdoctor.report.console import render_ladder
     from vlmdoctor.report.html import treat_html
 
-    result = json.loads((Path(__file__).parents[1] / "bench/results/2026-11-23-h100-treat11d/s1_05b/treat.json")
-                        .read_text())
+    result = json.loads(
+        (Path(__file__).parents[1] / "bench/results/2026-11-23-h100-treat11d/s1_05b/treat.json").read_text()
+    )
     buf = io.StringIO()
     render_ladder(result, Console(file=buf, width=80, color_system=None))
     text = buf.getvalue()
@@ -481,8 +600,11 @@ def test_with_room_for_two_pairs_only_the_large_expected_change_is_ablated(monke
     assert ablated[0]["outcome"] == "kept" and ablated[0]["pairs"] == 2 and min(ablated[0]["ratios"]) > 1.5
     contrib = {c["rule"]: c["contribution"] for r in result["ladder"][1:] for c in r["changes"]}
     assert contrib["compile"]["how"] == "leave-one-out ablation in the final config"
-    assert all(c["how"].startswith(("not ablated", "a later round", "the composition"))
-               for r, c in contrib.items() if r != "compile")
+    assert all(
+        c["how"].startswith(("not ablated", "a later round", "the composition"))
+        for r, c in contrib.items()
+        if r != "compile"
+    )
 
 
 def test_an_ablation_arm_that_runs_out_of_memory_keeps_the_change_and_says_why():
@@ -499,7 +621,10 @@ def test_an_ablation_arm_that_runs_out_of_memory_keeps_the_change_and_says_why()
         def __call__(self, c, diagnose, timeout):
             if c.batch_size == 16 and c.compile == "off":
                 self.calls.append((c, diagnose, timeout))
-                return {"status": "oom", "error": {"message": "CUDA out of memory. Tried to allocate 11.76 GiB"}}
+                return {
+                    "status": "oom",
+                    "error": {"message": "CUDA out of memory. Tried to allocate 11.76 GiB"},
+                }
             return super().__call__(c, diagnose, timeout)
 
     result = run_fake(Runner())
@@ -515,8 +640,9 @@ def test_an_ablation_arm_that_runs_out_of_memory_keeps_the_change_and_says_why()
 
 
 def test_the_h100_ladder_whose_ablation_ran_out_of_memory_renders():
-    result = json.loads((Path(__file__).parents[1] / "bench/results/2026-11-23-h100-treat11e/s2_05b/treat.json")
-                        .read_text())
+    result = json.loads(
+        (Path(__file__).parents[1] / "bench/results/2026-11-23-h100-treat11e/s2_05b/treat.json").read_text()
+    )
     from vlmdoctor.report.html import treat_html
 
     assert result["trials"][2]["status"] == "oom" and result["trials"][2]["outcome"] == "kept"

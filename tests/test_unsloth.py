@@ -3,6 +3,7 @@
 Unsloth itself needs a CUDA GPU, so what runs here is everything around it: validation,
 preflight, the CLI's one-line errors, and that no rule or treatment composes it with Liger.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,8 +35,15 @@ def test_unsloth_with_any_liger_knob_is_a_usage_error_naming_both(knob, source):
     RunConfig(model="0.5b").replace(unsloth=True)
 
 
-@pytest.mark.parametrize("change", [{"compile": "default"}, {"compile": "reduce-overhead"},
-                                    {"compile": "max-autotune"}, {"compile_vision": "fullgraph"}])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"compile": "default"},
+        {"compile": "reduce-overhead"},
+        {"compile": "max-autotune"},
+        {"compile_vision": "fullgraph"},
+    ],
+)
 def test_unsloth_with_torch_compile_is_refused(change):
     with pytest.raises(UsageError, match="Unsloth compiles its own parts"):
         RunConfig().replace(unsloth=True, **change)
@@ -54,8 +62,11 @@ def test_unsloth_not_importable_is_one_clear_line(monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("unsloth", "bitsandbytes")
-                        else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name in ("unsloth", "bitsandbytes") else real(name, *a),
+    )
     with pytest.raises(UsageError) as e:
         runner.preflight(_cfg(), resolve("dino-135m"), GPU)
     missing = e.value.message.split("but ")[1].split(" cannot be imported")[0].split(", ")
@@ -85,8 +96,15 @@ def test_unsloth_needs_16_bit_weights(monkeypatch):
         runner.preflight(_cfg(weight_dtype="fp32"), resolve("dino-135m"), GPU)
 
 
-@pytest.mark.parametrize("args", [["--unsloth"], ["--unsloth", "--liger"], ["--unsloth", "--compile", "default"],
-                                  ["--unsloth", "--liger-fused-ce"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--unsloth"],
+        ["--unsloth", "--liger"],
+        ["--unsloth", "--compile", "default"],
+        ["--unsloth", "--liger-fused-ce"],
+    ],
+)
 def test_cli_refuses_in_one_line_with_exit_2(cli_runner, args):
     result = cli_runner.invoke(app, ["profile", "--model", "tiny-dino", "--device", "cpu", *args])
     assert result.exit_code == 2, result.output
@@ -97,12 +115,17 @@ def test_cli_refuses_in_one_line_with_exit_2(cli_runner, args):
 
 # --- the doctor never composes Unsloth with Liger or torch.compile -------------------------------------
 
+
 def _fusion_rules():
     """Shipped rules whose patch turns on another fusion system (a Liger kernel or torch.compile)."""
     rules, problems = load_rules()
     assert not problems
-    return [r for r in rules if any(k.startswith("liger_") and v is True for k, v in r.patch.items())
-            or r.patch.get("compile") not in (None, "off")]
+    return [
+        r
+        for r in rules
+        if any(k.startswith("liger_") and v is True for k, v in r.patch.items())
+        or r.patch.get("compile") not in (None, "off")
+    ]
 
 
 def test_some_rules_prescribe_liger_or_compile():
@@ -119,10 +142,21 @@ def test_every_rule_prescribing_liger_or_compile_stands_down_for_unsloth(rule):
 
 
 def _unfused_facts(**extra):
-    return {"run.stage": 1, "liger.rms_norm.launches": 0.0, "liger.swiglu.launches": 0.0, "triton_compiled.launches": 0.0,
-            "kernels.elementwise.share": 0.3, "kernels.elementwise.ms": 30.0, "kernels.elementwise.count": 900.0,
-            "step.ms": 100.0, "ops.fused_linear_cross_entropy": False, "loss.logits_gb": 3.0,
-            "loss.logits_elements": 10**9, "loss.logits_dtype": "float32", **extra}
+    return {
+        "run.stage": 1,
+        "liger.rms_norm.launches": 0.0,
+        "liger.swiglu.launches": 0.0,
+        "triton_compiled.launches": 0.0,
+        "kernels.elementwise.share": 0.3,
+        "kernels.elementwise.ms": 30.0,
+        "kernels.elementwise.count": 900.0,
+        "step.ms": 100.0,
+        "ops.fused_linear_cross_entropy": False,
+        "loss.logits_gb": 3.0,
+        "loss.logits_elements": 10**9,
+        "loss.logits_dtype": "float32",
+        **extra,
+    }
 
 
 def test_a_measured_unsloth_run_gets_no_liger_prescription():

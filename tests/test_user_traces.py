@@ -5,6 +5,7 @@ profiles the torch.profiler tutorial's way (fixtures/README.md, fixtures/user_tr
 Each trace must give the findings its recorded mistake calls for, and the healthy ones none of
 layer 1, with no vlmdoctor markers, shapes or memory events to lean on.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,14 +19,26 @@ TRACES = Path(__file__).resolve().parents[1] / "fixtures" / "user_traces"
 
 #: trace -> (rule ids that must fire, rule ids that must not)
 EXPECTED = {
-    "llava_fp32_autocast_ckpt_s2": ({"precision-autocast-casts", "system-checkpoint-recompute"}, {"fusion-fusedce-stage2"}),
+    "llava_fp32_autocast_ckpt_s2": (
+        {"precision-autocast-casts", "system-checkpoint-recompute"},
+        {"fusion-fusedce-stage2"},
+    ),
     "llava_fp32_s1": ({"precision-fp32-gemms"}, {"system-checkpoint-recompute"}),
     "llava_fce_s2": ({"fusion-fusedce-stage2"}, {"precision-fp32-gemms", "precision-autocast-casts"}),
-    "llava_ckpt_spare_s2": ({"system-checkpoint-recompute"}, {"precision-fp32-gemms", "precision-autocast-casts"}),
-    "llava_healthy_s2": (set(), {"fusion-fusedce-stage2", "system-checkpoint-recompute", "fusion-eager-attention"}),
+    "llava_ckpt_spare_s2": (
+        {"system-checkpoint-recompute"},
+        {"precision-fp32-gemms", "precision-autocast-casts"},
+    ),
+    "llava_healthy_s2": (
+        set(),
+        {"fusion-fusedce-stage2", "system-checkpoint-recompute", "fusion-eager-attention"},
+    ),
     "qwen2vl_fp32_autocast_s2": ({"precision-autocast-casts", "system-checkpoint-recompute"}, set()),
     "qwen2vl_fce_s2": ({"fusion-fusedce-stage2"}, {"precision-fp32-gemms", "precision-autocast-casts"}),
-    "smolvlm_healthy_s1_loader": (set(), {"fusion-fusedce-stage2", "system-checkpoint-recompute", "system-data-loader"}),
+    "smolvlm_healthy_s1_loader": (
+        set(),
+        {"fusion-fusedce-stage2", "system-checkpoint-recompute", "system-data-loader"},
+    ),
     # a DataLoader without workers: 20.9 ms a step of batch building against 139.7 ms of GPU work
     "llava_loader_main_s2": ({"system-data-loader"}, {"fusion-fusedce-stage2", "precision-fp32-gemms"}),
 }
@@ -104,8 +117,11 @@ def test_analyze_says_the_fix_as_loop_lines_and_no_rule_file_is_broken(tmp_path)
     from vlmdoctor.cli import app
 
     out = tmp_path / "a.json"
-    r = CliRunner().invoke(app, ["analyze", str(TRACES / "llava_fp32_autocast_ckpt_s2.pt.trace.json.gz"),
-                                 "--json", str(out)], env={"COLUMNS": "80"})
+    r = CliRunner().invoke(
+        app,
+        ["analyze", str(TRACES / "llava_fp32_autocast_ckpt_s2.pt.trace.json.gz"), "--json", str(out)],
+        env={"COLUMNS": "80"},
+    )
     assert r.exit_code == 0, r.output
     assert "in your loop:" in r.output and "model.to(torch.bfloat16)" in r.output
     assert "vlmdoctor profile --model" not in r.output  # not vlmdoctor's run: no command of vlmdoctor's own

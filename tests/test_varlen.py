@@ -8,6 +8,7 @@ Inductor compile of some seconds: the checks that run by default share one packe
 FlexAttention has no backward on CPU (torch 2.13), so these are forwards; training on flex is
 refused on CPU by the runner's preflight (tested below).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -160,23 +161,38 @@ def test_eager_packing_still_refused(tiny_cfg):
 #: names as the H100 and Inductor write them; the flex ones are Inductor template kernels named after
 #: the flex_attention HOP (torch/_inductor/kernel/flex/flex_attention.py: TritonTemplate(name="flex_attention"))
 ATTENTION_NAMES = {
-    "attention_flex": ["triton_tem_fused_flex_attention_0", "triton_tem_fused_flex_attention_backward_1",
-                       "triton_tem_fused__to_copy_flex_attention_3", "triton_per_fused_flex_attention_backward_zeros_2"],
-    "attention_flash": ["void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4>, true>(Params)",
-                        "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Traits, true>(Params)",
-                        "flash_fwd_splitkv_kernel"],
-    "attention_mem_efficient": ["fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<"
-                                "cutlass::bfloat16_t, cutlass::arch::Sm80, true, 64, 64, 64, true, true>::Params)",
-                                "fmha_cutlassB_bf16_aligned_64x64_k64_sm80(PyTorchMemEffAttention::AttentionBackward"
-                                "Kernel<cutlass::arch::Sm80, cutlass::bfloat16_t, true, false, false, 64, 64, 64>"
-                                "::Params)", "efficient_attention_forward"],
-    "attention_cudnn": ["cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x64_4x1x1",
-                        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64"],
+    "attention_flex": [
+        "triton_tem_fused_flex_attention_0",
+        "triton_tem_fused_flex_attention_backward_1",
+        "triton_tem_fused__to_copy_flex_attention_3",
+        "triton_per_fused_flex_attention_backward_zeros_2",
+    ],
+    "attention_flash": [
+        "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4>, true>(Params)",
+        "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Traits, true>(Params)",
+        "flash_fwd_splitkv_kernel",
+    ],
+    "attention_mem_efficient": [
+        "fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<"
+        "cutlass::bfloat16_t, cutlass::arch::Sm80, true, 64, 64, 64, true, true>::Params)",
+        "fmha_cutlassB_bf16_aligned_64x64_k64_sm80(PyTorchMemEffAttention::AttentionBackward"
+        "Kernel<cutlass::arch::Sm80, cutlass::bfloat16_t, true, false, false, 64, 64, 64>"
+        "::Params)",
+        "efficient_attention_forward",
+    ],
+    "attention_cudnn": [
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x64_4x1x1",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64",
+    ],
 }
 #: names that must not become attention: other compiled kernels (the block-mask build among them), GEMMs
 OTHER_NAMES = {
-    "triton_compiled": ["triton_poi_fused_add_mul_0", "triton_red_fused__to_copy_mean_pow_1",
-                        "triton_tem_fused_mm_4", "triton_poi_fused_eq_index_lt_sum_2"],
+    "triton_compiled": [
+        "triton_poi_fused_add_mul_0",
+        "triton_red_fused__to_copy_mean_pow_1",
+        "triton_tem_fused_mm_4",
+        "triton_poi_fused_eq_index_lt_sum_2",
+    ],
     "gemm_tensor_core": ["nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT"],
     "softmax": ["void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float>(float*)"],
 }
@@ -201,14 +217,18 @@ def test_flex_advice_names_the_llm_only():
 
 # --- native transformers classes: FlexAttention for the language model only -----------------------
 
+
 @pytest.mark.parametrize("preset", ["tiny-llava", "tiny-smolvlm"])
 def test_native_flex_sets_the_text_model_only(preset):
     """transformers takes a per-sub-config attn_implementation dict: text on flex, tower on SDPA."""
     from vlmdoctor.run import native
 
     vlm = native.build_native(native.resolve_native(preset), attention="flex")
-    impl = {type(m).__name__: m.config._attn_implementation for m in vlm.hf.modules()
-            if hasattr(m, "config") and hasattr(m.config, "_attn_implementation")}
+    impl = {
+        type(m).__name__: m.config._attn_implementation
+        for m in vlm.hf.modules()
+        if hasattr(m, "config") and hasattr(m.config, "_attn_implementation")
+    }
     text = vlm.hf.config.text_config._attn_implementation
     vision = vlm.hf.config.vision_config._attn_implementation
     assert (text, vision) == ("flex_attention", "sdpa"), impl

@@ -3,6 +3,7 @@
 Real tiny native VLMs (LLaVA: SigLIP + Qwen2; Qwen2-VL) trained on CPU; every trace is recorded by
 torch.profiler in the test. Recorded runs are shared through module-scoped fixtures.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from vlmdoctor.cli import app
 from vlmdoctor.ci.gate import check_comparable, gate, validate_report
+from vlmdoctor.cli import app
 from vlmdoctor.doctor.advice import advise
 from vlmdoctor.run.config import RunConfig, knob_table
 
@@ -30,6 +31,7 @@ PARTS = ("vision", "projector", "llm")
 
 
 # --- tiny models and data ----------------------------------------------------------------------
+
 
 def qwen2vl():
     torch.manual_seed(0)
@@ -72,6 +74,7 @@ def llava_data():
 
 # --- recorded runs (module scope: each trains once) -------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def api_llava(tmp_path_factory):
     import vlmdoctor
@@ -113,8 +116,16 @@ def _trainer_run(model, dataset, collate, out, **args):
 
     from vlmdoctor import DoctorCallback
 
-    targs = TrainingArguments(output_dir=str(out / "hf"), max_steps=7, report_to=[], use_cpu=True, save_strategy="no",
-                              logging_steps=100, disable_tqdm=True, **args)
+    targs = TrainingArguments(
+        output_dir=str(out / "hf"),
+        max_steps=7,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_steps=100,
+        disable_tqdm=True,
+        **args,
+    )
     cb = DoctorCallback(out=out / "doctor", quiet=True, **WINDOW)
     Trainer(model=model, args=targs, train_dataset=dataset, data_collator=collate, callbacks=[cb]).train()
     return cb.report
@@ -126,10 +137,12 @@ def _pad_collate(items):
     def pad(t, v):
         return torch.cat([t, torch.full((n - len(t),), v, dtype=t.dtype)])
 
-    return {"input_ids": torch.stack([pad(x["input_ids"], 0) for x in items]),
-            "attention_mask": torch.stack([pad(x["attention_mask"], 0) for x in items]),
-            "labels": torch.stack([pad(x["labels"], -100) for x in items]),
-            "pixel_values": torch.stack([x["pixel_values"] for x in items])}
+    return {
+        "input_ids": torch.stack([pad(x["input_ids"], 0) for x in items]),
+        "attention_mask": torch.stack([pad(x["attention_mask"], 0) for x in items]),
+        "labels": torch.stack([pad(x["labels"], -100) for x in items]),
+        "pixel_values": torch.stack([x["pixel_values"] for x in items]),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +153,16 @@ def trainer_llava(tmp_path_factory):
     ds = _DS(lambda i: {k: v[0] for k, v in next(it).items()}, 32)
     model = build_model()
     freeze_tower(model)
-    report = _trainer_run(model, ds, _pad_collate, out, per_device_train_batch_size=4,
-                          dataloader_num_workers=0, dataloader_pin_memory=False, gradient_accumulation_steps=1)
+    report = _trainer_run(
+        model,
+        ds,
+        _pad_collate,
+        out,
+        per_device_train_batch_size=4,
+        dataloader_num_workers=0,
+        dataloader_pin_memory=False,
+        gradient_accumulation_steps=1,
+    )
     return report, out
 
 
@@ -152,35 +173,70 @@ def trainer_qwen2vl(tmp_path_factory):
     ds = _DS(qwen2vl_batch, 16)  # each item already a batch of 2: the collator passes it through
     model = qwen2vl()
     freeze_tower(model)
-    report = _trainer_run(model, ds, lambda items: items[0], out, per_device_train_batch_size=1,
-                          gradient_accumulation_steps=2)
+    report = _trainer_run(
+        model, ds, lambda items: items[0], out, per_device_train_batch_size=1, gradient_accumulation_steps=2
+    )
     return report, out
 
 
 def _vlmdoctor(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vlmdoctor", *args], capture_output=True, text=True, cwd=cwd,
-                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT), "COLUMNS": "80"})
+    return subprocess.run(
+        [sys.executable, "-m", "vlmdoctor", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**__import__("os").environ, "PYTHONPATH": str(ROOT), "COLUMNS": "80"},
+    )
 
 
 @pytest.fixture(scope="module")
 def script_llava(tmp_path_factory):
     out = tmp_path_factory.mktemp("script") / "doctor"
-    proc = _vlmdoctor("run", "--out", str(out), "--warmup", "1", "--steps", "3", "--trace-steps", "1",
-                      "--stop-after-window", "--", "python", str(ROOT / "examples" / "train_llava_loop.py"),
-                      "--steps", "40")
+    proc = _vlmdoctor(
+        "run",
+        "--out",
+        str(out),
+        "--warmup",
+        "1",
+        "--steps",
+        "3",
+        "--trace-steps",
+        "1",
+        "--stop-after-window",
+        "--",
+        "python",
+        str(ROOT / "examples" / "train_llava_loop.py"),
+        "--steps",
+        "40",
+    )
     return proc, out
 
 
 @pytest.fixture(scope="module")
 def script_qwen2vl(tmp_path_factory):
     out = tmp_path_factory.mktemp("script_qwen2vl") / "doctor"
-    proc = _vlmdoctor("run", "--out", str(out), "--warmup", "1", "--steps", "3", "--trace-steps", "1",
-                      "--stop-after-window", "--", "python", str(ROOT / "examples" / "train_qwen2vl_loop.py"),
-                      "--steps", "40")
+    proc = _vlmdoctor(
+        "run",
+        "--out",
+        str(out),
+        "--warmup",
+        "1",
+        "--steps",
+        "3",
+        "--trace-steps",
+        "1",
+        "--stop-after-window",
+        "--",
+        "python",
+        str(ROOT / "examples" / "train_qwen2vl_loop.py"),
+        "--steps",
+        "40",
+    )
     return proc, out
 
 
 # --- every way in gives the same kind of report ----------------------------------------------
+
 
 def _check_report(report, source: str, model_class: str) -> None:
     validate_report(report, source)  # what gate and compare accept
@@ -219,16 +275,22 @@ def test_api_qwen2vl_tokens_from_the_forward_hook(api_qwen2vl_hook):
     report, _ = api_qwen2vl_hook
     _check_report(report, "api", "Qwen2VLForConditionalGeneration")
     assert report["data"]["tokens_from"] == "forward hook"
-    assert report["model"]["parts"] == {"projector": "PatchMerger", "vision": "Qwen2VisionTransformerPretrainedModel",
-                                        "llm": "Qwen2VLTextModel"}
+    assert report["model"]["parts"] == {
+        "projector": "PatchMerger",
+        "vision": "Qwen2VisionTransformerPretrainedModel",
+        "llm": "Qwen2VLTextModel",
+    }
     # the merger runs inside the tower: its range nests in the vision range, and its time is counted once
     import gzip
 
     events = json.load(gzip.open(report["trace"]["path"], "rt"))["traceEvents"]
-    spans = {p: [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == f"vlmdoctor::{p}" and "dur" in e]
-             for p in ("vision", "projector")}
-    assert spans["projector"] and all(any(vs <= ps and pe <= ve for vs, ve in spans["vision"])
-                                      for ps, pe in spans["projector"])
+    spans = {
+        p: [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == f"vlmdoctor::{p}" and "dur" in e]
+        for p in ("vision", "projector")
+    }
+    assert spans["projector"] and all(
+        any(vs <= ps and pe <= ve for vs, ve in spans["vision"]) for ps, pe in spans["projector"]
+    )
     vision_range_ms = sum(e - s for s, e in spans["vision"]) / 1e3 / report["facts"]["trace.steps"]
     f = report["facts"]
     own = f["cpu.part.vision.forward_ms"] + f["cpu.part.projector.forward_ms"]
@@ -282,7 +344,7 @@ def test_script_run_llava(script_llava):
     assert "step 0 loss" in log and "step 0 loss" in proc.stdout  # passed through and kept
     assert "training done" not in log  # --stop-after-window stopped it
     assert "prescriptions" in proc.stdout or "no prescriptions" in proc.stdout
-    ours = proc.stdout[proc.stdout.index("vlmdoctor: LlavaForConditionalGeneration"):]  # after the script's output
+    ours = proc.stdout[proc.stdout.index("vlmdoctor: LlavaForConditionalGeneration") :]  # after the script's output
     assert max(len(line) for line in ours.splitlines() if str(out) not in line) <= 80  # long paths aside
 
 
@@ -296,6 +358,7 @@ def test_script_run_qwen2vl(script_qwen2vl):
 
 # --- gate, compare, export and HTML read these reports -------------------------------------
 
+
 def test_gate_and_compare_two_reports_of_the_same_script(api_llava, script_llava, tmp_path, cli_runner):
     report_a, out_a = api_llava
     _, out_b = script_llava
@@ -305,8 +368,7 @@ def test_gate_and_compare_two_reports_of_the_same_script(api_llava, script_llava
     verdict = gate(report_a, b)
     assert {c["name"] for c in verdict["checks"]} == {"throughput", "memory", "findings"}
     a, b_path = str(out_a / "report.json"), str(out_b / "report.json")
-    r = cli_runner.invoke(app, ["gate", "--baseline", a, "--current", b_path,
-                                "--max-regression", "0.99"])
+    r = cli_runner.invoke(app, ["gate", "--baseline", a, "--current", b_path, "--max-regression", "0.99"])
     assert r.exit_code == 0, r.output
     r = cli_runner.invoke(app, ["gate", "--baseline", a, "--current", b_path])  # judged: pass or fail, not refused
     assert r.exit_code in (0, 1) and "throughput" in r.output, r.output
@@ -335,6 +397,7 @@ def test_export_and_html_read_a_user_report(api_llava, tmp_path, cli_runner):
 
 
 # --- the user's training comes first ------------------------------------------------------
+
 
 def test_internal_errors_do_not_stop_the_loop(tmp_path, monkeypatch, capsys):
     import vlmdoctor
@@ -412,13 +475,32 @@ def test_run_missing_script(tmp_path, cli_runner):
 @pytest.mark.parametrize("case", ["fails", pytest.param("exits_3", marks=pytest.mark.slow), "no_step", "short"])
 def test_run_bad_scripts(case, tmp_path, cli_runner):
     # "fails" fails after the windows were measured (1 + 2 timed + 2 + 1 traced, after the first step)
-    steps, tail = {"fails": (8, "raise RuntimeError('boom in the user script')"), "exits_3": (3, "sys.exit(3)"),
-                   "no_step": (0, "print('no training here')"), "short": (4, "")}[case]
+    steps, tail = {
+        "fails": (8, "raise RuntimeError('boom in the user script')"),
+        "exits_3": (3, "sys.exit(3)"),
+        "no_step": (0, "print('no training here')"),
+        "short": (4, ""),
+    }[case]
     window = ["1", "2", "1"] if case == "fails" else ["5", "20", "2"]
     script = _script(tmp_path, steps, tail)
     out = tmp_path / "doc"
-    r = cli_runner.invoke(app, ["run", "--out", str(out), "--warmup", window[0], "--steps", window[1], "--trace-steps",
-                                window[2], "--", "python", str(script)])
+    r = cli_runner.invoke(
+        app,
+        [
+            "run",
+            "--out",
+            str(out),
+            "--warmup",
+            window[0],
+            "--steps",
+            window[1],
+            "--trace-steps",
+            window[2],
+            "--",
+            "python",
+            str(script),
+        ],
+    )
     proc = subprocess.CompletedProcess([], r.exit_code, r.stdout, r.stderr)
     log = (out / "script.log").read_text()
     if case in ("fails", "exits_3"):
@@ -452,18 +534,49 @@ def test_run_refuses_to_overwrite_a_report(tmp_path, cli_runner):
 
 # --- advice: a patch in the user's terms --------------------------------------------------
 
+
 def test_advice_trainer_and_loop():
-    t = advise({"weight_dtype": "bf16", "gradient_checkpointing": False, "sampler": "length_bucketed",
-                "fused_optimizer": True, "num_workers": 4, "pin_memory": True, "compile": "default",
-                "batch_size": 16}, "trainer")
-    for line in ("from_pretrained(..., dtype=torch.bfloat16)", "gradient_checkpointing=False", "group_by_length",
-                 'optim="adamw_torch_fused"', "dataloader_num_workers=4", "dataloader_pin_memory=True",
-                 "torch_compile=True", "per_device_train_batch_size=16"):
+    t = advise(
+        {
+            "weight_dtype": "bf16",
+            "gradient_checkpointing": False,
+            "sampler": "length_bucketed",
+            "fused_optimizer": True,
+            "num_workers": 4,
+            "pin_memory": True,
+            "compile": "default",
+            "batch_size": 16,
+        },
+        "trainer",
+    )
+    for line in (
+        "from_pretrained(..., dtype=torch.bfloat16)",
+        "gradient_checkpointing=False",
+        "group_by_length",
+        'optim="adamw_torch_fused"',
+        "dataloader_num_workers=4",
+        "dataloader_pin_memory=True",
+        "torch_compile=True",
+        "per_device_train_batch_size=16",
+    ):
         assert any(line in x for x in t), line
-    lp = advise({"weight_dtype": "bf16", "gradient_checkpointing": False, "fused_optimizer": True,
-                 "num_workers": 4, "vision_no_grad": True}, "loop")
-    for line in ("model.to(torch.bfloat16)", "model.gradient_checkpointing_disable()", "fused=True",
-                 "num_workers=4", "with torch.no_grad():"):
+    lp = advise(
+        {
+            "weight_dtype": "bf16",
+            "gradient_checkpointing": False,
+            "fused_optimizer": True,
+            "num_workers": 4,
+            "vision_no_grad": True,
+        },
+        "loop",
+    )
+    for line in (
+        "model.to(torch.bfloat16)",
+        "model.gradient_checkpointing_disable()",
+        "fused=True",
+        "num_workers=4",
+        "with torch.no_grad():",
+    ):
         assert any(line in x for x in lp), line
     liger = advise({"liger_rms_norm": True, "liger_swiglu": True}, "trainer")
     assert "use_liger_kernel=True" in liger
@@ -501,7 +614,8 @@ def test_regional_compile_is_said_as_block_compiles():
         assert "    block.compile(mode='max-autotune')" in lines
         assert not [x for x in lines if "torch.compile(model" in x or x == "torch_compile=True"]
     assert "torch_compile=False  # the blocks are compiled already" in advise(
-        {"compile": "default", "compile_regions": True}, "trainer")
+        {"compile": "default", "compile_regions": True}, "trainer"
+    )
     assert advise({"compile": "default"}, "loop") == ["model = torch.compile(model)"]
 
 
@@ -509,9 +623,9 @@ def test_guess_sampler_reads_the_lengths_inside_batches():
     from vlmdoctor.api import guess_sampler
 
     lengths = [(i * 37) % 200 + 20 for i in range(64)]  # a spread of lengths, in no order
-    random_batches = [lengths[i:i + 8] for i in range(0, 64, 8)]
+    random_batches = [lengths[i : i + 8] for i in range(0, 64, 8)]
     s = sorted(lengths)
-    bucketed = [s[i:i + 8] for i in range(0, 64, 8)]
+    bucketed = [s[i : i + 8] for i in range(0, 64, 8)]
     assert guess_sampler(random_batches) == "random"
     assert guess_sampler(bucketed) == "length_bucketed"
     assert guess_sampler([[10, 10], [10, 10], [10, 10], [10, 10]]) is None  # one length: nothing to say
@@ -520,9 +634,27 @@ def test_guess_sampler_reads_the_lengths_inside_batches():
 
 def test_run_json_to_stdout(tmp_path, cli_runner):
     script = _script(tmp_path, 6)
-    r = cli_runner.invoke(app, ["run", "--out", str(tmp_path / "o"), "--warmup", "1", "--steps", "2",
-                                "--trace-steps", "1", "--json", "-", "--html", str(tmp_path / "r.html"), "--",
-                                "python", str(script)])
+    r = cli_runner.invoke(
+        app,
+        [
+            "run",
+            "--out",
+            str(tmp_path / "o"),
+            "--warmup",
+            "1",
+            "--steps",
+            "2",
+            "--trace-steps",
+            "1",
+            "--json",
+            "-",
+            "--html",
+            str(tmp_path / "r.html"),
+            "--",
+            "python",
+            str(script),
+        ],
+    )
     assert r.exit_code == 0, r.output
     report = json.loads(r.stdout)  # stdout is the report alone; the script's output went to stderr
     assert report["config"]["source"] == "script" and "step 0" in r.stderr
@@ -532,8 +664,23 @@ def test_run_json_to_stdout(tmp_path, cli_runner):
 def test_run_reports_at_the_window_end_and_the_script_goes_on(tmp_path, cli_runner):
     script = _script(tmp_path, 10, "print('script finished', flush=True)")
     out = tmp_path / "o"
-    r = cli_runner.invoke(app, ["run", "--out", str(out), "--warmup", "1", "--steps", "2", "--trace-steps", "1", "--",
-                                "python", str(script)])
+    r = cli_runner.invoke(
+        app,
+        [
+            "run",
+            "--out",
+            str(out),
+            "--warmup",
+            "1",
+            "--steps",
+            "2",
+            "--trace-steps",
+            "1",
+            "--",
+            "python",
+            str(script),
+        ],
+    )
     assert r.exit_code == 0, r.output
     text = r.stdout
     # 1 + 2 timed + 2 + 1 traced steps after the first optimizer step: the report comes at step 6 of 0..9

@@ -1,4 +1,5 @@
 """Model zoo: presets built from shipped configs match the public checkpoints."""
+
 from __future__ import annotations
 
 import json
@@ -65,8 +66,13 @@ def test_projector_output_count_matches_image_tokens():
 
 
 def test_compose_other_tower_and_llm():
-    spec = resolve("0.5b", vision="clip-vit-l-14-336", llm="smollm2-360m-instruct", projector="mlp2x_gelu",
-                   pixel_shuffle=2)
+    spec = resolve(
+        "0.5b",
+        vision="clip-vit-l-14-336",
+        llm="smollm2-360m-instruct",
+        projector="mlp2x_gelu",
+        pixel_shuffle=2,
+    )
     assert spec.image_tokens == 144  # 336/14 = 24 -> 12x12 after a x2 shuffle
     m = build_model(spec, device="meta")
     linears = [mod for mod in m.projector.modules() if isinstance(mod, nn.Linear)]
@@ -88,9 +94,11 @@ def test_preset_overrides_fall_back_to_preset():
 
 @pytest.mark.parametrize(
     "kwargs, listed",
-    [({"model": "nope"}, lambda: presets()),
-     ({"model": "0.5b", "vision": "vit-huge"}, lambda: vision_specs()),
-     ({"model": "0.5b", "llm": "llama-99b"}, lambda: llm_specs())],
+    [
+        ({"model": "nope"}, lambda: presets()),
+        ({"model": "0.5b", "vision": "vit-huge"}, lambda: vision_specs()),
+        ({"model": "0.5b", "llm": "llama-99b"}, lambda: llm_specs()),
+    ],
 )
 def test_unknown_names_list_valid_ones(kwargs, listed):
     with pytest.raises(UsageError) as ei:

@@ -15,6 +15,7 @@ The user's training comes first: an error in vlmdoctor's own bookkeeping is logg
 switches vlmdoctor off; errors from the user's code pass through unchanged. The callback
 (`vlmdoctor.callback`) and the launcher (`vlmdoctor.launch`) use the same `Recorder`.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,9 @@ import sys
 import time
 import traceback
 import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -41,6 +43,7 @@ def _log(msg: str) -> None:
 
 
 # --- tokens -------------------------------------------------------------------------------------
+
 
 def _get(batch: Any, key: str) -> Any:
     if isinstance(batch, Mapping):
@@ -100,6 +103,7 @@ def guess_sampler(batches: Sequence[Sequence[int]]) -> str | None:
 
 # --- the model ----------------------------------------------------------------------------------
 
+
 def describe_model(model: nn.Module | None) -> dict[str, Any]:
     """Class names of the model and its parts, parameter counts and the dtype the weights are in."""
     from vlmdoctor.run.parts import find_parts
@@ -114,11 +118,17 @@ def describe_model(model: nn.Module | None) -> dict[str, Any]:
     out: dict[str, Any] = {
         "class": type(model).__name__,
         "parts": {k: type(m).__name__ for k, m in parts.items()},
-        "params": {"total": sum(p.numel() for p in params),
-                   "trainable": sum(p.numel() for p in params if p.requires_grad),
-                   "by_part": {k: {"total": sum(p.numel() for p in m.parameters()),
-                                   "trainable": sum(p.numel() for p in m.parameters() if p.requires_grad)}
-                               for k, m in parts.items()}},
+        "params": {
+            "total": sum(p.numel() for p in params),
+            "trainable": sum(p.numel() for p in params if p.requires_grad),
+            "by_part": {
+                k: {
+                    "total": sum(p.numel() for p in m.parameters()),
+                    "trainable": sum(p.numel() for p in m.parameters() if p.requires_grad),
+                }
+                for k, m in parts.items()
+            },
+        },
         "param_dtypes": dtypes,
     }
     for k in ("vision", "projector", "llm"):
@@ -160,15 +170,29 @@ def _sync(device: torch.device) -> None:
 
 # --- the recorder --------------------------------------------------------------------------------
 
+
 class Recorder:
     """Counts tokens and times steps of a loop it does not own, then traces a window of it."""
 
-    def __init__(self, model: nn.Module | None, out: str | Path = "doctor-out", warmup: int = 5, steps: int = 20,
-                 trace_steps: int = 2, stage: int | None = None, source: str = "api",
-                 config: dict[str, Any] | None = None, audience: str = "loop") -> None:
+    def __init__(
+        self,
+        model: nn.Module | None,
+        out: str | Path = "doctor-out",
+        warmup: int = 5,
+        steps: int = 20,
+        trace_steps: int = 2,
+        stage: int | None = None,
+        source: str = "api",
+        config: dict[str, Any] | None = None,
+        audience: str = "loop",
+    ) -> None:
         self.model = model
         self.out = Path(out)
-        self.warmup, self.steps, self.trace_steps = max(0, int(warmup)), max(1, int(steps)), max(1, int(trace_steps))
+        self.warmup, self.steps, self.trace_steps = (
+            max(0, int(warmup)),
+            max(1, int(steps)),
+            max(1, int(trace_steps)),
+        )
         self.stage_given = stage
         self.source = source
         self.extra_config = dict(config or {})
@@ -232,8 +256,10 @@ class Recorder:
         except Exception as e:  # never the user's training: log once, switch off
             self.broken = True
             frame = traceback.extract_tb(e.__traceback__)[-1]
-            _log(f"internal error, measurement switched off, training goes on: {type(e).__name__}: {e} "
-                 f"({Path(frame.filename).name}:{frame.lineno})")
+            _log(
+                f"internal error, measurement switched off, training goes on: {type(e).__name__}: {e} "
+                f"({Path(frame.filename).name}:{frame.lineno})"
+            )
             self._stop_profiler()
             return None
 
@@ -304,9 +330,16 @@ class Recorder:
         toks = []
         for r in recs[first:last]:
             cs = r["counts"]
-            toks.append((sum(int(c["real"]) for c in cs), sum(int(c["loss"]) for c in cs if c["loss"] is not None),
-                         sum(int(c["padded"]) for c in cs), sum(int(c["rows"]) for c in cs),
-                         all(c["loss"] is not None for c in cs) and bool(cs), len(cs)))
+            toks.append(
+                (
+                    sum(int(c["real"]) for c in cs),
+                    sum(int(c["loss"]) for c in cs if c["loss"] is not None),
+                    sum(int(c["padded"]) for c in cs),
+                    sum(int(c["rows"]) for c in cs),
+                    all(c["loss"] is not None for c in cs) and bool(cs),
+                    len(cs),
+                )
+            )
         losses = [float(x) for r in recs[first:last] for x in r["losses"]]
         lengths = [[int(x) for x in c["lengths"].tolist()] for r in recs[first:last] for c in r["counts"]]
         wall = prev - t0
@@ -341,19 +374,35 @@ class Recorder:
         (self.out / "trace").mkdir(parents=True, exist_ok=True)
         path = self.out / "trace" / f"vlmdoctor_{self.source}_{time.strftime('%Y%m%d-%H%M%S')}.pt.trace.json.gz"
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-        self.trace_info = {"path": str(path), "steps": self.trace_steps, "kept": True,
-                           "schedule": {"wait": 1, "warmup": 1, "active": self.trace_steps}, "record_shapes": True,
-                           "with_stack": False, "profile_memory": False, "traced_step_ms": []}
+        self.trace_info = {
+            "path": str(path),
+            "steps": self.trace_steps,
+            "kept": True,
+            "schedule": {"wait": 1, "warmup": 1, "active": self.trace_steps},
+            "record_shapes": True,
+            "with_stack": False,
+            "profile_memory": False,
+            "traced_step_ms": [],
+        }
         self.unmark = mark_parts(self.model) if self.model is not None else None
         plan = schedule(wait=1, warmup=1, active=self.trace_steps, repeat=1)
-        self.prof = profile(activities=activities, schedule=plan,
-                            on_trace_ready=lambda p: p.export_chrome_trace(str(path)), record_shapes=True)
+        self.prof = profile(
+            activities=activities,
+            schedule=plan,
+            on_trace_ready=lambda p: p.export_chrome_trace(str(path)),
+            record_shapes=True,
+        )
         self.prof.__enter__()
 
     def _add_metadata(self) -> None:
         """What is known of the run travels in the trace (as vlmdoctor's own runs do), so the rules see it."""
-        meta = {"schema_version": SCHEMA_VERSION, "tool_version": __version__, "config": self.rule_config(),
-                "model": self.desc, "source": self.source}
+        meta = {
+            "schema_version": SCHEMA_VERSION,
+            "tool_version": __version__,
+            "config": self.rule_config(),
+            "model": self.desc,
+            "source": self.source,
+        }
         self.prof.add_metadata_json("vlmdoctor", json.dumps(meta, default=str))
 
     def _stop_profiler(self) -> None:
@@ -375,9 +424,13 @@ class Recorder:
     # -- the report -------------------------------------------------------------------------------
     def rule_config(self) -> dict[str, Any]:
         """What is known of the run, under run-config knob names where one applies (rules read them)."""
-        cfg: dict[str, Any] = {"source": self.source, "model": self.desc.get("class"),
-                               "vision": self.desc.get("vision"), "llm": self.desc.get("llm"),
-                               "projector": self.desc.get("projector")}
+        cfg: dict[str, Any] = {
+            "source": self.source,
+            "model": self.desc.get("class"),
+            "vision": self.desc.get("vision"),
+            "llm": self.desc.get("llm"),
+            "projector": self.desc.get("projector"),
+        }
         stage = self.stage_given if self.stage_given is not None else estimate_stage(self.desc)
         cfg["stage"] = stage
         cfg["stage_source"] = "given" if self.stage_given is not None else ("estimated" if stage else "unknown")
@@ -386,8 +439,11 @@ class Recorder:
             cfg["weight_dtype"] = wd
         with warnings.catch_warnings():  # transformers 5 renamed it; read whichever there is, quietly
             warnings.simplefilter("ignore")
-            gc = getattr(self.model, "is_activation_checkpointing",
-                         getattr(self.model, "is_gradient_checkpointing", None))
+            gc = getattr(
+                self.model,
+                "is_activation_checkpointing",
+                getattr(self.model, "is_gradient_checkpointing", None),
+            )
         if isinstance(gc, bool):
             cfg["gradient_checkpointing"] = gc
         impl = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
@@ -432,8 +488,11 @@ class Recorder:
             "kind": "profile",
             "model": self.desc,
             "env": env,
-            "flops": {"formula": "not counted for a user's model", "peak_flops": None,
-                      "peak_source": "MFU is not computed for a user's own model"},
+            "flops": {
+                "formula": "not counted for a user's model",
+                "peak_flops": None,
+                "peak_source": "MFU is not computed for a user's own model",
+            },
         }
         n = self.n
         notes = list(self.notes)
@@ -442,9 +501,11 @@ class Recorder:
             # inside the warm-up: every step but the first (one-time costs), when there is another
             first = self.warmup if n > self.warmup else (1 if n > 1 else 0)
             window = self.window = self._summarize(first, n)
-            notes.append(f"the loop ran {n} step(s), fewer than the {self.warmup} warm-up + {self.steps} timed "
-                         f"asked for: the numbers are over steps {first + 1}..{n}"
-                         + (" (warm-up steps included)" if first < self.warmup else ""))
+            notes.append(
+                f"the loop ran {n} step(s), fewer than the {self.warmup} warm-up + {self.steps} timed "
+                f"asked for: the numbers are over steps {first + 1}..{n}"
+                + (" (warm-up steps included)" if first < self.warmup else "")
+            )
         if window is not None and self.trace_info is None:
             notes.append("no traced window: the loop ended first, so there are no facts and no diagnosis")
         elif self.trace_info is not None and self.n < self.warmup + self.steps + 2 + self.trace_steps:
@@ -452,19 +513,29 @@ class Recorder:
         report["config"] = self.rule_config()
         if window is None:
             report["status"] = "error"
-            report["error"] = {"type": "NoSteps", "message": "no training step was seen: call doc.step() once per "
-                               "optimizer step (or check that the optimizer steps)"}
+            report["error"] = {
+                "type": "NoSteps",
+                "message": "no training step was seen: call doc.step() once per "
+                "optimizer step (or check that the optimizer steps)",
+            }
             report["notes"] = notes
             return report
         if window["real_tokens_per_s"] is None:
-            notes.append("no tokens seen: the model was not called with input_ids / attention_mask keyword "
-                         "arguments (with vlmdoctor.Doctor, pass the batch: doc.step(batch))")
+            notes.append(
+                "no tokens seen: the model was not called with input_ids / attention_mask keyword "
+                "arguments (with vlmdoctor.Doctor, pass the batch: doc.step(batch))"
+            )
         report["metrics"] = _metrics(window, self.device)
         report["stats"] = _stats(window)
-        report["repeats"] = [{k: v for k, v in window.items() if k != "losses"}
-                             | {"final_loss": window["losses"][-1] if window["losses"] else None}]
-        report["data"] = {"source": self.source, "tokens_from": "batch" if self.batch_seen else "forward hook",
-                          "steps_seen": n}
+        report["repeats"] = [
+            {k: v for k, v in window.items() if k != "losses"}
+            | {"final_loss": window["losses"][-1] if window["losses"] else None}
+        ]
+        report["data"] = {
+            "source": self.source,
+            "tokens_from": "batch" if self.batch_seen else "forward hook",
+            "steps_seen": n,
+        }
         if self.trace_info is not None:
             report["trace"] = dict(self.trace_info) | {"untraced_step_ms_median": report["metrics"]["step_ms"]}
         report["notes"] = notes
@@ -487,22 +558,38 @@ def _metrics(w: dict[str, Any], device: torch.device) -> dict[str, Any]:
     losses = w["losses"]
     total = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
     return {
-        "real_tokens_per_s": w["real_tokens_per_s"], "loss_tokens_per_s": w["loss_tokens_per_s"],
-        "pad_fraction": w["pad_fraction"], "model_tflops_per_s": None, "mfu": None,
-        "step_ms": statistics.median(ms), "step_ms_p10": _percentile(ms, 0.1), "step_ms_p90": _percentile(ms, 0.9),
-        "peak_mem_gb": w.get("peak_mem_gb"), "peak_mem_reserved_gb": w.get("peak_mem_reserved_gb"),
+        "real_tokens_per_s": w["real_tokens_per_s"],
+        "loss_tokens_per_s": w["loss_tokens_per_s"],
+        "pad_fraction": w["pad_fraction"],
+        "model_tflops_per_s": None,
+        "mfu": None,
+        "step_ms": statistics.median(ms),
+        "step_ms_p10": _percentile(ms, 0.1),
+        "step_ms_p90": _percentile(ms, 0.9),
+        "peak_mem_gb": w.get("peak_mem_gb"),
+        "peak_mem_reserved_gb": w.get("peak_mem_reserved_gb"),
         "device_mem_total_gb": total,
         "host_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "final_loss": losses[-1] if losses else None,
         "loss_finite": all(math.isfinite(x) for x in losses) if losses else None,
-        "repeats": 1, "steps_per_repeat": w["steps"],
+        "repeats": 1,
+        "steps_per_repeat": w["steps"],
     }
 
 
 def _stats(w: dict[str, Any]) -> dict[str, Any]:
     ms = w["step_ms"]
-    out: dict[str, Any] = {"step_ms": {"median": statistics.median(ms), "min": min(ms), "max": max(ms), "n": len(ms),
-                                       "p10": _percentile(ms, 0.1), "p90": _percentile(ms, 0.9), "n_repeats": 1}}
+    out: dict[str, Any] = {
+        "step_ms": {
+            "median": statistics.median(ms),
+            "min": min(ms),
+            "max": max(ms),
+            "n": len(ms),
+            "p10": _percentile(ms, 0.1),
+            "p90": _percentile(ms, 0.9),
+            "n_repeats": 1,
+        }
+    }
     for k in ("real_tokens_per_s", "loss_tokens_per_s", "pad_fraction"):
         if w.get(k) is not None:
             out[k] = {"median": w[k], "min": w[k], "max": w[k], "n": 1}
@@ -510,6 +597,7 @@ def _stats(w: dict[str, Any]) -> dict[str, Any]:
 
 
 # --- from a measured report to prescriptions ---------------------------------------------------
+
 
 def diagnose_report(report: dict[str, Any], audience: str, rules_dirs: Sequence[str] = ()) -> dict[str, Any]:
     """Trace -> facts -> findings, plus CPU part times and the fix in the user's terms, in place.
@@ -557,16 +645,26 @@ def show(report: dict[str, Any], file: Any = None) -> None:
 class Doctor:
     """Measure and diagnose a training loop from inside it; see the module docstring."""
 
-    def __init__(self, model: nn.Module | None = None, out: str | Path = "doctor-out", warmup: int = 5,
-                 steps: int = 20, trace_steps: int = 2, stage: int | None = None,
-                 config: dict[str, Any] | None = None, audience: str = "loop", quiet: bool = False,
-                 rules_dirs: Sequence[str] = (), source: str = "api") -> None:
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        out: str | Path = "doctor-out",
+        warmup: int = 5,
+        steps: int = 20,
+        trace_steps: int = 2,
+        stage: int | None = None,
+        config: dict[str, Any] | None = None,
+        audience: str = "loop",
+        quiet: bool = False,
+        rules_dirs: Sequence[str] = (),
+        source: str = "api",
+    ) -> None:
         self.rec = Recorder(model, out, warmup, steps, trace_steps, stage, source, config, audience)
         self.quiet = quiet
         self.rules_dirs = list(rules_dirs)
         self.report: dict[str, Any] | None = None
 
-    def __enter__(self) -> "Doctor":
+    def __enter__(self) -> Doctor:
         self.rec._safe(self.rec.attach)
         self.rec.begin()
         return self
@@ -592,8 +690,9 @@ class Doctor:
         try:
             report = self.rec.finish()
             if self.rec.broken:
-                report.setdefault("notes", []).append("vlmdoctor hit an internal error during the run and stopped "
-                                                      "measuring; the numbers may be partial")
+                report.setdefault("notes", []).append(
+                    "vlmdoctor hit an internal error during the run and stopped measuring; the numbers may be partial"
+                )
             diagnose_report(report, self.rec.audience, self.rules_dirs)
             path = write_outputs(report, self.rec.out)
             self.report = report

@@ -7,10 +7,12 @@ Tokens come from a forward pre-hook on the model (the inputs the Trainer passes)
 TrainingArguments go into the report's config, under vlmdoctor's knob names where one applies,
 so the rules see what is already set and the advice names the TrainingArguments fields.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from transformers import TrainerCallback
 
@@ -24,17 +26,35 @@ def training_args_config(args: Any) -> dict[str, Any]:
     optim = getattr(g("optim"), "value", optim)
     liger = bool(g("use_liger_kernel", False))
     lcfg = g("liger_kernel_config") or {}
-    raw = {k: g(k) for k in ("bf16", "fp16", "tf32", "gradient_checkpointing", "group_by_length",
-                             "train_sampling_strategy",
-                             "dataloader_num_workers", "dataloader_pin_memory", "torch_compile", "torch_compile_mode",
-                             "use_liger_kernel", "liger_kernel_config", "per_device_train_batch_size",
-                             "gradient_accumulation_steps", "optim", "logging_steps", "max_steps")}
+    raw = {
+        k: g(k)
+        for k in (
+            "bf16",
+            "fp16",
+            "tf32",
+            "gradient_checkpointing",
+            "group_by_length",
+            "train_sampling_strategy",
+            "dataloader_num_workers",
+            "dataloader_pin_memory",
+            "torch_compile",
+            "torch_compile_mode",
+            "use_liger_kernel",
+            "liger_kernel_config",
+            "per_device_train_batch_size",
+            "gradient_accumulation_steps",
+            "optim",
+            "logging_steps",
+            "max_steps",
+        )
+    }
     raw["optim"] = str(optim)
     cfg: dict[str, Any] = {
         "autocast": "bf16" if raw["bf16"] else ("fp16" if raw["fp16"] else "off"),
         "gradient_checkpointing": bool(raw["gradient_checkpointing"]),
         # transformers 4.x: group_by_length=True; 5.x: train_sampling_strategy="group_by_length"
-        "sampler": "length_bucketed" if raw["group_by_length"] or raw["train_sampling_strategy"] == "group_by_length"
+        "sampler": "length_bucketed"
+        if raw["group_by_length"] or raw["train_sampling_strategy"] == "group_by_length"
         else "random",
         "num_workers": int(raw["dataloader_num_workers"] or 0),
         "pin_memory": bool(raw["dataloader_pin_memory"]),
@@ -43,24 +63,44 @@ def training_args_config(args: Any) -> dict[str, Any]:
         "grad_accum": raw["gradient_accumulation_steps"],
         "fused_optimizer": "fused" in str(optim),
     }
-    for knob, key in (("liger_rope", "rope"), ("liger_rms_norm", "rms_norm"), ("liger_swiglu", "swiglu"),
-                      ("liger_fused_linear_cross_entropy", "fused_linear_cross_entropy")):
+    for knob, key in (
+        ("liger_rope", "rope"),
+        ("liger_rms_norm", "rms_norm"),
+        ("liger_swiglu", "swiglu"),
+        ("liger_fused_linear_cross_entropy", "fused_linear_cross_entropy"),
+    ):
         cfg[knob] = liger and bool(lcfg.get(key, True))
     if raw["tf32"] is not None:
         cfg["allow_tf32"] = bool(raw["tf32"])
-    cfg["trainer_args"] = {k: (v if isinstance(v, (bool, int, float, str, dict, type(None))) else str(v))
-                           for k, v in raw.items()}
+    cfg["trainer_args"] = {
+        k: (v if isinstance(v, (bool, int, float, str, dict, type(None))) else str(v)) for k, v in raw.items()
+    }
     return cfg
 
 
 class DoctorCallback(TrainerCallback):
     """Measure warm-up, a timed window and a traced window of a Trainer run, then write the report."""
 
-    def __init__(self, out: str | Path = "doctor-out", warmup: int = 5, steps: int = 20, trace_steps: int = 2,
-                 stage: int | None = None, stop_after_window: bool = False, quiet: bool = False,
-                 rules_dirs: Sequence[str] = ()) -> None:
-        self.kw = dict(out=out, warmup=warmup, steps=steps, trace_steps=trace_steps, stage=stage, quiet=quiet,
-                       rules_dirs=rules_dirs)
+    def __init__(
+        self,
+        out: str | Path = "doctor-out",
+        warmup: int = 5,
+        steps: int = 20,
+        trace_steps: int = 2,
+        stage: int | None = None,
+        stop_after_window: bool = False,
+        quiet: bool = False,
+        rules_dirs: Sequence[str] = (),
+    ) -> None:
+        self.kw = dict(
+            out=out,
+            warmup=warmup,
+            steps=steps,
+            trace_steps=trace_steps,
+            stage=stage,
+            quiet=quiet,
+            rules_dirs=rules_dirs,
+        )
         self.stop_after_window = stop_after_window
         self.doc: Doctor | None = None
         self.report: dict[str, Any] | None = None

@@ -1,9 +1,10 @@
 """The `vlmdoctor` command line: thin over the Python API (config, runner, report)."""
+
 from __future__ import annotations
 
 import json
 import sys
-from typing import Any, Optional
+from typing import Any
 
 import typer
 
@@ -19,13 +20,17 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from vlmdoctor.run.config import RunConfig
 from vlmdoctor.errors import EXIT_FAILED_RUN, EXIT_USAGE, VlmdoctorError
+from vlmdoctor.run.config import RunConfig
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="Profiler-driven diagnosis of vision-language-model training.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Profiler-driven diagnosis of vision-language-model training.",
+)
 err = Console(stderr=True, soft_wrap=True)  # soft wrap: an error stays one line
 out = Console()
+
 
 def _version(value: bool) -> None:
     if value:
@@ -36,14 +41,21 @@ def _version(value: bool) -> None:
 
 
 @app.callback()
-def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                       help="print the version and exit")) -> None:
+def _main(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="print the version and exit"
+    ),
+) -> None:
     """Profiler-driven diagnosis of vision-language-model training."""
 
 
 def _json_opt(what: str):
-    return typer.Option(None, "--json", metavar="PATH|-",
-                        help=f"write the {what} as JSON to PATH ('-': standard output, and no table)")
+    return typer.Option(
+        None,
+        "--json",
+        metavar="PATH|-",
+        help=f"write the {what} as JSON to PATH ('-': standard output, and no table)",
+    )
 
 
 def knob_flags() -> dict[str, tuple[str, str | None]]:
@@ -51,8 +63,11 @@ def knob_flags() -> dict[str, tuple[str, str | None]]:
     import typer.main
 
     command = typer.main.get_command(app).commands["profile"]
-    return {p.name: (p.opts[0], p.secondary_opts[0] if p.secondary_opts else None)
-            for p in command.params if p.name in RunConfig.__dataclass_fields__ and p.opts}
+    return {
+        p.name: (p.opts[0], p.secondary_opts[0] if p.secondary_opts else None)
+        for p in command.params
+        if p.name in RunConfig.__dataclass_fields__ and p.opts
+    }
 
 
 def run_command(config: dict[str, Any], patch: dict[str, Any]) -> str:
@@ -89,7 +104,14 @@ def run_command(config: dict[str, Any], patch: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
-P0, P1, P2, P3, P4, P5 = ("experiment", "1 precision", "2 batching", "3 data layout", "4 kernel fusion", "5 system tuning")
+P0, P1, P2, P3, P4, P5 = (
+    "experiment",
+    "1 precision",
+    "2 batching",
+    "3 data layout",
+    "4 kernel fusion",
+    "5 system tuning",
+)
 PD, PL = "several GPUs", "torchrun launch"
 
 
@@ -99,124 +121,197 @@ def _opt(help: str, panel: str, *names: str):
 
 @app.command()
 def profile(
-    model: Optional[str] = _opt("model preset: 0.5b, 1.5b, tiny, llava-1.5-7b, dino-135m, dino-1.7b, tiny-dino; native classes: llava-siglip2-0.5b, qwen2-vl-2b, smolvlm-256m, tiny-llava, tiny-qwen2-vl, tiny-smolvlm [default: 0.5b]", P0, "--model"),
-    stage: Optional[int] = _opt("1: projector only; 2: LLM + projector [default: 2]", P0, "--stage"),
-    device: Optional[str] = _opt("auto, cuda or cpu [default: auto]", P0, "--device"),
-    vision: Optional[str] = _opt("vision tower, overrides the preset's", P0, "--vision"),
-    llm: Optional[str] = _opt("LLM, overrides the preset's", P0, "--llm"),
-    projector: Optional[str] = _opt("linear or mlp2x_gelu, overrides the preset's", P0, "--projector"),
-    pixel_shuffle: Optional[int] = _opt("pixel-shuffle factor, overrides the preset's", P0, "--pixel-shuffle"),
-    weights: Optional[str] = _opt("random (default) or pretrained (needs the hub or a local cache)", P0, "--weights"),
-    steps: Optional[int] = _opt("timed steps per repeat [default: 20]", P0, "--steps"),
-    warmup: Optional[int] = _opt("warm-up steps [default: 5]", P0, "--warmup"),
-    repeats: Optional[int] = _opt("timed windows; metrics are medians over them [default: 1]", P0, "--repeats"),
-    seed: Optional[int] = _opt("random seed", P0, "--seed"),
-    lr: Optional[float] = _opt("AdamW learning rate [default: 1e-5]", P0, "--lr"),
-    num_samples: Optional[int] = _opt("synthetic samples in the data set [default: 4096]", P0, "--num-samples"),
-    data: Optional[str] = _opt("'synthetic' (default) or a LLaVA-format JSON/JSONL file", P0, "--data"),
-    tokenizer: Optional[str] = _opt("local tokenizer folder, for --data FILE", P0, "--tokenizer"),
-    bad_records: Optional[str] = _opt("stop (default) or skip malformed --data records", P0, "--bad-records"),
-    train: Optional[str] = _opt("full (default), lora or qlora (docs/modes.md)", P0, "--train"),
-    lora_rank: Optional[int] = _opt("LoRA rank [default: 16]", P0, "--lora-rank"),
-    lora_alpha: Optional[float] = _opt("LoRA alpha [default: 32]", P0, "--lora-alpha"),
-    lora_dropout: Optional[float] = _opt("LoRA dropout [default: 0.05]", P0, "--lora-dropout"),
-    lora_targets: Optional[str] = _opt("attention, attention_mlp (default) or module names a,b,c", P0,
-                                       "--lora-targets"),
-    objective: Optional[str] = _opt("sft (default) or dpo (preference pairs, frozen reference)", P0, "--objective"),
-    dpo_beta: Optional[float] = _opt("DPO beta [default: 0.1]", P0, "--dpo-beta"),
-    weight_dtype: Optional[str] = _opt("fp32 (default, as loaded) or bf16", P1, "--weight-dtype"),
-    dpo_reference_dtype: Optional[str] = _opt("DPO reference weights: fp32 (default) or bf16", P1,
-                                              "--dpo-reference-dtype"),
-    dpo_reference_no_grad: Optional[bool] = _opt("DPO reference forward under no_grad, frozen", P1,
-                                                 "--dpo-reference-no-grad/--no-dpo-reference-no-grad"),
-    autocast: Optional[str] = _opt("bf16 (default) or off", P1, "--autocast"),
-    vision_no_grad: Optional[bool] = _opt("frozen tower under torch.no_grad()", P1, "--vision-no-grad/--no-vision-no-grad"),
-    allow_tf32: Optional[bool] = _opt("TF32 for FP32 matmuls", P1, "--allow-tf32/--no-allow-tf32"),
-    input_require_grads: Optional[bool] = _opt("enable_input_require_grads() on tower and LLM (frozen tower then "
-                                               "builds a graph)", P1, "--input-require-grads/--no-input-require-grads"),
-    fp8: Optional[str] = _opt("off (default), tensorwise or rowwise: FP8 GEMMs in the LLM's decoder layers (torchao; "
-                              "GPU of compute capability 8.9+; pays with --compile)", P1, "--fp8"),
-    batch_size: Optional[int] = _opt("samples per micro-batch [default: 4]", P2, "--batch-size"),
-    grad_accum: Optional[int] = _opt("micro-batches per optimizer step [default: 1]", P2, "--grad-accum"),
-    sampler: Optional[str] = _opt("random (default) or length_bucketed", P3, "--sampler"),
-    pad_to_multiple_of: Optional[int] = _opt("pad batch length to a multiple [default: 1]", P3, "--pad-to-multiple-of"),
-    packing: Optional[bool] = _opt("pack samples into rows", P3, "--packing/--no-packing"),
-    pack_length: Optional[int] = _opt("tokens per packed row [default: 2048]", P3, "--pack-length"),
-    attention: Optional[str] = _opt("sdpa (default), flash, efficient, cudnn, math, eager, flex", P4, "--attention"),
-    liger_rope: Optional[bool] = _opt("Liger RoPE", P4, "--liger-rope/--no-liger-rope"),
-    liger_rms_norm: Optional[bool] = _opt("Liger RMSNorm", P4, "--liger-rms-norm/--no-liger-rms-norm"),
-    liger_swiglu: Optional[bool] = _opt("Liger SwiGLU", P4, "--liger-swiglu/--no-liger-swiglu"),
-    liger_fused_linear_cross_entropy: Optional[bool] = _opt(
-        "Liger fused linear cross entropy (FusedCE)", P4, "--liger-fused-ce/--no-liger-fused-ce"),
-    liger: Optional[bool] = _opt("shorthand: Liger rope + rms_norm + swiglu (FusedCE stays as set)", P4, "--liger"),
-    lm_head_labeled_only: Optional[bool] = _opt("LM head + loss only on labeled positions", P4,
-                                                "--lm-head-labeled-only/--no-lm-head-labeled-only"),
-    compile: Optional[str] = _opt("off (default), default, reduce-overhead, max-autotune", P4, "--compile"),
-    compile_vision: Optional[str] = _opt("model (default: the tower compiles with the model) or fullgraph (the tower on "
-                                         "its own, fullgraph=True, static shapes)", P4, "--compile-vision"),
-    compile_shape_padding: Optional[bool] = _opt("Inductor shape_padding [default: on, as torch's]", P4,
-                                                 "--compile-shape-padding/--no-compile-shape-padding"),
-    compile_regions: Optional[bool] = _opt("with --compile: each repeated layer compiled on its own, one compile "
-                                           "serving every layer of a stack", P4, "--compile-regions/--no-compile-regions"),
-    unsloth: Optional[bool] = _opt("LLM through Unsloth's fast path (CUDA; not with Liger or --compile)", P4,
-                                   "--unsloth/--no-unsloth"),
-    gradient_checkpointing: Optional[bool] = _opt(
-        "recompute LLM activations [default: on]", P5, "--gradient-checkpointing/--no-gradient-checkpointing"),
-    checkpoint_use_reentrant: Optional[bool] = _opt(
-        "reentrant checkpoint implementation", P5, "--checkpoint-reentrant/--no-checkpoint-reentrant"),
-    num_workers: Optional[int] = _opt("data-loader workers [default: 0]", P5, "--num-workers"),
-    pin_memory: Optional[bool] = _opt("pinned host memory", P5, "--pin-memory/--no-pin-memory"),
-    cache_vision_features: Optional[bool] = _opt(
-        "precompute frozen vision features", P5, "--cache-vision-features/--no-cache-vision-features"),
-    fused_optimizer: Optional[bool] = _opt("AdamW(fused=True)", P5, "--fused-optimizer/--no-fused-optimizer"),
-    optimizer: Optional[str] = _opt("adamw (default), paged_adamw, paged_adamw_8bit (bitsandbytes)", P5, "--optimizer"),
-    dpo_precompute_reference: Optional[bool] = _opt("DPO reference log-probs once per sample, before timing", P5,
-                                                    "--dpo-precompute-reference/--no-dpo-precompute-reference"),
-    sync_loss: Optional[bool] = _opt("loss.item() after every micro-batch (a device sync)", P5, "--sync-loss/--no-sync-loss"),
-    nproc_per_node: Optional[int] = _opt("processes (one per GPU) on this node, launched through torchrun [default: 1]",
-                                         PD, "--nproc-per-node"),
-    parallel: Optional[str] = _opt("none (default), ddp, or fsdp2 (fully_shard per decoder layer and the root)", PD,
-                                   "--parallel"),
-    reshard_after_forward: Optional[bool] = _opt("FSDP2: free gathered parameters after forward [default: on]", PD,
-                                                 "--reshard-after-forward/--no-reshard-after-forward"),
-    fsdp_prefetch: Optional[int] = _opt("FSDP2: layers whose all-gather is issued ahead [default: 0]", PD,
-                                        "--fsdp-prefetch"),
-    ddp_bucket_cap_mb: Optional[int] = _opt("DDP: gradient bucket size in MB [default: 25]", PD, "--ddp-bucket-cap-mb"),
-    accum_no_sync: Optional[bool] = _opt("sync gradients on the last micro-batch only", PD,
-                                         "--accum-no-sync/--no-accum-no-sync"),
-    balance_tokens: Optional[bool] = _opt("micro-batches of about equal token counts on every rank", PD,
-                                          "--balance-tokens/--no-balance-tokens"),
+    model: str | None = _opt(
+        "model preset: 0.5b, 1.5b, tiny, llava-1.5-7b, dino-135m, dino-1.7b, tiny-dino; native classes: llava-siglip2-0.5b, qwen2-vl-2b, smolvlm-256m, tiny-llava, tiny-qwen2-vl, tiny-smolvlm [default: 0.5b]",
+        P0,
+        "--model",
+    ),
+    stage: int | None = _opt("1: projector only; 2: LLM + projector [default: 2]", P0, "--stage"),
+    device: str | None = _opt("auto, cuda or cpu [default: auto]", P0, "--device"),
+    vision: str | None = _opt("vision tower, overrides the preset's", P0, "--vision"),
+    llm: str | None = _opt("LLM, overrides the preset's", P0, "--llm"),
+    projector: str | None = _opt("linear or mlp2x_gelu, overrides the preset's", P0, "--projector"),
+    pixel_shuffle: int | None = _opt("pixel-shuffle factor, overrides the preset's", P0, "--pixel-shuffle"),
+    weights: str | None = _opt("random (default) or pretrained (needs the hub or a local cache)", P0, "--weights"),
+    steps: int | None = _opt("timed steps per repeat [default: 20]", P0, "--steps"),
+    warmup: int | None = _opt("warm-up steps [default: 5]", P0, "--warmup"),
+    repeats: int | None = _opt("timed windows; metrics are medians over them [default: 1]", P0, "--repeats"),
+    seed: int | None = _opt("random seed", P0, "--seed"),
+    lr: float | None = _opt("AdamW learning rate [default: 1e-5]", P0, "--lr"),
+    num_samples: int | None = _opt("synthetic samples in the data set [default: 4096]", P0, "--num-samples"),
+    data: str | None = _opt("'synthetic' (default) or a LLaVA-format JSON/JSONL file", P0, "--data"),
+    tokenizer: str | None = _opt("local tokenizer folder, for --data FILE", P0, "--tokenizer"),
+    bad_records: str | None = _opt("stop (default) or skip malformed --data records", P0, "--bad-records"),
+    train: str | None = _opt("full (default), lora or qlora (docs/modes.md)", P0, "--train"),
+    lora_rank: int | None = _opt("LoRA rank [default: 16]", P0, "--lora-rank"),
+    lora_alpha: float | None = _opt("LoRA alpha [default: 32]", P0, "--lora-alpha"),
+    lora_dropout: float | None = _opt("LoRA dropout [default: 0.05]", P0, "--lora-dropout"),
+    lora_targets: str | None = _opt("attention, attention_mlp (default) or module names a,b,c", P0, "--lora-targets"),
+    objective: str | None = _opt("sft (default) or dpo (preference pairs, frozen reference)", P0, "--objective"),
+    dpo_beta: float | None = _opt("DPO beta [default: 0.1]", P0, "--dpo-beta"),
+    weight_dtype: str | None = _opt("fp32 (default, as loaded) or bf16", P1, "--weight-dtype"),
+    dpo_reference_dtype: str | None = _opt(
+        "DPO reference weights: fp32 (default) or bf16", P1, "--dpo-reference-dtype"
+    ),
+    dpo_reference_no_grad: bool | None = _opt(
+        "DPO reference forward under no_grad, frozen",
+        P1,
+        "--dpo-reference-no-grad/--no-dpo-reference-no-grad",
+    ),
+    autocast: str | None = _opt("bf16 (default) or off", P1, "--autocast"),
+    vision_no_grad: bool | None = _opt(
+        "frozen tower under torch.no_grad()", P1, "--vision-no-grad/--no-vision-no-grad"
+    ),
+    allow_tf32: bool | None = _opt("TF32 for FP32 matmuls", P1, "--allow-tf32/--no-allow-tf32"),
+    input_require_grads: bool | None = _opt(
+        "enable_input_require_grads() on tower and LLM (frozen tower then builds a graph)",
+        P1,
+        "--input-require-grads/--no-input-require-grads",
+    ),
+    fp8: str | None = _opt(
+        "off (default), tensorwise or rowwise: FP8 GEMMs in the LLM's decoder layers (torchao; "
+        "GPU of compute capability 8.9+; pays with --compile)",
+        P1,
+        "--fp8",
+    ),
+    batch_size: int | None = _opt("samples per micro-batch [default: 4]", P2, "--batch-size"),
+    grad_accum: int | None = _opt("micro-batches per optimizer step [default: 1]", P2, "--grad-accum"),
+    sampler: str | None = _opt("random (default) or length_bucketed", P3, "--sampler"),
+    pad_to_multiple_of: int | None = _opt("pad batch length to a multiple [default: 1]", P3, "--pad-to-multiple-of"),
+    packing: bool | None = _opt("pack samples into rows", P3, "--packing/--no-packing"),
+    pack_length: int | None = _opt("tokens per packed row [default: 2048]", P3, "--pack-length"),
+    attention: str | None = _opt("sdpa (default), flash, efficient, cudnn, math, eager, flex", P4, "--attention"),
+    liger_rope: bool | None = _opt("Liger RoPE", P4, "--liger-rope/--no-liger-rope"),
+    liger_rms_norm: bool | None = _opt("Liger RMSNorm", P4, "--liger-rms-norm/--no-liger-rms-norm"),
+    liger_swiglu: bool | None = _opt("Liger SwiGLU", P4, "--liger-swiglu/--no-liger-swiglu"),
+    liger_fused_linear_cross_entropy: bool | None = _opt(
+        "Liger fused linear cross entropy (FusedCE)", P4, "--liger-fused-ce/--no-liger-fused-ce"
+    ),
+    liger: bool | None = _opt("shorthand: Liger rope + rms_norm + swiglu (FusedCE stays as set)", P4, "--liger"),
+    lm_head_labeled_only: bool | None = _opt(
+        "LM head + loss only on labeled positions", P4, "--lm-head-labeled-only/--no-lm-head-labeled-only"
+    ),
+    compile: str | None = _opt("off (default), default, reduce-overhead, max-autotune", P4, "--compile"),
+    compile_vision: str | None = _opt(
+        "model (default: the tower compiles with the model) or fullgraph (the tower on "
+        "its own, fullgraph=True, static shapes)",
+        P4,
+        "--compile-vision",
+    ),
+    compile_shape_padding: bool | None = _opt(
+        "Inductor shape_padding [default: on, as torch's]",
+        P4,
+        "--compile-shape-padding/--no-compile-shape-padding",
+    ),
+    compile_regions: bool | None = _opt(
+        "with --compile: each repeated layer compiled on its own, one compile serving every layer of a stack",
+        P4,
+        "--compile-regions/--no-compile-regions",
+    ),
+    unsloth: bool | None = _opt(
+        "LLM through Unsloth's fast path (CUDA; not with Liger or --compile)", P4, "--unsloth/--no-unsloth"
+    ),
+    gradient_checkpointing: bool | None = _opt(
+        "recompute LLM activations [default: on]", P5, "--gradient-checkpointing/--no-gradient-checkpointing"
+    ),
+    checkpoint_use_reentrant: bool | None = _opt(
+        "reentrant checkpoint implementation", P5, "--checkpoint-reentrant/--no-checkpoint-reentrant"
+    ),
+    num_workers: int | None = _opt("data-loader workers [default: 0]", P5, "--num-workers"),
+    pin_memory: bool | None = _opt("pinned host memory", P5, "--pin-memory/--no-pin-memory"),
+    cache_vision_features: bool | None = _opt(
+        "precompute frozen vision features", P5, "--cache-vision-features/--no-cache-vision-features"
+    ),
+    fused_optimizer: bool | None = _opt("AdamW(fused=True)", P5, "--fused-optimizer/--no-fused-optimizer"),
+    optimizer: str | None = _opt("adamw (default), paged_adamw, paged_adamw_8bit (bitsandbytes)", P5, "--optimizer"),
+    dpo_precompute_reference: bool | None = _opt(
+        "DPO reference log-probs once per sample, before timing",
+        P5,
+        "--dpo-precompute-reference/--no-dpo-precompute-reference",
+    ),
+    sync_loss: bool | None = _opt(
+        "loss.item() after every micro-batch (a device sync)", P5, "--sync-loss/--no-sync-loss"
+    ),
+    nproc_per_node: int | None = _opt(
+        "processes (one per GPU) on this node, launched through torchrun [default: 1]", PD, "--nproc-per-node"
+    ),
+    parallel: str | None = _opt(
+        "none (default), ddp, or fsdp2 (fully_shard per decoder layer and the root)", PD, "--parallel"
+    ),
+    reshard_after_forward: bool | None = _opt(
+        "FSDP2: free gathered parameters after forward [default: on]",
+        PD,
+        "--reshard-after-forward/--no-reshard-after-forward",
+    ),
+    fsdp_prefetch: int | None = _opt(
+        "FSDP2: layers whose all-gather is issued ahead [default: 0]", PD, "--fsdp-prefetch"
+    ),
+    ddp_bucket_cap_mb: int | None = _opt("DDP: gradient bucket size in MB [default: 25]", PD, "--ddp-bucket-cap-mb"),
+    accum_no_sync: bool | None = _opt(
+        "sync gradients on the last micro-batch only", PD, "--accum-no-sync/--no-accum-no-sync"
+    ),
+    balance_tokens: bool | None = _opt(
+        "micro-batches of about equal token counts on every rank", PD, "--balance-tokens/--no-balance-tokens"
+    ),
     nnodes: str = typer.Option("1", "--nnodes", help="torchrun: nodes (N or MIN:MAX)", rich_help_panel=PL),
-    node_rank: Optional[int] = typer.Option(None, "--node-rank", help="torchrun: this node's rank",
-                                            rich_help_panel=PL),
-    rdzv_backend: Optional[str] = typer.Option(None, "--rdzv-backend", help="torchrun: rendezvous backend (c10d)",
-                                               rich_help_panel=PL),
-    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="torchrun: rendezvous HOST:PORT",
-                                                rich_help_panel=PL),
-    rdzv_id: Optional[str] = typer.Option(None, "--rdzv-id", help="torchrun: job id shared by all nodes",
-                                          rich_help_panel=PL),
-    master_addr: Optional[str] = typer.Option(None, "--master-addr", help="torchrun: rank 0's host (static "
-                                              "rendezvous)", rich_help_panel=PL),
-    master_port: Optional[int] = typer.Option(None, "--master-port", help="torchrun: rank 0's port",
-                                              rich_help_panel=PL),
-    one_gpu_report: Optional[str] = typer.Option(None, "--one-gpu-report", help="a report of the same config on one "
-                                                 "GPU: the reference of the scaling efficiency", rich_help_panel=PL),
-    measure_one_gpu: bool = typer.Option(False, "--measure-one-gpu", help="first run the same config on one GPU in "
-                                         "this command, for the scaling efficiency", rich_help_panel=PL),
-    diagnose_run: bool = typer.Option(True, "--diagnose/--no-diagnose", help="trace a short window and prescribe "
-                                      "fixes (the trace goes to a temporary folder unless --trace-dir is given)"),
-    rules_dirs: Optional[list[str]] = typer.Option(None, "--rules", help="extra folder of rule files (repeatable)"),
-    trace_dir: Optional[str] = typer.Option(None, "--trace-dir", help="after the timed steps, trace a separate window "
-                                            "with torch.profiler and write gzipped Chrome JSON here", rich_help_panel="trace"),
-    trace_steps: int = typer.Option(2, "--trace-steps", help="active steps in the traced window", rich_help_panel="trace"),
-    trace_shapes: bool = typer.Option(True, "--trace-shapes/--no-trace-shapes", help="record input shapes (shape churn, "
-                                      "logits size)", rich_help_panel="trace"),
-    trace_stack: bool = typer.Option(False, "--trace-stack", help="record Python stacks (much bigger)", rich_help_panel="trace"),
+    node_rank: int | None = typer.Option(None, "--node-rank", help="torchrun: this node's rank", rich_help_panel=PL),
+    rdzv_backend: str | None = typer.Option(
+        None, "--rdzv-backend", help="torchrun: rendezvous backend (c10d)", rich_help_panel=PL
+    ),
+    rdzv_endpoint: str | None = typer.Option(
+        None, "--rdzv-endpoint", help="torchrun: rendezvous HOST:PORT", rich_help_panel=PL
+    ),
+    rdzv_id: str | None = typer.Option(
+        None, "--rdzv-id", help="torchrun: job id shared by all nodes", rich_help_panel=PL
+    ),
+    master_addr: str | None = typer.Option(
+        None, "--master-addr", help="torchrun: rank 0's host (static rendezvous)", rich_help_panel=PL
+    ),
+    master_port: int | None = typer.Option(None, "--master-port", help="torchrun: rank 0's port", rich_help_panel=PL),
+    one_gpu_report: str | None = typer.Option(
+        None,
+        "--one-gpu-report",
+        help="a report of the same config on one GPU: the reference of the scaling efficiency",
+        rich_help_panel=PL,
+    ),
+    measure_one_gpu: bool = typer.Option(
+        False,
+        "--measure-one-gpu",
+        help="first run the same config on one GPU in this command, for the scaling efficiency",
+        rich_help_panel=PL,
+    ),
+    diagnose_run: bool = typer.Option(
+        True,
+        "--diagnose/--no-diagnose",
+        help="trace a short window and prescribe "
+        "fixes (the trace goes to a temporary folder unless --trace-dir is given)",
+    ),
+    rules_dirs: list[str] | None = typer.Option(None, "--rules", help="extra folder of rule files (repeatable)"),
+    trace_dir: str | None = typer.Option(
+        None,
+        "--trace-dir",
+        help="after the timed steps, trace a separate window with torch.profiler and write gzipped Chrome JSON here",
+        rich_help_panel="trace",
+    ),
+    trace_steps: int = typer.Option(
+        2, "--trace-steps", help="active steps in the traced window", rich_help_panel="trace"
+    ),
+    trace_shapes: bool = typer.Option(
+        True,
+        "--trace-shapes/--no-trace-shapes",
+        help="record input shapes (shape churn, logits size)",
+        rich_help_panel="trace",
+    ),
+    trace_stack: bool = typer.Option(
+        False, "--trace-stack", help="record Python stacks (much bigger)", rich_help_panel="trace"
+    ),
     trace_memory: bool = typer.Option(False, "--trace-memory", help="record allocations", rich_help_panel="trace"),
-    config: Optional[str] = typer.Option(None, "--config", help="run config YAML/JSON (or a report JSON); flags override it"),
-    json_path: Optional[str] = _json_opt("report"),
-    html_path: Optional[str] = typer.Option(None, "--html", help="write a self-contained HTML report here"),
-    save_config: Optional[str] = typer.Option(None, "--save-config", help="write the resolved run config (YAML/JSON)"),
+    config: str | None = typer.Option(
+        None, "--config", help="run config YAML/JSON (or a report JSON); flags override it"
+    ),
+    json_path: str | None = _json_opt("report"),
+    html_path: str | None = typer.Option(None, "--html", help="write a self-contained HTML report here"),
+    save_config: str | None = typer.Option(None, "--save-config", help="write the resolved run config (YAML/JSON)"),
     force: bool = typer.Option(False, "--force", help="overwrite existing output files"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress and no table"),
 ) -> None:
@@ -229,8 +324,7 @@ def profile(
     trace = TraceOptions(trace_dir, trace_steps, trace_shapes, trace_stack, trace_memory) if trace_dir else None
     if trace is None and diagnose_run:  # a short traced window into a temporary folder, removed after analysis
         trace = TraceOptions("", trace_steps, trace_shapes, trace_stack, trace_memory, keep=False)
-    overrides = {k: v for k, v in locals().items()
-                 if v is not None and k in RunConfig.__dataclass_fields__}
+    overrides = {k: v for k, v in locals().items() if v is not None and k in RunConfig.__dataclass_fields__}
     if liger is not None:
         for k in ("liger_rope", "liger_rms_norm", "liger_swiglu"):
             overrides.setdefault(k, liger)
@@ -240,16 +334,39 @@ def profile(
         check_number("--trace-steps", trace_steps, minimum=1, maximum=1000, integer=True)
         from vlmdoctor.run.distributed import Rendezvous
 
-        launch = {"rdzv": Rendezvous(nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id, master_addr, master_port),
-                  "one_gpu_report": one_gpu_report, "measure_one_gpu": measure_one_gpu}
-        _profile(overrides, config, json_path, save_config, force, quiet, trace, rules_dirs or [], html_path, launch)
+        launch = {
+            "rdzv": Rendezvous(nnodes, node_rank, rdzv_backend, rdzv_endpoint, rdzv_id, master_addr, master_port),
+            "one_gpu_report": one_gpu_report,
+            "measure_one_gpu": measure_one_gpu,
+        }
+        _profile(
+            overrides,
+            config,
+            json_path,
+            save_config,
+            force,
+            quiet,
+            trace,
+            rules_dirs or [],
+            html_path,
+            launch,
+        )
 
 
-def _profile(overrides: dict[str, Any], config: str | None, json_path: str | None, save_config: str | None,
-             force: bool, quiet: bool, trace: Any = None, rules_dirs: list[str] | None = None,
-             html_path: str | None = None, launch: dict[str, Any] | None = None) -> None:
-    from vlmdoctor.files import check_distinct, check_output_dir, check_writable, json_text, save, save_json
+def _profile(
+    overrides: dict[str, Any],
+    config: str | None,
+    json_path: str | None,
+    save_config: str | None,
+    force: bool,
+    quiet: bool,
+    trace: Any = None,
+    rules_dirs: list[str] | None = None,
+    html_path: str | None = None,
+    launch: dict[str, Any] | None = None,
+) -> None:
     from vlmdoctor.doctor.diagnosis import examine, remove_temporary_trace
+    from vlmdoctor.files import check_distinct, check_output_dir, check_writable, json_text, save, save_json
     from vlmdoctor.inputs import check_rules_dirs
     from vlmdoctor.report.console import render
     from vlmdoctor.run.runner import check, exit_code, run_distributed, run_profile
@@ -269,10 +386,15 @@ def _profile(overrides: dict[str, Any], config: str | None, json_path: str | Non
     launch = launch or {}
     dist_run = distributed.is_distributed(cfg)
     reference = None
-    if not dist_run and (launch.get("one_gpu_report") or launch.get("measure_one_gpu")
-                         or launch.get("rdzv", distributed.Rendezvous()).args() != ["--standalone"]):
-        raise VlmdoctorError("--one-gpu-report, --measure-one-gpu and the torchrun options (--nnodes, --rdzv-*, "
-                             "--master-*) belong to a run with --parallel ddp or fsdp2")
+    if not dist_run and (
+        launch.get("one_gpu_report")
+        or launch.get("measure_one_gpu")
+        or launch.get("rdzv", distributed.Rendezvous()).args() != ["--standalone"]
+    ):
+        raise VlmdoctorError(
+            "--one-gpu-report, --measure-one-gpu and the torchrun options (--nnodes, --rdzv-*, "
+            "--master-*) belong to a run with --parallel ddp or fsdp2"
+        )
     if dist_run:
         launch.get("rdzv", distributed.Rendezvous()).check()
         if launch.get("one_gpu_report") and launch.get("measure_one_gpu"):
@@ -307,18 +429,29 @@ def _profile(overrides: dict[str, Any], config: str | None, json_path: str | Non
             ref_tps = (reference.get("metrics") or {}).get("real_tokens_per_s")
             if reference.get("status") == "ok" and ref_tps:
                 result["distributed"]["scaling"] = distributed.scaling(
-                    result["metrics"]["real_tokens_per_s"], result["distributed"]["world_size"], ref_tps, ref_source)
+                    result["metrics"]["real_tokens_per_s"],
+                    result["distributed"]["world_size"],
+                    ref_tps,
+                    ref_source,
+                )
             else:
                 result.setdefault("warnings", []).append(
-                    f"the one-GPU reference run ended with status {reference.get('status')}: no scaling efficiency")
+                    f"the one-GPU reference run ended with status {reference.get('status')}: no scaling efficiency"
+                )
         return result
 
     try:
         if quiet:
             report = measure()
         else:
-            with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                          console=err, transient=True) as bar:
+            with Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=err,
+                transient=True,
+            ) as bar:
                 tasks: dict[str, Any] = {}
 
                 def progress(phase: str, done: int, total: int) -> None:
@@ -332,8 +465,10 @@ def _profile(overrides: dict[str, Any], config: str | None, json_path: str | Non
         except Exception as e:  # the measurement is kept whatever the diagnosis does
             message, _ = describe_error(e)
             report["diagnosis_error"] = message
-            err.print(f"[yellow]warning:[/yellow] the diagnosis failed, the measurement is kept: {escape(message)}",
-                      highlight=False)
+            err.print(
+                f"[yellow]warning:[/yellow] the diagnosis failed, the measurement is kept: {escape(message)}",
+                highlight=False,
+            )
     finally:
         remove_temporary_trace(report)
     failures = []
@@ -348,8 +483,9 @@ def _profile(overrides: dict[str, Any], config: str | None, json_path: str | Non
 
             spare = json_path if json_path and json_path != "-" else str(fallback_path("report.json"))
             kept = None if spare == json_path else save(spare, json_text(report), "report")
-            failures.append(f"cannot draw the HTML report ({describe_error(e)[0]}); "
-                            + (kept or f"the report is in {spare}"))
+            failures.append(
+                f"cannot draw the HTML report ({describe_error(e)[0]}); " + (kept or f"the report is in {spare}")
+            )
         else:
             failures.append(save(html_path, page, "HTML report"))
     failures = [f for f in failures if f]
@@ -362,8 +498,10 @@ def _profile(overrides: dict[str, Any], config: str | None, json_path: str | Non
     code = exit_code(report)
     if code and (quiet or json_path == "-"):  # a failed run always says so, even when nothing else is printed
         why = (report.get("error") or {}).get("message") or report.get("status")
-        err.print(f"[bold red]error:[/bold red] the run ended with status {report.get('status')}: {escape(str(why))}",
-                  highlight=False)
+        err.print(
+            f"[bold red]error:[/bold red] the run ended with status {report.get('status')}: {escape(str(why))}",
+            highlight=False,
+        )
     for f in failures:
         err.print(f"[bold red]error:[/bold red] {escape(f)}", highlight=False)
     raise typer.Exit(code or (EXIT_FAILED_RUN if failures else 0))
@@ -372,21 +510,20 @@ def _profile(overrides: dict[str, Any], config: str | None, json_path: str | Non
 @app.command()
 def analyze(
     path: str = typer.Argument(..., help="a torch.profiler trace (.json, .json.gz) or a folder of per-rank traces"),
-    stage: Optional[int] = typer.Option(None, "--stage", help="training stage, when the trace does not say (1 or 2)"),
-    model: Optional[str] = typer.Option(None, "--model", help="model preset, when the trace does not say"),
-    json_path: Optional[str] = _json_opt("facts and prescriptions"),
-    html_path: Optional[str] = typer.Option(None, "--html", help="write a self-contained HTML report here"),
+    stage: int | None = typer.Option(None, "--stage", help="training stage, when the trace does not say (1 or 2)"),
+    model: str | None = typer.Option(None, "--model", help="model preset, when the trace does not say"),
+    json_path: str | None = _json_opt("facts and prescriptions"),
+    html_path: str | None = typer.Option(None, "--html", help="write a self-contained HTML report here"),
     force: bool = typer.Option(False, "--force", help="overwrite an existing --json or --html file"),
-    rules_dirs: Optional[list[str]] = typer.Option(None, "--rules", help="extra folder of rule files (repeatable)"),
+    rules_dirs: list[str] | None = typer.Option(None, "--rules", help="extra folder of rule files (repeatable)"),
 ) -> None:
     """Read a torch.profiler trace (anyone's), print what the GPU did, why it waited, and what to change."""
     from vlmdoctor import SCHEMA_VERSION
-    from vlmdoctor.trace.facts import analyze as run_analysis
-    from vlmdoctor.files import check_writable, save, save_json
-    from vlmdoctor.report.console import render_facts, render_findings
     from vlmdoctor.doctor.rules import diagnose, load_rules
-
+    from vlmdoctor.files import check_writable, save, save_json
     from vlmdoctor.inputs import check_rules_dirs
+    from vlmdoctor.report.console import render_facts, render_findings
+    from vlmdoctor.trace.facts import analyze as run_analysis
 
     with _user_errors():
         if stage is not None and stage not in (1, 2):
@@ -448,15 +585,16 @@ app.add_typer(rules_app, name="rules")
 
 
 @rules_app.command("list")
-def rules_list(rules_dirs: Optional[list[str]] = typer.Option(None, "--rules", help="extra folder of rule files"),
-               json_path: Optional[str] = _json_opt("rule list"),
-               force: bool = typer.Option(False, "--force", help="overwrite an existing --json file")) -> None:
+def rules_list(
+    rules_dirs: list[str] | None = typer.Option(None, "--rules", help="extra folder of rule files"),
+    json_path: str | None = _json_opt("rule list"),
+    force: bool = typer.Option(False, "--force", help="overwrite an existing --json file"),
+) -> None:
     """Every rule, in layer order, with what it detects."""
     from rich.table import Table
 
     from vlmdoctor.doctor.rules import load_rules
     from vlmdoctor.files import check_writable, write_json
-
     from vlmdoctor.inputs import check_rules_dirs
 
     with _user_errors():
@@ -465,8 +603,22 @@ def rules_list(rules_dirs: Optional[list[str]] = typer.Option(None, "--rules", h
         rules, problems = load_rules(*(rules_dirs or []))
         rules = sorted(rules, key=lambda r: (r.layer, r.id))
         if json_path:
-            write_json({"rules": [{"id": r.id, "layer": r.layer, "severity": r.severity, "title": r.title,
-                                   "file": str(r.path)} for r in rules], "problems": problems}, json_path)
+            write_json(
+                {
+                    "rules": [
+                        {
+                            "id": r.id,
+                            "layer": r.layer,
+                            "severity": r.severity,
+                            "title": r.title,
+                            "file": str(r.path),
+                        }
+                        for r in rules
+                    ],
+                    "problems": problems,
+                },
+                json_path,
+            )
     if json_path != "-":
         t = Table(show_header=True, header_style="bold")
         for col in ("layer", "id", "severity", "title"):
@@ -482,16 +634,17 @@ def rules_list(rules_dirs: Optional[list[str]] = typer.Option(None, "--rules", h
 
 
 @rules_app.command("show")
-def rules_show(rule_id: str = typer.Argument(..., help="rule id (vlmdoctor rules list)"),
-               rules_dirs: Optional[list[str]] = typer.Option(None, "--rules", help="extra folder of rule files"),
-               json_path: Optional[str] = _json_opt("rule page"),
-               force: bool = typer.Option(False, "--force", help="overwrite an existing --json file")) -> None:
+def rules_show(
+    rule_id: str = typer.Argument(..., help="rule id (vlmdoctor rules list)"),
+    rules_dirs: list[str] | None = typer.Option(None, "--rules", help="extra folder of rule files"),
+    json_path: str | None = _json_opt("rule page"),
+    force: bool = typer.Option(False, "--force", help="overwrite an existing --json file"),
+) -> None:
     """One rule's page: what it detects, why it matters, its evidence, the fix, where its thresholds come from."""
     from vlmdoctor.doctor.rules import load_rules, rule_page
     from vlmdoctor.files import check_writable, write_json
-    from vlmdoctor.report.console import render_rule_page
-
     from vlmdoctor.inputs import check_rules_dirs
+    from vlmdoctor.report.console import render_rule_page
 
     with _user_errors():
         check_writable(json_path, force, "--json")
@@ -514,13 +667,15 @@ def run(
     warmup: int = typer.Option(5, "--warmup", help="optimizer steps before the timed window"),
     steps: int = typer.Option(20, "--steps", help="timed optimizer steps"),
     trace_steps: int = typer.Option(2, "--trace-steps", help="steps traced with torch.profiler after the timed ones"),
-    stop_after_window: bool = typer.Option(False, "--stop-after-window", help="stop the script once the windows "
-                                           "are measured, instead of letting it train on"),
-    stage: Optional[int] = typer.Option(None, "--stage", help="1 or 2, when the estimate from the frozen parts "
-                                        "is wrong"),
-    json_path: Optional[str] = typer.Option(None, "--json", help="also write the report JSON here ('-' for stdout)"),
-    html_path: Optional[str] = typer.Option(None, "--html", help="write a self-contained HTML report here"),
-    rules_dirs: Optional[list[str]] = typer.Option(None, "--rules", help="extra folder of rule files (repeatable)"),
+    stop_after_window: bool = typer.Option(
+        False,
+        "--stop-after-window",
+        help="stop the script once the windows are measured, instead of letting it train on",
+    ),
+    stage: int | None = typer.Option(None, "--stage", help="1 or 2, when the estimate from the frozen parts is wrong"),
+    json_path: str | None = typer.Option(None, "--json", help="also write the report JSON here ('-' for stdout)"),
+    html_path: str | None = typer.Option(None, "--html", help="write a self-contained HTML report here"),
+    rules_dirs: list[str] | None = typer.Option(None, "--rules", help="extra folder of rule files (repeatable)"),
     force: bool = typer.Option(False, "--force", help="overwrite a report already in --out, --json or --html"),
     quiet: bool = typer.Option(False, "--quiet", help="no metrics and prescriptions on the console"),
 ) -> None:
@@ -532,8 +687,20 @@ def run(
     from vlmdoctor.launch import run_script
 
     with _user_errors():
-        code, report = run_script(command, out_dir, warmup, steps, trace_steps, stop_after_window, stage, json_path,
-                                  rules_dirs or [], force, quiet, html_path)
+        code, report = run_script(
+            command,
+            out_dir,
+            warmup,
+            steps,
+            trace_steps,
+            stop_after_window,
+            stage,
+            json_path,
+            rules_dirs or [],
+            force,
+            quiet,
+            html_path,
+        )
         if json_path == "-" and report is not None:
             from vlmdoctor.files import write_json
 
@@ -542,12 +709,14 @@ def run(
 
 
 @app.command()
-def models(json_path: Optional[str] = _json_opt("catalogue"),
-           force: bool = typer.Option(False, "--force", help="overwrite an existing --json file")) -> None:
+def models(
+    json_path: str | None = _json_opt("catalogue"),
+    force: bool = typer.Option(False, "--force", help="overwrite an existing --json file"),
+) -> None:
     """List presets, vision towers and LLMs with parameter counts and head dims."""
     from vlmdoctor.files import check_writable, write_json
-    from vlmdoctor.run.model import catalogue
     from vlmdoctor.report.console import render_models
+    from vlmdoctor.run.model import catalogue
 
     with _user_errors():
         check_writable(json_path, force)
@@ -571,7 +740,9 @@ def _parse_sets(sets: list[str], many: bool = False) -> dict[str, Any]:
         k, v = item.split("=", 1)
         k = k.strip().replace("-", "_")
         if k not in RunConfig.__dataclass_fields__:
-            raise VlmdoctorError(f"--set {k}: unknown knob; valid knobs: {', '.join(sorted(RunConfig.__dataclass_fields__))}")
+            raise VlmdoctorError(
+                f"--set {k}: unknown knob; valid knobs: {', '.join(sorted(RunConfig.__dataclass_fields__))}"
+            )
         kind = _base_type(RunConfig.__dataclass_fields__[k].type)
         parse = (lambda x: x.strip()) if kind is str else yaml.safe_load  # "off" is a string here, not YAML's False
         try:
@@ -583,33 +754,53 @@ def _parse_sets(sets: list[str], many: bool = False) -> dict[str, Any]:
 
 @app.command()
 def treat(
-    model: Optional[str] = typer.Option(None, "--model", help="model preset [default: 0.5b]"),
-    stage: Optional[int] = typer.Option(None, "--stage", help="1 or 2 [default: 2]"),
-    device: Optional[str] = typer.Option(None, "--device", help="auto, cuda or cpu [default: auto]"),
-    config: Optional[str] = typer.Option(None, "--config", help="start from this run config (YAML/JSON or a report)"),
-    sets: Optional[list[str]] = typer.Option(None, "--set", help="knob=value on top of the start config (repeatable)"),
-    steps: Optional[int] = typer.Option(None, "--steps", help="timed steps per repeat [default: 10]"),
-    warmup: Optional[int] = typer.Option(None, "--warmup", help="warm-up steps [default: 5]"),
-    repeats: Optional[int] = typer.Option(None, "--repeats", help="timed windows per run; the noise the decisions "
-                                          "use comes from their spread [default: 3]"),
-    nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help="processes (one per GPU) per trial, "
-                                                 "launched through torchrun [default: 1]"),
-    parallel: Optional[str] = typer.Option(None, "--parallel", help="none, ddp or fsdp2 for every trial"),
-    max_trials: int = typer.Option(24, "--max-trials", help="trials at most (a trial: one composition or one "
-                                   "ablation, measured in several paired runs)"),
-    time_budget: Optional[float] = typer.Option(540, "--time-budget", help="seconds; no run starts after this and a "
-                                                "run's limit is cut to what is left"),
-    min_gain: float = typer.Option(0.02, "--min-gain", help="smallest throughput gain worth keeping (0.02 = 2%): "
-                                   "kept when the paired interval's lower bound is above it"),
+    model: str | None = typer.Option(None, "--model", help="model preset [default: 0.5b]"),
+    stage: int | None = typer.Option(None, "--stage", help="1 or 2 [default: 2]"),
+    device: str | None = typer.Option(None, "--device", help="auto, cuda or cpu [default: auto]"),
+    config: str | None = typer.Option(None, "--config", help="start from this run config (YAML/JSON or a report)"),
+    sets: list[str] | None = typer.Option(None, "--set", help="knob=value on top of the start config (repeatable)"),
+    steps: int | None = typer.Option(None, "--steps", help="timed steps per repeat [default: 10]"),
+    warmup: int | None = typer.Option(None, "--warmup", help="warm-up steps [default: 5]"),
+    repeats: int | None = typer.Option(
+        None,
+        "--repeats",
+        help="timed windows per run; the noise the decisions use comes from their spread [default: 3]",
+    ),
+    nproc_per_node: int | None = typer.Option(
+        None,
+        "--nproc-per-node",
+        help="processes (one per GPU) per trial, launched through torchrun [default: 1]",
+    ),
+    parallel: str | None = typer.Option(None, "--parallel", help="none, ddp or fsdp2 for every trial"),
+    max_trials: int = typer.Option(
+        24,
+        "--max-trials",
+        help="trials at most (a trial: one composition or one ablation, measured in several paired runs)",
+    ),
+    time_budget: float | None = typer.Option(
+        540,
+        "--time-budget",
+        help="seconds; no run starts after this and a run's limit is cut to what is left",
+    ),
+    min_gain: float = typer.Option(
+        0.02,
+        "--min-gain",
+        help="smallest throughput gain worth keeping (0.02 = 2%): "
+        "kept when the paired interval's lower bound is above it",
+    ),
     trial_timeout: float = typer.Option(900, "--trial-timeout", help="seconds one run may take"),
     max_pairs: int = typer.Option(6, "--max-pairs", help="paired runs per comparison at most (3 at least)"),
-    rules_dirs: Optional[list[str]] = typer.Option(None, "--rules", help="extra folder of rule files (repeatable)"),
-    out_dir: Optional[str] = typer.Option(None, "--out", help="folder for treat.json, final_config.yaml, ladder.png "
-                                          "[default: treat-MODEL-stageN]"),
-    html_path: Optional[str] = typer.Option(None, "--html", help="also write the HTML report here (it is always "
-                                            "written as treat.html in --out)"),
+    rules_dirs: list[str] | None = typer.Option(None, "--rules", help="extra folder of rule files (repeatable)"),
+    out_dir: str | None = typer.Option(
+        None,
+        "--out",
+        help="folder for treat.json, final_config.yaml, ladder.png [default: treat-MODEL-stageN]",
+    ),
+    html_path: str | None = typer.Option(
+        None, "--html", help="also write the HTML report here (it is always written as treat.html in --out)"
+    ),
     force: bool = typer.Option(False, "--force", help="write into an --out folder that already holds results"),
-    json_path: Optional[str] = typer.Option(None, "--json", help="also write the result JSON here ('-' = stdout)"),
+    json_path: str | None = typer.Option(None, "--json", help="also write the result JSON here ('-' = stdout)"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress and no tables"),
 ) -> None:
     """Apply the prescriptions together, verify on paired runs, confirm each change by ablation.
@@ -618,14 +809,13 @@ def treat(
     """
     from pathlib import Path
 
-    from vlmdoctor.report.console import render_ladder
-    from vlmdoctor.run.runner import check, run_isolated
     from vlmdoctor.doctor.treat import TreatOptions
-    from vlmdoctor.report.treat_outputs import write_outputs
     from vlmdoctor.doctor.treat import treat as run_treat
-
     from vlmdoctor.files import check_output_dir, save, save_json
     from vlmdoctor.inputs import check_number, check_rules_dirs
+    from vlmdoctor.report.console import render_ladder
+    from vlmdoctor.report.treat_outputs import write_outputs
+    from vlmdoctor.run.runner import check, run_isolated
 
     with _user_errors():
         check_number("--max-trials", max_trials, minimum=0, maximum=1000, integer=True)
@@ -633,14 +823,23 @@ def treat(
         check_number("--min-gain", min_gain, minimum=0, maximum=10)
         check_number("--trial-timeout", trial_timeout, above=0)
         base = RunConfig.load(config) if config else RunConfig(steps=10, repeats=3)
-        flags = {k: v for k, v in dict(model=model, stage=stage, device=device, steps=steps, warmup=warmup,
-                                       repeats=repeats, nproc_per_node=nproc_per_node,
-                                       parallel=parallel).items() if v is not None}
+        flags = {
+            k: v
+            for k, v in dict(
+                model=model,
+                stage=stage,
+                device=device,
+                steps=steps,
+                warmup=warmup,
+                repeats=repeats,
+                nproc_per_node=nproc_per_node,
+                parallel=parallel,
+            ).items()
+            if v is not None
+        }
         cfg = base.replace(source="--set", **_parse_sets(sets or [])).replace(source="command line", **flags)
         check(cfg)
-        from vlmdoctor.files import check_writable
-
-        from vlmdoctor.files import check_distinct
+        from vlmdoctor.files import check_distinct, check_writable
 
         check_distinct(json=json_path, html=html_path)
         check_writable(html_path, force, "--html")
@@ -648,7 +847,9 @@ def treat(
         check_output_dir(folder, "--out")
         check_rules_dirs(rules_dirs or [])
         if folder.is_dir() and any(folder.iterdir()) and not force:
-            raise VlmdoctorError(f"{folder} already holds files; pass --force to write into it, or --out another folder")
+            raise VlmdoctorError(
+                f"{folder} already holds files; pass --force to write into it, or --out another folder"
+            )
         if folder.is_dir():  # the files treat will write there: never a link, fifo or folder
             for name in ("treat.json", "final_config.yaml", "ladder.png", "treat.html"):
                 check_writable(folder / name, True, "--out")
@@ -659,8 +860,14 @@ def treat(
             err.print(f"rule problem: {escape(p)}", highlight=False)
         check_number("--max-pairs", max_pairs, minimum=3, maximum=1000, integer=True)
         check_writable(json_path if json_path != "-" else None, force, "--json")
-        opts = TreatOptions(max_trials=max_trials, time_budget_s=time_budget or None, min_gain=min_gain,
-                            trial_timeout_s=trial_timeout, rules_dirs=list(rules_dirs or []), max_pairs=max_pairs)
+        opts = TreatOptions(
+            max_trials=max_trials,
+            time_budget_s=time_budget or None,
+            min_gain=min_gain,
+            trial_timeout_s=trial_timeout,
+            rules_dirs=list(rules_dirs or []),
+            max_pairs=max_pairs,
+        )
         from vlmdoctor.run.compile import cache_env
 
         compile_env = cache_env(folder / "compile-cache")  # trials of one treatment reuse each other's compiled kernels
@@ -701,28 +908,34 @@ def treat(
 
 @app.command()
 def sweep(
-    grid: Optional[str] = typer.Argument(None, help="a grid YAML: defaults, runs (name, set, optional stages), stages"),
-    sets: Optional[list[str]] = typer.Option(None, "--set", help="knob=v1,v2,... : every combination is run "
-                                             "(repeatable); with a grid file, knob=value applies to every row"),
-    stages: Optional[list[int]] = typer.Option(None, "--stage", help="only these stages (repeatable)"),
-    csv_path: Optional[str] = typer.Option(None, "--csv", help="write the results table as CSV"),
-    jsonl_path: Optional[str] = typer.Option(None, "--jsonl", help="append each run's full report as a JSON line"),
+    grid: str | None = typer.Argument(None, help="a grid YAML: defaults, runs (name, set, optional stages), stages"),
+    sets: list[str] | None = typer.Option(
+        None,
+        "--set",
+        help="knob=v1,v2,... : every combination is run "
+        "(repeatable); with a grid file, knob=value applies to every row",
+    ),
+    stages: list[int] | None = typer.Option(None, "--stage", help="only these stages (repeatable)"),
+    csv_path: str | None = typer.Option(None, "--csv", help="write the results table as CSV"),
+    jsonl_path: str | None = typer.Option(None, "--jsonl", help="append each run's full report as a JSON line"),
     diagnose_runs: bool = typer.Option(False, "--diagnose/--no-diagnose", help="trace and diagnose each run"),
     timeout: float = typer.Option(900, "--timeout", help="seconds one run may take"),
-    nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help="processes (one per GPU) per run, "
-                                                 "launched through torchrun (a --set value wins)"),
-    parallel: Optional[str] = typer.Option(None, "--parallel", help="none, ddp or fsdp2 for every run (a --set "
-                                           "value wins)"),
-    json_path: Optional[str] = _json_opt("results table"),
+    nproc_per_node: int | None = typer.Option(
+        None,
+        "--nproc-per-node",
+        help="processes (one per GPU) per run, launched through torchrun (a --set value wins)",
+    ),
+    parallel: str | None = typer.Option(
+        None, "--parallel", help="none, ddp or fsdp2 for every run (a --set value wins)"
+    ),
+    json_path: str | None = _json_opt("results table"),
     force: bool = typer.Option(False, "--force", help="overwrite an existing --csv or --json file"),
 ) -> None:
     """Run a list of configurations, one fresh process each, and tabulate them (the seed's 48-run table style)."""
-    from vlmdoctor.files import check_writable
-    from vlmdoctor.report.console import render_sweep
     from vlmdoctor.ci.sweep import load_grid, product_grid, run_sweep
-
-    from vlmdoctor.files import save, save_json
+    from vlmdoctor.files import check_writable, save, save_json
     from vlmdoctor.inputs import check_number
+    from vlmdoctor.report.console import render_sweep
 
     with _user_errors():
         check_number("--timeout", timeout, above=0)
@@ -744,12 +957,16 @@ def sweep(
             raise VlmdoctorError("give a grid YAML file or at least one --set knob=v1,v2")
         from vlmdoctor.run.runner import check
 
-        for name, c in plan:  # a run this machine refuses (a GPU preset without a GPU, say) is refused up front
+        for (
+            name,
+            c,
+        ) in plan:  # a run this machine refuses (a GPU preset without a GPU, say) is refused up front
             try:
                 check(c)
             except VlmdoctorError as e:
                 raise VlmdoctorError(f"{name}: {e.message}") from None
         with err.status("sweep") as status:
+
             def notify(i: int, n: int, name: str) -> None:
                 status.update(f"run {i}/{n}: {name}")
 
@@ -771,49 +988,85 @@ def sweep(
 @app.command()
 def gate(
     baseline: str = typer.Option(..., "--baseline", help="the baseline report JSON (kept in the repository)"),
-    current: Optional[str] = typer.Option(None, "--current", help="the report to judge; without it, the baseline's "
-                                          "config is profiled now, in a fresh process"),
-    max_regression: float = typer.Option(0.05, "--max-regression", help="fail on a real tokens/s drop larger than this "
-                                         "(0.05 = 5%) that is also significant"),
-    alpha: float = typer.Option(0.01, "--alpha", help="significance level of the Mann-Whitney U test on per-step "
-                                "throughput"),
+    current: str | None = typer.Option(
+        None,
+        "--current",
+        help="the report to judge; without it, the baseline's config is profiled now, in a fresh process",
+    ),
+    max_regression: float = typer.Option(
+        0.05,
+        "--max-regression",
+        help="fail on a real tokens/s drop larger than this (0.05 = 5%) that is also significant",
+    ),
+    alpha: float = typer.Option(
+        0.01, "--alpha", help="significance level of the Mann-Whitney U test on per-step throughput"
+    ),
     max_memory_growth: float = typer.Option(0.10, "--max-memory-growth", help="fail when peak memory grew more"),
-    fail_on: str = typer.Option("high", "--fail-on", help="fail on a new finding of this severity or above "
-                                "(high, medium, low)"),
-    allow_env_change: bool = typer.Option(False, "--allow-env-change", help="compare across GPU models too (torch, "
-                                          "transformers, liger-kernel and driver changes are always compared, "
-                                          "and named)"),
-    remeasure_baseline: bool = typer.Option(False, "--remeasure-baseline", help="measure the baseline's config again "
-                                            "in this job, alternating with the current run in fresh processes, and "
-                                            "judge on the paired ratios instead of the stored numbers"),
-    baseline_python: Optional[str] = typer.Option(None, "--baseline-python", help="with --remeasure-baseline: the "
-                                                  "Python interpreter of the baseline's install (another code version)"),
-    baseline_env: Optional[list[str]] = typer.Option(None, "--baseline-env", help="with --remeasure-baseline: "
-                                                     "KEY=VALUE for the baseline's runs, e.g. PYTHONPATH=old/checkout "
-                                                     "(repeatable)"),
-    max_pairs: int = typer.Option(16, "--max-pairs", help="with --remeasure-baseline: paired runs at most (3 at least; "
-                                  "more only while undecided)"),
-    extend_pairs: Optional[int] = typer.Option(None, "--extend-pairs", help="with --remeasure-baseline: paired "
-                                               "runs at most when, at --max-pairs, the ratio is below "
-                                               "1 - --max-regression but not yet beyond the noise (default: "
-                                               "2 x --max-pairs; --max-pairs or less: stop there)"),
-    cpu_threads: int = typer.Option(1, "--cpu-threads", help="with --remeasure-baseline on a CPU baseline: intra-op "
-                                    "threads a side (0: torch's default); one keeps a shared host's load from "
-                                    "stalling a side's parallel regions"),
+    fail_on: str = typer.Option(
+        "high", "--fail-on", help="fail on a new finding of this severity or above (high, medium, low)"
+    ),
+    allow_env_change: bool = typer.Option(
+        False,
+        "--allow-env-change",
+        help="compare across GPU models too (torch, "
+        "transformers, liger-kernel and driver changes are always compared, "
+        "and named)",
+    ),
+    remeasure_baseline: bool = typer.Option(
+        False,
+        "--remeasure-baseline",
+        help="measure the baseline's config again "
+        "in this job, alternating with the current run in fresh processes, and "
+        "judge on the paired ratios instead of the stored numbers",
+    ),
+    baseline_python: str | None = typer.Option(
+        None,
+        "--baseline-python",
+        help="with --remeasure-baseline: the Python interpreter of the baseline's install (another code version)",
+    ),
+    baseline_env: list[str] | None = typer.Option(
+        None,
+        "--baseline-env",
+        help="with --remeasure-baseline: KEY=VALUE for the baseline's runs, e.g. PYTHONPATH=old/checkout (repeatable)",
+    ),
+    max_pairs: int = typer.Option(
+        16,
+        "--max-pairs",
+        help="with --remeasure-baseline: paired runs at most (3 at least; more only while undecided)",
+    ),
+    extend_pairs: int | None = typer.Option(
+        None,
+        "--extend-pairs",
+        help="with --remeasure-baseline: paired "
+        "runs at most when, at --max-pairs, the ratio is below "
+        "1 - --max-regression but not yet beyond the noise (default: "
+        "2 x --max-pairs; --max-pairs or less: stop there)",
+    ),
+    cpu_threads: int = typer.Option(
+        1,
+        "--cpu-threads",
+        help="with --remeasure-baseline on a CPU baseline: intra-op "
+        "threads a side (0: torch's default); one keeps a shared host's load from "
+        "stalling a side's parallel regions",
+    ),
     timeout: float = typer.Option(900, "--timeout", help="seconds one run may take"),
-    update_baseline: bool = typer.Option(False, "--update-baseline", help="write the current report over the baseline, "
-                                         "on purpose, and pass"),
-    junit: Optional[str] = typer.Option(None, "--junit", help="write JUnit XML here"),
-    json_path: Optional[str] = _json_opt("verdict"),
-    force: bool = typer.Option(False, "--force", help="overwrite existing --junit/--json files; with "
-                               "--update-baseline, replace a baseline of another model or stage"),
+    update_baseline: bool = typer.Option(
+        False, "--update-baseline", help="write the current report over the baseline, on purpose, and pass"
+    ),
+    junit: str | None = typer.Option(None, "--junit", help="write JUnit XML here"),
+    json_path: str | None = _json_opt("verdict"),
+    force: bool = typer.Option(
+        False,
+        "--force",
+        help="overwrite existing --junit/--json files; with "
+        "--update-baseline, replace a baseline of another model or stage",
+    ),
 ) -> None:
     """Fail (exit 1) when training got slower than the baseline, beyond the noise; exit 2 on unusable input."""
-    from vlmdoctor.ci.gate import check_comparable, load_report, run_current
-    from vlmdoctor.ci.gate import gate as judge
-
     import os
 
+    from vlmdoctor.ci.gate import check_comparable, load_report, run_current
+    from vlmdoctor.ci.gate import gate as judge
     from vlmdoctor.files import check_writable, json_text, save
     from vlmdoctor.inputs import check_number
 
@@ -835,13 +1088,17 @@ def gate(
             try:
                 check_writable(summary, True, "GITHUB_STEP_SUMMARY")
             except VlmdoctorError as e:
-                err.print(f"[yellow]warning:[/yellow] {escape(e.message)}; the step summary is skipped", highlight=False)
+                err.print(
+                    f"[yellow]warning:[/yellow] {escape(e.message)}; the step summary is skipped",
+                    highlight=False,
+                )
                 summary = None
         base = load_report(baseline)
         if remeasure_baseline:
             if current or update_baseline:
-                raise VlmdoctorError("--remeasure-baseline measures both sides now; it takes no --current "
-                                     "or --update-baseline")
+                raise VlmdoctorError(
+                    "--remeasure-baseline measures both sides now; it takes no --current or --update-baseline"
+                )
             if max_pairs < 3:
                 raise VlmdoctorError("--max-pairs must be at least 3")
             if extend_pairs is not None:
@@ -856,11 +1113,20 @@ def gate(
             from vlmdoctor.ci.gate import remeasure
 
             with err.status("paired runs: baseline and current, alternating") as status:
-                result = remeasure(base, baseline_python, env or None, timeout, cpu_threads=cpu_threads,
-                                   max_regression=max_regression,
-                                   max_pairs=max_pairs, extend_pairs=extend_pairs,
-                                   max_memory_growth=max_memory_growth, fail_on=fail_on,
-                                   allow_env_change=allow_env_change, notify=lambda m: status.update(m))
+                result = remeasure(
+                    base,
+                    baseline_python,
+                    env or None,
+                    timeout,
+                    cpu_threads=cpu_threads,
+                    max_regression=max_regression,
+                    max_pairs=max_pairs,
+                    extend_pairs=extend_pairs,
+                    max_memory_growth=max_memory_growth,
+                    fail_on=fail_on,
+                    allow_env_change=allow_env_change,
+                    notify=lambda m: status.update(m),
+                )
             result.pop("reports", None)
             _gate_outputs(result, junit, json_path, summary)
             raise typer.Exit(0 if result["passed"] else 1)
@@ -874,10 +1140,14 @@ def gate(
 
             diffs = model_differences(base, cur)
             if diffs and not force:
-                raise VlmdoctorError(f"the current report measures something else than the baseline ({'; '.join(diffs)}); "
-                                     "pass --force to replace the baseline anyway")
+                raise VlmdoctorError(
+                    f"the current report measures something else than the baseline ({'; '.join(diffs)}); "
+                    "pass --force to replace the baseline anyway"
+                )
             _fail_on([save(baseline, json_text(cur), "new baseline")])
-            (err if json_path == "-" else out).print(f"baseline updated: {baseline} ({cur['metrics']['real_tokens_per_s']:,.0f} real tokens/s)")
+            (err if json_path == "-" else out).print(
+                f"baseline updated: {baseline} ({cur['metrics']['real_tokens_per_s']:,.0f} real tokens/s)"
+            )
             return
         notes = check_comparable(base, cur, allow_env_change)
         result = judge(base, cur, max_regression, alpha, max_memory_growth, fail_on, notes)
@@ -918,16 +1188,16 @@ def compare(
     a: str = typer.Argument(..., help="report JSON (before)"),
     b: str = typer.Argument(..., help="report JSON (after)"),
     allow_different: bool = typer.Option(False, "--allow-different", help="compare different models or stages"),
-    json_path: Optional[str] = _json_opt("comparison"),
+    json_path: str | None = _json_opt("comparison"),
     force: bool = typer.Option(False, "--force", help="overwrite an existing --json file"),
 ) -> None:
     """Side by side: metrics, GPU time by kernel class, idle causes, findings added or gone, knobs changed."""
     from pathlib import Path
 
-    from vlmdoctor.report.compare import compare as diff
-    from vlmdoctor.report.compare import render_compare
     from vlmdoctor.ci.gate import load_report
     from vlmdoctor.files import check_writable, json_text, save, write_json
+    from vlmdoctor.report.compare import compare as diff
+    from vlmdoctor.report.compare import render_compare
 
     with _user_errors():
         check_writable(json_path, force, "--json")
@@ -942,21 +1212,26 @@ def compare(
 
 @app.command()
 def export(
-    source: str = typer.Argument(..., help="a profile report JSON (its kept trace) or a trace file / folder of rank traces"),
-    chrome: Optional[str] = typer.Option(None, "--chrome", help="write gzipped Chrome JSON (opens in Perfetto) here, "
-                                         "*.json.gz"),
-    hta_dir: Optional[str] = typer.Option(None, "--hta-dir", help="write a folder of per-rank traces as Holistic "
-                                          "Trace Analysis (traceinsight) reads them"),
-    json_path: Optional[str] = _json_opt("list of files written"),
+    source: str = typer.Argument(
+        ..., help="a profile report JSON (its kept trace) or a trace file / folder of rank traces"
+    ),
+    chrome: str | None = typer.Option(
+        None, "--chrome", help="write gzipped Chrome JSON (opens in Perfetto) here, *.json.gz"
+    ),
+    hta_dir: str | None = typer.Option(
+        None,
+        "--hta-dir",
+        help="write a folder of per-rank traces as Holistic Trace Analysis (traceinsight) reads them",
+    ),
+    json_path: str | None = _json_opt("list of files written"),
     force: bool = typer.Option(False, "--force", help="overwrite existing output"),
 ) -> None:
     """Export a trace for Perfetto (ui.perfetto.dev) or for Holistic Trace Analysis."""
     from pathlib import Path
 
+    from vlmdoctor.files import check_output_dir, check_writable
     from vlmdoctor.trace.export import export_chrome, export_hta_folder
     from vlmdoctor.trace.read import trace_files
-
-    from vlmdoctor.files import check_output_dir, check_writable
 
     with _user_errors():
         if not chrome and not hta_dir:
@@ -1051,8 +1326,18 @@ def describe_error(exc: BaseException) -> tuple[str, int]:
         return f"an input file does not parse: {_one_line(str(exc))}", EXIT_USAGE
     if isinstance(exc, OSError):
         where = f"{exc.filename}: " if exc.filename else ""
-        user = exc.errno in (errno.ENOENT, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR, errno.ENAMETOOLONG,
-                             errno.ELOOP, errno.EROFS, errno.EEXIST, errno.ENXIO)
+        user = exc.errno in (
+            errno.ENOENT,
+            errno.EACCES,
+            errno.EPERM,
+            errno.EISDIR,
+            errno.ENOTDIR,
+            errno.ENAMETOOLONG,
+            errno.ELOOP,
+            errno.EROFS,
+            errno.EEXIST,
+            errno.ENXIO,
+        )
         return f"{where}{exc.strerror or exc}", EXIT_USAGE if user else EXIT_FAILED_RUN
     return _internal_error(exc), EXIT_FAILED_RUN
 
@@ -1076,8 +1361,9 @@ def _internal_error(exc: BaseException) -> str:
         where = f"full traceback: {path}"
     except OSError:
         where = "the traceback could not be saved"
-    return (f"internal error: {type(exc).__name__}: {_one_line(str(exc)) if str(exc) else ''} ({where}; "
-            "please report it)")
+    return (
+        f"internal error: {type(exc).__name__}: {_one_line(str(exc)) if str(exc) else ''} ({where}; please report it)"
+    )
 
 
 def main() -> None:

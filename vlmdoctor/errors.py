@@ -1,4 +1,5 @@
 """Errors a user can cause. The CLI turns each into one line and an exit code, never a traceback."""
+
 from __future__ import annotations
 
 #: exit codes shared by every command

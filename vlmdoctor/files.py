@@ -9,6 +9,7 @@ The promises (docs/files.md):
 - when the final write still fails (a full disk), the content is saved to a fallback file in
   the current folder or the temp folder, and the message names it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,8 +20,9 @@ import os
 import stat
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any
 
 from vlmdoctor.errors import EXIT_FAILED_RUN, UsageError, VlmdoctorError
 
@@ -37,9 +39,14 @@ class WriteError(VlmdoctorError):
 
 def _kind(mode: int) -> str | None:
     """What a non-regular file is, in words; None for a regular file."""
-    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a fifo"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISSOCK, "a socket")):
+    for test, name in (
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a fifo"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
         if test(mode):
             return name
     return None if stat.S_ISREG(mode) else "not a regular file"
@@ -78,7 +85,10 @@ def check_writable(path: str | os.PathLike | None, force: bool, flag: str = "") 
     _check_names(p, label)
     try:
         st = os.lstat(p)
-    except (FileNotFoundError, NotADirectoryError):  # a missing name, or a file where a folder should be: below
+    except (
+        FileNotFoundError,
+        NotADirectoryError,
+    ):  # a missing name, or a file where a folder should be: below
         st = None
     except OSError as e:
         raise UsageError(f"{label}: cannot use this path ({e.strerror})") from None

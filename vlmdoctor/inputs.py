@@ -3,6 +3,7 @@
 Each failure is a UsageError (exit 2) of one line that names the flag or the file, so a bad
 input never reaches the code that would have crashed on it.
 """
+
 from __future__ import annotations
 
 import errno
@@ -16,8 +17,16 @@ from vlmdoctor.errors import UsageError
 NAME_MAX = 255
 
 
-def check_number(flag: str, value: Any, *, minimum: float | None = None, maximum: float | None = None,
-                 above: float | None = None, below: float | None = None, integer: bool = False) -> None:
+def check_number(
+    flag: str,
+    value: Any,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    above: float | None = None,
+    below: float | None = None,
+    integer: bool = False,
+) -> None:
     """A finite number within bounds; the message names the flag and the allowed range."""
     if value is None:
         return
@@ -37,8 +46,12 @@ def check_number(flag: str, value: Any, *, minimum: float | None = None, maximum
     if ok and isinstance(value, float) and not math.isfinite(value):
         ok = False
     if ok:
-        ok = ((above is None or value > above) and (minimum is None or value >= minimum)
-              and (below is None or value < below) and (maximum is None or value <= maximum))
+        ok = (
+            (above is None or value > above)
+            and (minimum is None or value >= minimum)
+            and (below is None or value < below)
+            and (maximum is None or value <= maximum)
+        )
     if not ok:
         raise UsageError(f"{flag} must be {what}, got {value!r}")
 
@@ -71,8 +84,9 @@ def read_bytes(path: str | os.PathLike, what: str = "file", max_bytes: int | Non
         if not stat.S_ISREG(st.st_mode):
             raise UsageError(f"{what} {p}: not a regular file (a device or fifo cannot be read as one)")
         if max_bytes is not None and st.st_size > max_bytes:
-            raise UsageError(f"{what} {p}: {st.st_size / 2**20:.0f} MiB, more than the {max_bytes / 2**20:.0f} MiB "
-                             f"a {what} can be")
+            raise UsageError(
+                f"{what} {p}: {st.st_size / 2**20:.0f} MiB, more than the {max_bytes / 2**20:.0f} MiB a {what} can be"
+            )
         return p.read_bytes()
     except FileNotFoundError:
         raise UsageError(f"{what} {p}: cannot read: no such file") from None
@@ -90,8 +104,9 @@ def decode(data: bytes, path: str | os.PathLike, what: str = "file") -> str:
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
-        raise UsageError(f"{what} {_short(Path(path))}: not UTF-8 text (byte 0x{data[e.start]:02x} at line {line}, "
-                         f"column {col})") from None
+        raise UsageError(
+            f"{what} {_short(Path(path))}: not UTF-8 text (byte 0x{data[e.start]:02x} at line {line}, column {col})"
+        ) from None
 
 
 def read_text(path: str | os.PathLike, what: str = "file", max_bytes: int | None = None) -> str:

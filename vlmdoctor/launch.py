@@ -8,6 +8,7 @@ then on each step of that optimizer is one training step for vlmdoctor's Recorde
 The child writes the measured report; this (parent) process passes the script's output through
 to the terminal and into DIR/script.log, then analyzes the trace, diagnoses and prints.
 """
+
 from __future__ import annotations
 
 import gc
@@ -18,8 +19,9 @@ import subprocess
 import sys
 import traceback
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from vlmdoctor.errors import EXIT_FAILED_RUN, EXIT_OK, UsageError
 
@@ -37,8 +39,10 @@ def parse_command(command: Sequence[str]) -> list[str]:
     if not cmd:
         raise UsageError("give the training command after --, e.g.: vlmdoctor run -- python train.py --epochs 1")
     if Path(cmd[0]).name in MULTI_PROCESS_LAUNCHERS:
-        raise UsageError(f"{Path(cmd[0]).name} starts several processes, which vlmdoctor run does not follow yet; "
-                         "doctor one process: vlmdoctor run -- python train.py ARGS")
+        raise UsageError(
+            f"{Path(cmd[0]).name} starts several processes, which vlmdoctor run does not follow yet; "
+            "doctor one process: vlmdoctor run -- python train.py ARGS"
+        )
     if Path(cmd[0]).name.startswith("python") and not cmd[0].endswith(".py"):
         cmd = cmd[1:]
         while cmd and cmd[0].startswith("-") and cmd[0] != "-m":
@@ -47,7 +51,7 @@ def parse_command(command: Sequence[str]) -> list[str]:
                 raise UsageError("python -c is not supported; put the code in a script file")
             if flag in PY_FLAGS_WITH_VALUE and cmd:
                 cmd.pop(0)
-            elif flag not in PY_FLAGS and not flag[:2] in PY_FLAGS_WITH_VALUE:
+            elif flag not in PY_FLAGS and flag[:2] not in PY_FLAGS_WITH_VALUE:
                 raise UsageError(f"interpreter option {flag} is not supported by vlmdoctor run")
     if not cmd:
         raise UsageError("no script given after the interpreter; e.g.: vlmdoctor run -- python train.py")
@@ -61,6 +65,7 @@ def parse_command(command: Sequence[str]) -> list[str]:
 
 
 # --- the child -----------------------------------------------------------------------------------
+
 
 class _StopAfterWindow(BaseException):
     """Raised out of the optimizer step once the windows are measured (--stop-after-window)."""
@@ -141,8 +146,11 @@ class _Child:
             if not self.s.get("quiet"):
                 show(report, sys.stdout)
                 if not self.s.get("stop_after_window"):
-                    print(f"vlmdoctor: report written to {Path(self.s['out']) / 'report.json'}; "
-                          "the script goes on, unmeasured", flush=True)
+                    print(
+                        f"vlmdoctor: report written to {Path(self.s['out']) / 'report.json'}; "
+                        "the script goes on, unmeasured",
+                        flush=True,
+                    )
         except Exception as e:  # the analysis must not end the user's training
             self.report = {}
             _log(f"could not write the report now, training goes on: {type(e).__name__}: {e}")
@@ -165,8 +173,17 @@ class _Child:
             defaults = getattr(optimizer, "defaults", {}) or {}
             if "fused" in defaults:
                 config["fused_optimizer"] = bool(defaults.get("fused"))
-            self.rec = Recorder(model, self.s["out"], self.s["warmup"], self.s["steps"], self.s["trace_steps"],
-                                self.s.get("stage"), "script", config, audience)
+            self.rec = Recorder(
+                model,
+                self.s["out"],
+                self.s["warmup"],
+                self.s["steps"],
+                self.s["trace_steps"],
+                self.s.get("stage"),
+                "script",
+                config,
+                audience,
+            )
             self.rec.attach()
             self.rec.begin()  # steps count from the first optimizer step on: its inputs came before the hooks
         except Exception as e:
@@ -178,23 +195,37 @@ class _Child:
 
         out = Path(self.s["out"])
         if self.report:  # written at the window's end: add how the script ended
-            self.report["script"] |= {"exit_code": exit_code, "error": error,
-                                      "steps_of_other_optimizers": self.steps_of_others}
+            self.report["script"] |= {
+                "exit_code": exit_code,
+                "error": error,
+                "steps_of_other_optimizers": self.steps_of_others,
+            }
             write_outputs(self.report, out)
             return
         if self.rec is None:
-            report: dict[str, Any] = {"status": "error", "error": {
-                "type": "NoSteps" if self.optimizer is None else "NotStarted",
-                "message": "the script never called an optimizer step" if self.optimizer is None
-                else "vlmdoctor could not start measuring (see the log)"}}
+            report: dict[str, Any] = {
+                "status": "error",
+                "error": {
+                    "type": "NoSteps" if self.optimizer is None else "NotStarted",
+                    "message": "the script never called an optimizer step"
+                    if self.optimizer is None
+                    else "vlmdoctor could not start measuring (see the log)",
+                },
+            }
         else:
             report = self.rec.finish()
             report["audience"] = self.rec.audience
             if (report.get("error") or {}).get("type") == "NoSteps":
-                report["error"]["message"] = ("the script called the optimizer step only once; a step is timed "
-                                              "from one optimizer step to the next, so at least 2 are needed")
-        report["script"] = {"argv": self.s["argv"], "exit_code": exit_code, "error": error,
-                            "steps_of_other_optimizers": self.steps_of_others}
+                report["error"]["message"] = (
+                    "the script called the optimizer step only once; a step is timed "
+                    "from one optimizer step to the next, so at least 2 are needed"
+                )
+        report["script"] = {
+            "argv": self.s["argv"],
+            "exit_code": exit_code,
+            "error": error,
+            "steps_of_other_optimizers": self.steps_of_others,
+        }
         write_outputs(report, out)
 
 
@@ -242,6 +273,7 @@ def child_main() -> None:
 
 # --- the parent ----------------------------------------------------------------------------------
 
+
 def _tee(proc: subprocess.Popen, log: Path, to_stderr: bool) -> None:
     """The script's output, as it comes, to the terminal (stderr when stdout carries the JSON) and the log."""
     sink = sys.stderr if to_stderr else sys.stdout
@@ -257,10 +289,20 @@ def _tee(proc: subprocess.Popen, log: Path, to_stderr: bool) -> None:
             sink.buffer.flush()
 
 
-def run_script(command: Sequence[str], out: str = "doctor-out", warmup: int = 5, steps: int = 20,
-               trace_steps: int = 2, stop_after_window: bool = False, stage: int | None = None,
-               json_path: str | None = None, rules_dirs: Sequence[str] = (), force: bool = False,
-               quiet: bool = False, html_path: str | None = None) -> tuple[int, dict[str, Any] | None]:
+def run_script(
+    command: Sequence[str],
+    out: str = "doctor-out",
+    warmup: int = 5,
+    steps: int = 20,
+    trace_steps: int = 2,
+    stop_after_window: bool = False,
+    stage: int | None = None,
+    json_path: str | None = None,
+    rules_dirs: Sequence[str] = (),
+    force: bool = False,
+    quiet: bool = False,
+    html_path: str | None = None,
+) -> tuple[int, dict[str, Any] | None]:
     """Run the script under the bootstrap, then diagnose; returns (exit code, report)."""
     from vlmdoctor.api import diagnose_report, show, write_outputs
     from vlmdoctor.files import check_writable
@@ -284,15 +326,25 @@ def run_script(command: Sequence[str], out: str = "doctor-out", warmup: int = 5,
     if report_path.exists():
         report_path.unlink()
     env = dict(os.environ)
-    env[ENV_KEY] = json.dumps({"out": str(folder), "warmup": warmup, "steps": steps, "trace_steps": trace_steps,
-                               "stop_after_window": stop_after_window, "stage": stage,
-                               "rules_dirs": [str(Path(d).resolve()) for d in rules_dirs], "quiet": quiet})
+    env[ENV_KEY] = json.dumps(
+        {
+            "out": str(folder),
+            "warmup": warmup,
+            "steps": steps,
+            "trace_steps": trace_steps,
+            "stop_after_window": stop_after_window,
+            "stage": stage,
+            "rules_dirs": [str(Path(d).resolve()) for d in rules_dirs],
+            "quiet": quiet,
+        }
+    )
     pkg_root = str(Path(__file__).resolve().parent.parent)  # this vlmdoctor, importable in the child
     env["PYTHONPATH"] = os.pathsep.join([pkg_root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env["PYTHONUNBUFFERED"] = "1"
     log = folder / "script.log"
-    proc = subprocess.Popen([sys.executable, "-c", BOOTSTRAP, *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", BOOTSTRAP, *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env
+    )
     try:
         _tee(proc, log, to_stderr=json_path == "-")
     except KeyboardInterrupt:
@@ -301,7 +353,7 @@ def run_script(command: Sequence[str], out: str = "doctor-out", warmup: int = 5,
         raise
     rc = proc.wait()
     copy = json_path if json_path != "-" else None  # '-': the caller prints the report, once
-    say = (lambda m: print(f"vlmdoctor: {m}", file=sys.stderr, flush=True))
+    say = lambda m: print(f"vlmdoctor: {m}", file=sys.stderr, flush=True)
     if not report_path.exists():
         say(f"the script exited with code {rc} and left no report; its output is in {log}")
         return EXIT_FAILED_RUN, None
@@ -316,8 +368,11 @@ def run_script(command: Sequence[str], out: str = "doctor-out", warmup: int = 5,
                 if not quiet and json_path != "-" and "diagnosis" in report:
                     show(report)
             report["status"] = "error"
-        report["error"] = {"type": "ScriptFailed", "message": f"the script exited with code {code}"
-                           + (f" ({script['error']})" if script.get("error") else ""), "exit_code": code}
+        report["error"] = {
+            "type": "ScriptFailed",
+            "message": f"the script exited with code {code}" + (f" ({script['error']})" if script.get("error") else ""),
+            "exit_code": code,
+        }
         write_outputs(report, folder, copy)
         say(f"the script failed (exit code {code}); its output is in {log}")
         return EXIT_FAILED_RUN, report

@@ -24,6 +24,7 @@ the background; two streams (same config; slowdowns) get twice the gates in the 
 
 Options after `--` go to every gate (e.g. `-- --cpu-threads 0` for the gate as it was before).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -84,8 +85,22 @@ def env_for(tree: Path, slowdown: float, threads: int = 0) -> dict[str, str]:
 
 def profile(tree: Path, slowdown: float, args: argparse.Namespace, out: Path) -> dict:
     """One plain profile run; its report."""
-    cmd = [sys.executable, "-m", "vlmdoctor", "profile", *PROFILE, "--steps", str(args.steps), "--warmup",
-           str(args.warmup), "--repeats", str(args.repeats), "--json", str(out), "--force"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vlmdoctor",
+        "profile",
+        *PROFILE,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--repeats",
+        str(args.repeats),
+        "--json",
+        str(out),
+        "--force",
+    ]
     r = sh(cmd, env=env_for(tree, slowdown, args.truth_threads), cwd=tree)
     if r.returncode:
         sys.exit(f"profile failed: {r.stderr[-2000:]}")
@@ -94,28 +109,37 @@ def profile(tree: Path, slowdown: float, args: argparse.Namespace, out: Path) ->
 
 def run_tps(report: dict, key: str = "step_ms") -> float:
     """What the gate takes from one run: the median over its timed steps of real tokens/s."""
-    return statistics.median(t / (ms / 1000) for r in report["repeats"]
-                             for t, ms in zip(r["step_real_tokens"], r[key]))
+    return statistics.median(t / (ms / 1000) for r in report["repeats"] for t, ms in zip(r["step_real_tokens"], r[key]))
 
 
 def summarize(out: Path, truth: list[dict], gates: list[dict], fracs: list[float]) -> str:
     lines = [f"# gate on this machine: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", ""]
     if truth:
-        lines += ["## truth: plain profile runs (a run's median step, real tokens/s)", "",
-                  "| code | runs | wall-time tokens/s | drop vs base | CPU-time tokens/s | drop vs base |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            "## truth: plain profile runs (a run's median step, real tokens/s)",
+            "",
+            "| code | runs | wall-time tokens/s | drop vs base | CPU-time tokens/s | drop vs base |",
+            "|---|---|---|---|---|---|",
+        ]
         base = statistics.median(t["tps"] for t in truth if t["slowdown"] == 0)
         cbase = statistics.median(t["cpu_tps"] for t in truth if t["slowdown"] == 0)
         for f in [0.0, *fracs]:
             v = [t["tps"] for t in truth if t["slowdown"] == f]
             c = [t["cpu_tps"] for t in truth if t["slowdown"] == f]
             if v:
-                lines.append(f"| slowdown {f:g} | {len(v)} | {statistics.median(v):,.0f} | "
-                             f"{(statistics.median(v) / base - 1) * 100:+.1f}% | {statistics.median(c):,.0f} | "
-                             f"{(statistics.median(c) / cbase - 1) * 100:+.1f}% |")
+                lines.append(
+                    f"| slowdown {f:g} | {len(v)} | {statistics.median(v):,.0f} | "
+                    f"{(statistics.median(v) / base - 1) * 100:+.1f}% | {statistics.median(c):,.0f} | "
+                    f"{(statistics.median(c) / cbase - 1) * 100:+.1f}% |"
+                )
         lines.append("")
-    lines += ["## gates", "", "| kind | gates | failed (exit 1) | exit 2 | median pairs | past max-pairs | "
-              "median ratio | ratios of the verdicts | minutes each |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "## gates",
+        "",
+        "| kind | gates | failed (exit 1) | exit 2 | median pairs | past max-pairs | "
+        "median ratio | ratios of the verdicts | minutes each |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for f in [0.0, *fracs]:
         g = [x for x in gates if x["slowdown"] == f]
         if not g:
@@ -124,15 +148,21 @@ def summarize(out: Path, truth: list[dict], gates: list[dict], fracs: list[float
         pairs = [x["pairs"] for x in ok]
         ratios = [x["ratio"] for x in ok]
         kind = "same config" if f == 0 else f"slowdown {f:g}"
-        lines.append(f"| {kind} | {len(g)} | {sum(x['rc'] == 1 for x in g)} | {sum(x['rc'] == 2 for x in g)} | "
-                     f"{statistics.median(pairs) if pairs else '-'} | {sum(bool(x.get('extended')) for x in ok)} | "
-                     f"{statistics.median(ratios) if ratios else float('nan'):.3f} | "
-                     + " ".join(f"{r:.3f}" for r in ratios) + f" | {statistics.median(x['wall_s'] for x in g) / 60:.1f} |")
+        lines.append(
+            f"| {kind} | {len(g)} | {sum(x['rc'] == 1 for x in g)} | {sum(x['rc'] == 2 for x in g)} | "
+            f"{statistics.median(pairs) if pairs else '-'} | {sum(bool(x.get('extended')) for x in ok)} | "
+            f"{statistics.median(ratios) if ratios else float('nan'):.3f} | "
+            + " ".join(f"{r:.3f}" for r in ratios)
+            + f" | {statistics.median(x['wall_s'] for x in g) / 60:.1f} |"
+        )
     logs = [math.log(r) for x in gates if x["slowdown"] == 0 and x["rc"] in (0, 1) for r in x["ratios"]]
     if len(logs) > 2:
-        lines += ["", f"same-config pair log-ratios: n={len(logs)}, sd={statistics.stdev(logs):.4f}, "
-                  f"median |log r| = {statistics.median(abs(v) for v in logs):.4f}, max |log r| = "
-                  f"{max(abs(v) for v in logs):.4f}"]
+        lines += [
+            "",
+            f"same-config pair log-ratios: n={len(logs)}, sd={statistics.stdev(logs):.4f}, "
+            f"median |log r| = {statistics.median(abs(v) for v in logs):.4f}, max |log r| = "
+            f"{max(abs(v) for v in logs):.4f}",
+        ]
     text = "\n".join(lines) + "\n"
     (out / "summary.md").write_text(text)
     return text
@@ -140,8 +170,16 @@ def summarize(out: Path, truth: list[dict], gates: list[dict], fracs: list[float
 
 def resummarize(out: Path) -> str:
     """summary.md again from a folder's truth.jsonl and gates.jsonl (after a stream was stopped)."""
-    rows = [json.loads(x) for x in (out / "gates.jsonl").read_text().splitlines()] if (out / "gates.jsonl").exists() else []
-    truth = [json.loads(x) for x in (out / "truth.jsonl").read_text().splitlines()] if (out / "truth.jsonl").exists() else []
+    rows = (
+        [json.loads(x) for x in (out / "gates.jsonl").read_text().splitlines()]
+        if (out / "gates.jsonl").exists()
+        else []
+    )
+    truth = (
+        [json.loads(x) for x in (out / "truth.jsonl").read_text().splitlines()]
+        if (out / "truth.jsonl").exists()
+        else []
+    )
     fracs = sorted({x["slowdown"] for x in rows + truth} - {0.0})
     return summarize(out, truth, rows, fracs)
 
@@ -160,8 +198,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("gate_args", nargs="*", help="more gate options, after --")
-    ap.add_argument("--summary-only", action="store_true", help="rewrite OUT/summary.md from its jsonl files, "
-                    "measure nothing")
+    ap.add_argument(
+        "--summary-only",
+        action="store_true",
+        help="rewrite OUT/summary.md from its jsonl files, measure nothing",
+    )
     args = ap.parse_args()
     out = Path(args.out).resolve()
     if args.summary_only:
@@ -171,8 +212,18 @@ def main() -> None:
     fracs = [float(f) for f in args.fracs.split(",")]
     base_tree, slow_tree = checkouts(Path(args.work), args.ref)
     commit = sh(["git", "-C", str(base_tree), "rev-parse", "HEAD"]).stdout.strip()
-    (out / "setup.json").write_text(json.dumps({"commit": commit, "args": vars(args), "nproc": os.cpu_count(),
-                                                "profile": PROFILE, "cpu": _cpu_model()}, indent=1))
+    (out / "setup.json").write_text(
+        json.dumps(
+            {
+                "commit": commit,
+                "args": vars(args),
+                "nproc": os.cpu_count(),
+                "profile": PROFILE,
+                "cpu": _cpu_model(),
+            },
+            indent=1,
+        )
+    )
     print(f"measuring {commit} in {base_tree} and {slow_tree}", flush=True)
 
     # the baseline report the gates read (its config: tiny, CPU, fp32, steps x repeats)
@@ -185,9 +236,16 @@ def main() -> None:
         k = i % len(kinds)
         for f in kinds[k:] + kinds[:k]:
             rep = profile(slow_tree if f else base_tree, f, args, Path(args.work) / "truth.json")
-            row = {"round": i, "slowdown": f, "tps": run_tps(rep), "cpu_tps": run_tps(rep, "step_cpu_ms"), "repeats": [r["real_tokens_per_s"] for r in rep["repeats"]],
-                   "step_ms": [round(v, 1) for r in rep["repeats"] for v in r["step_ms"]],
-                   "load": os.getloadavg()[0], "t": time.time()}
+            row = {
+                "round": i,
+                "slowdown": f,
+                "tps": run_tps(rep),
+                "cpu_tps": run_tps(rep, "step_cpu_ms"),
+                "repeats": [r["real_tokens_per_s"] for r in rep["repeats"]],
+                "step_ms": [round(v, 1) for r in rep["repeats"] for v in r["step_ms"]],
+                "load": os.getloadavg()[0],
+                "t": time.time(),
+            }
             truth.append(row)
             with open(out / "truth.jsonl", "a") as fh:
                 fh.write(json.dumps(row) + "\n")
@@ -198,34 +256,69 @@ def main() -> None:
     # the same config and the smaller slowdown alternate first (the target's two halves); the
     # larger slowdowns follow, so a measurement cut short still has both halves of the target
     gated = [float(k) for k in args.kinds.split(",")] if args.kinds else kinds
-    plan = [(i, f) for i in range(args.gates) for f in gated[:2]] + [(i, f) for i in range(args.gates)
-                                                                     for f in gated[2:]]
+    plan = [(i, f) for i in range(args.gates) for f in gated[:2]] + [
+        (i, f) for i in range(args.gates) for f in gated[2:]
+    ]
     for i, f in plan:
         if True:
             verdict = out / f"gate-{i:02d}-{f:g}.json"
-            cmd = [sys.executable, "-m", "vlmdoctor", "gate", "--baseline", str(base_json), "--remeasure-baseline",
-                   "--json", str(verdict), "--force", *args.gate_args]
+            cmd = [
+                sys.executable,
+                "-m",
+                "vlmdoctor",
+                "gate",
+                "--baseline",
+                str(base_json),
+                "--remeasure-baseline",
+                "--json",
+                str(verdict),
+                "--force",
+                *args.gate_args,
+            ]
             if f:
                 cmd += ["--baseline-env", f"PYTHONPATH={base_tree}"]
             load0, t0 = os.getloadavg()[0], time.time()
             # cwd: `python -m vlmdoctor` imports from the working folder before PYTHONPATH
             r = sh(cmd, env=env_for(slow_tree if f else base_tree, f), cwd=slow_tree if f else base_tree)
-            row = {"gate": i, "slowdown": f, "rc": r.returncode, "wall_s": time.time() - t0, "load_start": load0,
-                   "load_end": os.getloadavg()[0], "t": t0}
+            row = {
+                "gate": i,
+                "slowdown": f,
+                "rc": r.returncode,
+                "wall_s": time.time() - t0,
+                "load_start": load0,
+                "load_end": os.getloadavg()[0],
+                "t": t0,
+            }
             if verdict.exists():
                 res = json.loads(verdict.read_text())
                 tp = next(c for c in res["checks"] if c["name"] == "throughput")
-                row |= {k: tp.get(k) for k in ("ratio", "ci_low", "ci_high", "pairs", "ratios", "base_values",
-                                               "cur_values", "detail", "median_ratio",
-                                               "slower_ci_high", "extended")}
+                row |= {
+                    k: tp.get(k)
+                    for k in (
+                        "ratio",
+                        "ci_low",
+                        "ci_high",
+                        "pairs",
+                        "ratios",
+                        "base_values",
+                        "cur_values",
+                        "detail",
+                        "median_ratio",
+                        "slower_ci_high",
+                        "extended",
+                    )
+                }
                 row["summary"] = res["summary"]
             else:
                 row["stderr"] = r.stderr[-1000:]
             gates.append(row)
             with open(out / "gates.jsonl", "a") as fh:
                 fh.write(json.dumps(row) + "\n")
-            print(f"gate {i} slowdown {f:g}: exit {r.returncode}, {row.get('pairs')} pairs, "
-                  f"ratio {row.get('ratio')}, {row['wall_s']:.0f} s", flush=True)
+            print(
+                f"gate {i} slowdown {f:g}: exit {r.returncode}, {row.get('pairs')} pairs, "
+                f"ratio {row.get('ratio')}, {row['wall_s']:.0f} s",
+                flush=True,
+            )
             summarize(out, truth, gates, fracs)
     print(summarize(out, truth, gates, fracs), flush=True)
 

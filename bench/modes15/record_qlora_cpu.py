@@ -9,6 +9,7 @@ dependency of vlmdoctor or of its tests: install it anywhere on the path first, 
     pip install --target /tmp/bnb --no-deps bitsandbytes==0.50.2
     PYTHONPATH=$PWD:/tmp/bnb python bench/modes15/record_qlora_cpu.py
 """
+
 from __future__ import annotations
 
 import shutil
@@ -29,15 +30,26 @@ def main() -> None:
 
     modes.check_mode_device = lambda cfg, device: None  # the recording only: vlmdoctor refuses QLoRA on CPU
     torch.set_num_threads(2)
-    cfg = RunConfig(model="tiny", device="cpu", train="qlora", lora_rank=4, steps=1, warmup=1, num_samples=2,
-                    batch_size=1, gradient_checkpointing=False)
+    cfg = RunConfig(
+        model="tiny",
+        device="cpu",
+        train="qlora",
+        lora_rank=4,
+        steps=1,
+        warmup=1,
+        num_samples=2,
+        batch_size=1,
+        gradient_checkpointing=False,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         report = runner.run_profile(cfg, trace=TraceOptions(tmp, steps=1))
         assert report["status"] == "ok", report.get("error")
         OUT.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(report["trace"]["path"], OUT)
-    print(f"bitsandbytes {bitsandbytes.__version__}: {OUT} ({OUT.stat().st_size / 1024:.0f} KiB), "
-          f"{report['metrics']['step_ms']:.0f} ms/step")
+    print(
+        f"bitsandbytes {bitsandbytes.__version__}: {OUT} ({OUT.stat().st_size / 1024:.0f} KiB), "
+        f"{report['metrics']['step_ms']:.0f} ms/step"
+    )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ does (seed 003's VisualDPOTrainer without its torch.no_grad): ref_model = copy.d
 its forward inside a record_function range named as TRL names the step (compute_ref_log_probs),
 or in none (--ref-range "").
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,9 +43,13 @@ def lora(model, rank: int, train_projector: bool = True):
     # adapters on the language model's projections only (the regex keeps the tower's out); under
     # QLoRA the loaded projector held 4-bit weights, which cannot require grad (peft's
     # modules_to_save failed on it on the H100, 2026-11-23), so only the adapters train there
-    cfg = LoraConfig(r=rank, lora_alpha=32, lora_dropout=0.05,
-                     target_modules=r".*language_model.*\.(" + "|".join(TARGETS) + r")$",
-                     modules_to_save=["multi_modal_projector"] if train_projector else None)
+    cfg = LoraConfig(
+        r=rank,
+        lora_alpha=32,
+        lora_dropout=0.05,
+        target_modules=r".*language_model.*\.(" + "|".join(TARGETS) + r")$",
+        modules_to_save=["multi_modal_projector"] if train_projector else None,
+    )
     return get_peft_model(model, cfg)
 
 
@@ -65,10 +70,15 @@ def main() -> None:
     ap.add_argument("--ckpt", action="store_true", help="gradient checkpointing")
     ap.add_argument("--no-grad-ref", action="store_true", help="reference under torch.no_grad(), frozen")
     ap.add_argument("--profile-memory", action="store_true")
-    ap.add_argument("--ref-range", default="compute_ref_log_probs",
-                    help="record_function name around the DPO reference forward ('' for none)")
+    ap.add_argument(
+        "--ref-range",
+        default="compute_ref_log_probs",
+        help="record_function name around the DPO reference forward ('' for none)",
+    )
     ap.add_argument("--out", required=True)
-    ap.add_argument("--device", default="cuda", help="cpu only to check the script (bitsandbytes has CPU 4-bit kernels)")
+    ap.add_argument(
+        "--device", default="cuda", help="cpu only to check the script (bitsandbytes has CPU 4-bit kernels)"
+    )
     a = ap.parse_args()
     torch.manual_seed(0)
     dev = a.device
@@ -79,14 +89,23 @@ def main() -> None:
 
         folder = tempfile.mkdtemp(prefix="qlora-ckpt-")
         model.save_pretrained(folder)
-        q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=torch.bfloat16, llm_int8_skip_modules=["vision_tower",
-                                                                                             "multi_modal_projector",
-                                                                                             "lm_head"])
-        model = LlavaForConditionalGeneration.from_pretrained(folder, quantization_config=q, dtype=torch.bfloat16,
-                                                              device_map={"": 0 if dev == "cuda" else "cpu"})
+        q = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+            llm_int8_skip_modules=["vision_tower", "multi_modal_projector", "lm_head"],
+        )
+        model = LlavaForConditionalGeneration.from_pretrained(
+            folder,
+            quantization_config=q,
+            dtype=torch.bfloat16,
+            device_map={"": 0 if dev == "cuda" else "cpu"},
+        )
     model.to(dev) if a.mode != "qlora" else None
-    model.vision_tower.requires_grad_(False) if hasattr(model, "vision_tower") else model.model.vision_tower.requires_grad_(False)
+    model.vision_tower.requires_grad_(False) if hasattr(
+        model, "vision_tower"
+    ) else model.model.vision_tower.requires_grad_(False)
     if a.ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if a.mode in ("lora", "qlora") or a.lora:
@@ -101,9 +120,9 @@ def main() -> None:
 
     def batch(rows):
         ids = torch.randint(1000, 100000, (rows, L), device=dev)
-        ids[:, 4:4 + n_img] = image_id
+        ids[:, 4 : 4 + n_img] = image_id
         labels = ids.clone()
-        labels[:, :4 + n_img + 32] = -100
+        labels[:, : 4 + n_img + 32] = -100
         pix = torch.randn(rows, 3, 224, 224, device=dev, dtype=torch.bfloat16)
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pix}, labels
 
@@ -116,7 +135,7 @@ def main() -> None:
             pi = logps(model, inputs, labels)
             with record_function(a.ref_range) if a.ref_range else contextlib.nullcontext():
                 if a.lora:
-                    with model.disable_adapter(), (torch.no_grad() if a.no_grad_ref else torch.enable_grad()):
+                    with model.disable_adapter(), torch.no_grad() if a.no_grad_ref else torch.enable_grad():
                         rl = logps(model, inputs, labels)
                 else:
                     with torch.no_grad() if a.no_grad_ref else torch.enable_grad():
@@ -133,15 +152,29 @@ def main() -> None:
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True,
-                 profile_memory=a.profile_memory, schedule=schedule(wait=1, warmup=1, active=2),
-                 on_trace_ready=lambda p: p.export_chrome_trace(a.out)) as prof:
+    with profile(
+        activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+        record_shapes=True,
+        profile_memory=a.profile_memory,
+        schedule=schedule(wait=1, warmup=1, active=2),
+        on_trace_ready=lambda p: p.export_chrome_trace(a.out),
+    ) as prof:
         for _ in range(4):
             loss = step()
             prof.step()
     sync()
-    print(json.dumps({"mode": a.mode, "lora": a.lora, "out": a.out, "loss": float(loss),
-                      "wall_s": time.perf_counter() - t0, "peak_gb": torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None}))
+    print(
+        json.dumps(
+            {
+                "mode": a.mode,
+                "lora": a.lora,
+                "out": a.out,
+                "loss": float(loss),
+                "wall_s": time.perf_counter() - t0,
+                "peak_gb": torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """cProfile of `build_patient` on the GPU: what the 16 s between 'building model' and the warm-up hold.
 
-    python3 bench/treat11/buildprof.py CONFIG.yaml OUT.txt
+python3 bench/treat11/buildprof.py CONFIG.yaml OUT.txt
 """
+
 from __future__ import annotations
 
 import cProfile

@@ -6,6 +6,7 @@ A treat ladder spends about 37 s a run on one H100 while its 40 timed and warm-u
 6-10 s; this times the imports, each progress phase of `run_profile`, and the whole run, without
 the profiler window (trace=None), so the overhead a shorter run could save is measured, not guessed.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,9 +45,13 @@ report = runner.run_profile(cfg, progress)
 mark("report")
 if torch.cuda.is_available():
     torch.cuda.synchronize()
-out = {"marks": marks, "status": report["status"], "warmup": report.get("warmup"),
-       "tokens_per_s": (report.get("metrics") or {}).get("real_tokens_per_s"),
-       "step_ms": (report.get("metrics") or {}).get("step_ms")}
+out = {
+    "marks": marks,
+    "status": report["status"],
+    "warmup": report.get("warmup"),
+    "tokens_per_s": (report.get("metrics") or {}).get("real_tokens_per_s"),
+    "step_ms": (report.get("metrics") or {}).get("step_ms"),
+}
 json.dump(out, open(sys.argv[2], "w"), indent=1)
 for name, t in marks:
     print(f"{t:8.2f} s  {name}")

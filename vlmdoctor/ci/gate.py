@@ -10,18 +10,27 @@ slowdown passed. With `--remeasure-baseline` the baseline config is measured aga
 job, alternating with the current one in fresh processes, and judged on the paired engine of
 `vlmdoctor.doctor.decide` (`paired_gate`): load that lasts longer than a pair cancels out.
 """
+
 from __future__ import annotations
 
 import json
 import math
 import statistics
 import xml.etree.ElementTree as ET
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from vlmdoctor import SCHEMA_VERSION
 from vlmdoctor.doctor.decide import PairedOptions, interleaved, outliers, ratio_interval, step_throughput
-from vlmdoctor.report.compare import MODEL_KEYS, _differences, env_differences, model_differences, slowest_rank, world_size
 from vlmdoctor.errors import UsageError
+from vlmdoctor.report.compare import (
+    MODEL_KEYS,
+    _differences,
+    env_differences,
+    model_differences,
+    slowest_rank,
+    world_size,
+)
 
 #: environment keys that change speed on their own; a difference here is not the pull request's doing
 #: config keys that define the model architecture; comparing different ones is meaningless
@@ -34,6 +43,7 @@ OWN_TRAINING_SOURCES = ("api", "trainer", "script")
 
 
 # --- loading ----------------------------------------------------------------------------------
+
 
 def load_report(path: str) -> dict[str, Any]:
     """Read a profile report, refusing anything a comparison would silently misread."""
@@ -52,24 +62,33 @@ def load_report(path: str) -> dict[str, Any]:
 def validate_report(report: Any, name: str) -> dict[str, Any]:
     """The checks of load_report on a report already in memory (e.g. one just measured)."""
     if not isinstance(report, dict):
-        raise UsageError(f"{name}: not a vlmdoctor profile report (the JSON is a {type(report).__name__}, not an object)")
+        raise UsageError(
+            f"{name}: not a vlmdoctor profile report (the JSON is a {type(report).__name__}, not an object)"
+        )
     kind = report.get("kind")
     if kind is not None and kind != "profile":
-        raise UsageError(f"{name}: a vlmdoctor {kind} result, not a profile report; "
-                         "pass the report JSON written by `vlmdoctor profile --json`")
+        raise UsageError(
+            f"{name}: a vlmdoctor {kind} result, not a profile report; "
+            "pass the report JSON written by `vlmdoctor profile --json`"
+        )
     version = report.get("schema_version")
     if version is None or isinstance(version, bool) or not isinstance(version, int):
         raise UsageError(f"{name}: not a vlmdoctor profile report (no schema_version)")
     if version < 1:
         raise UsageError(f"{name}: schema_version must be a positive integer, got {version}")
     if version > SCHEMA_VERSION:
-        raise UsageError(f"{name}: schema_version {version} was written by a newer vlmdoctor "
-                         f"(this one reads up to {SCHEMA_VERSION}); upgrade vlmdoctor")
+        raise UsageError(
+            f"{name}: schema_version {version} was written by a newer vlmdoctor "
+            f"(this one reads up to {SCHEMA_VERSION}); upgrade vlmdoctor"
+        )
     status = report.get("status", "ok")
     if status != "ok":
         why = (report.get("error") or {}).get("message")
-        raise UsageError(f"{name}: the run did not finish cleanly (status {status}"
-                         + (f": {why}" if why else "") + "); its numbers cannot be compared")
+        raise UsageError(
+            f"{name}: the run did not finish cleanly (status {status}"
+            + (f": {why}" if why else "")
+            + "); its numbers cannot be compared"
+        )
     missing = [k for k in ("config", "metrics") if not isinstance(report.get(k), dict)]
     if missing:
         raise UsageError(f"{name}: not a vlmdoctor profile report (no {' or '.join(missing)})")
@@ -98,16 +117,19 @@ def _check_fields(report: dict[str, Any], name: str) -> None:
         if not isinstance(repeats, list) or not all(isinstance(r, dict) for r in repeats):
             raise UsageError(f"{name}: repeats must be a list of objects")
         for i, r in enumerate(repeats):
-            if r.get("real_tokens_per_s") is not None and not (_is_num(r["real_tokens_per_s"])
-                                                               and r["real_tokens_per_s"] > 0):
+            if r.get("real_tokens_per_s") is not None and not (
+                _is_num(r["real_tokens_per_s"]) and r["real_tokens_per_s"] > 0
+            ):
                 raise UsageError(f"{name}: repeats[{i}].real_tokens_per_s must be a positive number")
             for key in ("step_ms", "step_cpu_ms", "step_real_tokens"):
                 v = r.get(key)
                 if v is not None and (not isinstance(v, list) or not all(_is_num(x) and x >= 0 for x in v)):
                     raise UsageError(f"{name}: repeats[{i}].{key} must be a list of non-negative numbers")
     findings = report.get("findings")
-    if findings is not None and (not isinstance(findings, list) or not all(
-            isinstance(f, dict) and isinstance(f.get("id"), str) for f in findings)):
+    if findings is not None and (
+        not isinstance(findings, list)
+        or not all(isinstance(f, dict) and isinstance(f.get("id"), str) for f in findings)
+    ):
         raise UsageError(f"{name}: findings must be a list of objects with a string id")
     for key in ("env", "model", "facts"):
         if report.get(key) is not None and not isinstance(report[key], dict):
@@ -118,10 +140,13 @@ def _check_fields(report: dict[str, Any], name: str) -> None:
         if isinstance(ws, bool) or not isinstance(ws, int) or ws < 1:
             raise UsageError(f"{name}: distributed.world_size must be a positive integer, got {ws!r}")
         g = dist.get("global")
-        if g is not None and (not isinstance(g, dict) or not all(
-                g.get(k) is None or _is_num(g[k]) for k in ("slowest_step_ms", "step_imbalance", "slowest_rank"))):
-            raise UsageError(f"{name}: distributed.global must hold numbers (slowest_rank, slowest_step_ms, "
-                             "step_imbalance)")
+        if g is not None and (
+            not isinstance(g, dict)
+            or not all(g.get(k) is None or _is_num(g[k]) for k in ("slowest_step_ms", "step_imbalance", "slowest_rank"))
+        ):
+            raise UsageError(
+                f"{name}: distributed.global must hold numbers (slowest_rank, slowest_step_ms, step_imbalance)"
+            )
 
 
 def run_current(base: dict[str, Any], diagnose: bool = True, timeout: float | None = None) -> dict[str, Any]:
@@ -131,8 +156,10 @@ def run_current(base: dict[str, Any], diagnose: bool = True, timeout: float | No
 
     source = base["config"].get("source")
     if source in OWN_TRAINING_SOURCES:
-        raise UsageError(f"the baseline measures your own training (recorded by the {source} way in), which "
-                         "vlmdoctor cannot re-run by itself; record the current run the same way and pass --current")
+        raise UsageError(
+            f"the baseline measures your own training (recorded by the {source} way in), which "
+            "vlmdoctor cannot re-run by itself; record the current run the same way and pass --current"
+        )
     cfg = RunConfig.from_dict(base["config"], source="baseline config")
     return validate_report(run_isolated(cfg, timeout=timeout, diagnose=diagnose), "current run")
 
@@ -155,34 +182,52 @@ def check_comparable(base: dict[str, Any], cur: dict[str, Any], allow_env_change
     """
     model = model_differences(base, cur)
     if model:
-        raise UsageError("baseline and current measure different things (" + "; ".join(model)
-                         + "); a gate compares one model and stage with itself")
+        raise UsageError(
+            "baseline and current measure different things ("
+            + "; ".join(model)
+            + "); a gate compares one model and stage with itself"
+        )
     nb, nc = world_size(base), world_size(cur)
     if nb != nc:
-        raise UsageError(f"baseline ran on {nb} rank(s), current on {nc}: global tokens/s of different GPU counts "
-                         "differ by scaling, not by the code. Record the baseline with the same --nproc-per-node "
-                         "(and --nnodes); for scaling use `vlmdoctor compare` or profile --one-gpu-report")
+        raise UsageError(
+            f"baseline ran on {nb} rank(s), current on {nc}: global tokens/s of different GPU counts "
+            "differ by scaling, not by the code. Record the baseline with the same --nproc-per-node "
+            "(and --nnodes); for scaling use `vlmdoctor compare` or profile --one-gpu-report"
+        )
     be, ce = base.get("env") or {}, cur.get("env") or {}
     gpu = [d for d in env_differences(base, cur) if d.startswith("gpu:")]
     cpu: list[str] = []
     if not gpu and be.get("device_type") == ce.get("device_type") == "cpu":
         # on a CPU run the CPU is the hardware: its model and how many cores the run had
-        cpu = [f"{k}: {be.get(k)!r} -> {ce.get(k)!r}" for k in CPU_HARDWARE_KEYS
-               if be.get(k) is not None and ce.get(k) is not None and be.get(k) != ce.get(k)]
+        cpu = [
+            f"{k}: {be.get(k)!r} -> {ce.get(k)!r}"
+            for k in CPU_HARDWARE_KEYS
+            if be.get(k) is not None and ce.get(k) is not None and be.get(k) != ce.get(k)
+        ]
     if gpu and not allow_env_change:
-        raise UsageError("baseline and current ran on different GPU models (" + "; ".join(gpu)
-                         + "); a speed change would be the hardware's. Re-record the baseline on this GPU, "
-                         "or pass --allow-env-change to compare anyway")
+        raise UsageError(
+            "baseline and current ran on different GPU models ("
+            + "; ".join(gpu)
+            + "); a speed change would be the hardware's. Re-record the baseline on this GPU, "
+            "or pass --allow-env-change to compare anyway"
+        )
     if cpu and not allow_env_change:
-        raise UsageError("baseline and current ran on different CPUs (" + "; ".join(cpu)
-                         + "); a speed change would be the hardware's. Re-record the baseline on this machine, "
-                         "or pass --allow-env-change to compare anyway")
+        raise UsageError(
+            "baseline and current ran on different CPUs ("
+            + "; ".join(cpu)
+            + "); a speed change would be the hardware's. Re-record the baseline on this machine, "
+            "or pass --allow-env-change to compare anyway"
+        )
     soft = [f"{k}: {be.get(k)!r} -> {ce.get(k)!r}" for k in NAMED_ENV_KEYS if be.get(k) != ce.get(k)]
     notes = [f"GPU changed (allowed): {d}" for d in gpu] + [f"CPU changed (allowed): {d}" for d in cpu]
     notes += [f"environment changed: {d}" for d in soft]
-    if be.get("device_type") == ce.get("device_type") == "cpu" and (be.get("cpu_model") is None) != (ce.get("cpu_model") is None):
-        notes.append("the CPU model is recorded on one side only (a report from an older vlmdoctor): "
-                     "the hardware could not be checked")
+    if be.get("device_type") == ce.get("device_type") == "cpu" and (be.get("cpu_model") is None) != (
+        ce.get("cpu_model") is None
+    ):
+        notes.append(
+            "the CPU model is recorded on one side only (a report from an older vlmdoctor): "
+            "the hardware could not be checked"
+        )
     knobs = sorted((set(base["config"]) | set(cur["config"])) - {*MODEL_KEYS, "stage"})
     notes += [f"config differs: {d}" for d in _differences(base["config"], cur["config"], knobs)]
     return notes
@@ -202,10 +247,15 @@ SLOWER_CONFIDENCE = 0.995
 EXTENDED_CONFIDENCE = 0.998
 
 
-def slowdown_verdict(ratios: Sequence[float], max_regression: float = 0.05, confidence: float = 0.98,
-                     final: bool = False, slower_confidence: float = SLOWER_CONFIDENCE,
-                     max_pairs: int | None = None,
-                     extended_confidence: float = EXTENDED_CONFIDENCE) -> dict[str, Any]:
+def slowdown_verdict(
+    ratios: Sequence[float],
+    max_regression: float = 0.05,
+    confidence: float = 0.98,
+    final: bool = False,
+    slower_confidence: float = SLOWER_CONFIDENCE,
+    max_pairs: int | None = None,
+    extended_confidence: float = EXTENDED_CONFIDENCE,
+) -> dict[str, Any]:
     """current / baseline ratios of paired runs -> slower / pass / undecided.
 
     slower   when the upper bound of the `slower_confidence` interval is below 1 (beyond the
@@ -233,15 +283,36 @@ def slowdown_verdict(ratios: Sequence[float], max_regression: float = 0.05, conf
         outcome = "pass"
     else:
         outcome = "undecided"
-    return {"outcome": outcome, "ratio": ratio, "median_ratio": median, "ci_low": lo, "ci_high": hi,
-            "slower_ci_high": strict_hi, "pairs": len(ratios), "ratios": list(ratios), "set_aside": outliers(ratios),
-            "confidence": confidence, "slower_confidence": level, "extended": extended}
+    return {
+        "outcome": outcome,
+        "ratio": ratio,
+        "median_ratio": median,
+        "ci_low": lo,
+        "ci_high": hi,
+        "slower_ci_high": strict_hi,
+        "pairs": len(ratios),
+        "ratios": list(ratios),
+        "set_aside": outliers(ratios),
+        "confidence": confidence,
+        "slower_confidence": level,
+        "extended": extended,
+    }
 
 
-def paired_gate(run_baseline: Any, run_current: Any, max_regression: float = 0.05, confidence: float = 0.98,
-                min_pairs: int = 3, max_pairs: int = 16, max_memory_growth: float = 0.10, fail_on: str = "high",
-                allow_env_change: bool = False, notify: Any = lambda _: None,
-                cpu_time: bool = False, extend_pairs: int | None = None) -> dict[str, Any]:
+def paired_gate(
+    run_baseline: Any,
+    run_current: Any,
+    max_regression: float = 0.05,
+    confidence: float = 0.98,
+    min_pairs: int = 3,
+    max_pairs: int = 16,
+    max_memory_growth: float = 0.10,
+    fail_on: str = "high",
+    allow_env_change: bool = False,
+    notify: Any = lambda _: None,
+    cpu_time: bool = False,
+    extend_pairs: int | None = None,
+) -> dict[str, Any]:
     """Measure baseline and current alternately (B C, C B, ...), each run a fresh process, and judge
     the throughput on the paired ratios; memory and findings on the last clean run of each side.
     A run's value is its median step's real tokens/s, over CPU time with `cpu_time`.
@@ -253,16 +324,22 @@ def paired_gate(run_baseline: Any, run_current: Any, max_regression: float = 0.0
     (tests/test_gate.py); a gate not pointing to a slowdown still passes at `max_pairs`."""
     cap = max(max_pairs, 2 * max_pairs if extend_pairs is None else extend_pairs)
     opts = PairedOptions(min_gain=0.0, confidence=confidence, min_pairs=min_pairs, max_pairs=cap)
-    res = interleaved({"baseline": run_baseline, "current": run_current}, "baseline", opts, notify=notify,
-                      judge=lambda r, final: slowdown_verdict(r, max_regression, confidence, final,
-                                                              max_pairs=max_pairs),
-                      value=lambda rep: step_throughput(rep, cpu_time))
+    res = interleaved(
+        {"baseline": run_baseline, "current": run_current},
+        "baseline",
+        opts,
+        notify=notify,
+        judge=lambda r, final: slowdown_verdict(r, max_regression, confidence, final, max_pairs=max_pairs),
+        value=lambda rep: step_throughput(rep, cpu_time),
+    )
     arms = res["arms"]
     for side in ("baseline", "current"):
         if arms[side].failed is not None:
             rep = arms[side].failed
-            raise UsageError(f"the {side} run did not finish cleanly (status {rep.get('status')}: "
-                             f"{(rep.get('error') or {}).get('message', '')[:300]}); nothing to compare")
+            raise UsageError(
+                f"the {side} run did not finish cleanly (status {rep.get('status')}: "
+                f"{(rep.get('error') or {}).get('message', '')[:300]}); nothing to compare"
+            )
     base = validate_report(arms["baseline"].reports[-1], "baseline run")
     cur = validate_report(arms["current"].reports[-1], "current run")
     notes = check_comparable(base, cur, allow_env_change)
@@ -273,33 +350,63 @@ def paired_gate(run_baseline: Any, run_current: Any, max_regression: float = 0.0
     interval = f"x{d['ratio']:.3f} [{d['ci_low']:.3f}-{d['ci_high']:.3f}] over {d['pairs']} pairs"
     numbers = f"{mb:,.0f} -> {mc:,.0f} real tokens/s ({(d['ratio'] - 1) * 100:+.1f}% paired, {interval})"
     if slower:
-        detail = (f"{numbers}: slower than the {max_regression:.0%} allowed and beyond noise "
-                  f"({d['slower_confidence']:.1%} upper bound x{d['slower_ci_high']:.3f})")
+        detail = (
+            f"{numbers}: slower than the {max_regression:.0%} allowed and beyond noise "
+            f"({d['slower_confidence']:.1%} upper bound x{d['slower_ci_high']:.3f})"
+        )
     elif d["ci_low"] > 1 - max_regression:
         detail = f"{numbers}: within the {max_regression:.0%} allowed"
     else:
         detail = f"{numbers}: not shown to be slower beyond the noise after {d['pairs']} pairs"
     if d.get("extended"):
         detail += f" (measured past --max-pairs {max_pairs}: the ratio pointed to a slowdown)"
-    throughput = {"name": "throughput", "passed": not slower, "verdict": "fail" if slower else "pass",
-                  "detail": detail, "base_median": mb, "cur_median": mc, "ratio": d["ratio"],
-                  "median_ratio": d.get("median_ratio"), "ci_low": d["ci_low"], "ci_high": d["ci_high"],
-                  "slower_ci_high": d.get("slower_ci_high"), "slower_confidence": d.get("slower_confidence"),
-                  "pairs": d["pairs"], "ratios": d["ratios"], "max_pairs": max_pairs, "extend_pairs": cap,
-                  "extended": bool(d.get("extended")),
-                  "n_base": len(arms["baseline"].values), "n_cur": len(arms["current"].values),
-                  "base_values": arms["baseline"].values, "cur_values": arms["current"].values,
-                  "method": "paired-t on log ratios, fresh processes alternating",
-                  "samples": "per-run median step" + (" (CPU time)" if cpu_time else ""),
-                  "max_regression": max_regression, "confidence": confidence, "p": None, "significant": slower}
+    throughput = {
+        "name": "throughput",
+        "passed": not slower,
+        "verdict": "fail" if slower else "pass",
+        "detail": detail,
+        "base_median": mb,
+        "cur_median": mc,
+        "ratio": d["ratio"],
+        "median_ratio": d.get("median_ratio"),
+        "ci_low": d["ci_low"],
+        "ci_high": d["ci_high"],
+        "slower_ci_high": d.get("slower_ci_high"),
+        "slower_confidence": d.get("slower_confidence"),
+        "pairs": d["pairs"],
+        "ratios": d["ratios"],
+        "max_pairs": max_pairs,
+        "extend_pairs": cap,
+        "extended": bool(d.get("extended")),
+        "n_base": len(arms["baseline"].values),
+        "n_cur": len(arms["current"].values),
+        "base_values": arms["baseline"].values,
+        "cur_values": arms["current"].values,
+        "method": "paired-t on log ratios, fresh processes alternating",
+        "samples": "per-run median step" + (" (CPU time)" if cpu_time else ""),
+        "max_regression": max_regression,
+        "confidence": confidence,
+        "p": None,
+        "significant": slower,
+    }
     checks = [throughput, check_memory(base, cur, max_memory_growth), check_findings(base, cur, fail_on)]
     failed = [c for c in checks if not c["passed"]]
-    summary = ("FAILED: " + "; ".join(f"{c['name']}: {c['detail']}" for c in failed)) if failed else \
-        "PASSED: " + throughput["detail"]
+    summary = (
+        ("FAILED: " + "; ".join(f"{c['name']}: {c['detail']}" for c in failed))
+        if failed
+        else "PASSED: " + throughput["detail"]
+    )
     cfg = base["config"]
-    return {"passed": not failed, "checks": checks, "summary": summary, "notes": notes, "model": cfg.get("model"),
-            "stage": cfg.get("stage"), "remeasured": True, "reports": {"baseline": arms["baseline"].reports,
-                                                                       "current": arms["current"].reports}}
+    return {
+        "passed": not failed,
+        "checks": checks,
+        "summary": summary,
+        "notes": notes,
+        "model": cfg.get("model"),
+        "stage": cfg.get("stage"),
+        "remeasured": True,
+        "reports": {"baseline": arms["baseline"].reports, "current": arms["current"].reports},
+    }
 
 
 #: the variables that set torch's CPU intra-op threads in a fresh process
@@ -312,9 +419,15 @@ def on_cpu(report: dict[str, Any]) -> bool:
     return device == "cpu" or (device in (None, "auto") and (report.get("env") or {}).get("device_type") == "cpu")
 
 
-def remeasure(base: dict[str, Any], baseline_python: str | None = None, baseline_env: dict[str, str] | None = None,
-              timeout: float | None = None, diagnose: bool | None = None, cpu_threads: int = 1,
-              **judge: Any) -> dict[str, Any]:
+def remeasure(
+    base: dict[str, Any],
+    baseline_python: str | None = None,
+    baseline_env: dict[str, str] | None = None,
+    timeout: float | None = None,
+    diagnose: bool | None = None,
+    cpu_threads: int = 1,
+    **judge: Any,
+) -> dict[str, Any]:
     """The paired gate on the baseline report's config: the baseline side runs with `baseline_python`
     (another install: the code version the baseline stands for) and `baseline_env` (PYTHONPATH of
     its checkout, say); the current side with this interpreter and environment. The runs are
@@ -335,21 +448,40 @@ def remeasure(base: dict[str, Any], baseline_python: str | None = None, baseline
     pinned = on_cpu(base) and cpu_threads > 0
     threads = {k: str(cpu_threads) for k in THREAD_VARS} if pinned else {}
     other = bool(baseline_python or baseline_env)  # another install: the checkout we stand in must not shadow it
-    result = paired_gate(lambda: run_isolated(cfg, timeout, diagnose, python=baseline_python,
-                                              env={**threads, **(baseline_env or {})} or None, own_cwd=other),
-                         lambda: run_isolated(cfg, timeout, diagnose, env=threads or None),
-                         cpu_time=pinned and cpu_threads == 1, **judge)
+    result = paired_gate(
+        lambda: run_isolated(
+            cfg,
+            timeout,
+            diagnose,
+            python=baseline_python,
+            env={**threads, **(baseline_env or {})} or None,
+            own_cwd=other,
+        ),
+        lambda: run_isolated(cfg, timeout, diagnose, env=threads or None),
+        cpu_time=pinned and cpu_threads == 1,
+        **judge,
+    )
     if pinned:
-        result["notes"].insert(0, f"CPU runs on {cpu_threads} thread(s) a side (--cpu-threads)" + (
-            ", judged on the CPU time of their steps, which a neighbour's load does not stretch"
-            if cpu_threads == 1 else ""))
+        result["notes"].insert(
+            0,
+            f"CPU runs on {cpu_threads} thread(s) a side (--cpu-threads)"
+            + (
+                ", judged on the CPU time of their steps, which a neighbour's load does not stretch"
+                if cpu_threads == 1
+                else ""
+            ),
+        )
     if not baseline_python and not baseline_env:
-        result["notes"].insert(0, "baseline and current ran the same code and config: this measures the noise "
-                                  "of the gate (pass --baseline-python/--baseline-env for another code version)")
+        result["notes"].insert(
+            0,
+            "baseline and current ran the same code and config: this measures the noise "
+            "of the gate (pass --baseline-python/--baseline-env for another code version)",
+        )
     return result
 
 
 # --- statistics -------------------------------------------------------------------------------
+
 
 def _ranks(values: Sequence[float]) -> tuple[list[float], list[int]]:
     """Average ranks (1-based) and the sizes of the tie groups."""
@@ -401,11 +533,14 @@ def throughput_samples(report: dict[str, Any], per_step: bool) -> list[float]:
 
 def _has_step_tokens(report: dict[str, Any]) -> bool:
     repeats = report.get("repeats") or []
-    return bool(repeats) and all(len(r.get("step_real_tokens") or []) == len(r.get("step_ms") or []) > 0 for r in repeats)
+    return bool(repeats) and all(
+        len(r.get("step_real_tokens") or []) == len(r.get("step_ms") or []) > 0 for r in repeats
+    )
 
 
-def check_throughput(base: dict[str, Any], cur: dict[str, Any], max_regression: float = 0.05,
-                     alpha: float = 0.01) -> dict[str, Any]:
+def check_throughput(
+    base: dict[str, Any], cur: dict[str, Any], max_regression: float = 0.05, alpha: float = 0.01
+) -> dict[str, Any]:
     """Fail only on a drop that is both large (ratio) and real (significant), as asv does."""
     per_step = _has_step_tokens(base) and _has_step_tokens(cur)
     b, c = throughput_samples(base, per_step), throughput_samples(cur, per_step)
@@ -420,8 +555,10 @@ def check_throughput(base: dict[str, Any], cur: dict[str, Any], max_regression: 
     else:
         method = "range-overlap"
         significant = max(c) < min(b) or min(c) > max(b)
-        evidence = (f"ranges {'do not overlap' if significant else 'overlap'} "
-                    f"(too few samples for a test: {len(b)} vs {len(c)})")
+        evidence = (
+            f"ranges {'do not overlap' if significant else 'overlap'} "
+            f"(too few samples for a test: {len(b)} vs {len(c)})"
+        )
     slower = ratio < 1 - max_regression
     passed = not (slower and significant)
     change = f"{(ratio - 1) * 100:+.1f}%"
@@ -433,25 +570,53 @@ def check_throughput(base: dict[str, Any], cur: dict[str, Any], max_regression: 
     else:
         reason = f"{numbers}: slower than the {max_regression:.0%} allowed, but not beyond noise; {evidence}"
     return {
-        "name": "throughput", "passed": passed, "verdict": "pass" if passed else "fail", "detail": reason,
-        "base_median": mb, "cur_median": mc, "ratio": ratio, "n_base": len(b), "n_cur": len(c),
-        "samples": "per-step" if per_step else "per-repeat", "method": method, "p": p,
-        "significant": significant, "max_regression": max_regression, "alpha": alpha,
+        "name": "throughput",
+        "passed": passed,
+        "verdict": "pass" if passed else "fail",
+        "detail": reason,
+        "base_median": mb,
+        "cur_median": mc,
+        "ratio": ratio,
+        "n_base": len(b),
+        "n_cur": len(c),
+        "samples": "per-step" if per_step else "per-repeat",
+        "method": method,
+        "p": p,
+        "significant": significant,
+        "max_regression": max_regression,
+        "alpha": alpha,
     }
 
 
 def check_memory(base: dict[str, Any], cur: dict[str, Any], max_memory_growth: float = 0.10) -> dict[str, Any]:
     """Memory growth eats the headroom that bigger batches need, so it fails even at equal speed."""
     mb, mc = base["metrics"].get("peak_mem_gb"), cur["metrics"].get("peak_mem_gb")
-    out: dict[str, Any] = {"name": "memory", "base_gb": mb, "cur_gb": mc, "growth": None,
-                           "max_memory_growth": max_memory_growth}
+    out: dict[str, Any] = {
+        "name": "memory",
+        "base_gb": mb,
+        "cur_gb": mc,
+        "growth": None,
+        "max_memory_growth": max_memory_growth,
+    }
     if not mb or mc is None:
-        return out | {"passed": True, "verdict": "skip", "detail": "skipped: peak memory is not measured on CPU runs"}
+        return out | {
+            "passed": True,
+            "verdict": "skip",
+            "detail": "skipped: peak memory is not measured on CPU runs",
+        }
     growth = mc / mb - 1
     passed = growth <= max_memory_growth
-    detail = (f"peak allocated {mb:.2f} -> {mc:.2f} GiB ({growth * 100:+.1f}%): "
-              + ("within" if passed else "more than") + f" the {max_memory_growth:.0%} allowed")
-    return out | {"growth": growth, "passed": passed, "verdict": "pass" if passed else "fail", "detail": detail}
+    detail = (
+        f"peak allocated {mb:.2f} -> {mc:.2f} GiB ({growth * 100:+.1f}%): "
+        + ("within" if passed else "more than")
+        + f" the {max_memory_growth:.0%} allowed"
+    )
+    return out | {
+        "growth": growth,
+        "passed": passed,
+        "verdict": "pass" if passed else "fail",
+        "detail": detail,
+    }
 
 
 def _findings(report: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
@@ -467,17 +632,25 @@ def check_findings(base: dict[str, Any], cur: dict[str, Any], fail_on: str = "hi
     out: dict[str, Any] = {"name": "findings", "fail_on": fail_on, "added": [], "gone": [], "failing": []}
     if fb is None or fc is None:
         which = "baseline" if fb is None else "current"
-        return out | {"passed": True, "verdict": "skip",
-                      "detail": f"skipped: the {which} report has no diagnosis (run without --no-diagnose)"}
+        return out | {
+            "passed": True,
+            "verdict": "skip",
+            "detail": f"skipped: the {which} report has no diagnosis (run without --no-diagnose)",
+        }
     threshold = SEVERITY_ORDER.index(fail_on)
     added = [i for i in fc if i not in fb]
     gone = [i for i in fb if i not in fc]
-    failing = [i for i in added if fc[i].get("severity") in SEVERITY_ORDER
-               and SEVERITY_ORDER.index(fc[i]["severity"]) >= threshold]
+    failing = [
+        i
+        for i in added
+        if fc[i].get("severity") in SEVERITY_ORDER and SEVERITY_ORDER.index(fc[i]["severity"]) >= threshold
+    ]
     parts = []
     if failing:
-        parts.append(f"new finding(s) of severity {fail_on} or above: "
-                     + ", ".join(f"{i} ({fc[i].get('severity')})" for i in failing))
+        parts.append(
+            f"new finding(s) of severity {fail_on} or above: "
+            + ", ".join(f"{i} ({fc[i].get('severity')})" for i in failing)
+        )
     others = [i for i in added if i not in failing]
     if others:
         parts.append("new, below the bar: " + ", ".join(f"{i} ({fc[i].get('severity')})" for i in others))
@@ -485,8 +658,14 @@ def check_findings(base: dict[str, Any], cur: dict[str, Any], fail_on: str = "hi
         parts.append("gone: " + ", ".join(gone))
     detail = "; ".join(parts) if parts else "same findings as the baseline"
     passed = not failing
-    return out | {"added": added, "gone": gone, "failing": failing, "passed": passed,
-                  "verdict": "pass" if passed else "fail", "detail": detail}
+    return out | {
+        "added": added,
+        "gone": gone,
+        "failing": failing,
+        "passed": passed,
+        "verdict": "pass" if passed else "fail",
+        "detail": detail,
+    }
 
 
 def check_slowest_rank(base: dict[str, Any], cur: dict[str, Any], max_regression: float = 0.05) -> dict[str, Any]:
@@ -499,17 +678,33 @@ def check_slowest_rank(base: dict[str, Any], cur: dict[str, Any], max_regression
     sb, sc = slowest_rank(base), slowest_rank(cur)
     ib, ic = sb["imbalance"], sc["imbalance"]
     grew = ib is not None and ic is not None and ic - ib > max_regression
-    detail = (f"slowest rank {sb['rank']} {sb['step_ms']:,.1f} ms/step -> rank {sc['rank']} {sc['step_ms']:,.1f} "
-              f"ms/step; imbalance over the fastest rank "
-              + (f"{ib * 100:.1f}% -> {ic * 100:.1f}%" if ib is not None and ic is not None else "unknown"))
-    return {"name": "slowest rank", "passed": not grew, "verdict": "uneven" if grew else "ok",
-            "detail": detail, "baseline": sb, "current": sc}
+    detail = (
+        f"slowest rank {sb['rank']} {sb['step_ms']:,.1f} ms/step -> rank {sc['rank']} {sc['step_ms']:,.1f} "
+        f"ms/step; imbalance over the fastest rank "
+        + (f"{ib * 100:.1f}% -> {ic * 100:.1f}%" if ib is not None and ic is not None else "unknown")
+    )
+    return {
+        "name": "slowest rank",
+        "passed": not grew,
+        "verdict": "uneven" if grew else "ok",
+        "detail": detail,
+        "baseline": sb,
+        "current": sc,
+    }
 
 
 # --- the verdict ------------------------------------------------------------------------------
 
-def gate(base: dict[str, Any], cur: dict[str, Any], max_regression: float = 0.05, alpha: float = 0.01,
-         max_memory_growth: float = 0.10, fail_on: str = "high", notes: Sequence[str] = ()) -> dict[str, Any]:
+
+def gate(
+    base: dict[str, Any],
+    cur: dict[str, Any],
+    max_regression: float = 0.05,
+    alpha: float = 0.01,
+    max_memory_growth: float = 0.10,
+    fail_on: str = "high",
+    notes: Sequence[str] = (),
+) -> dict[str, Any]:
     """All checks and one verdict; call check_comparable first (it refuses, this one judges)."""
     checks = [
         check_throughput(base, cur, max_regression, alpha),
@@ -524,8 +719,14 @@ def gate(base: dict[str, Any], cur: dict[str, Any], max_regression: float = 0.05
     else:
         summary = "PASSED: " + checks[0]["detail"]
     cfg = base["config"]
-    return {"passed": not failed, "checks": checks, "summary": summary, "notes": list(notes),
-            "model": cfg.get("model"), "stage": cfg.get("stage")}
+    return {
+        "passed": not failed,
+        "checks": checks,
+        "summary": summary,
+        "notes": list(notes),
+        "model": cfg.get("model"),
+        "stage": cfg.get("stage"),
+    }
 
 
 def _cell(text: Any) -> str:
@@ -536,9 +737,14 @@ def markdown(result: dict[str, Any]) -> str:
     """For $GITHUB_STEP_SUMMARY: the verdict first, then one row per check."""
     head = "passed" if result["passed"] else "FAILED"
     icon = "\u2705" if result["passed"] else "\u274c"
-    lines = [f"## {icon} vlmdoctor gate {head}", "",
-             f"{result.get('model')} stage {result.get('stage')}: {_cell(result['summary'])}", "",
-             "| check | verdict | detail |", "|---|---|---|"]
+    lines = [
+        f"## {icon} vlmdoctor gate {head}",
+        "",
+        f"{result.get('model')} stage {result.get('stage')}: {_cell(result['summary'])}",
+        "",
+        "| check | verdict | detail |",
+        "|---|---|---|",
+    ]
     for c in result["checks"]:
         lines.append(f"| {c['name']} | {c['verdict']} | {_cell(c['detail'])} |")
     if result.get("notes"):
@@ -549,9 +755,14 @@ def markdown(result: dict[str, Any]) -> str:
 def junit_xml(result: dict[str, Any]) -> str:
     """For CI test-report viewers: each check a test case, so the failed one is named in the PR UI."""
     checks = result["checks"]
-    suite = ET.Element("testsuite", name="vlmdoctor-gate", tests=str(len(checks)),
-                       failures=str(sum(not c["passed"] for c in checks)), errors="0",
-                       skipped=str(sum(c["verdict"] == "skip" for c in checks)))
+    suite = ET.Element(
+        "testsuite",
+        name="vlmdoctor-gate",
+        tests=str(len(checks)),
+        failures=str(sum(not c["passed"] for c in checks)),
+        errors="0",
+        skipped=str(sum(c["verdict"] == "skip" for c in checks)),
+    )
     for c in checks:
         case = ET.SubElement(suite, "testcase", classname="vlmdoctor.gate", name=c["name"])
         if not c["passed"]:

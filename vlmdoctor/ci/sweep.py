@@ -5,17 +5,19 @@ and optionally the `stages` it runs in), `stages` (default [2]) and optionally `
 again for each preset). Or the grid is the product of
 `--set knob=v1,v2` lists.
 """
+
 from __future__ import annotations
 
 import csv
 import itertools
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
-from vlmdoctor.run.config import RunConfig
 from vlmdoctor.errors import UsageError
+from vlmdoctor.run.config import RunConfig
 
 Plan = list[tuple[str, RunConfig]]
 
@@ -24,8 +26,9 @@ GRID_KEYS = {"defaults", "models", "stages", "runs"}
 ROW_KEYS = {"name", "set", "stages"}
 
 
-def grid_rows(path: str | Path, extra: dict[str, Any] | None = None,
-              stages: list[int] | None = None) -> list[tuple[int, str, RunConfig]]:
+def grid_rows(
+    path: str | Path, extra: dict[str, Any] | None = None, stages: list[int] | None = None
+) -> list[tuple[int, str, RunConfig]]:
     """(row index, name, config) for every row, model and stage of a grid file; bad knobs are user errors naming the row."""
     from vlmdoctor.inputs import read_text
 
@@ -39,12 +42,16 @@ def grid_rows(path: str | Path, extra: dict[str, Any] | None = None,
         raise UsageError(f"{path}: each run must be a mapping with an optional 'set' mapping of knobs")
     unknown = sorted(set(grid) - GRID_KEYS)
     if unknown:
-        raise UsageError(f"{path}: unknown key(s) {', '.join(map(str, unknown))}; a grid has {', '.join(sorted(GRID_KEYS))}")
+        raise UsageError(
+            f"{path}: unknown key(s) {', '.join(map(str, unknown))}; a grid has {', '.join(sorted(GRID_KEYS))}"
+        )
     for i, row in enumerate(grid["runs"]):
         unknown = sorted(set(row) - ROW_KEYS)
         if unknown:
-            raise UsageError(f"{path}: run {i}: unknown key(s) {', '.join(map(str, unknown))}; a run has "
-                             f"{', '.join(sorted(ROW_KEYS))} (knobs go under 'set')")
+            raise UsageError(
+                f"{path}: run {i}: unknown key(s) {', '.join(map(str, unknown))}; a run has "
+                f"{', '.join(sorted(ROW_KEYS))} (knobs go under 'set')"
+            )
     for key in ("models", "stages"):
         if grid.get(key) is not None and not isinstance(grid[key], list):
             raise UsageError(f"{path}: '{key}' must be a list")
@@ -60,7 +67,12 @@ def grid_rows(path: str | Path, extra: dict[str, Any] | None = None,
                     raise UsageError(f"{path}: run {i}: 'stages' must be a list")
                 if stage not in row_stages:
                     continue
-                knobs = {**(grid.get("defaults") or {}), **(row.get("set") or {}), **(extra or {}), "stage": stage}
+                knobs = {
+                    **(grid.get("defaults") or {}),
+                    **(row.get("set") or {}),
+                    **(extra or {}),
+                    "stage": stage,
+                }
                 if model is not None:
                     knobs["model"] = model
                 name = str(row.get("name", f"row {i}")) + (f" [{model}]" if len(models) > 1 else "")
@@ -87,17 +99,32 @@ def product_grid(values: dict[str, list[Any]], stages: list[int] | None = None) 
 
 def row(name: str, report: dict[str, Any]) -> dict[str, Any]:
     m = report.get("metrics") or {}
-    return {"name": name, "stage": report.get("config", {}).get("stage"), "status": report.get("status"),
-            "real_tokens_per_s": m.get("real_tokens_per_s"), "loss_tokens_per_s": m.get("loss_tokens_per_s"),
-            "pad_fraction": m.get("pad_fraction"), "step_ms": m.get("step_ms"), "step_ms_p10": m.get("step_ms_p10"),
-            "step_ms_p90": m.get("step_ms_p90"), "mfu": m.get("mfu"), "peak_mem_gb": m.get("peak_mem_gb"),
-            "final_loss": m.get("final_loss"), "error": (report.get("error") or {}).get("message"),
-            "findings": ";".join(f["id"] for f in report.get("findings") or [])}
+    return {
+        "name": name,
+        "stage": report.get("config", {}).get("stage"),
+        "status": report.get("status"),
+        "real_tokens_per_s": m.get("real_tokens_per_s"),
+        "loss_tokens_per_s": m.get("loss_tokens_per_s"),
+        "pad_fraction": m.get("pad_fraction"),
+        "step_ms": m.get("step_ms"),
+        "step_ms_p10": m.get("step_ms_p10"),
+        "step_ms_p90": m.get("step_ms_p90"),
+        "mfu": m.get("mfu"),
+        "peak_mem_gb": m.get("peak_mem_gb"),
+        "final_loss": m.get("final_loss"),
+        "error": (report.get("error") or {}).get("message"),
+        "findings": ";".join(f["id"] for f in report.get("findings") or []),
+    }
 
 
-def run_sweep(plan: Plan, timeout: float, diagnose: bool, jsonl: str | None,
-              notify: Callable[[int, int, str], None] = lambda *_: None,
-              problems: list[str] | None = None) -> list[dict[str, Any]]:
+def run_sweep(
+    plan: Plan,
+    timeout: float,
+    diagnose: bool,
+    jsonl: str | None,
+    notify: Callable[[int, int, str], None] = lambda *_: None,
+    problems: list[str] | None = None,
+) -> list[dict[str, Any]]:
     """Run each config in its own process; each report is appended to jsonl as soon as it exists.
 
     An append that fails (a full disk) does not end the sweep: the report goes to a fallback file

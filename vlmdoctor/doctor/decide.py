@@ -38,14 +38,16 @@ half (tests/test_decide.py: the false-keep rate is unchanged under every noise m
 The false-keep rate and the power under this host's noise are checked by simulation in
 tests/test_decide.py; docs/treat.md ("How a change is decided") has the numbers.
 """
+
 from __future__ import annotations
 
 import math
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Callable, Sequence
+from typing import Any
 
 #: a report comes back from a run; its throughput is the median over its timed windows
 Report = dict[str, Any]
@@ -54,14 +56,15 @@ Arm = Callable[[], Report]
 
 @dataclass
 class PairedOptions:
-    min_gain: float = 0.02      # below 2% a change is not worth a config line
-    confidence: float = 0.95    # two-sided level of the interval on the paired ratio
-    min_pairs: int = 3          # the least evidence a decision is made on (two pairs' spread is often tiny by luck)
-    max_pairs: int = 10         # adaptive extra pairs stop here
-    large_effect: float = 1.5   # two pairs both beyond this factor (either way) decide without a third
+    min_gain: float = 0.02  # below 2% a change is not worth a config line
+    confidence: float = 0.95  # two-sided level of the interval on the paired ratio
+    min_pairs: int = 3  # the least evidence a decision is made on (two pairs' spread is often tiny by luck)
+    max_pairs: int = 10  # adaptive extra pairs stop here
+    large_effect: float = 1.5  # two pairs both beyond this factor (either way) decide without a third
 
 
 # --- Student t quantile, without scipy --------------------------------------------------------
+
 
 def _betacf(a: float, b: float, x: float) -> float:
     """Continued fraction of the regularized incomplete beta (Numerical Recipes, Lentz's method)."""
@@ -143,8 +146,9 @@ def outliers(ratios: Sequence[float]) -> list[int]:
     return [i for i, x in enumerate(logs) if abs(x - med) / mad > OUTLIER_Z]
 
 
-def ratio_interval(ratios: Sequence[float], confidence: float = 0.95,
-                   robust: bool = False) -> tuple[float, float, float]:
+def ratio_interval(
+    ratios: Sequence[float], confidence: float = 0.95, robust: bool = False
+) -> tuple[float, float, float]:
     """(geometric mean ratio, lower, upper): the t-interval on the mean log ratio, back in ratio units.
 
     `robust`: pairs that `outliers` names are left out first (a neighbour's job during one run
@@ -161,8 +165,9 @@ def ratio_interval(ratios: Sequence[float], confidence: float = 0.95,
     return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
-def verdict(ratios: Sequence[float], min_gain: float = 0.02, confidence: float = 0.95,
-            final: bool = False) -> dict[str, Any]:
+def verdict(
+    ratios: Sequence[float], min_gain: float = 0.02, confidence: float = 0.95, final: bool = False
+) -> dict[str, Any]:
     """kept / harmful / no_gain / undecided, with the interval that decided it.
 
     `final`: no more pairs will come, so an undecided interval is a no gain.
@@ -176,8 +181,17 @@ def verdict(ratios: Sequence[float], min_gain: float = 0.02, confidence: float =
         outcome = "no_gain"
     else:
         outcome = "undecided"
-    return {"outcome": outcome, "ratio": ratio, "gain": ratio - 1, "ci_low": lo, "ci_high": hi,
-            "pairs": len(ratios), "ratios": list(ratios), "confidence": confidence, "min_gain": min_gain}
+    return {
+        "outcome": outcome,
+        "ratio": ratio,
+        "gain": ratio - 1,
+        "ci_low": lo,
+        "ci_high": hi,
+        "pairs": len(ratios),
+        "ratios": list(ratios),
+        "confidence": confidence,
+        "min_gain": min_gain,
+    }
 
 
 def large_effect(ratios: Sequence[float], opts: PairedOptions) -> dict[str, Any] | None:
@@ -191,7 +205,9 @@ def large_effect(ratios: Sequence[float], opts: PairedOptions) -> dict[str, Any]
     else:
         return None
     return verdict(ratios, opts.min_gain, opts.confidence) | {
-        "outcome": outcome, "why": f"both pairs beyond {opts.large_effect:g}x: a large effect, decided on two pairs"}
+        "outcome": outcome,
+        "why": f"both pairs beyond {opts.large_effect:g}x: a large effect, decided on two pairs",
+    }
 
 
 def throughput(report: Report) -> float | None:
@@ -215,14 +231,19 @@ def step_throughput(report: Report, cpu_time: bool = False) -> float | None:
     if report.get("status") != "ok":
         return None
     key = "step_cpu_ms" if cpu_time else "step_ms"
-    steps = [tok / (ms / 1000) for r in report.get("repeats") or []
-             for tok, ms in zip(r.get("step_real_tokens") or [], r.get(key) or []) if ms and ms > 0]
+    steps = [
+        tok / (ms / 1000)
+        for r in report.get("repeats") or []
+        for tok, ms in zip(r.get("step_real_tokens") or [], r.get(key) or [])
+        if ms and ms > 0
+    ]
     if cpu_time and not steps:
         return step_throughput(report)
     return statistics.median(steps) if steps else throughput(report)
 
 
 # --- the engine -------------------------------------------------------------------------------
+
 
 @dataclass
 class ArmResult:
@@ -232,13 +253,18 @@ class ArmResult:
     failed: Report | None = None  # the first run that did not finish cleanly: the arm stops there
 
 
-def interleaved(arms: dict[str, Arm], reference: str, opts: PairedOptions,
-                time_left: Callable[[], float] = lambda: math.inf, contribution: bool = False,
-                first: dict[str, Report] | None = None,
-                judge: Callable[[list[float], bool], dict[str, Any]] | None = None,
-                notify: Callable[[str], None] = lambda _: None,
-                on_round: Callable[[dict[str, ArmResult]], None] = lambda _: None,
-                value: Callable[[Report], float | None] = throughput) -> dict[str, Any]:
+def interleaved(
+    arms: dict[str, Arm],
+    reference: str,
+    opts: PairedOptions,
+    time_left: Callable[[], float] = lambda: math.inf,
+    contribution: bool = False,
+    first: dict[str, Report] | None = None,
+    judge: Callable[[list[float], bool], dict[str, Any]] | None = None,
+    notify: Callable[[str], None] = lambda _: None,
+    on_round: Callable[[dict[str, ArmResult]], None] = lambda _: None,
+    value: Callable[[Report], float | None] = throughput,
+) -> dict[str, Any]:
     """Measure the arms in rounds, each arm once per round, and decide each candidate against the reference.
 
     The order within a round rotates (A B, B A, A B ... for two arms; R A B, A B R, B R A for three) so that a steady drift of the
@@ -255,8 +281,10 @@ def interleaved(arms: dict[str, Arm], reference: str, opts: PairedOptions,
     """
     early = judge is None  # a large effect may be decided on two pairs (not by a caller's own judge)
     if judge is None:
+
         def judge(ratios: list[float], final: bool) -> dict[str, Any]:
             return verdict(ratios, opts.min_gain, opts.confidence, final)
+
     names = [reference, *[n for n in arms if n != reference]]
     res = {n: ArmResult(n, [], []) for n in names}
     next_s: dict[str, float] = {}  # each arm's expected time for its next run
@@ -264,7 +292,9 @@ def interleaved(arms: dict[str, Arm], reference: str, opts: PairedOptions,
     decisions: dict[str, dict[str, Any]] = {}
     while True:
         live = [n for n in names if res[n].failed is None]
-        undecided = [n for n in live if n != reference and decisions.get(n, {}).get("outcome", "undecided") == "undecided"]
+        undecided = [
+            n for n in live if n != reference and decisions.get(n, {}).get("outcome", "undecided") == "undecided"
+        ]
         if res[reference].failed is not None or not undecided:
             break
         # only the reference and the undecided arms run again
@@ -319,8 +349,12 @@ def interleaved(arms: dict[str, Arm], reference: str, opts: PairedOptions,
             if decisions.get(n, {}).get("outcome", "undecided") != "undecided" and len(ratios) < opts.min_pairs:
                 out["decisions"][n] = decisions[n]  # a large effect, decided on two pairs
             elif len(ratios) < opts.min_pairs:
-                out["decisions"][n] = {"outcome": "undecided", "pairs": len(ratios), "ratios": ratios,
-                                       "why": f"{len(ratios)} pair(s) measured before the time ran out"}
+                out["decisions"][n] = {
+                    "outcome": "undecided",
+                    "pairs": len(ratios),
+                    "ratios": ratios,
+                    "why": f"{len(ratios)} pair(s) measured before the time ran out",
+                }
             else:
                 out["decisions"][n] = judge(ratios, True)
     return out

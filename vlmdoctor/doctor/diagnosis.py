@@ -3,11 +3,13 @@
 The runner only measures and records; this is where a run report meets the trace reader and the
 rule engine, so the flow config -> run -> trace -> facts -> rules stays one-way.
 """
+
 from __future__ import annotations
 
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from vlmdoctor.doctor.rules import diagnose, load_rules
 from vlmdoctor.errors import VlmdoctorError
@@ -78,6 +80,7 @@ def _set_aside_refused(diagnosis: dict[str, Any], model: str | None) -> None:
             refuse_composite_only(model, f["config_patch"])
             kept.append(f)
         except UsageError as e:
-            diagnosis["not_applicable"].append({"id": f["id"], "why": e.message, "measured": True,
-                                                "evidence": f["evidence"]})
+            diagnosis["not_applicable"].append(
+                {"id": f["id"], "why": e.message, "measured": True, "evidence": f["evidence"]}
+            )
     diagnosis["findings"] = kept

@@ -9,6 +9,7 @@ Findings are ordered by layer (1 precision ... 5 system tuning), then by estimat
 A finding whose config patch contradicts or repeats an earlier one's, or that names it under
 `conflicts`, is kept as superseded rather than prescribed twice.
 """
+
 from __future__ import annotations
 
 import ast
@@ -16,15 +17,14 @@ import math
 import operator
 import re
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from vlmdoctor.run.config import LAYER_NAMES, RunConfig
 from vlmdoctor.errors import UsageError
-
+from vlmdoctor.run.config import LAYER_NAMES, RunConfig
 
 
 def _builtin_rules_dir() -> Path:
@@ -49,14 +49,27 @@ HAS = "has"  # has(fact.name): whether the trace measured it; never "not evaluat
 #: a fact a user's trace lacks, by name: the profiler option (or input) that would let a rule measure it.
 #: (pattern, hint, test on the facts: true when that option was on already, so the hint would not help)
 FACT_OPTIONS: list[tuple[re.Pattern[str], str, Any]] = [
-    (re.compile(r"(gpu|kernels|gemm|launch|idle|recompute|phase|liger|triton_compiled|optimizer|memcpy|memory|part)\."
-                r"|attention\.(fp32_kernels|backend|kernel_share)"),
-     "a GPU trace (ProfilerActivity.CUDA)", lambda f: f.get("trace.gpu_kernels", True)),
+    (
+        re.compile(
+            r"(gpu|kernels|gemm|launch|idle|recompute|phase|liger|triton_compiled|optimizer|memcpy|memory|part)\."
+            r"|attention\.(fp32_kernels|backend|kernel_share)"
+        ),
+        "a GPU trace (ProfilerActivity.CUDA)",
+        lambda f: f.get("trace.gpu_kernels", True),
+    ),
     (re.compile(r"memory\."), "profile_memory=True", lambda f: f.get("trace.recorded.memory", True)),
-    (re.compile(r"shapes\.|lora\.|dpo\.reference_fp32|loss\.(logits|head_rows)|flops\.|attention\.[a-z_]+\.(head_dim|fwd_tflop|dense_mask)"),
-     "record_shapes=True", lambda f: f.get("trace.recorded.shapes", True)),
-    (re.compile(r"(part|attention)\.(vision|projector|llm)\."), "with_stack=True (records the nn.Module hierarchy)",
-     lambda f: f.get("part.source", "none") != "none"),
+    (
+        re.compile(
+            r"shapes\.|lora\.|dpo\.reference_fp32|loss\.(logits|head_rows)|flops\.|attention\.[a-z_]+\.(head_dim|fwd_tflop|dense_mask)"
+        ),
+        "record_shapes=True",
+        lambda f: f.get("trace.recorded.shapes", True),
+    ),
+    (
+        re.compile(r"(part|attention)\.(vision|projector|llm)\."),
+        "with_stack=True (records the nn.Module hierarchy)",
+        lambda f: f.get("part.source", "none") != "none",
+    ),
 ]
 
 
@@ -66,41 +79,76 @@ def missing_hint(name: str, facts: dict[str, Any]) -> str | None:
         if rx.match(name) and not done(facts):
             return hint
     return None
+
+
 REQUIRED = ("id", "layer", "title", "severity", "when", "evidence", "fix", "patch")
 
 #: fact names a rule may use, as patterns (the facts of vlmdoctor/analysis.py and of a profile report)
-KNOWN_FACTS = [re.compile(p) for p in (
-    r"trace\.(steps|partial|written_by_vlmdoctor|windows_from|gpu_kernels)", r"trace\.recorded\.(shapes|memory|stack)",
-    r"step\.ms", r"run\.(stage|model)", r"run\.(stage|model)_source", r"run\.stage_estimate", r"part\.source",
-    r"shapes\.micro_batches_per_step\.source",
-    r"gpu\.(busy_ms|idle_ms|busy_frac)", r"idle\.[a-z_]+\.(ms|share)", r"idle\.op\.[a-z_]+\.ms",
-    r"kernels\.[a-z0-9_]+\.(ms|count|share)", r"gemm\.(ms|count|fp32_share|tf32_share|fp32_share_of_gpu|fp32_top_kernels)",
-    r"gemm\.(fp8_share|fp8_ms|bf16_ms|bf16_share_of_gpu|bf16_llm_ms|bf16_mean_ms)", r"device\.(name|compute_capability)",
-    r"part\.fp32_gemm_parts",
-    r"attention\.(fp32_kernels|backend\.[a-z_]+\.calls)", r"liger\.[a-z_]+\.launches", r"triton_compiled\.launches",
-    r"optimizer\.fused", r"launch\.(kernels|tiny_kernel_frac|api_ms|delay_us_median|delay_us_p90)",
-    r"part\.[a-z_]+\.(ms|share)", r"phase\.[a-z_]+\.ms", r"recompute\.(ms|share|kind)",
-    r"memcpy\.[A-Za-z]+\.(bytes|ms)", r"memcpy\.pageable_count", r"shapes\.(distinct_token_batches|token_batches|micro_batches_per_step)", r"idle\.top_host_ops",
-    r"loss\.(logits_elements|logits_gb|logits_dtype|head_rows_per_step|head_rows_frac)",
-    r"ops\.(fused_linear_cross_entropy|checkpoint_reentrant)", r"host\.(sync_calls|sync_ops)",
-    r"part\.[a-z_]+\.(forward|backward|recompute|optimizer)_ms",
-    r"attention\.[a-z_]+\.(forward|backward|recompute)_ms", r"attention\.(eager_softmax_calls|sdpa_calls|backends)",
-    r"attention\.[a-z_]+\.(head_dims|head_dim_pow2|fwd_tflop_per_step|fwd_tflops|dense_mask_share)",
-    r"attention\.kernel_share", r"shapes\.rows_per_micro_batch",
-    r"flops\.(vision_tflop_per_step|lm_head_tflop_per_step)", r"gpu\.(busy_tflops|busy_frac_traced)", r"data\.loss_token_frac",
-    r"memory\.(device_total_gb|peak_(allocated|reserved)_(gb|frac))",
-    r"flops\.model_tflop_per_step_upper", r"mfu(\.upper_bound)?", r"data\.(pad_fraction|real_tokens_per_s)",
-    r"trace\.cpu_only", r"cpu\.(capability|probe\.(fp32|bf16)_gflops|cast\.(ms|count|share)|bf16_cost\.(ms|share)|lm_head\.ms)",
-    r"cpu\.matmul\.(ms|share|dtypes|(fp32|bf16|fp16)_(ms|gflop|gflops))", r"cpu\.part\.[a-z_]+\.forward_ms",
-    r"cpu\.data_loader\.(ms|share)",
-    r"comm\.[a-z_]+(\.[a-z_]+)*", r"dist\.[a-z_]+(\.[a-z_]+)*",  # collectives (trace/comms.py), ranks joined (trace/ranks.py)
-    # training modes (vlmdoctor/trace/modes.py)
-    r"lora\.(lowrank_gemm_count|lowrank_gemm_ms|lowrank_gemm_share|lowrank_flop_share|gemm_count|rank)",
-    r"qlora\.(dequant_count|dequant_ms|dequant_share|bf16_extra_gb)", r"memory\.headroom_gb",
-    r"dpo\.reference_(count|ms|share|backward_nodes|backward_ms|backward_share|weight_casts|cast_ms|cast_share|fp32_gemm_share)",
-    r"config\.(" + "|".join(RunConfig.__dataclass_fields__) + r")",
-    r"patch\.(" + "|".join(RunConfig.__dataclass_fields__) + r")",  # the rule's own patch values, in gain expressions
-)]
+KNOWN_FACTS = [
+    re.compile(p)
+    for p in (
+        r"trace\.(steps|partial|written_by_vlmdoctor|windows_from|gpu_kernels)",
+        r"trace\.recorded\.(shapes|memory|stack)",
+        r"step\.ms",
+        r"run\.(stage|model)",
+        r"run\.(stage|model)_source",
+        r"run\.stage_estimate",
+        r"part\.source",
+        r"shapes\.micro_batches_per_step\.source",
+        r"gpu\.(busy_ms|idle_ms|busy_frac)",
+        r"idle\.[a-z_]+\.(ms|share)",
+        r"idle\.op\.[a-z_]+\.ms",
+        r"kernels\.[a-z0-9_]+\.(ms|count|share)",
+        r"gemm\.(ms|count|fp32_share|tf32_share|fp32_share_of_gpu|fp32_top_kernels)",
+        r"gemm\.(fp8_share|fp8_ms|bf16_ms|bf16_share_of_gpu|bf16_llm_ms|bf16_mean_ms)",
+        r"device\.(name|compute_capability)",
+        r"part\.fp32_gemm_parts",
+        r"attention\.(fp32_kernels|backend\.[a-z_]+\.calls)",
+        r"liger\.[a-z_]+\.launches",
+        r"triton_compiled\.launches",
+        r"optimizer\.fused",
+        r"launch\.(kernels|tiny_kernel_frac|api_ms|delay_us_median|delay_us_p90)",
+        r"part\.[a-z_]+\.(ms|share)",
+        r"phase\.[a-z_]+\.ms",
+        r"recompute\.(ms|share|kind)",
+        r"memcpy\.[A-Za-z]+\.(bytes|ms)",
+        r"memcpy\.pageable_count",
+        r"shapes\.(distinct_token_batches|token_batches|micro_batches_per_step)",
+        r"idle\.top_host_ops",
+        r"loss\.(logits_elements|logits_gb|logits_dtype|head_rows_per_step|head_rows_frac)",
+        r"ops\.(fused_linear_cross_entropy|checkpoint_reentrant)",
+        r"host\.(sync_calls|sync_ops)",
+        r"part\.[a-z_]+\.(forward|backward|recompute|optimizer)_ms",
+        r"attention\.[a-z_]+\.(forward|backward|recompute)_ms",
+        r"attention\.(eager_softmax_calls|sdpa_calls|backends)",
+        r"attention\.[a-z_]+\.(head_dims|head_dim_pow2|fwd_tflop_per_step|fwd_tflops|dense_mask_share)",
+        r"attention\.kernel_share",
+        r"shapes\.rows_per_micro_batch",
+        r"flops\.(vision_tflop_per_step|lm_head_tflop_per_step)",
+        r"gpu\.(busy_tflops|busy_frac_traced)",
+        r"data\.loss_token_frac",
+        r"memory\.(device_total_gb|peak_(allocated|reserved)_(gb|frac))",
+        r"flops\.model_tflop_per_step_upper",
+        r"mfu(\.upper_bound)?",
+        r"data\.(pad_fraction|real_tokens_per_s)",
+        r"trace\.cpu_only",
+        r"cpu\.(capability|probe\.(fp32|bf16)_gflops|cast\.(ms|count|share)|bf16_cost\.(ms|share)|lm_head\.ms)",
+        r"cpu\.matmul\.(ms|share|dtypes|(fp32|bf16|fp16)_(ms|gflop|gflops))",
+        r"cpu\.part\.[a-z_]+\.forward_ms",
+        r"cpu\.data_loader\.(ms|share)",
+        r"comm\.[a-z_]+(\.[a-z_]+)*",
+        r"dist\.[a-z_]+(\.[a-z_]+)*",  # collectives (trace/comms.py), ranks joined (trace/ranks.py)
+        # training modes (vlmdoctor/trace/modes.py)
+        r"lora\.(lowrank_gemm_count|lowrank_gemm_ms|lowrank_gemm_share|lowrank_flop_share|gemm_count|rank)",
+        r"qlora\.(dequant_count|dequant_ms|dequant_share|bf16_extra_gb)",
+        r"memory\.headroom_gb",
+        r"dpo\.reference_(count|ms|share|backward_nodes|backward_ms|backward_share|weight_casts|cast_ms|cast_share|fp32_gemm_share)",
+        r"config\.(" + "|".join(RunConfig.__dataclass_fields__) + r")",
+        r"patch\.("
+        + "|".join(RunConfig.__dataclass_fields__)
+        + r")",  # the rule's own patch values, in gain expressions
+    )
+]
 
 
 class RuleError(UsageError):
@@ -112,8 +160,17 @@ class RuleEvalError(Exception):
 
 
 #: what evaluating a user's expression may raise; each becomes a rule problem, the other rules still run
-EVAL_ERRORS = (RuleEvalError, ArithmeticError, TypeError, ValueError, KeyError, IndexError, AttributeError,
-               RecursionError, MemoryError)
+EVAL_ERRORS = (
+    RuleEvalError,
+    ArithmeticError,
+    TypeError,
+    ValueError,
+    KeyError,
+    IndexError,
+    AttributeError,
+    RecursionError,
+    MemoryError,
+)
 
 
 class _Missing(Exception):
@@ -146,8 +203,12 @@ class Rule:
         return any(n.startswith("dist.") for n in self.facts_used())
 
     def facts_used(self) -> set[str]:
-        exprs = [self.when, self.unless or "", *_alternatives(self.gain.get("saves_ms")),
-                 *_alternatives(self.gain.get("speedup"))]
+        exprs = [
+            self.when,
+            self.unless or "",
+            *_alternatives(self.gain.get("saves_ms")),
+            *_alternatives(self.gain.get("speedup")),
+        ]
         exprs += [v for v in self.patch.values() if isinstance(v, str) and _looks_like_expr(v)]
         exprs += [m.group(1) for e in self.evidence for m in _PLACEHOLDER.finditer(e)]
         return {n for e in exprs if e for n in _names(_parse(e, self)) if not n.isupper()}
@@ -174,26 +235,61 @@ def _parse(expr: str, rule: Rule | None = None) -> ast.AST:
     for node in ast.walk(tree):
         if not isinstance(node, _ALLOWED):
             where = f"{rule.path}: rule {rule.id}: " if rule else ""
-            raise RuleError(f"{where}{type(node).__name__} is not allowed in {expr!r} (only comparisons, and/or/not, "
-                            f"arithmetic, literals and {', '.join(FUNCTIONS)})")
+            raise RuleError(
+                f"{where}{type(node).__name__} is not allowed in {expr!r} (only comparisons, and/or/not, "
+                f"arithmetic, literals and {', '.join(FUNCTIONS)})"
+            )
         if isinstance(node, ast.Call) and not (isinstance(node.func, ast.Name) and node.func.id in (*FUNCTIONS, HAS)):
-            raise RuleError(f"{rule.path if rule else ''}: only {', '.join(FUNCTIONS)} and {HAS} may be called in "
-                            f"{expr!r}")
-        if isinstance(node, ast.Call) and node.func.id == HAS and not (
-                len(node.args) == 1 and _dotted(node.args[0]) and not node.keywords):
+            raise RuleError(
+                f"{rule.path if rule else ''}: only {', '.join(FUNCTIONS)} and {HAS} may be called in {expr!r}"
+            )
+        if (
+            isinstance(node, ast.Call)
+            and node.func.id == HAS
+            and not (len(node.args) == 1 and _dotted(node.args[0]) and not node.keywords)
+        ):
             raise RuleError(f"{rule.path if rule else ''}: {HAS}() takes one fact name, in {expr!r}")
     return tree
 
 
-@lru_cache(maxsize=None)
+@cache
 def _tree(expr: str) -> ast.AST:
     """Parsed once: expressions were validated when their rule was loaded."""
     return _parse(expr)
 
 
-_ALLOWED = (ast.Expression, ast.BoolOp, ast.And, ast.Or, ast.UnaryOp, ast.Not, ast.USub, ast.BinOp, ast.Add, ast.Sub,
-            ast.Mult, ast.Div, ast.FloorDiv, ast.Compare, ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.Eq, ast.NotEq, ast.In,
-            ast.NotIn, ast.Name, ast.Attribute, ast.Constant, ast.Load, ast.Call, ast.List, ast.Tuple, ast.IfExp)
+_ALLOWED = (
+    ast.Expression,
+    ast.BoolOp,
+    ast.And,
+    ast.Or,
+    ast.UnaryOp,
+    ast.Not,
+    ast.USub,
+    ast.BinOp,
+    ast.Add,
+    ast.Sub,
+    ast.Mult,
+    ast.Div,
+    ast.FloorDiv,
+    ast.Compare,
+    ast.Lt,
+    ast.LtE,
+    ast.Gt,
+    ast.GtE,
+    ast.Eq,
+    ast.NotEq,
+    ast.In,
+    ast.NotIn,
+    ast.Name,
+    ast.Attribute,
+    ast.Constant,
+    ast.Load,
+    ast.Call,
+    ast.List,
+    ast.Tuple,
+    ast.IfExp,
+)
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][\w.]*)(?::([^}]*))?\}")
 
 
@@ -218,10 +314,23 @@ def _names(tree: ast.AST) -> set[str]:
     return {n for n in out if not any(o != n and o.startswith(n + ".") for o in out)}
 
 
-_ARITH = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-          ast.FloorDiv: operator.floordiv}
-_COMPARE = {ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt, ast.GtE: operator.ge, ast.Eq: operator.eq,
-            ast.NotEq: operator.ne, ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b}
+_ARITH = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+}
+_COMPARE = {
+    ast.Lt: operator.lt,
+    ast.LtE: operator.le,
+    ast.Gt: operator.gt,
+    ast.GtE: operator.ge,
+    ast.Eq: operator.eq,
+    ast.NotEq: operator.ne,
+    ast.In: lambda a, b: a in b,
+    ast.NotIn: lambda a, b: a not in b,
+}
 
 
 def _eval(node: ast.AST, env: dict[str, Any]) -> Any:
@@ -271,6 +380,7 @@ def _eval(node: ast.AST, env: dict[str, Any]) -> Any:
 
 # --- loading --------------------------------------------------------------------------------------------
 
+
 def _rule_from(path: Path, data: Any) -> Rule:
     if not isinstance(data, dict):
         raise RuleError(f"{path}: expected a mapping with {', '.join(REQUIRED)}")
@@ -288,18 +398,24 @@ def _rule_from(path: Path, data: Any) -> Rule:
         if not isinstance(getattr(rule, key), str):
             raise RuleError(f"{path}: rule {rule.id}: {key} must be a string")
     if not isinstance(rule.when, str) or (rule.unless is not None and not isinstance(rule.unless, str)):
-        raise RuleError(f"{path}: rule {rule.id}: when and unless must be expressions in a string, e.g. "
-                        "when: \"gemm.fp32_share > 0.5\"")
+        raise RuleError(
+            f"{path}: rule {rule.id}: when and unless must be expressions in a string, e.g. "
+            'when: "gemm.fp32_share > 0.5"'
+        )
     if not isinstance(rule.evidence, list) or not all(isinstance(e, str) for e in rule.evidence):
         raise RuleError(f"{path}: rule {rule.id}: evidence must be a list of strings")
     if not isinstance(rule.patch, dict) or not all(isinstance(k, str) for k in rule.patch):
         raise RuleError(f"{path}: rule {rule.id}: patch must be a mapping of knob names to values")
+
     def _gain_forms_ok(v: Any) -> bool:  # one expression, or a list of them (a GPU form, then a CPU form)
-        return v is None or isinstance(v, str) or (isinstance(v, list) and bool(v) and all(isinstance(e, str) for e in v))
+        return (
+            v is None or isinstance(v, str) or (isinstance(v, list) and bool(v) and all(isinstance(e, str) for e in v))
+        )
 
     if not isinstance(rule.gain, dict) or not all(_gain_forms_ok(rule.gain.get(k)) for k in ("saves_ms", "speedup")):
-        raise RuleError(f"{path}: rule {rule.id}: gain must be a mapping whose saves_ms and speedup are expressions "
-                        "in strings")
+        raise RuleError(
+            f"{path}: rule {rule.id}: gain must be a mapping whose saves_ms and speedup are expressions in strings"
+        )
     if not isinstance(rule.stages, list) or not rule.stages or any(st not in (1, 2) for st in rule.stages):
         raise RuleError(f"{path}: rule {rule.id}: stages must be a list of 1 and/or 2")
     if not isinstance(rule.conflicts, list) or not isinstance(rule.sources, list):
@@ -315,8 +431,13 @@ def _rule_from(path: Path, data: Any) -> Rule:
         if c:
             _parse(c, rule)
     bad = sorted(n for n in rule.facts_used() if not any(p.fullmatch(n) for p in KNOWN_FACTS))
-    undefined = sorted(n for e in (rule.when, rule.unless, *gains) if e
-                       for n in _names(_parse(e, rule)) if n.isupper() and n not in rule.constants)
+    undefined = sorted(
+        n
+        for e in (rule.when, rule.unless, *gains)
+        if e
+        for n in _names(_parse(e, rule))
+        if n.isupper() and n not in rule.constants
+    )
     if bad:
         raise RuleError(f"{path}: rule {rule.id} uses unknown fact(s) {', '.join(bad)} (see docs/analysis.md)")
     if undefined:
@@ -338,8 +459,10 @@ def load_rules(*dirs: str | Path) -> tuple[list[Rule], list[str]]:
     problems: list[str] = []
     seen: dict[str, Path] = {}
     if not any(RULES_DIR.glob("*.y*ml")):
-        raise UsageError(f"no built-in rules found (looked in {RULES_DIR}); this vlmdoctor install is broken: "
-                         "reinstall it (pip install --force-reinstall vlmdoctor)")
+        raise UsageError(
+            f"no built-in rules found (looked in {RULES_DIR}); this vlmdoctor install is broken: "
+            "reinstall it (pip install --force-reinstall vlmdoctor)"
+        )
     for d in [RULES_DIR, *dirs]:
         d = Path(d)
         if not d.is_dir():
@@ -379,23 +502,36 @@ def load_rules(*dirs: str | Path) -> tuple[list[Rule], list[str]]:
 def rule_page(rule: Rule) -> dict[str, Any]:
     """A rule as a page a person reads: detects, evidence, fix, and where each threshold comes from."""
     return {
-        "id": rule.id, "title": rule.title, "layer": rule.layer, "layer_name": LAYER_NAMES[rule.layer],
-        "severity": rule.severity, "stages": rule.stages, "file": str(rule.path),
-        "detects": " ".join(rule.detects.split()), "when": rule.when, "unless": rule.unless,
-        "evidence": list(rule.evidence), "fix": rule.fix, "patch": dict(rule.patch),
+        "id": rule.id,
+        "title": rule.title,
+        "layer": rule.layer,
+        "layer_name": LAYER_NAMES[rule.layer],
+        "severity": rule.severity,
+        "stages": rule.stages,
+        "file": str(rule.path),
+        "detects": " ".join(rule.detects.split()),
+        "when": rule.when,
+        "unless": rule.unless,
+        "evidence": list(rule.evidence),
+        "fix": rule.fix,
+        "patch": dict(rule.patch),
         "gain": {k: v for k, v in rule.gain.items()},
         "thresholds": [{"name": k, "value": c.get("value"), "why": c.get("why")} for k, c in rule.constants.items()],
-        "facts": sorted(rule.facts_used()), "conflicts": list(rule.conflicts), "sources": list(rule.sources),
+        "facts": sorted(rule.facts_used()),
+        "conflicts": list(rule.conflicts),
+        "sources": list(rule.sources),
     }
 
 
 # --- diagnosis ------------------------------------------------------------------------------------------
 
+
 def _fmt(value: Any, spec: str | None) -> str:
     if isinstance(value, list) and value and all(isinstance(v, dict) and "op" in v for v in value):
         # host ops: the top five with their time or call count
-        return ", ".join(f"{v['op'][:60]} " + (f"{v['ms']:.1f} ms" if "ms" in v else f"x{v.get('calls', 0):g}")
-                         for v in value[:5])
+        return ", ".join(
+            f"{v['op'][:60]} " + (f"{v['ms']:.1f} ms" if "ms" in v else f"x{v.get('calls', 0):g}") for v in value[:5]
+        )
     if isinstance(value, list):
         return ", ".join(str(v) for v in value) or "none"
     if spec == "pct" and isinstance(value, (int, float)):
@@ -417,13 +553,15 @@ def _evidence(rule: Rule, env: dict[str, Any]) -> list[str]:
     A rule can fire without a fact only through has(): the caveat says what was not measured, and
     how to measure it, so the finding is read as resting on the facts that were.
     """
-    lines = [_render(e, env) for e in rule.evidence
-             if all(m.group(1) in env for m in _PLACEHOLDER.finditer(e))]
+    lines = [_render(e, env) for e in rule.evidence if all(m.group(1) in env for m in _PLACEHOLDER.finditer(e))]
     unmeasured = sorted(n for n in _names(_tree(rule.when)) if not n.isupper() and n not in env)
     for name in unmeasured:
         hint = missing_hint(name, env)
-        lines.append(f"not measured: {name}" + (f" (record with {hint})" if hint else "")
-                     + "; the finding assumes it does not rule the fix out")
+        lines.append(
+            f"not measured: {name}"
+            + (f" (record with {hint})" if hint else "")
+            + "; the finding assumes it does not rule the fix out"
+        )
     return lines
 
 
@@ -440,21 +578,34 @@ def diagnose(facts: dict[str, Any], rules: list[Rule], problems: list[str] | Non
                 not_evaluated.append({"id": rule.id, "missing": ["run.stage"]})
                 continue
             if stage not in rule.stages:
-                not_applicable.append({"id": rule.id, "why": f"applies in stage {', '.join(map(str, rule.stages))} only"})
+                not_applicable.append(
+                    {"id": rule.id, "why": f"applies in stage {', '.join(map(str, rule.stages))} only"}
+                )
                 continue
         try:
             finding = _fire(rule, facts, not_evaluated, not_applicable)
         except EVAL_ERRORS as e:
             why = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}" if str(e) else type(e).__name__
-            problems = [*(problems or []), f"{rule.path}: rule {rule.id} failed while being evaluated ({why})"]
+            problems = [
+                *(problems or []),
+                f"{rule.path}: rule {rule.id} failed while being evaluated ({why})",
+            ]
             continue
         if finding is not None:
             fired.append(finding)
     fired.sort(key=lambda f: (f["layer"], -f["_order"]))
     kept, superseded = [], []
     for f in fired:  # superseded: a declared conflict, or an earlier fix already sets every knob this one sets
-        clash = next((k for k in kept if f["id"] in k["conflicts"] or k["id"] in f["conflicts"]
-                      or (f["config_patch"] and set(f["config_patch"]) <= set(k["config_patch"]))), None)
+        clash = next(
+            (
+                k
+                for k in kept
+                if f["id"] in k["conflicts"]
+                or k["id"] in f["conflicts"]
+                or (f["config_patch"] and set(f["config_patch"]) <= set(k["config_patch"]))
+            ),
+            None,
+        )
         if clash:
             superseded.append({**f, "superseded_by": clash["id"]})
         else:
@@ -462,27 +613,53 @@ def diagnose(facts: dict[str, Any], rules: list[Rule], problems: list[str] | Non
     for f in kept + superseded:
         f.pop("conflicts", None)
         f.pop("_order", None)
-    return {"findings": kept, "superseded": superseded, "not_evaluated": not_evaluated, "not_applicable": not_applicable,
-            "problems": list(problems or [])}
+    return {
+        "findings": kept,
+        "superseded": superseded,
+        "not_evaluated": not_evaluated,
+        "not_applicable": not_applicable,
+        "problems": list(problems or []),
+    }
 
 
-def _fire(rule: Rule, facts: dict[str, Any], not_evaluated: list[dict[str, Any]],
-          not_applicable: list[dict[str, Any]]) -> dict[str, Any] | None:
+def _fire(
+    rule: Rule,
+    facts: dict[str, Any],
+    not_evaluated: list[dict[str, Any]],
+    not_applicable: list[dict[str, Any]],
+) -> dict[str, Any] | None:
     """The finding of one rule, or None; errors in the rule's expressions propagate to the caller."""
     env = {**facts, **{k: c["value"] for k, c in rule.constants.items()}}
     try:
         hit = bool(_eval(_tree(rule.when), env))
     except _Missing as m:
         if m.name.startswith("dist.") and "dist.ranks" not in facts:
-            not_applicable.append({"id": rule.id, "why": f"needs {m.name}, a fact of several ranks' traces together "
-                                                          "(analyze a folder of per-rank traces)"})
+            not_applicable.append(
+                {
+                    "id": rule.id,
+                    "why": f"needs {m.name}, a fact of several ranks' traces together "
+                    "(analyze a folder of per-rank traces)",
+                }
+            )
         elif facts.get("trace.cpu_only") and GPU_ONLY.fullmatch(m.name):
-            not_applicable.append({"id": rule.id, "why": f"needs {m.name}, a fact of GPU runs (this trace ran on the CPU)"})
+            not_applicable.append(
+                {"id": rule.id, "why": f"needs {m.name}, a fact of GPU runs (this trace ran on the CPU)"}
+            )
         elif m.name.startswith("dpo."):  # only vlmdoctor's runs and ranges a user named after the reference have them
-            not_applicable.append({"id": rule.id, "why": f"needs {m.name}: no DPO reference forward found; in a DPO loop, "
-                                                          "wrap it in record_function('ref_forward')"})
+            not_applicable.append(
+                {
+                    "id": rule.id,
+                    "why": f"needs {m.name}: no DPO reference forward found; in a DPO loop, "
+                    "wrap it in record_function('ref_forward')",
+                }
+            )
         elif "gpu.busy_ms" in facts and m.name.startswith("cpu."):
-            not_applicable.append({"id": rule.id, "why": f"needs {m.name}, a fact of CPU-only runs (this trace has GPU kernels)"})
+            not_applicable.append(
+                {
+                    "id": rule.id,
+                    "why": f"needs {m.name}, a fact of CPU-only runs (this trace has GPU kernels)",
+                }
+            )
         else:
             hint = missing_hint(m.name, facts)
             not_evaluated.append({"id": rule.id, "missing": [m.name], **({"hint": hint} if hint else {})})
@@ -510,13 +687,23 @@ def _fire(rule: Rule, facts: dict[str, Any], not_evaluated: list[dict[str, Any]]
         speedup = step / (step - saves)
     equivalent = step * (1 - 1 / speedup) if speedup and step and speedup > 1 else saves
     return {
-        "id": rule.id, "layer": rule.layer, "layer_name": LAYER_NAMES[rule.layer], "title": rule.title,
-        "severity": rule.severity, "evidence": _evidence(rule, env), "fix": rule.fix,
+        "id": rule.id,
+        "layer": rule.layer,
+        "layer_name": LAYER_NAMES[rule.layer],
+        "title": rule.title,
+        "severity": rule.severity,
+        "evidence": _evidence(rule, env),
+        "fix": rule.fix,
         "config_patch": patch,
-        "expected_gain": {"saves_ms_per_step": saves, "share_of_step": (saves / step) if saves and step else None,
-                          "throughput_x": speedup, "how": rule.gain.get("how")},
+        "expected_gain": {
+            "saves_ms_per_step": saves,
+            "share_of_step": (saves / step) if saves and step else None,
+            "throughput_x": speedup,
+            "how": rule.gain.get("how"),
+        },
         "_order": equivalent or 0.0,
-        "sources": rule.sources, "conflicts": rule.conflicts,
+        "sources": rule.sources,
+        "conflicts": rule.conflicts,
     }
 
 
@@ -532,6 +719,8 @@ def _gain(rule: Rule, key: str, env: dict[str, Any]) -> float | None:
 
 
 #: facts only GPU kernels give: on a CPU-only trace a rule that needs one does not apply (it is not unmeasured)
-GPU_ONLY = re.compile(r"(gpu|kernels|idle|launch|liger|gemm|phase|memcpy|recompute|triton_compiled|optimizer|device)\..*"
-                      r"|attention\.(fp32_kernels|kernel_share|[a-z]+\.(forward|backward|recompute)_ms|[a-z]+\.head_dim.*)"
-                      r"|part\.[a-z_]+\.(ms|share|forward_ms|backward_ms|recompute_ms)|part\.fp32_gemm_parts")
+GPU_ONLY = re.compile(
+    r"(gpu|kernels|idle|launch|liger|gemm|phase|memcpy|recompute|triton_compiled|optimizer|device)\..*"
+    r"|attention\.(fp32_kernels|kernel_share|[a-z]+\.(forward|backward|recompute)_ms|[a-z]+\.head_dim.*)"
+    r"|part\.[a-z_]+\.(ms|share|forward_ms|backward_ms|recompute_ms)|part\.fp32_gemm_parts"
+)

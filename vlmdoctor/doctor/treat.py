@@ -20,14 +20,16 @@ step was host-bound, and +30% at batch 48). So a round of `treat`:
 A trial is one arm of a comparison (a composition, or one ablation). Ctrl-C ends the treatment
 and keeps what was measured.
 """
+
 from __future__ import annotations
 
 import json
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from vlmdoctor import SCHEMA_VERSION, __version__
 from vlmdoctor.doctor.decide import ArmResult, PairedOptions, interleaved, throughput
@@ -36,15 +38,28 @@ from vlmdoctor.run.config import RunConfig
 
 #: run(cfg, diagnose, timeout) -> a profile report; treat calls run_isolated through the CLI
 Runner = Callable[[RunConfig, bool, "float | None"], dict[str, Any]]
-PROFILE_FACTS = ("gpu.busy_frac", "gpu.busy_tflops", "launch.kernels", "idle.other_host.ms", "idle.data_loader.ms",
-                 "idle.op.cudnn_attention.ms", "gemm.ms", "gpu.busy_ms", "step.ms")
+PROFILE_FACTS = (
+    "gpu.busy_frac",
+    "gpu.busy_tflops",
+    "launch.kernels",
+    "idle.other_host.ms",
+    "idle.data_loader.ms",
+    "idle.op.cudnn_attention.ms",
+    "gemm.ms",
+    "gpu.busy_ms",
+    "step.ms",
+)
 Notify = Callable[[str], None]
 #: knobs that only say how a run is measured, never what it trains: a patch may raise them (compile needs a
 #: longer warm-up) and an ablation does not remove them
 MEASUREMENT_KNOBS = ("warmup", "steps", "repeats")
 #: what an ablation arm that failed says of the change it left out: the final config needs it
-BROKEN_WITHOUT = {"oom": "out of memory without it", "nan_loss": "NaN loss without it",
-                  "error": "the run fails without it", "timeout": "the run timed out without it"}
+BROKEN_WITHOUT = {
+    "oom": "out of memory without it",
+    "nan_loss": "NaN loss without it",
+    "error": "the run fails without it",
+    "timeout": "the run timed out without it",
+}
 NOT_ABLATED = "not ablated: --max-trials or the time budget left no room"
 
 
@@ -72,14 +87,21 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
     """What the ladder shows of one run."""
     m = report.get("metrics") or {}
     facts = report.get("facts") or {}
-    return {"status": report.get("status"), "real_tokens_per_s": m.get("real_tokens_per_s"),
-            "profile": {k: facts.get(k) for k in PROFILE_FACTS if k in facts},
-            "tokens_per_s_repeats": tokens(report), "step_ms": m.get("step_ms"), "mfu": m.get("mfu"),
-            "peak_mem_gb": m.get("peak_mem_gb"), "pad_fraction": m.get("pad_fraction"),
-            "compile_s": m.get("compile_s"), "warmup_s": m.get("warmup_s"),
-            "findings": [f["id"] for f in report.get("findings") or []],
-            "warnings": report.get("warnings") or [],
-            "error": (report.get("error") or {}).get("message")}
+    return {
+        "status": report.get("status"),
+        "real_tokens_per_s": m.get("real_tokens_per_s"),
+        "profile": {k: facts.get(k) for k in PROFILE_FACTS if k in facts},
+        "tokens_per_s_repeats": tokens(report),
+        "step_ms": m.get("step_ms"),
+        "mfu": m.get("mfu"),
+        "peak_mem_gb": m.get("peak_mem_gb"),
+        "pad_fraction": m.get("pad_fraction"),
+        "compile_s": m.get("compile_s"),
+        "warmup_s": m.get("warmup_s"),
+        "findings": [f["id"] for f in report.get("findings") or []],
+        "warnings": report.get("warnings") or [],
+        "error": (report.get("error") or {}).get("message"),
+    }
 
 
 def _label(patch: dict[str, Any]) -> str:
@@ -88,12 +110,18 @@ def _label(patch: dict[str, Any]) -> str:
 
 # --- composing ----------------------------------------------------------------------------------
 
+
 def _change(f: dict[str, Any], cfg: RunConfig) -> dict[str, Any] | None:
     patch = {k: v for k, v in f["config_patch"].items() if getattr(cfg, k, None) != v}
     if not {k for k in patch if k not in MEASUREMENT_KNOBS}:
         return None
-    return {"rule": f["id"], "layer": f["layer"], "title": f["title"], "config_patch": patch,
-            "expected_gain": f.get("expected_gain")}
+    return {
+        "rule": f["id"],
+        "layer": f["layer"],
+        "title": f["title"],
+        "config_patch": patch,
+        "expected_gain": f.get("expected_gain"),
+    }
 
 
 def apply(cfg: RunConfig, changes: list[dict[str, Any]]) -> RunConfig:
@@ -107,8 +135,12 @@ def apply(cfg: RunConfig, changes: list[dict[str, Any]]) -> RunConfig:
     return cfg.replace(source="composed prescriptions", **merged)
 
 
-def compose(cfg: RunConfig, report: dict[str, Any], skipped: list[dict[str, Any]],
-            validate: Callable[[RunConfig], Any] = lambda c: None) -> list[dict[str, Any]]:
+def compose(
+    cfg: RunConfig,
+    report: dict[str, Any],
+    skipped: list[dict[str, Any]],
+    validate: Callable[[RunConfig], Any] = lambda c: None,
+) -> list[dict[str, Any]]:
     """The compositions a diagnosis supports: the findings in layer order, and for each alternative
     (a superseded finding whose patch contradicts the one that superseded it, like Liger on vs
     torch.compile with Liger off) one more composition with the alternative instead.
@@ -152,14 +184,20 @@ def compose(cfg: RunConfig, report: dict[str, Any], skipped: list[dict[str, Any]
             continue  # a repeat of the earlier fix, not an alternative to it
         alt = build([s if f["id"] == by["id"] else f for f in findings], note=False)
         if alt and all(alt[1] != o["config"] for o in out):
-            out.append({"name": f"composition with {s['id']} instead of {by['id']}", "changes": alt[0],
-                        "config": alt[1]})
+            out.append(
+                {
+                    "name": f"composition with {s['id']} instead of {by['id']}",
+                    "changes": alt[0],
+                    "config": alt[1],
+                }
+            )
         if len(out) >= 3 or s["id"] in ids:
             break
     return out
 
 
 # --- the treatment ------------------------------------------------------------------------------
+
 
 def _arm_numbers(arm: ArmResult) -> dict[str, Any]:
     vals = [v for v in arm.values if v]
@@ -175,14 +213,22 @@ def _arm_numbers(arm: ArmResult) -> dict[str, Any]:
 def _outcome(decision: dict[str, Any], arm: ArmResult) -> str:
     o = decision.get("outcome", "error")
     failed = arm.failed or {}
-    if o not in ("kept", "harmful", "no_gain", "undecided", "reference_failed") and failed.get("status") == "error" \
-            and (failed.get("error") or {}).get("exit_code") == EXIT_USAGE:
+    if (
+        o not in ("kept", "harmful", "no_gain", "undecided", "reference_failed")
+        and failed.get("status") == "error"
+        and (failed.get("error") or {}).get("exit_code") == EXIT_USAGE
+    ):
         return "not_applicable"  # the run refused the config (a GPU-only knob on CPU, say)
     return o
 
 
-def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lambda _: None,
-          validate: Callable[[RunConfig], Any] | None = None) -> dict[str, Any]:
+def treat(
+    cfg: RunConfig,
+    run: Runner,
+    opts: TreatOptions,
+    notify: Notify = lambda _: None,
+    validate: Callable[[RunConfig], Any] | None = None,
+) -> dict[str, Any]:
     """The ladder: each adopted round with its measured speedup and each change's own contribution,
     and every trial with its paired evidence. Ctrl-C returns what was measured, marked interrupted.
 
@@ -193,15 +239,26 @@ def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lamb
     t0 = time.time()
     po = opts.paired()
     out: dict[str, Any] = {
-        "schema_version": SCHEMA_VERSION, "kind": "treat", "tool": {"name": "vlmdoctor", "version": __version__},
-        "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "start_config": cfg.to_dict(),
-        "decision": {"min_gain": opts.min_gain, "confidence": opts.confidence, "min_pairs": opts.min_pairs,
-                     "max_pairs": opts.max_pairs,
-                     "rule": "paired: candidate and current run alternately in fresh processes; the ratio "
-                             "candidate/current of each pair; kept when the lower bound of the t-interval on the "
-                             "mean log ratio is above 1 + min_gain, harmful when its upper bound is below 1; "
-                             "changes of a kept composition are confirmed by leave-one-out ablation"},
-        "ladder": [], "trials": [], "rounds": [], "skipped": [], "interrupted": False,
+        "schema_version": SCHEMA_VERSION,
+        "kind": "treat",
+        "tool": {"name": "vlmdoctor", "version": __version__},
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "start_config": cfg.to_dict(),
+        "decision": {
+            "min_gain": opts.min_gain,
+            "confidence": opts.confidence,
+            "min_pairs": opts.min_pairs,
+            "max_pairs": opts.max_pairs,
+            "rule": "paired: candidate and current run alternately in fresh processes; the ratio "
+            "candidate/current of each pair; kept when the lower bound of the t-interval on the "
+            "mean log ratio is above 1 + min_gain, harmful when its upper bound is below 1; "
+            "changes of a kept composition are confirmed by leave-one-out ablation",
+        },
+        "ladder": [],
+        "trials": [],
+        "rounds": [],
+        "skipped": [],
+        "interrupted": False,
     }
 
     def time_left() -> float:
@@ -217,6 +274,7 @@ def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lamb
             rep = run(c, diagnose, limit)
             run_s.append(time.time() - t)
             return rep
+
         return go
 
     current_cfg = cfg
@@ -236,8 +294,17 @@ def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lamb
             out["final_config"] = cfg.to_dict()
             out["wall_s"] = time.time() - t0
             return out
-        out["ladder"].append({"step": 0, "change": "start", "rule": None, "config_patch": {}, **summary(current),
-                              "speedup": 1.0, "elapsed_s": time.time() - t0})
+        out["ladder"].append(
+            {
+                "step": 0,
+                "change": "start",
+                "rule": None,
+                "config_patch": {},
+                **summary(current),
+                "speedup": 1.0,
+                "elapsed_s": time.time() - t0,
+            }
+        )
         out["stopped_because"] = "no prescription left"
         while True:
             budget = opts.max_trials - len(out["trials"])
@@ -252,8 +319,12 @@ def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lamb
             comps = [c for c in found if json.dumps(c["config"].to_dict(), sort_keys=True) not in tried][:budget]
             if not comps:
                 break
-            rnd: dict[str, Any] = {"round": len(out["rounds"]) + 1, "started_s": time.time() - t0,
-                                   "current_config": current_cfg.to_dict(), "compositions": []}
+            rnd: dict[str, Any] = {
+                "round": len(out["rounds"]) + 1,
+                "started_s": time.time() - t0,
+                "current_config": current_cfg.to_dict(),
+                "compositions": [],
+            }
             out["rounds"].append(rnd)
             for c in comps:
                 tried.add(json.dumps(c["config"].to_dict(), sort_keys=True))
@@ -262,8 +333,15 @@ def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lamb
             arms.update({c["name"]: _first_diagnosed(runner, c["config"]) for c in comps})
             notify(f"round {rnd['round']}: " + "; ".join(f"{c['name']} ({len(c['changes'])} changes)" for c in comps))
             live.clear()
-            res = interleaved(arms, "current", po, time_left, first={"current": current},
-                              notify=notify, on_round=lambda r: live.update(arms=r, kind="composition", comps=comps))
+            res = interleaved(
+                arms,
+                "current",
+                po,
+                time_left,
+                first={"current": current},
+                notify=notify,
+                on_round=lambda r: live.update(arms=r, kind="composition", comps=comps),
+            )
             live.clear()
             best = None
             for c in comps:
@@ -290,33 +368,62 @@ def treat(cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify = lamb
             comp, d, arm = best
             composed_cfg = comp["config"]
             # its diagnosed run: the next round composes from its findings
-            composed_report = next((r for r in arm.reports if r.get("findings") is not None),
-                                   next(r for r in reversed(arm.reports) if r.get("status") == "ok"))
+            composed_report = next(
+                (r for r in arm.reports if r.get("findings") is not None),
+                next(r for r in reversed(arm.reports) if r.get("status") == "ok"),
+            )
             speedup *= d["ratio"]
             rnd["adopted"] = comp["name"]
             rnd["ended_s"] = time.time() - t0
             changes = []
             for ch in comp["changes"]:
                 if len(comp["changes"]) == 1:  # its own contribution is the composition's
-                    k = {"outcome": "kept", "ratio": d["ratio"], "ci_low": d["ci_low"], "ci_high": d["ci_high"],
-                         "pairs": d["pairs"], "how": "the composition"}
+                    k = {
+                        "outcome": "kept",
+                        "ratio": d["ratio"],
+                        "ci_low": d["ci_low"],
+                        "ci_high": d["ci_high"],
+                        "pairs": d["pairs"],
+                        "how": "the composition",
+                    }
                 else:
                     k = {"outcome": "undecided", "how": NOT_ABLATED}
                 changes.append({**ch, "contribution": k})
-            out["ladder"].append({
-                "step": len(out["ladder"]), "change": _label(_merged(comp["changes"])),
-                "rule": ", ".join(ch["rule"] for ch in comp["changes"]), "config_patch": _merged(comp["changes"]),
-                **summary(composed_report), "real_tokens_per_s": throughput(composed_report),
-                "speedup": speedup, "paired_ratio": d["ratio"], "ci": [d["ci_low"], d["ci_high"]],
-                "speedup_how": "paired ratio of the composition vs the rung before",
-                "composed_of": [ch["rule"] for ch in comp["changes"]], "dropped": [],
-                "changes": changes, "elapsed_s": time.time() - t0,
-            })
+            out["ladder"].append(
+                {
+                    "step": len(out["ladder"]),
+                    "change": _label(_merged(comp["changes"])),
+                    "rule": ", ".join(ch["rule"] for ch in comp["changes"]),
+                    "config_patch": _merged(comp["changes"]),
+                    **summary(composed_report),
+                    "real_tokens_per_s": throughput(composed_report),
+                    "speedup": speedup,
+                    "paired_ratio": d["ratio"],
+                    "ci": [d["ci_low"], d["ci_high"]],
+                    "speedup_how": "paired ratio of the composition vs the rung before",
+                    "composed_of": [ch["rule"] for ch in comp["changes"]],
+                    "dropped": [],
+                    "changes": changes,
+                    "elapsed_s": time.time() - t0,
+                }
+            )
             adopted.append(changes)
             current_cfg, current = composed_cfg, composed_report
         # 3. each change's own contribution, in the final config: without it, against the final config
-        current_cfg = _final_ablation(out, cfg, adopted, current_cfg, current, runner, opts, time_left, run_s,
-                                      notify, live, lambda: time.time() - t0)
+        current_cfg = _final_ablation(
+            out,
+            cfg,
+            adopted,
+            current_cfg,
+            current,
+            runner,
+            opts,
+            time_left,
+            run_s,
+            notify,
+            live,
+            lambda: time.time() - t0,
+        )
     except KeyboardInterrupt:
         out["interrupted"] = True
         out["stopped_because"] = "interrupted (Ctrl-C)"
@@ -337,11 +444,20 @@ def _rebuild(start: RunConfig, adopted: list[list[dict[str, Any]]], leave_out: l
     return cfg
 
 
-def _final_ablation(out: dict[str, Any], start: RunConfig, adopted: list[list[dict[str, Any]]],
-                    final_cfg: RunConfig, final_report: dict[str, Any],
-                    runner: Callable[[RunConfig, bool], Callable[[], dict[str, Any]]], opts: TreatOptions,
-                    time_left: Callable[[], float], run_s: list[float], notify: Notify, live: dict[str, Any],
-                    elapsed: Callable[[], float]) -> RunConfig:
+def _final_ablation(
+    out: dict[str, Any],
+    start: RunConfig,
+    adopted: list[list[dict[str, Any]]],
+    final_cfg: RunConfig,
+    final_report: dict[str, Any],
+    runner: Callable[[RunConfig, bool], Callable[[], dict[str, Any]]],
+    opts: TreatOptions,
+    time_left: Callable[[], float],
+    run_s: list[float],
+    notify: Notify,
+    live: dict[str, Any],
+    elapsed: Callable[[], float],
+) -> RunConfig:
     """Each adopted change's own contribution, by leave-one-out in the final config; the config without
     the changes that did not pay.
 
@@ -359,21 +475,36 @@ def _final_ablation(out: dict[str, Any], start: RunConfig, adopted: list[list[di
         try:
             without = _rebuild(start, adopted, [c])
         except UsageError:
-            c["contribution"] = {"outcome": "kept", "how": "the other changes need it: the config is invalid without it"}
+            c["contribution"] = {
+                "outcome": "kept",
+                "how": "the other changes need it: the config is invalid without it",
+            }
             continue
         if without == final_cfg:
             c["contribution"] = {"outcome": "superseded", "how": "a later round set its knobs again"}
             continue
         cands.append((c, without))
-    cands = _ablations_that_fit(cands, max(0, opts.max_trials - len(out["trials"])), opts,
-                                (time_left() / statistics.fmean(run_s)) if run_s else math.inf)
+    cands = _ablations_that_fit(
+        cands,
+        max(0, opts.max_trials - len(out["trials"])),
+        opts,
+        (time_left() / statistics.fmean(run_s)) if run_s else math.inf,
+    )
     if not cands:
         return final_cfg
     arms = {"final": runner(final_cfg, False)}
     arms.update({f"without {c['rule']}": runner(w, False) for c, w in cands})
     notify(f"ablation of {len(cands)} changes in the final config")
-    ab = interleaved(arms, "final", opts.paired(), time_left, contribution=True, first={"final": final_report},
-                     notify=notify, on_round=lambda r: live.update(arms=r, kind="ablation"))
+    ab = interleaved(
+        arms,
+        "final",
+        opts.paired(),
+        time_left,
+        contribution=True,
+        first={"final": final_report},
+        notify=notify,
+        on_round=lambda r: live.update(arms=r, kind="ablation"),
+    )
     trials = []
     for c, _ in cands:
         name = f"without {c['rule']}"
@@ -388,8 +519,11 @@ def _final_ablation(out: dict[str, Any], start: RunConfig, adopted: list[list[di
             o = "undecided"  # the pairs or the time ran out with the interval still open
         entry = _trial(out, "ablation", name, [c], o, dd | why, a)
         trials.append(entry["trial"])
-        c["contribution"] = {k: dd.get(k) for k in ("ratio", "ci_low", "ci_high", "pairs", "ratios")} | \
-            {"outcome": o, "how": "leave-one-out ablation in the final config", "trial": entry["trial"]} | why
+        c["contribution"] = (
+            {k: dd.get(k) for k in ("ratio", "ci_low", "ci_high", "pairs", "ratios")}
+            | {"outcome": o, "how": "leave-one-out ablation in the final config", "trial": entry["trial"]}
+            | why
+        )
     dropped: list[dict[str, Any]] = []
     for rung, changes in zip(out["ladder"][1:], adopted):
         out_ = [c for c in changes if c["contribution"]["outcome"] in ("no_gain", "harmful")]
@@ -407,18 +541,27 @@ def _final_ablation(out: dict[str, Any], start: RunConfig, adopted: list[list[di
     adjust = math.prod(1 / c["contribution"]["ratio"] for c in dropped if c["contribution"].get("ratio"))
     measured = ab["arms"][f"without {dropped[0]['rule']}"] if len(dropped) == 1 else None
     report = next((r for r in reversed(measured.reports) if r.get("status") == "ok"), None) if measured else None
-    rung = {"step": len(out["ladder"]), "change": "without " + ", ".join(c["rule"] for c in dropped),
-            "rule": None, "config_patch": {}, **(summary(report) if report else {}),
-            "real_tokens_per_s": statistics.median(v for v in measured.values if v) if measured else
-            (last.get("real_tokens_per_s") or 0.0) * adjust,
-            "speedup": last["speedup"] * adjust, "speedup_how": "the last rung's speedup times 1/contribution of "
-            "each dropped change", "dropped": [c["rule"] for c in dropped], "elapsed_s": elapsed()}
+    rung = {
+        "step": len(out["ladder"]),
+        "change": "without " + ", ".join(c["rule"] for c in dropped),
+        "rule": None,
+        "config_patch": {},
+        **(summary(report) if report else {}),
+        "real_tokens_per_s": statistics.median(v for v in measured.values if v)
+        if measured
+        else (last.get("real_tokens_per_s") or 0.0) * adjust,
+        "speedup": last["speedup"] * adjust,
+        "speedup_how": "the last rung's speedup times 1/contribution of each dropped change",
+        "dropped": [c["rule"] for c in dropped],
+        "elapsed_s": elapsed(),
+    }
     out["ladder"].append(rung)
     return cfg
 
 
-def _ablations_that_fit(cands: list[tuple[dict[str, Any], RunConfig]], most: int, opts: TreatOptions,
-                        runs_left: float) -> list[tuple[dict[str, Any], RunConfig]]:
+def _ablations_that_fit(
+    cands: list[tuple[dict[str, Any], RunConfig]], most: int, opts: TreatOptions, runs_left: float
+) -> list[tuple[dict[str, Any], RunConfig]]:
     """The ablations to run: as many as --max-trials and the time allow, the most doubtful first.
 
     k arms decided in p pairs take k*p runs plus p-1 of the final config (its first run is the last
@@ -428,13 +571,14 @@ def _ablations_that_fit(cands: list[tuple[dict[str, Any], RunConfig]], most: int
     the largest first: on the H100 a 0.5b ladder ended with 183 s left at 39 s a run, room for one
     arm in two pairs and none in three, and ablated nothing.
     """
+
     def arms(pairs: int) -> int:
         return max(0, min(most, int((runs_left - (pairs - 1)) // pairs))) if not math.isinf(runs_left) else most
 
     if arms(opts.min_pairs) >= 1 or opts.min_pairs <= 2:
-        return sorted(cands, key=lambda cw: _expected_x(cw[0]))[:arms(opts.min_pairs)]
+        return sorted(cands, key=lambda cw: _expected_x(cw[0]))[: arms(opts.min_pairs)]
     large = [cw for cw in cands if _expected_x(cw[0]) >= opts.paired().large_effect]
-    return sorted(large, key=lambda cw: -_expected_x(cw[0]))[:arms(2)]
+    return sorted(large, key=lambda cw: -_expected_x(cw[0]))[: arms(2)]
 
 
 def _smaller_batch(cfg: RunConfig, comp: dict[str, Any]) -> dict[str, Any] | None:
@@ -464,8 +608,9 @@ def _smaller_batch(cfg: RunConfig, comp: dict[str, Any]) -> dict[str, Any] | Non
     return {"name": f"{base} (batch halved after OOM)", "changes": changes, "config": config}
 
 
-def _first_diagnosed(runner: Callable[[RunConfig, bool], Callable[[], dict[str, Any]]],
-                     cfg: RunConfig) -> Callable[[], dict[str, Any]]:
+def _first_diagnosed(
+    runner: Callable[[RunConfig, bool], Callable[[], dict[str, Any]]], cfg: RunConfig
+) -> Callable[[], dict[str, Any]]:
     """A composition's first run is traced and diagnosed (the next round needs its findings); the
     pairs after it are timed only, which saves the trace window and its analysis."""
     calls = {"n": 0}
@@ -473,6 +618,7 @@ def _first_diagnosed(runner: Callable[[RunConfig, bool], Callable[[], dict[str, 
     def go() -> dict[str, Any]:
         calls["n"] += 1
         return runner(cfg, calls["n"] == 1)()
+
     return go
 
 
@@ -490,13 +636,27 @@ def _merged(changes: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def _trial(out: dict[str, Any], kind: str, name: str, changes: list[dict[str, Any]], outcome: str,
-           decision: dict[str, Any], arm: ArmResult) -> dict[str, Any]:
-    entry = {"trial": len(out["trials"]) + 1, "kind": kind, "name": name,
-             "rule": ", ".join(c["rule"] for c in changes) if kind == "composition" else changes[0]["rule"],
-             "layer": min(c["layer"] for c in changes), "title": changes[0]["title"] if len(changes) == 1 else name,
-             "config_patch": _merged(changes), "expected_gain": changes[0].get("expected_gain") if len(changes) == 1
-             else None, **_arm_numbers(arm), "outcome": outcome}
+def _trial(
+    out: dict[str, Any],
+    kind: str,
+    name: str,
+    changes: list[dict[str, Any]],
+    outcome: str,
+    decision: dict[str, Any],
+    arm: ArmResult,
+) -> dict[str, Any]:
+    entry = {
+        "trial": len(out["trials"]) + 1,
+        "kind": kind,
+        "name": name,
+        "rule": ", ".join(c["rule"] for c in changes) if kind == "composition" else changes[0]["rule"],
+        "layer": min(c["layer"] for c in changes),
+        "title": changes[0]["title"] if len(changes) == 1 else name,
+        "config_patch": _merged(changes),
+        "expected_gain": changes[0].get("expected_gain") if len(changes) == 1 else None,
+        **_arm_numbers(arm),
+        "outcome": outcome,
+    }
     for k in ("ratio", "gain", "ci_low", "ci_high", "pairs", "ratios", "why"):
         if k in decision:
             entry[k] = decision[k]

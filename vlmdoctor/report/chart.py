@@ -1,4 +1,5 @@
 """The treat ladder as a PNG step chart, drawn with Pillow (no plotting library needed)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,7 +9,13 @@ from PIL import Image, ImageDraw, ImageFont
 
 W, H = 1000, 560
 LEFT, RIGHT, TOP, BOTTOM = 90, 30, 60, 170
-KEPT, REJECTED, FAILED, INK, GRID = (46, 125, 50), (158, 158, 158), (198, 40, 40), (33, 33, 33), (224, 224, 224)
+KEPT, REJECTED, FAILED, INK, GRID = (
+    (46, 125, 50),
+    (158, 158, 158),
+    (198, 40, 40),
+    (33, 33, 33),
+    (224, 224, 224),
+)
 
 
 def _font(size: int):
@@ -30,7 +37,12 @@ def ladder_png(result: dict[str, Any], path: Path | IO[bytes]) -> None:
     d = ImageDraw.Draw(img)
     f, small, big = _font(14), _font(12), _font(18)
     cfg = result["start_config"]
-    d.text((LEFT, 18), f"vlmdoctor treat: {cfg['model']} stage {cfg['stage']}, real tokens/s per kept step", fill=INK, font=big)
+    d.text(
+        (LEFT, 18),
+        f"vlmdoctor treat: {cfg['model']} stage {cfg['stage']}, real tokens/s per kept step",
+        fill=INK,
+        font=big,
+    )
     plot_h = H - TOP - BOTTOM
     y = lambda v: TOP + plot_h * (1 - v / top)  # noqa: E731
     for i in range(6):
@@ -64,8 +76,12 @@ def ladder_png(result: dict[str, Any], path: Path | IO[bytes]) -> None:
             yy = y(0) - 12
             d.line([(cx - 6, yy - 6), (cx + 6, yy + 6)], fill=FAILED, width=3)
             d.line([(cx - 6, yy + 6), (cx + 6, yy - 6)], fill=FAILED, width=3)
-    d.text((LEFT, H - 22), "green: kept; grey dot: tried, not kept (no gain or harmful); red x: OOM / crash / refused",
-           fill=INK, font=small)
+    d.text(
+        (LEFT, H - 22),
+        "green: kept; grey dot: tried, not kept (no gain or harmful); red x: OOM / crash / refused",
+        fill=INK,
+        font=small,
+    )
     if isinstance(path, (str, Path)):
         from vlmdoctor.files import atomic_writer
 

@@ -3,15 +3,17 @@
 The headline numbers say whether B is faster; the kernel classes, GPU idle causes, findings
 and config knobs say why, which is what one needs before keeping or reverting a change.
 """
+
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from vlmdoctor.run.config import knob_table
 from vlmdoctor.errors import UsageError
+from vlmdoctor.run.config import knob_table
 
 MODEL_KEYS = ("model", "vision", "llm", "projector", "pixel_shuffle")
 ENV_KEYS = ("gpu", "driver", "torch", "transformers")
@@ -41,8 +43,10 @@ def ranks_note(a: dict[str, Any], b: dict[str, Any], labels: Sequence[str] = ("A
     if na == nb:
         return None
     pa, pb = (a["config"].get("parallel", "none"), b["config"].get("parallel", "none"))
-    text = (f"different number of ranks: {labels[0]} {na} ({pa}), {labels[1]} {nb} ({pb}); tokens/s is each job's "
-            "global throughput, ms/step the slowest rank's")
+    text = (
+        f"different number of ranks: {labels[0]} {na} ({pa}), {labels[1]} {nb} ({pb}); tokens/s is each job's "
+        "global throughput, ms/step the slowest rank's"
+    )
     ta, tb = a["metrics"].get("real_tokens_per_s"), b["metrics"].get("real_tokens_per_s")
     if na == 1 and pa == "none" and ta and tb:
         text += f"; scaling efficiency of {labels[1]}: {tb / (nb * ta) * 100:.0f}%"
@@ -56,7 +60,11 @@ def slowest_rank(report: dict[str, Any]) -> dict[str, Any] | None:
     g = (report.get("distributed") or {}).get("global")
     if not g:
         return None
-    return {"rank": g.get("slowest_rank"), "step_ms": g.get("slowest_step_ms"), "imbalance": g.get("step_imbalance")}
+    return {
+        "rank": g.get("slowest_rank"),
+        "step_ms": g.get("slowest_step_ms"),
+        "imbalance": g.get("step_imbalance"),
+    }
 
 
 def env_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
@@ -93,9 +101,18 @@ def _metric_rows(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for key, label, higher in METRICS:
         va, vb = a["metrics"].get(key), b["metrics"].get(key)
-        rows.append({"key": key, "label": label, "a": va, "b": vb,
-                     "delta": vb - va if va is not None and vb is not None else None,
-                     "rel": _rel(va, vb), "higher_is_better": higher, "verdict": _verdict(va, vb, higher)})
+        rows.append(
+            {
+                "key": key,
+                "label": label,
+                "a": va,
+                "b": vb,
+                "delta": vb - va if va is not None and vb is not None else None,
+                "rel": _rel(va, vb),
+                "higher_is_better": higher,
+                "verdict": _verdict(va, vb, higher),
+            }
+        )
     return rows
 
 
@@ -106,6 +123,7 @@ def _facts(report: dict[str, Any]) -> dict[str, Any] | None:
 
 def _per_step_rows(fa: dict[str, Any], fb: dict[str, Any], prefix: str, name: str) -> list[dict[str, Any]]:
     """`<prefix>.<name>.ms` facts of both runs (0 where one run has none), biggest change first."""
+
     def names(f: dict[str, Any]) -> set[str]:
         return {k.split(".")[1] for k in f if k.startswith(prefix + ".") and k.endswith(".ms") and k.count(".") == 2}
 
@@ -125,8 +143,10 @@ def _config_rows(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
     table = knob_table()
     layer = {row["name"]: row["layer"] for row in table}
     position = {row["name"]: i for i, row in enumerate(table)}
-    keys = sorted((k for k in set(a) | set(b) if a.get(k) != b.get(k)),
-                  key=lambda k: (layer.get(k, 0), position.get(k, len(table)), k))
+    keys = sorted(
+        (k for k in set(a) | set(b) if a.get(k) != b.get(k)),
+        key=lambda k: (layer.get(k, 0), position.get(k, len(table)), k),
+    )
     return [{"knob": k, "layer": layer.get(k, 0), "a": a.get(k), "b": b.get(k)} for k in keys]
 
 
@@ -136,19 +156,28 @@ def _has_none(labels: list[str], what: str) -> str:
 
 def _describe(report: dict[str, Any]) -> dict[str, Any]:
     env, cfg = report.get("env") or {}, report["config"]
-    return {"model": cfg.get("model"), "stage": cfg.get("stage"), "device": env.get("gpu") or "CPU",
-            "torch": env.get("torch"), "created_at": report.get("created_at")}
+    return {
+        "model": cfg.get("model"),
+        "stage": cfg.get("stage"),
+        "device": env.get("gpu") or "CPU",
+        "torch": env.get("torch"),
+        "created_at": report.get("created_at"),
+    }
 
 
-def compare(a: dict[str, Any], b: dict[str, Any], allow_different: bool = False,
-            labels: Sequence[str] = ("A", "B")) -> dict[str, Any]:
+def compare(
+    a: dict[str, Any], b: dict[str, Any], allow_different: bool = False, labels: Sequence[str] = ("A", "B")
+) -> dict[str, Any]:
     """Side-by-side numbers and causes of two profile reports (A is the reference)."""
     la, lb = labels
     notes: list[str] = []
     diffs = model_differences(a, b)
     if diffs and not allow_different:
-        raise UsageError(f"{la} and {lb} are different models or stages (" + "; ".join(diffs)
-                         + "); their numbers are not comparable. Pass --allow-different to compare anyway")
+        raise UsageError(
+            f"{la} and {lb} are different models or stages ("
+            + "; ".join(diffs)
+            + "); their numbers are not comparable. Pass --allow-different to compare anyway"
+        )
     notes += [f"different model or stage (allowed): {d}" for d in diffs]
     notes += [f"different environment: {d}" for d in env_differences(a, b)]
     ranks = ranks_note(a, b, labels)
@@ -157,35 +186,58 @@ def compare(a: dict[str, Any], b: dict[str, Any], allow_different: bool = False,
     for label, r in ((la, a), (lb, b)):
         slow = slowest_rank(r)
         if slow and slow["step_ms"] is not None:
-            notes.append(f"{label}: slowest of {world_size(r)} ranks is rank {slow['rank']} ({slow['step_ms']:,.1f} ms/step"
-                         + (f", {slow['imbalance'] * 100:.1f}% over the fastest)" if slow["imbalance"] is not None else ")"))
+            notes.append(
+                f"{label}: slowest of {world_size(r)} ranks is rank {slow['rank']} ({slow['step_ms']:,.1f} ms/step"
+                + (f", {slow['imbalance'] * 100:.1f}% over the fastest)" if slow["imbalance"] is not None else ")")
+            )
 
     fa, fb = _facts(a), _facts(b)
     kernels = gpu = None
     if fa and fb:
         kernels = _per_step_rows(fa, fb, "kernels", "class")
-        gpu = {key: {"a": fa.get(key), "b": fb.get(key)} for key in ("step.ms", "gpu.busy_frac", "gpu.busy_ms", "gpu.idle_ms")}
+        gpu = {
+            key: {"a": fa.get(key), "b": fb.get(key)}
+            for key in ("step.ms", "gpu.busy_frac", "gpu.busy_ms", "gpu.idle_ms")
+        }
         gpu["idle"] = _per_step_rows(fa, fb, "idle", "cause")
     else:
         missing = [lbl for lbl, f in ((la, fa), (lb, fb)) if not f]
-        notes.append("kernel classes and GPU idle causes need trace facts in both reports; "
-                     + _has_none(missing, "trace facts") + " (profiled with --no-diagnose, or the trace failed)")
+        notes.append(
+            "kernel classes and GPU idle causes need trace facts in both reports; "
+            + _has_none(missing, "trace facts")
+            + " (profiled with --no-diagnose, or the trace failed)"
+        )
 
     findings = None
     if a.get("findings") is not None and b.get("findings") is not None:
         ia = {f["id"]: f for f in a["findings"]}
         ib = {f["id"]: f for f in b["findings"]}
-        findings = {"added": [_finding_summary(f) for i, f in ib.items() if i not in ia],
-                    "gone": [_finding_summary(f) for i, f in ia.items() if i not in ib],
-                    "kept": [i for i in ib if i in ia]}
+        findings = {
+            "added": [_finding_summary(f) for i, f in ib.items() if i not in ia],
+            "gone": [_finding_summary(f) for i, f in ia.items() if i not in ib],
+            "kept": [i for i in ib if i in ia],
+        }
     else:
         missing = [lbl for lbl, r in ((la, a), (lb, b)) if r.get("findings") is None]
         notes.append("findings not compared: " + _has_none(missing, "diagnosis"))
 
-    return {"labels": [la, lb], "a": _describe(a), "b": _describe(b), "notes": notes,
-            "metrics": _metric_rows(a, b), "kernels": kernels, "gpu": gpu, "findings": findings,
-            "config": _config_rows(a["config"], b["config"]),
-            "ranks": {"a": world_size(a), "b": world_size(b), "slowest_a": slowest_rank(a), "slowest_b": slowest_rank(b)}}
+    return {
+        "labels": [la, lb],
+        "a": _describe(a),
+        "b": _describe(b),
+        "notes": notes,
+        "metrics": _metric_rows(a, b),
+        "kernels": kernels,
+        "gpu": gpu,
+        "findings": findings,
+        "config": _config_rows(a["config"], b["config"]),
+        "ranks": {
+            "a": world_size(a),
+            "b": world_size(b),
+            "slowest_a": slowest_rank(a),
+            "slowest_b": slowest_rank(b),
+        },
+    }
 
 
 # --- rendering --------------------------------------------------------------------------------
@@ -232,29 +284,53 @@ def render_compare(result: dict[str, Any], console: Console) -> None:
     """Tables sized for a terminal: the headline metrics first, the explanations after."""
     la, lb = (_short(x, 24) for x in result["labels"])
     for label, side in ((la, result["a"]), (lb, result["b"])):
-        console.print(f"[bold]{label}[/bold]: {side['model']} stage {side['stage']} on {side['device']}, "
-                      f"torch {side['torch']}" + (f", {side['created_at']}" if side.get("created_at") else ""))
+        console.print(
+            f"[bold]{label}[/bold]: {side['model']} stage {side['stage']} on {side['device']}, "
+            f"torch {side['torch']}" + (f", {side['created_at']}" if side.get("created_at") else "")
+        )
     for n in result["notes"]:
         console.print(f"[yellow]note:[/yellow] {n}")
 
     t = Table(title=f"{la} -> {lb}", header_style="bold")
-    for col, just in (("metric", "left"), (la, "right"), (lb, "right"), ("change", "right"), ("%", "right"), ("", "left")):
+    for col, just in (
+        ("metric", "left"),
+        (la, "right"),
+        (lb, "right"),
+        ("change", "right"),
+        ("%", "right"),
+        ("", "left"),
+    ):
         t.add_column(col, justify=just, no_wrap=col != "metric", min_width=12 if col == "metric" else None)
     for r in result["metrics"]:
         color = _COLOR[r["verdict"]]
-        t.add_row(r["label"], _num(r["key"], r["a"]), _num(r["key"], r["b"]), _delta(r["key"], r["delta"]),
-                  _pct(r["rel"]), f"[{color}]{r['verdict']}[/{color}]")
+        t.add_row(
+            r["label"],
+            _num(r["key"], r["a"]),
+            _num(r["key"], r["b"]),
+            _delta(r["key"], r["delta"]),
+            _pct(r["rel"]),
+            f"[{color}]{r['verdict']}[/{color}]",
+        )
     console.print(t)
 
     gpu = result["gpu"]
     if gpu is not None:
         busy = gpu["gpu.busy_frac"]
         if busy["a"] is not None and busy["b"] is not None:
-            console.print(f"GPU busy: {busy['a'] * 100:.0f}% -> {busy['b'] * 100:.0f}% of the traced step "
-                          f"({_num('step_ms', gpu['step.ms']['a'])} -> {_num('step_ms', gpu['step.ms']['b'])} ms)")
+            console.print(
+                f"GPU busy: {busy['a'] * 100:.0f}% -> {busy['b'] * 100:.0f}% of the traced step "
+                f"({_num('step_ms', gpu['step.ms']['a'])} -> {_num('step_ms', gpu['step.ms']['b'])} ms)"
+            )
         _ms_table(console, "GPU idle by host cause (ms per step)", "cause", gpu["idle"], la, lb, limit=8)
     if result["kernels"] is not None:
-        _ms_table(console, "kernel classes (GPU ms per step, biggest change first)", "class", result["kernels"], la, lb)
+        _ms_table(
+            console,
+            "kernel classes (GPU ms per step, biggest change first)",
+            "class",
+            result["kernels"],
+            la,
+            lb,
+        )
 
     f = result["findings"]
     if f is not None:
@@ -275,8 +351,9 @@ def render_compare(result: dict[str, Any], console: Console) -> None:
         console.print("config: identical")
 
 
-def _ms_table(console: Console, title: str, name: str, rows: list[dict[str, Any]], la: str, lb: str,
-              limit: int = 12) -> None:
+def _ms_table(
+    console: Console, title: str, name: str, rows: list[dict[str, Any]], la: str, lb: str, limit: int = 12
+) -> None:
     shown = [r for r in rows if abs(r["a_ms"]) >= 0.05 or abs(r["b_ms"]) >= 0.05][:limit]
     if not shown:
         return
@@ -285,8 +362,13 @@ def _ms_table(console: Console, title: str, name: str, rows: list[dict[str, Any]
         t.add_column(col, justify="left" if col == name else "right", no_wrap=col != name)
     for r in shown:
         color = "red" if r["delta_ms"] > 0 else "green" if r["delta_ms"] < 0 else "dim"
-        t.add_row(r[name], f"{r['a_ms']:,.1f}", f"{r['b_ms']:,.1f}", f"[{color}]{r['delta_ms']:+,.1f}[/{color}]",
-                  _pct(r["rel"], r["a_ms"], r["b_ms"]))
+        t.add_row(
+            r[name],
+            f"{r['a_ms']:,.1f}",
+            f"{r['b_ms']:,.1f}",
+            f"[{color}]{r['delta_ms']:+,.1f}[/{color}]",
+            _pct(r["rel"], r["a_ms"], r["b_ms"]),
+        )
     console.print(t)
     if len(rows) > len(shown):
         console.print(f"[dim]({len(rows) - len(shown)} more with smaller changes)[/dim]")

@@ -1,10 +1,12 @@
 """The console report: rich tables of metrics, facts, findings, ladders and sweeps."""
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from rich.console import Console
 from rich import box
+from rich.console import Console
 from rich.markup import escape
 from rich.padding import Padding
 from rich.table import Table
@@ -35,23 +37,29 @@ def render(report: dict[str, Any], console: Console) -> None:
     title = f"vlmdoctor profile: {cfg['model']} stage {cfg['stage']} on {where}"
     changed = _changed_knobs(cfg)
     console.print(f"[bold]{title}[/bold]")
-    console.print(f"model: {model.get('vision')} + {model.get('projector')} + {model.get('llm')}; "
-                  f"{model.get('image_tokens')} image tokens")
+    console.print(
+        f"model: {model.get('vision')} + {model.get('projector')} + {model.get('llm')}; "
+        f"{model.get('image_tokens')} image tokens"
+    )
     console.print("knobs changed from the default: " + (", ".join(changed) if changed else "none (the default config)"))
     data = report.get("data") or {}
     if data.get("skipped"):
-        console.print(f"[yellow]data: {data['skipped']} of {data.get('records')} records skipped[/yellow] "
-                      f"(--bad-records skip; the first: {escape(str((data.get('problems') or ['?'])[0]))})",
-                      highlight=False)
+        console.print(
+            f"[yellow]data: {data['skipped']} of {data.get('records')} records skipped[/yellow] "
+            f"(--bad-records skip; the first: {escape(str((data.get('problems') or ['?'])[0]))})",
+            highlight=False,
+        )
     for w in report.get("warnings") or []:
         console.print(f"[yellow]warning:[/yellow] {escape(str(w))}", highlight=False)
     if report["status"] not in ("ok", "nan_loss"):
         err = report.get("error", {})
         console.print(f"[bold red]{report['status']}[/bold red]: {err.get('message')}")
         if err.get("requested_gb") is not None:
-            console.print(f"asked for {err['requested_gb']:.2f} GiB more; peak before failure "
-                          f"{_fmt(err.get('peak_mem_gb_before_failure'), ' GiB', 2)} of "
-                          f"{_fmt(err.get('device_mem_total_gb'), ' GiB', 1)}")
+            console.print(
+                f"asked for {err['requested_gb']:.2f} GiB more; peak before failure "
+                f"{_fmt(err.get('peak_mem_gb_before_failure'), ' GiB', 2)} of "
+                f"{_fmt(err.get('device_mem_total_gb'), ' GiB', 1)}"
+            )
         return
     m, stats = report["metrics"], report.get("stats", {})
     t = Table(show_header=True, header_style="bold")
@@ -69,14 +77,19 @@ def render(report: dict[str, Any], console: Console) -> None:
     t.add_row("loss tokens/s", _fmt(m["loss_tokens_per_s"], "", 0), spread("loss_tokens_per_s", "", 0))
     t.add_row("pad fraction", _fmt(m["pad_fraction"] * 100, " %"), "")
     step = stats.get("step_ms", {})
-    t.add_row("ms/step (median)", _fmt(m["step_ms"], " ms"),
-              f"p10 {_fmt(m['step_ms_p10'])} / p90 {_fmt(m['step_ms_p90'])} (n={step.get('n')})")
+    t.add_row(
+        "ms/step (median)",
+        _fmt(m["step_ms"], " ms"),
+        f"p10 {_fmt(m['step_ms_p10'])} / p90 {_fmt(m['step_ms_p90'])} (n={step.get('n')})",
+    )
     t.add_row("MFU", _fmt(m["mfu"] * 100 if m["mfu"] is not None else None, " %"), spread("mfu", "", 3))
     t.add_row("model TFLOP/s", _fmt(m["model_tflops_per_s"], "", 2), "")
     if m.get("peak_mem_gb") is not None:
-        t.add_row("peak memory allocated / reserved",
-                  f"{_fmt(m['peak_mem_gb'], ' GiB', 2)} / {_fmt(m['peak_mem_reserved_gb'], ' GiB', 2)}",
-                  f"of {_fmt(m['device_mem_total_gb'], ' GiB')}")
+        t.add_row(
+            "peak memory allocated / reserved",
+            f"{_fmt(m['peak_mem_gb'], ' GiB', 2)} / {_fmt(m['peak_mem_reserved_gb'], ' GiB', 2)}",
+            f"of {_fmt(m['device_mem_total_gb'], ' GiB')}",
+        )
     else:
         t.add_row("host peak RSS", _fmt(m["host_peak_rss_gb"], " GiB", 2), "")
     loss = m["final_loss"]
@@ -90,8 +103,10 @@ def render(report: dict[str, Any], console: Console) -> None:
     if tr:
         traced = sorted(tr["traced_step_ms"])[len(tr["traced_step_ms"]) // 2]
         where = tr["path"] or "analyzed, not kept (--trace-dir DIR keeps it)"
-        console.print(f"trace: {where} ({tr['steps']} steps; traced step {traced:.1f} ms vs untraced median "
-                      f"{m['step_ms']:.1f} ms)")
+        console.print(
+            f"trace: {where} ({tr['steps']} steps; traced step {traced:.1f} ms vs untraced median "
+            f"{m['step_ms']:.1f} ms)"
+        )
     if report["status"] == "nan_loss":
         console.print("[bold red]the loss was NaN or inf in a timed step[/bold red]")
 
@@ -104,19 +119,29 @@ def render_ranks(d: dict[str, Any], console: Console) -> None:
     g = d.get("global") or {}
     for r in d.get("ranks") or []:
         mark = " *" if r.get("rank") == g.get("slowest_rank") else ""
-        t.add_row(f"{r.get('rank')}{mark}", _fmt(r.get("step_ms")), _fmt(r.get("real_tokens_per_s"), "", 0),
-                  str(r.get("real_tokens")), _fmt(r.get("peak_mem_gb"), "", 2), escape(str(r.get("host", ""))[:20]))
+        t.add_row(
+            f"{r.get('rank')}{mark}",
+            _fmt(r.get("step_ms")),
+            _fmt(r.get("real_tokens_per_s"), "", 0),
+            str(r.get("real_tokens")),
+            _fmt(r.get("peak_mem_gb"), "", 2),
+            escape(str(r.get("host", ""))[:20]),
+        )
     console.print(t)
-    line = (f"{d.get('world_size')} ranks ({d.get('parallel')}, {d.get('backend')}): global "
-            f"{_fmt(g.get('real_tokens_per_s'), '', 0)} real tokens/s over the slowest rank's time (* rank "
-            f"{g.get('slowest_rank')}")
+    line = (
+        f"{d.get('world_size')} ranks ({d.get('parallel')}, {d.get('backend')}): global "
+        f"{_fmt(g.get('real_tokens_per_s'), '', 0)} real tokens/s over the slowest rank's time (* rank "
+        f"{g.get('slowest_rank')}"
+    )
     if g.get("step_imbalance") is not None:
         line += f", {g['step_imbalance'] * 100:.1f}% slower than the fastest"
     console.print(line + ")")
     sc = d.get("scaling")
     if sc:
-        console.print(f"scaling efficiency {sc['efficiency'] * 100:.0f}% ({sc['speedup']:.2f}x one GPU's "
-                      f"{_fmt(sc['one_gpu_real_tokens_per_s'], '', 0)} tokens/s, {sc['source']})")
+        console.print(
+            f"scaling efficiency {sc['efficiency'] * 100:.0f}% ({sc['speedup']:.2f}x one GPU's "
+            f"{_fmt(sc['one_gpu_real_tokens_per_s'], '', 0)} tokens/s, {sc['source']})"
+        )
     if d.get("params_identical") is False:
         console.print("[bold red]the ranks' weights differ after the steps: gradients were not synchronised[/bold red]")
 
@@ -128,13 +153,23 @@ def render_models(rows: list[dict[str, Any]], console: Console) -> None:
     """
     t = Table(show_header=True, header_style="bold", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
     for col in ("name", "params", "layers", "hidden", "heads", "head dim"):
-        t.add_column(col, justify="left" if col == "name" else "right", no_wrap=col != "name",
-                     min_width=26 if col == "name" else None)
+        t.add_column(
+            col,
+            justify="left" if col == "name" else "right",
+            no_wrap=col != "name",
+            min_width=26 if col == "name" else None,
+        )
     for r in rows:
         notes = f"{r['kind']}" + (f": {r['notes']}" if r.get("notes") else "")
         p = r["params"] / 1e6
-        t.add_row(f"[bold]{r['name']}[/bold]\n[dim]{notes}[/dim]", f"{p:,.0f}M" if p >= 1000 else f"{p:,.1f}M",
-                  str(r.get("layers", "")), str(r.get("hidden", "")), str(r.get("heads", "")), str(r.get("head_dim", "")))
+        t.add_row(
+            f"[bold]{r['name']}[/bold]\n[dim]{notes}[/dim]",
+            f"{p:,.0f}M" if p >= 1000 else f"{p:,.1f}M",
+            str(r.get("layers", "")),
+            str(r.get("hidden", "")),
+            str(r.get("heads", "")),
+            str(r.get("head_dim", "")),
+        )
     console.print(t)
 
 
@@ -146,19 +181,28 @@ def render_facts(result: dict[str, Any], console: Console) -> None:
     """Summary of `vlmdoctor analyze`: what the GPU did per step and why it waited."""
     for entry in result["files"]:
         f = entry["facts"]
-        known = ", ".join(f"{k.split('.')[1]} {f[k]}" for k in ("run.model", "run.stage") if k in f) or "model and stage unknown"
-        console.print(f"[bold]{entry['file']}[/bold]: {f['trace.steps']} step(s), {known}"
-                      + ("" if f["trace.written_by_vlmdoctor"] else " (not written by vlmdoctor)"))
+        known = (
+            ", ".join(f"{k.split('.')[1]} {f[k]}" for k in ("run.model", "run.stage") if k in f)
+            or "model and stage unknown"
+        )
+        console.print(
+            f"[bold]{entry['file']}[/bold]: {f['trace.steps']} step(s), {known}"
+            + ("" if f["trace.written_by_vlmdoctor"] else " (not written by vlmdoctor)")
+        )
         notes = f.get("run.notes") or []
         for w in f.get("trace.warnings", []):
             console.print(f"[yellow]{'warning' if w in notes else 'partial'}:[/yellow] {w}")
         if not f["trace.written_by_vlmdoctor"]:  # a user's trace: say where each number's frame came from
-            console.print(f"steps from {f.get('trace.windows_from', 'n/a')}; stage: "
-                          f"{f.get('run.stage_source') or f.get('run.stage_estimate_why') or 'unknown'}; "
-                          f"model parts from: {f.get('part.source', 'none')}")
+            console.print(
+                f"steps from {f.get('trace.windows_from', 'n/a')}; stage: "
+                f"{f.get('run.stage_source') or f.get('run.stage_estimate_why') or 'unknown'}; "
+                f"model parts from: {f.get('part.source', 'none')}"
+            )
             if "shapes.micro_batches_per_step.source" in f:
-                console.print(f"micro-batches per step: {f['shapes.micro_batches_per_step']:g} "
-                              f"({f['shapes.micro_batches_per_step.source']})")
+                console.print(
+                    f"micro-batches per step: {f['shapes.micro_batches_per_step']:g} "
+                    f"({f['shapes.micro_batches_per_step.source']})"
+                )
         line = f"step {_ms(f['step.ms'])} ms"
         if "gpu.busy_frac" in f:
             line += f"; GPU busy {f['gpu.busy_frac'] * 100:.0f}% ({_ms(f['gpu.busy_ms'])} ms), idle {_ms(f['gpu.idle_ms'])} ms"
@@ -168,7 +212,9 @@ def render_facts(result: dict[str, Any], console: Console) -> None:
         if "gpu.busy_frac" not in f:
             continue
         causes = [(k.split(".")[1], f[k]) for k in f if k.startswith("idle.") and k.endswith(".ms")]
-        console.print("GPU idle while the host was in: " + ", ".join(f"{c} {_ms(v)} ms" for c, v in causes if v >= 0.05))
+        console.print(
+            "GPU idle while the host was in: " + ", ".join(f"{c} {_ms(v)} ms" for c, v in causes if v >= 0.05)
+        )
         t = Table(title="host work while the GPU waited (per step)", show_header=True, header_style="bold")
         t.add_column("innermost host op / runtime call")
         t.add_column("ms", justify="right")
@@ -181,19 +227,37 @@ def render_facts(result: dict[str, Any], console: Console) -> None:
             t.add_column(col, justify="left" if col == "class" else "right")
         classes = sorted({k.split(".")[1] for k in f if k.startswith("kernels.")}, key=lambda c: -f[f"kernels.{c}.ms"])
         for c in classes[:12]:
-            t.add_row(c, _ms(f[f"kernels.{c}.ms"]), f"{f[f'kernels.{c}.count']:,.0f}", f"{f[f'kernels.{c}.share'] * 100:.1f}%")
+            t.add_row(
+                c,
+                _ms(f[f"kernels.{c}.ms"]),
+                f"{f[f'kernels.{c}.count']:,.0f}",
+                f"{f[f'kernels.{c}.share'] * 100:.1f}%",
+            )
         console.print(t)
-        console.print(f"GEMMs: {_ms(f['gemm.ms'])} ms; FP32 (no tensor cores) {f['gemm.fp32_share'] * 100:.1f}% of GEMM time"
-                      + (f" in {', '.join(f['part.fp32_gemm_parts'])}: {f['gemm.fp32_top_kernels'][0][:60]}"
-                         if f["gemm.fp32_share"] > 0 else ""))
-        parts = sorted({k.split(".")[1] for k in f if k.startswith("part.") and k.endswith(".ms")}, key=lambda p: -f[f"part.{p}.ms"])
+        console.print(
+            f"GEMMs: {_ms(f['gemm.ms'])} ms; FP32 (no tensor cores) {f['gemm.fp32_share'] * 100:.1f}% of GEMM time"
+            + (
+                f" in {', '.join(f['part.fp32_gemm_parts'])}: {f['gemm.fp32_top_kernels'][0][:60]}"
+                if f["gemm.fp32_share"] > 0
+                else ""
+            )
+        )
+        parts = sorted(
+            {k.split(".")[1] for k in f if k.startswith("part.") and k.endswith(".ms")},
+            key=lambda p: -f[f"part.{p}.ms"],
+        )
         console.print("GPU time by part: " + ", ".join(f"{p} {_ms(f[f'part.{p}.ms'])} ms" for p in parts))
         phases = [k.split(".")[1] for k in f if k.startswith("phase.") and k.endswith(".ms")]
-        console.print("by phase: " + ", ".join(f"{p} {_ms(f[f'phase.{p}.ms'])} ms" for p in phases)
-                      + f"; recompute: {f['recompute.kind']} ({f['recompute.share'] * 100:.1f}% of GPU time)")
-        console.print(f"launches: {f['launch.kernels']:,.0f} kernels/step, {f['launch.tiny_kernel_frac'] * 100:.0f}% under "
-                      f"10 µs, launch API {_ms(f['launch.api_ms'])} ms/step, launch-to-start median "
-                      f"{_ms(f.get('launch.delay_us_median'))} µs")
+        console.print(
+            "by phase: "
+            + ", ".join(f"{p} {_ms(f[f'phase.{p}.ms'])} ms" for p in phases)
+            + f"; recompute: {f['recompute.kind']} ({f['recompute.share'] * 100:.1f}% of GPU time)"
+        )
+        console.print(
+            f"launches: {f['launch.kernels']:,.0f} kernels/step, {f['launch.tiny_kernel_frac'] * 100:.0f}% under "
+            f"10 µs, launch API {_ms(f['launch.api_ms'])} ms/step, launch-to-start median "
+            f"{_ms(f.get('launch.delay_us_median'))} µs"
+        )
         extra = []
         if "shapes.distinct_token_batches" in f:
             extra.append(f"token batch shapes: {', '.join(f['shapes.token_batches'])}")
@@ -222,8 +286,9 @@ def _gain_text(gain: dict[str, Any]) -> str:
     return "n/a"
 
 
-def render_findings(diagnosis: dict[str, Any], console: Console,
-                    command: Callable[[dict[str, Any]], str] | None = None) -> None:
+def render_findings(
+    diagnosis: dict[str, Any], console: Console, command: Callable[[dict[str, Any]], str] | None = None
+) -> None:
     """Prescriptions in layer order: what was seen, what to change, what it should save.
 
     Each patch is then printed on a line of its own, as the command that runs it (`command`
@@ -240,15 +305,24 @@ def render_findings(diagnosis: dict[str, Any], console: Console,
         t.add_column("change", ratio=2)
         t.add_column("expected gain", justify="right")
         for i, f in enumerate(findings, 1):
-            t.add_row(str(i), f"{f['layer']} {f['layer_name']}", f"[bold]{escape(str(f['title']))}[/bold]\n"
-                      + "\n".join(escape(str(e)) for e in f["evidence"]), escape(str(f["fix"])), _gain_text(f["expected_gain"]))
+            t.add_row(
+                str(i),
+                f"{f['layer']} {f['layer_name']}",
+                f"[bold]{escape(str(f['title']))}[/bold]\n" + "\n".join(escape(str(e)) for e in f["evidence"]),
+                escape(str(f["fix"])),
+                _gain_text(f["expected_gain"]),
+            )
         console.print(t)
         for i, f in enumerate(findings, 1):
             patch = f["config_patch"]
             advice = f.get("advice")  # the user's own training: the fix in their terms, not vlmdoctor knobs
             if advice and advice.get("lines"):
-                console.print(f"#{i} {f['id']}, in your {advice.get('audience', 'code')}:", highlight=False,
-                              markup=False, soft_wrap=True)
+                console.print(
+                    f"#{i} {f['id']}, in your {advice.get('audience', 'code')}:",
+                    highlight=False,
+                    markup=False,
+                    soft_wrap=True,
+                )
                 for line in advice["lines"]:
                     console.print(f"  {line}", style="cyan", highlight=False, markup=False, soft_wrap=True)
                 continue
@@ -265,11 +339,15 @@ def render_findings(diagnosis: dict[str, Any], console: Console,
             console.print(f"[dim]seen, fix not applicable: {n['id']} ({n['why']})[/dim]")
     for n in diagnosis["not_evaluated"]:
         hint = f"; record with {n['hint']}" if n.get("hint") else ""
-        console.print(f"[dim]not evaluated: {escape(n['id'])} (needs {escape(', '.join(n.get('missing') or []))}{escape(hint)})[/dim]")
+        console.print(
+            f"[dim]not evaluated: {escape(n['id'])} (needs {escape(', '.join(n.get('missing') or []))}{escape(hint)})[/dim]"
+        )
     gpu_only = [n["id"] for n in diagnosis.get("not_applicable", []) if "fact of GPU runs" in n["why"]]
     if gpu_only:
-        console.print(f"[dim]not applicable to a CPU run ({len(gpu_only)} rules need GPU kernel facts): "
-                      f"{', '.join(gpu_only)}[/dim]")
+        console.print(
+            f"[dim]not applicable to a CPU run ({len(gpu_only)} rules need GPU kernel facts): "
+            f"{', '.join(gpu_only)}[/dim]"
+        )
     for p in diagnosis.get("problems", []):
         console.print(f"[yellow]rule problem:[/yellow] {escape(str(p))}")
 
@@ -277,18 +355,24 @@ def render_findings(diagnosis: dict[str, Any], console: Console,
 def render_rule_page(page: dict[str, Any], console: Console) -> None:
     """`vlmdoctor rules show`: one rule as a readable page (in the manner of ruff's rule pages)."""
     console.print(f"[bold]{escape(page['id'])}[/bold]: {escape(page['title'])}", soft_wrap=False)
-    console.print(f"layer {page['layer']} ({page['layer_name']}), severity {page['severity']}, "
-                  f"stages {', '.join(map(str, page['stages']))}; file {page['file']}", highlight=False)
+    console.print(
+        f"layer {page['layer']} ({page['layer_name']}), severity {page['severity']}, "
+        f"stages {', '.join(map(str, page['stages']))}; file {page['file']}",
+        highlight=False,
+    )
 
     def section(title: str, body: str | list[str] | None) -> None:
         if not body:
             return
         console.print(f"\n[bold]{title}[/bold]")
-        for line in ([body] if isinstance(body, str) else body):
+        for line in [body] if isinstance(body, str) else body:
             console.print(Padding(Text(line), (0, 0, 0, 2)))
 
     section("What it detects and why it matters", page["detects"])
-    section("Fires when (measured facts)", [page["when"]] + ([f"unless {page['unless']}"] if page.get("unless") else []))
+    section(
+        "Fires when (measured facts)",
+        [page["when"]] + ([f"unless {page['unless']}"] if page.get("unless") else []),
+    )
     section("Evidence it shows", page["evidence"])
     section("Fix", page["fix"])
     if page["patch"]:
@@ -315,20 +399,39 @@ def render_rule_page(page: dict[str, Any], console: Console) -> None:
 def render_ladder(result: dict[str, Any], console: Console) -> None:
     """The treat ladder: kept steps with their numbers, then the trials that were not kept."""
     cfg = result["start_config"]
-    console.print(f"[bold]vlmdoctor treat: {cfg['model']} stage {cfg['stage']}[/bold] "
-                  f"({len(result['trials'])} trial(s); stopped: {result.get('stopped_because')})")
+    console.print(
+        f"[bold]vlmdoctor treat: {cfg['model']} stage {cfg['stage']}[/bold] "
+        f"({len(result['trials'])} trial(s); stopped: {result.get('stopped_because')})"
+    )
     if not result["ladder"]:
         start = result.get("start") or {}
-        console.print(f"[bold red]the start config did not run[/bold red]: {start.get('status')} {start.get('error') or ''}")
+        console.print(
+            f"[bold red]the start config did not run[/bold red]: {start.get('status')} {start.get('error') or ''}"
+        )
         return
     t = Table(title="ladder (adopted rounds)", header_style="bold")
-    for col, just in (("#", "right"), ("change", "left"), ("tokens/s", "right"), ("x start", "right"),
-                      ("ms/step", "right"), ("MFU", "right"), ("GiB", "right"), ("at s", "right")):
+    for col, just in (
+        ("#", "right"),
+        ("change", "left"),
+        ("tokens/s", "right"),
+        ("x start", "right"),
+        ("ms/step", "right"),
+        ("MFU", "right"),
+        ("GiB", "right"),
+        ("at s", "right"),
+    ):
         t.add_column(col, justify=just, overflow="fold")
     for r in result["ladder"]:
-        t.add_row(str(r["step"]), r["change"], _fmt(r.get("real_tokens_per_s"), "", 0), f"{r['speedup']:.2f}",
-                  _fmt(r.get("step_ms")), _fmt(r["mfu"] * 100 if r.get("mfu") else None, " %"),
-                  _fmt(r.get("peak_mem_gb"), "", 1), _fmt(r.get("elapsed_s"), "", 0))
+        t.add_row(
+            str(r["step"]),
+            r["change"],
+            _fmt(r.get("real_tokens_per_s"), "", 0),
+            f"{r['speedup']:.2f}",
+            _fmt(r.get("step_ms")),
+            _fmt(r["mfu"] * 100 if r.get("mfu") else None, " %"),
+            _fmt(r.get("peak_mem_gb"), "", 1),
+            _fmt(r.get("elapsed_s"), "", 0),
+        )
     console.print(t)
     own = [(r["step"], c) for r in result["ladder"] for c in r.get("changes") or []]
     if own:
@@ -357,8 +460,13 @@ def render_ladder(result: dict[str, Any], console: Console) -> None:
             what = x.get("name") or x["rule"]
             if x.get("kind") == "composition" and x.get("config_patch"):  # which knobs, not just "composition"
                 what = ", ".join(f"{k}={v}" for k, v in x["config_patch"].items())
-            t.add_row(str(x["trial"]), what, x["outcome"], measured,
-                      _fmt(x["real_tokens_per_s"], "", 0) if x.get("real_tokens_per_s") else "")
+            t.add_row(
+                str(x["trial"]),
+                what,
+                x["outcome"],
+                measured,
+                _fmt(x["real_tokens_per_s"], "", 0) if x.get("real_tokens_per_s") else "",
+            )
         console.print(t)
     for s in result.get("skipped") or []:
         console.print(f"skipped {s['rule']}: {s['why']}")
@@ -377,16 +485,29 @@ def _ci(d: dict[str, Any]) -> str:
 
 def render_sweep(rows: list[dict[str, Any]], console: Console) -> None:
     t = Table(title="sweep", header_style="bold")
-    for col, just in (("stage", "right"), ("configuration", "left"), ("real tokens/s", "right"), ("pad %", "right"),
-                      ("ms/step (p10-p90)", "right"), ("MFU", "right"), ("peak GiB", "right"), ("status", "left")):
+    for col, just in (
+        ("stage", "right"),
+        ("configuration", "left"),
+        ("real tokens/s", "right"),
+        ("pad %", "right"),
+        ("ms/step (p10-p90)", "right"),
+        ("MFU", "right"),
+        ("peak GiB", "right"),
+        ("status", "left"),
+    ):
         t.add_column(col, justify=just)
     for r in rows:
         ok = r["status"] == "ok"
-        t.add_row(str(r["stage"]), r["name"], _fmt(r["real_tokens_per_s"], "", 0) if ok else "",
-                  _fmt(r["pad_fraction"] * 100 if ok else None),
-                  f"{_fmt(r['step_ms'])} ({_fmt(r['step_ms_p10'])}-{_fmt(r['step_ms_p90'])})" if ok else "",
-                  _fmt(r["mfu"] * 100 if r.get("mfu") else None, " %"), _fmt(r.get("peak_mem_gb"), "", 1),
-                  r["status"] if ok else f"{r['status']}: {(r.get('error') or '')[:50]}")
+        t.add_row(
+            str(r["stage"]),
+            r["name"],
+            _fmt(r["real_tokens_per_s"], "", 0) if ok else "",
+            _fmt(r["pad_fraction"] * 100 if ok else None),
+            f"{_fmt(r['step_ms'])} ({_fmt(r['step_ms_p10'])}-{_fmt(r['step_ms_p90'])})" if ok else "",
+            _fmt(r["mfu"] * 100 if r.get("mfu") else None, " %"),
+            _fmt(r.get("peak_mem_gb"), "", 1),
+            r["status"] if ok else f"{r['status']}: {(r.get('error') or '')[:50]}",
+        )
     console.print(t)
 
 
@@ -396,15 +517,19 @@ def render_own(report: dict[str, Any], console: Console) -> None:
     where = env.get("gpu") or f"CPU ({env.get('cpu_count')} cores)"
     stage = cfg.get("stage")
     stage_text = f"stage {stage} ({cfg.get('stage_source')})" if stage else "stage unknown"
-    console.print(f"[bold]vlmdoctor: {model.get('class') or 'your model'} ({cfg.get('source')}), {stage_text}, "
-                  f"on {where}[/bold]", highlight=False)
+    console.print(
+        f"[bold]vlmdoctor: {model.get('class') or 'your model'} ({cfg.get('source')}), {stage_text}, on {where}[/bold]",
+        highlight=False,
+    )
     parts = model.get("parts") or {}
     if parts:
         console.print("parts: " + ", ".join(f"{k} {v}" for k, v in parts.items()), highlight=False)
     for n in report.get("notes") or []:
         console.print(f"[yellow]note:[/yellow] {escape(n)}", highlight=False)
     if report.get("status") not in ("ok", "nan_loss"):
-        console.print(f"[bold red]{report.get('status')}[/bold red]: {escape(str((report.get('error') or {}).get('message')))}")
+        console.print(
+            f"[bold red]{report.get('status')}[/bold red]: {escape(str((report.get('error') or {}).get('message')))}"
+        )
         return
     m = report["metrics"]
     t = Table(show_header=True, header_style="bold")
@@ -414,8 +539,11 @@ def render_own(report: dict[str, Any], console: Console) -> None:
     t.add_row("loss tokens/s", _fmt(m.get("loss_tokens_per_s"), "", 0))
     pad = m.get("pad_fraction")
     t.add_row("pad fraction", _fmt(pad * 100 if pad is not None else None, " %"))
-    t.add_row("ms/step (median)", f"{_fmt(m['step_ms'], ' ms')} (p10 {_fmt(m['step_ms_p10'])}, "
-              f"p90 {_fmt(m['step_ms_p90'])}, n={m['steps_per_repeat']})")
+    t.add_row(
+        "ms/step (median)",
+        f"{_fmt(m['step_ms'], ' ms')} (p10 {_fmt(m['step_ms_p10'])}, "
+        f"p90 {_fmt(m['step_ms_p90'])}, n={m['steps_per_repeat']})",
+    )
     if m.get("peak_mem_gb") is not None:
         t.add_row("peak memory allocated", _fmt(m["peak_mem_gb"], " GiB", 2))
     if m.get("final_loss") is not None:
@@ -450,8 +578,11 @@ def render_own_findings(diagnosis: dict[str, Any], console: Console) -> None:
     else:
         console.print("[bold]prescriptions, in layer order[/bold]")
     for i, f in enumerate(findings, 1):
-        console.print(f"[bold]{i}. {escape(f['title'])}[/bold] [dim](layer {f['layer']} {f['layer_name']}, "
-                      f"{f['severity']}; {_gain_line(f['expected_gain'])})[/dim]", highlight=False)
+        console.print(
+            f"[bold]{i}. {escape(f['title'])}[/bold] [dim](layer {f['layer']} {f['layer_name']}, "
+            f"{f['severity']}; {_gain_line(f['expected_gain'])})[/dim]",
+            highlight=False,
+        )
         for e in f["evidence"]:
             console.print(f"   seen: {escape(e)}", highlight=False)
         console.print(f"   fix: {escape(f['fix'])}", highlight=False)
@@ -463,28 +594,37 @@ def render_own_findings(diagnosis: dict[str, Any], console: Console) -> None:
             for line in lines:
                 console.print(f"     [cyan]{escape(line)}[/cyan]", highlight=False, overflow="fold")
         elif f.get("config_patch"):
-            console.print("   knobs: [cyan]" + escape(", ".join(f"{k}={v}" for k, v in f["config_patch"].items()))
-                          + "[/cyan]", highlight=False)
+            console.print(
+                "   knobs: [cyan]" + escape(", ".join(f"{k}={v}" for k, v in f["config_patch"].items())) + "[/cyan]",
+                highlight=False,
+            )
     for s in diagnosis.get("superseded") or []:
         console.print(f"[dim]superseded: {s['id']} (covered by {s['superseded_by']})[/dim]")
     skipped = [n["id"] for n in diagnosis.get("not_evaluated") or []]
     if skipped:
-        console.print(f"[dim]not evaluated ({len(skipped)} rules need facts this trace lacks, e.g. GPU kernels): "
-                      f"{', '.join(skipped)}[/dim]")
+        console.print(
+            f"[dim]not evaluated ({len(skipped)} rules need facts this trace lacks, e.g. GPU kernels): "
+            f"{', '.join(skipped)}[/dim]"
+        )
 
 
 def comm_line(f: dict[str, Any], prefix: str, rank: int | None = None) -> str:
     """Collective time per step, exposed vs hidden, and each collective's size and bus bandwidth."""
     who = f"rank {rank}: " if rank is not None else ""
-    line = (f"{who}collectives {_ms(f[prefix + 'ms'])} ms/step, exposed {_ms(f[prefix + 'exposed_ms'])} ms, hidden "
-            f"{_ms(f[prefix + 'hidden_ms'])} ms")
+    line = (
+        f"{who}collectives {_ms(f[prefix + 'ms'])} ms/step, exposed {_ms(f[prefix + 'exposed_ms'])} ms, hidden "
+        f"{_ms(f[prefix + 'hidden_ms'])} ms"
+    )
     kinds = f.get(prefix + "kinds") or []
     parts = []
     for k in kinds:
         bw = f.get(f"{prefix}{k}.busbw_gbps")
         size = f.get(f"{prefix}{k}.bytes")
-        parts.append(f"{k} {_ms(f.get(f'{prefix}{k}.ms'))} ms" + (f" {size / 2**20:,.1f} MiB" if size else "")
-                     + (f" busbw {bw:.2f} GB/s" if bw is not None else ""))
+        parts.append(
+            f"{k} {_ms(f.get(f'{prefix}{k}.ms'))} ms"
+            + (f" {size / 2**20:,.1f} MiB" if size else "")
+            + (f" busbw {bw:.2f} GB/s" if bw is not None else "")
+        )
     return "\n".join([line] + [f"  {p}" for p in parts])
 
 
@@ -494,36 +634,51 @@ def render_cross_rank(cross: dict[str, Any], console: Console) -> None:
         console.print(f"[yellow]cross-rank:[/yellow] {cross['skipped']}")
         return
     f = cross["facts"]
-    console.print(f"[bold]cross-rank[/bold]: {f['dist.ranks']} ranks of {f['dist.world_size']}, "
-                  f"{f['dist.parallel']} over {f['dist.backend']}")
+    console.print(
+        f"[bold]cross-rank[/bold]: {f['dist.ranks']} ranks of {f['dist.world_size']}, "
+        f"{f['dist.parallel']} over {f['dist.backend']}"
+    )
     for note in cross.get("notes", []):
         console.print(f"[yellow]note:[/yellow] {note}")
     t = Table(show_header=True, header_style="bold", title="per rank (ms per step)")
     for col in ("rank", "step", "waited", "busy", "tokens", "loader", "gaps", "comm", "exposed"):
         t.add_column(col, justify="right")
     for r in cross["ranks"]:
-        t.add_row(str(r["rank"]), *(_ms(r.get(k)) for k in ("step_ms", "wait_ms", "busy_ms")),
-                  f"{r['tokens']:,.0f}" if r.get("tokens") else "n/a",
-                  *(_ms(r.get(k)) for k in ("loader_ms", "gap_ms", "comm_ms", "exposed_ms")))
+        t.add_row(
+            str(r["rank"]),
+            *(_ms(r.get(k)) for k in ("step_ms", "wait_ms", "busy_ms")),
+            f"{r['tokens']:,.0f}" if r.get("tokens") else "n/a",
+            *(_ms(r.get(k)) for k in ("loader_ms", "gap_ms", "comm_ms", "exposed_ms")),
+        )
     console.print(t)
     if "dist.straggler.rank" in f:
-        console.print(f"slowest rank {f['dist.straggler.rank']}: busy {_ms(f['dist.step_skew_ms'])} ms/step more than the "
-                      f"fastest ({f.get('dist.step_skew_frac', 0) * 100:.0f}%)")
+        console.print(
+            f"slowest rank {f['dist.straggler.rank']}: busy {_ms(f['dist.step_skew_ms'])} ms/step more than the "
+            f"fastest ({f.get('dist.step_skew_frac', 0) * 100:.0f}%)"
+        )
         console.print(f"  cause: {f['dist.straggler.cause'].replace('_', ' ')}")
     if "dist.late_wait_ms" in f:
-        console.print(f"waiting for late ranks in collectives: {_ms(f['dist.late_wait_ms'])} ms/step mean, "
-                      f"{_ms(f['dist.late_wait_ms_max'])} max")
+        console.print(
+            f"waiting for late ranks in collectives: {_ms(f['dist.late_wait_ms'])} ms/step mean, "
+            f"{_ms(f['dist.late_wait_ms_max'])} max"
+        )
     if "dist.comm.ms" in f:
         console.print(comm_line(f, "dist.comm.", None).replace("collectives", "rank mean: collectives", 1))
-        console.print(f"exposed, less the wait for late ranks: {_ms(f['dist.comm.exposed_own_ms'])} ms/step"
-                      + (f" ({f['dist.comm.exposed_share'] * 100:.1f}%)" if "dist.comm.exposed_share" in f else ""))
+        console.print(
+            f"exposed, less the wait for late ranks: {_ms(f['dist.comm.exposed_own_ms'])} ms/step"
+            + (f" ({f['dist.comm.exposed_share'] * 100:.1f}%)" if "dist.comm.exposed_share" in f else "")
+        )
     if "dist.fsdp.prefetched_frac" in f:
-        console.print(f"FSDP2 all-gathers issued ahead of their module: forward "
-                      f"{f.get('dist.fsdp.forward_prefetched_frac', 0) * 100:.0f}%, backward "
-                      f"{f.get('dist.fsdp.backward_prefetched_frac', 0) * 100:.0f}%")
+        console.print(
+            f"FSDP2 all-gathers issued ahead of their module: forward "
+            f"{f.get('dist.fsdp.forward_prefetched_frac', 0) * 100:.0f}%, backward "
+            f"{f.get('dist.fsdp.backward_prefetched_frac', 0) * 100:.0f}%"
+        )
     if f.get("dist.micro_batches_per_step", 1) > 1:
-        console.print(f"gradient sync in {f['dist.synced_micro_batches_per_step']:g} of {f['dist.micro_batches_per_step']:g} "
-                      f"micro-batches per step")
+        console.print(
+            f"gradient sync in {f['dist.synced_micro_batches_per_step']:g} of {f['dist.micro_batches_per_step']:g} "
+            f"micro-batches per step"
+        )
         console.print(f"  {_ms(f['dist.grad_sync.extra_ms'])} ms/step of it before the last micro-batch")
     hta = cross.get("hta") or {}
     if "overlap_pct" in hta:

@@ -1,4 +1,5 @@
 """What `vlmdoctor treat` leaves in its folder: the ladder as JSON, chart, page and final config."""
+
 from __future__ import annotations
 
 import io
@@ -22,15 +23,24 @@ def write_outputs(result: dict[str, Any], out_dir: Path) -> tuple[dict[str, Path
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         failures.append(f"cannot create {out_dir}: {e.strerror}")
-    paths = {"report": out_dir / "treat.json", "config": out_dir / "final_config.yaml", "chart": out_dir / "ladder.png",
-             "html": out_dir / "treat.html"}
+    paths = {
+        "report": out_dir / "treat.json",
+        "config": out_dir / "final_config.yaml",
+        "chart": out_dir / "ladder.png",
+        "html": out_dir / "treat.html",
+    }
     result["outputs"] = {k: str(v) for k, v in paths.items()}
     if not result["ladder"]:
         paths.pop("chart")
         result["outputs"].pop("chart")
     failures.append(save(paths["report"], json_text(result), "treatment JSON"))
-    failures.append(save(paths["config"], RunConfig.from_dict(result["final_config"], source="treat").dump_text(),
-                         "final config"))
+    failures.append(
+        save(
+            paths["config"],
+            RunConfig.from_dict(result["final_config"], source="treat").dump_text(),
+            "final config",
+        )
+    )
     if "chart" in paths:
         buf = io.BytesIO()
         ladder_png(result, buf)

@@ -6,13 +6,15 @@ window uses a torch.profiler schedule (wait 1, warm-up 1, active N steps), so th
 Analysis read. The run config travels inside the trace as metadata (`vlmdoctor`), so later
 analysis knows the stage and model without guessing.
 """
+
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule

@@ -12,12 +12,14 @@ minutes of its run compiling: every new sequence length was a new graph. So when
 - the graphs compiled are counted before and after the timed windows: a recompile inside them is
   reported, because its seconds would count as step time.
 """
+
 from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -95,6 +97,7 @@ def _rows_dynamic(compiled: Callable[..., Any]) -> Callable[..., Any]:
     `mark_lengths_dynamic` does not reach: marked here, one graph serves every count. Marking is
     done outside the graph, where dynamo allows it.
     """
+
     @functools.wraps(compiled)
     def call(h: torch.Tensor, *rest: Any) -> Any:
         torch._dynamo.maybe_mark_dynamic(h, 0)
@@ -103,8 +106,9 @@ def _rows_dynamic(compiled: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-def compile_vlm(vlm: torch.nn.Module, mode: str, vision: str = "model", shape_padding: bool = True,
-                regions: bool = False) -> torch.nn.Module:
+def compile_vlm(
+    vlm: torch.nn.Module, mode: str, vision: str = "model", shape_padding: bool = True, regions: bool = False
+) -> torch.nn.Module:
     """The callable a training step runs: the whole model compiled, or its parts each on their own.
 
     vision='model': one torch.compile over the whole model (what --compile always did).
@@ -138,8 +142,11 @@ def compiled(cfg: Any) -> bool:
     `attention: flex` compiles too: transformers compiles flex_attention (and the BlockMask builder)
     in the first steps, and once more when the row shapes turn dynamic.
     """
-    return (cfg.compile != "off" or getattr(cfg, "compile_vision", "model") != "model"
-            or getattr(cfg, "attention", "sdpa") == "flex")
+    return (
+        cfg.compile != "off"
+        or getattr(cfg, "compile_vision", "model") != "model"
+        or getattr(cfg, "attention", "sdpa") == "flex"
+    )
 
 
 def mark_lengths_dynamic(batch: dict[str, Any]) -> None:

@@ -9,6 +9,7 @@ The defaults are what a typical first training script does: weights as loaded (f
 bf16 autocast, batch 4, random order, no packing, default SDPA, no fusion, gradient
 checkpointing on, no data-loader workers.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,15 +33,34 @@ LAYER_NAMES = {
 }
 
 
-def knob(default: Any, layer: int, help: str, choices: tuple | None = None, minimum: float | None = None,
-         maximum: float | None = None, above: float | None = None):
+def knob(
+    default: Any,
+    layer: int,
+    help: str,
+    choices: tuple | None = None,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    above: float | None = None,
+):
     """A config field with its layer, help text and allowed values (numbers: bounds, all inclusive but `above`)."""
-    return field(default=default, metadata={"layer": layer, "help": help, "choices": choices, "minimum": minimum,
-                                            "maximum": maximum, "above": above})
+    return field(
+        default=default,
+        metadata={
+            "layer": layer,
+            "help": help,
+            "choices": choices,
+            "minimum": minimum,
+            "maximum": maximum,
+            "above": above,
+        },
+    )
 
 
 #: knobs whose command-line flag is not --NAME-WITH-DASHES
-FLAGS = {"liger_fused_linear_cross_entropy": "--liger-fused-ce", "checkpoint_use_reentrant": "--checkpoint-reentrant"}
+FLAGS = {
+    "liger_fused_linear_cross_entropy": "--liger-fused-ce",
+    "checkpoint_use_reentrant": "--checkpoint-reentrant",
+}
 
 
 def _label(name: str, source: str) -> str:
@@ -57,9 +77,12 @@ class RunConfig:
     vision: str | None = knob(None, 0, "vision tower name, overrides the preset's")
     llm: str | None = knob(None, 0, "LLM name, overrides the preset's")
     projector: str | None = knob(None, 0, "projector type, overrides the preset's", ("linear", "mlp2x_gelu"))
-    pixel_shuffle: int | None = knob(None, 0, "pixel-shuffle factor, overrides the preset's (1 = none)", minimum=1,
-                                      maximum=16)
-    weights: str = knob("random", 0, "random init from shipped configs, or the real checkpoints", ("random", "pretrained"))
+    pixel_shuffle: int | None = knob(
+        None, 0, "pixel-shuffle factor, overrides the preset's (1 = none)", minimum=1, maximum=16
+    )
+    weights: str = knob(
+        "random", 0, "random init from shipped configs, or the real checkpoints", ("random", "pretrained")
+    )
     stage: int = knob(2, 0, "1: projector only; 2: LLM + projector", (1, 2))
     device: str = knob("auto", 0, "where to run", ("auto", "cuda", "cpu"))
     steps: int = knob(20, 0, "timed steps per repeat", minimum=1, maximum=100_000)
@@ -69,64 +92,123 @@ class RunConfig:
     lr: float = knob(1e-5, 0, "AdamW learning rate", above=0)
     data: str = knob("synthetic", 0, "'synthetic' or a LLaVA-format JSON/JSONL file")
     tokenizer: str | None = knob(None, 0, "local tokenizer folder for --data FILE")
-    bad_records: str = knob("stop", 0, "malformed records in --data: stop the run or skip them (counted)", ("stop", "skip"))
+    bad_records: str = knob(
+        "stop", 0, "malformed records in --data: stop the run or skip them (counted)", ("stop", "skip")
+    )
     num_samples: int = knob(4096, 0, "synthetic samples in the data set", minimum=1, maximum=1_000_000)
-    train: str = knob("full", 0, "what trains in the LLM: all weights (full), LoRA adapters on a frozen base (lora), "
-                      "or LoRA on a 4-bit NF4 base (qlora, GPU + bitsandbytes); docs/modes.md", ("full", "lora", "qlora"))
+    train: str = knob(
+        "full",
+        0,
+        "what trains in the LLM: all weights (full), LoRA adapters on a frozen base (lora), "
+        "or LoRA on a 4-bit NF4 base (qlora, GPU + bitsandbytes); docs/modes.md",
+        ("full", "lora", "qlora"),
+    )
     lora_rank: int = knob(16, 0, "LoRA rank r", minimum=1, maximum=4096)
     lora_alpha: float = knob(32.0, 0, "LoRA alpha (the adapter output is scaled by alpha / r)", above=0)
     lora_dropout: float = knob(0.05, 0, "dropout on the LoRA adapter input", minimum=0, maximum=0.9)
-    lora_targets: str = knob("attention_mlp", 0, "LLM modules that get adapters: attention (q,k,v,o), attention_mlp "
-                             "(+ gate, up, down) or a comma list of module names")
-    objective: str = knob("sft", 0, "training objective: next-token cross entropy (sft) or DPO on preference pairs",
-                          ("sft", "dpo"))
+    lora_targets: str = knob(
+        "attention_mlp",
+        0,
+        "LLM modules that get adapters: attention (q,k,v,o), attention_mlp "
+        "(+ gate, up, down) or a comma list of module names",
+    )
+    objective: str = knob(
+        "sft",
+        0,
+        "training objective: next-token cross entropy (sft) or DPO on preference pairs",
+        ("sft", "dpo"),
+    )
     dpo_beta: float = knob(0.1, 0, "DPO beta (strength of the implicit KL penalty)", above=0)
     # --- layer 1: precision --------------------------------------------------------------
     weight_dtype: str = knob("fp32", 1, "dtype the weights are stored in", ("fp32", "bf16"))
     autocast: str = knob("bf16", 1, "autocast around forward and loss", ("bf16", "off"))
     vision_no_grad: bool = knob(False, 1, "run the frozen vision tower under torch.no_grad()")
     allow_tf32: bool = knob(False, 1, "let FP32 matmuls use TF32 tensor cores")
-    input_require_grads: bool = knob(False, 1, "call transformers' enable_input_require_grads() on the vision tower and "
-                                     "the LLM, as LLaVA-style trainers do with checkpointing: the frozen tower's "
-                                     "activations then require grad")
-    dpo_reference_dtype: str = knob("fp32", 1, "dtype of the DPO reference copy's weights (full training; LoRA's "
-                                    "reference is the policy's own base)", ("fp32", "bf16"))
-    dpo_reference_no_grad: bool = knob(False, 1, "run the DPO reference forward under torch.no_grad() with frozen "
-                                       "weights (off: a deep-copied reference that still tracks grad)")
-    fp8: str = knob("off", 1, "FP8 training of the LLM's decoder linear layers through torchao.float8 (tensorwise "
-                    "or rowwise scaling; a GPU of compute capability 8.9+ and torchao; pays with --compile on "
-                    "wide GEMMs; docs/treat.md)", ("off", "tensorwise", "rowwise"))
+    input_require_grads: bool = knob(
+        False,
+        1,
+        "call transformers' enable_input_require_grads() on the vision tower and "
+        "the LLM, as LLaVA-style trainers do with checkpointing: the frozen tower's "
+        "activations then require grad",
+    )
+    dpo_reference_dtype: str = knob(
+        "fp32",
+        1,
+        "dtype of the DPO reference copy's weights (full training; LoRA's reference is the policy's own base)",
+        ("fp32", "bf16"),
+    )
+    dpo_reference_no_grad: bool = knob(
+        False,
+        1,
+        "run the DPO reference forward under torch.no_grad() with frozen "
+        "weights (off: a deep-copied reference that still tracks grad)",
+    )
+    fp8: str = knob(
+        "off",
+        1,
+        "FP8 training of the LLM's decoder linear layers through torchao.float8 (tensorwise "
+        "or rowwise scaling; a GPU of compute capability 8.9+ and torchao; pays with --compile on "
+        "wide GEMMs; docs/treat.md)",
+        ("off", "tensorwise", "rowwise"),
+    )
     # --- layer 2: batching ---------------------------------------------------------------
     batch_size: int = knob(4, 2, "samples per micro-batch", minimum=1, maximum=65536)
     grad_accum: int = knob(1, 2, "micro-batches per optimizer step", minimum=1, maximum=65536)
     # --- layer 3: data layout ------------------------------------------------------------
     sampler: str = knob("random", 3, "sample order", ("random", "length_bucketed"))
-    pad_to_multiple_of: int = knob(1, 3, "pad each batch's length up to a multiple of this (1 = none)", minimum=1,
-                                   maximum=65536)
+    pad_to_multiple_of: int = knob(
+        1, 3, "pad each batch's length up to a multiple of this (1 = none)", minimum=1, maximum=65536
+    )
     packing: bool = knob(False, 3, "pack samples into rows (position ids reset, no cross-sample attention)")
     pack_length: int = knob(2048, 3, "tokens per packed row", minimum=16, maximum=1 << 20)
     # --- layer 4: kernel fusion ----------------------------------------------------------
-    attention: str = knob("sdpa", 4, "attention backend (flex: the LLM on FlexAttention)",
-                          ("sdpa", "flash", "efficient", "cudnn", "math", "eager", "flex"))
+    attention: str = knob(
+        "sdpa",
+        4,
+        "attention backend (flex: the LLM on FlexAttention)",
+        ("sdpa", "flash", "efficient", "cudnn", "math", "eager", "flex"),
+    )
     liger_rope: bool = knob(False, 4, "Liger Triton RoPE")
     liger_rms_norm: bool = knob(False, 4, "Liger Triton RMSNorm")
     liger_swiglu: bool = knob(False, 4, "Liger Triton SwiGLU")
     liger_fused_linear_cross_entropy: bool = knob(False, 4, "Liger fused LM head + cross entropy (FusedCE)")
-    lm_head_labeled_only: bool = knob(False, 4, "run the LM head and the loss only on positions that carry a label "
-                                      "(not on image, prompt and padding tokens)")
-    compile: str = knob("off", 4, "torch.compile mode for the model", ("off", "default", "reduce-overhead", "max-autotune"))
-    compile_vision: str = knob("model", 4, "how the vision tower is compiled: 'model' = with the rest of the model under "
-                               "--compile; 'fullgraph' = on its own, fullgraph=True and static shapes (the tower's input "
-                               "is a fixed-size image), in the --compile mode ('default' when --compile is off), the LLM "
-                               "decoder then compiled on its own", ("model", "fullgraph"))
-    compile_shape_padding: bool = knob(True, 4, "Inductor's shape_padding (pad matmul dims for tensor-core alignment); "
-                                       "torch's default is on, false turns it off for a with/without comparison")
-    compile_regions: bool = knob(False, 4, "with --compile: compile each layer of every stack of repeated layers on its "
-                                 "own (regional compilation: one graph serves all decoder layers, a fraction of the "
-                                 "whole model's compile time), and the LM head with the loss on labeled positions as "
-                                 "one more region; the rest stays eager")
-    unsloth: bool = knob(False, 4, "load the LLM through Unsloth's fast path (FastLanguageModel, llama and qwen2 "
-                         "classes; CUDA only); an alternative to Liger and torch.compile, never combined with them")
+    lm_head_labeled_only: bool = knob(
+        False,
+        4,
+        "run the LM head and the loss only on positions that carry a label (not on image, prompt and padding tokens)",
+    )
+    compile: str = knob(
+        "off", 4, "torch.compile mode for the model", ("off", "default", "reduce-overhead", "max-autotune")
+    )
+    compile_vision: str = knob(
+        "model",
+        4,
+        "how the vision tower is compiled: 'model' = with the rest of the model under "
+        "--compile; 'fullgraph' = on its own, fullgraph=True and static shapes (the tower's input "
+        "is a fixed-size image), in the --compile mode ('default' when --compile is off), the LLM "
+        "decoder then compiled on its own",
+        ("model", "fullgraph"),
+    )
+    compile_shape_padding: bool = knob(
+        True,
+        4,
+        "Inductor's shape_padding (pad matmul dims for tensor-core alignment); "
+        "torch's default is on, false turns it off for a with/without comparison",
+    )
+    compile_regions: bool = knob(
+        False,
+        4,
+        "with --compile: compile each layer of every stack of repeated layers on its "
+        "own (regional compilation: one graph serves all decoder layers, a fraction of the "
+        "whole model's compile time), and the LM head with the loss on labeled positions as "
+        "one more region; the rest stays eager",
+    )
+    unsloth: bool = knob(
+        False,
+        4,
+        "load the LLM through Unsloth's fast path (FastLanguageModel, llama and qwen2 "
+        "classes; CUDA only); an alternative to Liger and torch.compile, never combined with them",
+    )
     # --- layer 5: system tuning ----------------------------------------------------------
     gradient_checkpointing: bool = knob(True, 5, "recompute LLM activations in backward")
     checkpoint_use_reentrant: bool = knob(False, 5, "use the reentrant checkpoint implementation")
@@ -134,25 +216,57 @@ class RunConfig:
     pin_memory: bool = knob(False, 5, "pinned host memory for batches (async H2D copies)")
     cache_vision_features: bool = knob(False, 5, "precompute frozen vision features once, copy them H2D each step")
     fused_optimizer: bool = knob(False, 5, "AdamW(fused=True) instead of the default foreach implementation")
-    optimizer: str = knob("adamw", 5, "optimizer: torch AdamW, or bitsandbytes' paged AdamW (32-bit or 8-bit states; "
-                          "GPU + bitsandbytes)", ("adamw", "paged_adamw", "paged_adamw_8bit"))
-    dpo_precompute_reference: bool = knob(False, 5, "compute the DPO reference log-probs once per sample before "
-                                          "training and reuse them (reported, outside the timed window)")
-    sync_loss: bool = knob(False, 5, "read the loss on the host (.item()) after every micro-batch, as logging loops "
-                           "often do: a device sync per micro-batch")
+    optimizer: str = knob(
+        "adamw",
+        5,
+        "optimizer: torch AdamW, or bitsandbytes' paged AdamW (32-bit or 8-bit states; GPU + bitsandbytes)",
+        ("adamw", "paged_adamw", "paged_adamw_8bit"),
+    )
+    dpo_precompute_reference: bool = knob(
+        False,
+        5,
+        "compute the DPO reference log-probs once per sample before "
+        "training and reuse them (reported, outside the timed window)",
+    )
+    sync_loss: bool = knob(
+        False,
+        5,
+        "read the loss on the host (.item()) after every micro-batch, as logging loops "
+        "often do: a device sync per micro-batch",
+    )
     # --- several processes (torchrun) -----------------------------------------------------
-    nproc_per_node: int = knob(1, 0, "processes (one per GPU) per node, launched through torchrun", minimum=1,
-                               maximum=1024)
-    parallel: str = knob("none", 5, "data parallelism across processes: none (one process), ddp, or fsdp2 "
-                         "(fully_shard per decoder layer and the root)", ("none", "ddp", "fsdp2"))
-    reshard_after_forward: bool = knob(True, 5, "FSDP2: free gathered parameters after forward, gather again in backward")
-    fsdp_prefetch: int = knob(0, 5, "FSDP2: decoder layers whose all-gather is issued ahead explicitly (0 = FSDP2's "
-                              "implicit prefetch only)", minimum=0, maximum=64)
+    nproc_per_node: int = knob(
+        1, 0, "processes (one per GPU) per node, launched through torchrun", minimum=1, maximum=1024
+    )
+    parallel: str = knob(
+        "none",
+        5,
+        "data parallelism across processes: none (one process), ddp, or fsdp2 "
+        "(fully_shard per decoder layer and the root)",
+        ("none", "ddp", "fsdp2"),
+    )
+    reshard_after_forward: bool = knob(
+        True, 5, "FSDP2: free gathered parameters after forward, gather again in backward"
+    )
+    fsdp_prefetch: int = knob(
+        0,
+        5,
+        "FSDP2: decoder layers whose all-gather is issued ahead explicitly (0 = FSDP2's implicit prefetch only)",
+        minimum=0,
+        maximum=64,
+    )
     ddp_bucket_cap_mb: int = knob(25, 5, "DDP: gradient bucket size in MB", minimum=1, maximum=4096)
-    accum_no_sync: bool = knob(False, 5, "sync gradients only on the last micro-batch of an optimizer step (DDP "
-                               "no_sync, FSDP2 set_requires_gradient_sync)")
-    balance_tokens: bool = knob(False, 2, "give every rank micro-batches of about the same token count (token-budget "
-                                "batching across ranks)")
+    accum_no_sync: bool = knob(
+        False,
+        5,
+        "sync gradients only on the last micro-batch of an optimizer step (DDP "
+        "no_sync, FSDP2 set_requires_gradient_sync)",
+    )
+    balance_tokens: bool = knob(
+        False,
+        2,
+        "give every rank micro-batches of about the same token count (token-budget batching across ranks)",
+    )
 
     # ------------------------------------------------------------------------------------
     @property
@@ -163,7 +277,7 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "config", combinations: bool = True) -> "RunConfig":
+    def from_dict(cls, data: dict[str, Any], source: str = "config", combinations: bool = True) -> RunConfig:
         """Build and validate; unknown keys and bad values are user errors naming the valid ones."""
         if not isinstance(data, dict):
             raise UsageError(f"{source}: expected a mapping of knob names to values, got {type(data).__name__}")
@@ -183,7 +297,7 @@ class RunConfig:
         cfg.validate(source, combinations)
         return cfg
 
-    def replace(self, source: str = "config patch", **changes: Any) -> "RunConfig":
+    def replace(self, source: str = "config patch", **changes: Any) -> RunConfig:
         """A validated copy with some knobs changed (the shape of a prescription's config patch)."""
         return RunConfig.from_dict({**self.to_dict(), **changes}, source=source)
 
@@ -205,23 +319,33 @@ class RunConfig:
             bounds = [f"> {_num(above)}"] if above is not None else []
             bounds += [f">= {_num(lo)}"] if lo is not None else []
             bounds += [f"<= {_num(hi)}"] if hi is not None else []
-            wanted = ("an integer" if expected is int else "a finite number") + "".join(" " + b for b in bounds[:1]) \
+            wanted = (
+                ("an integer" if expected is int else "a finite number")
+                + "".join(" " + b for b in bounds[:1])
                 + "".join(" and " + b for b in bounds[1:])
-            if expected is float and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not math.isfinite(value)):
+            )
+            if expected is float and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            ):
                 raise UsageError(f"{name} must be {wanted}, got {value!r}")
             if expected is str and not isinstance(value, str):
                 raise UsageError(f"{name} must be a string, got {value!r}")
             if meta["choices"] is not None and value not in meta["choices"]:
                 valid = ", ".join(str(c) for c in meta["choices"])
                 raise UsageError(f"{name}={value!r} is not valid; choose one of: {valid}")
-            if (lo is not None and value < lo) or (hi is not None and value > hi) or (above is not None and value <= above):
+            if (
+                (lo is not None and value < lo)
+                or (hi is not None and value > hi)
+                or (above is not None and value <= above)
+            ):
                 raise UsageError(f"{name} must be {wanted}, got {value!r}")
         if combinations:
             self._check_combinations(source)
         if self.nproc_per_node > 1 and self.parallel == "none":
-            raise UsageError(f"{_label('nproc_per_node', source)}={self.nproc_per_node} runs several processes; "
-                             f"choose how they share the work: {_label('parallel', source)} ddp or fsdp2")
+            raise UsageError(
+                f"{_label('nproc_per_node', source)}={self.nproc_per_node} runs several processes; "
+                f"choose how they share the work: {_label('parallel', source)} ddp or fsdp2"
+            )
         from vlmdoctor.run.modes import check_mode_knobs
         from vlmdoctor.run.zoo import refuse_composite_only
 
@@ -237,13 +361,17 @@ class RunConfig:
         if self.unsloth:
             liger = [f.name for f in fields(self) if f.name.startswith("liger_") and getattr(self, f.name)]
             if liger:
-                raise UsageError(f"{_pair('unsloth', liger[0], source)} do not stack: Unsloth and "
-                                 "Liger patch the same RMSNorm, SwiGLU, RoPE and loss modules; choose one")
+                raise UsageError(
+                    f"{_pair('unsloth', liger[0], source)} do not stack: Unsloth and "
+                    "Liger patch the same RMSNorm, SwiGLU, RoPE and loss modules; choose one"
+                )
             if self.compile != "off" or self.compile_vision != "model":
                 knob_name = "compile" if self.compile != "off" else "compile_vision"
-                raise UsageError(f"{_pair('unsloth', knob_name, source)} do not stack: Unsloth "
-                                 "compiles its own parts (unsloth_zoo's compiler) around hand-written Triton kernels; "
-                                 "measure Unsloth with compile off, or torch.compile without Unsloth")
+                raise UsageError(
+                    f"{_pair('unsloth', knob_name, source)} do not stack: Unsloth "
+                    "compiles its own parts (unsloth_zoo's compiler) around hand-written Triton kernels; "
+                    "measure Unsloth with compile off, or torch.compile without Unsloth"
+                )
         if self.fp8 != "off":
             self._check_fp8(source)
         if self.compile_regions and self.compile == "off":
@@ -251,33 +379,45 @@ class RunConfig:
         if self.compile_regions and self.compile == "reduce-overhead":
             # measured on the H100 (dino-135m): "accessing tensor output of CUDAGraphs that has been
             # overwritten by a subsequent run" in the first step, because every layer replays one graph
-            raise UsageError(f"{_pair('compile_regions', 'compile', source)} reduce-overhead do not stack: every "
-                             "layer of a stack replays the same CUDA graph, whose output the next layer overwrites; "
-                             "use --compile default with regions, or reduce-overhead on the whole model")
+            raise UsageError(
+                f"{_pair('compile_regions', 'compile', source)} reduce-overhead do not stack: every "
+                "layer of a stack replays the same CUDA graph, whose output the next layer overwrites; "
+                "use --compile default with regions, or reduce-overhead on the whole model"
+            )
         if self.compile_regions and self.compile_vision != "model":
-            raise UsageError(f"{_pair('compile_regions', 'compile_vision', source)} do not stack: regional "
-                             "compilation already compiles the tower's layers on their own; choose one")
+            raise UsageError(
+                f"{_pair('compile_regions', 'compile_vision', source)} do not stack: regional "
+                "compilation already compiles the tower's layers on their own; choose one"
+            )
         if not self.compile_shape_padding and self.compile == "off" and self.compile_vision == "model":
-            raise UsageError(f"{_label('compile_shape_padding', source)} off changes nothing without torch.compile; "
-                             "add --compile or --compile-vision fullgraph")
+            raise UsageError(
+                f"{_label('compile_shape_padding', source)} off changes nothing without torch.compile; "
+                "add --compile or --compile-vision fullgraph"
+            )
 
     def _check_fp8(self, source: str) -> None:
         """FP8 converts trained, full-width linear layers: what does not train them is refused (no hardware here)."""
         fp8 = _label("fp8", source)
         if self.train != "full":
-            raise UsageError(f"{_pair('fp8', 'train', source)} {self.train} do not stack: FP8 training converts the "
-                             "LLM's trained linear layers; LoRA's base is frozen (an FP8 layer still computes its "
-                             "weight gradient) and its adapters are too narrow for FP8 GEMMs; use --train full")
+            raise UsageError(
+                f"{_pair('fp8', 'train', source)} {self.train} do not stack: FP8 training converts the "
+                "LLM's trained linear layers; LoRA's base is frozen (an FP8 layer still computes its "
+                "weight gradient) and its adapters are too narrow for FP8 GEMMs; use --train full"
+            )
         if self.stage == 1:
-            raise UsageError(f"{fp8} converts the LLM's trained linear layers, but stage 1 freezes the LLM (an FP8 "
-                             "layer still computes its weight gradient); use --stage 2")
+            raise UsageError(
+                f"{fp8} converts the LLM's trained linear layers, but stage 1 freezes the LLM (an FP8 "
+                "layer still computes its weight gradient); use --stage 2"
+            )
         if self.unsloth:
-            raise UsageError(f"{_pair('fp8', 'unsloth', source)} do not stack: Unsloth replaces the LLM's forwards "
-                             "that FP8 training converts; choose one")
+            raise UsageError(
+                f"{_pair('fp8', 'unsloth', source)} do not stack: Unsloth replaces the LLM's forwards "
+                "that FP8 training converts; choose one"
+            )
 
     # --- files -----------------------------------------------------------------------------
     @classmethod
-    def load(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> "RunConfig":
+    def load(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
         """Read YAML or JSON; a report JSON works too (its `config` section is used).
 
         `overrides` (the command line's flags) apply before the knobs are checked against each
@@ -297,7 +437,9 @@ class RunConfig:
         try:
             data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
         except (json.JSONDecodeError, yaml.YAMLError, ValueError, RecursionError) as e:
-            raise UsageError(f"config {p} does not parse: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+            raise UsageError(
+                f"config {p} does not parse: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+            ) from None
         if isinstance(data, dict) and "schema_version" in data and "config" in data:
             from vlmdoctor import SCHEMA_VERSION
 
@@ -305,8 +447,10 @@ class RunConfig:
             if isinstance(version, bool) or not isinstance(version, int) or version < 1:
                 raise UsageError(f"config {p}: schema_version must be a positive integer, got {version!r}")
             if version > SCHEMA_VERSION:
-                raise UsageError(f"config {p}: schema_version {version} was written by a newer vlmdoctor (this one "
-                                 f"reads up to {SCHEMA_VERSION}); upgrade vlmdoctor")
+                raise UsageError(
+                    f"config {p}: schema_version {version} was written by a newer vlmdoctor (this one "
+                    f"reads up to {SCHEMA_VERSION}); upgrade vlmdoctor"
+                )
             data = data["config"]
         return {} if data is None else data  # an empty file: every knob at its default; from_dict checks the rest
 
@@ -318,7 +462,9 @@ class RunConfig:
     def dump_text(self, path: str | Path = "config.yaml") -> str:
         """The config as JSON (for a .json path) or YAML, as `dump` writes it."""
         data = self.to_dict()
-        return json.dumps(data, indent=2) + "\n" if Path(path).suffix == ".json" else yaml.safe_dump(data, sort_keys=False)
+        return (
+            json.dumps(data, indent=2) + "\n" if Path(path).suffix == ".json" else yaml.safe_dump(data, sort_keys=False)
+        )
 
 
 def _pair(a: str, b: str, source: str) -> str:

@@ -7,15 +7,17 @@ Every sample uses the SiQ-VL chat format on the Qwen2.5 template
 with labels -100 everywhere but the answer (its closing <|im_end|> included).
 Lengths vary from sample to sample, so padding in unbucketed batches is real.
 """
+
 from __future__ import annotations
 
 import json
 import math
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -55,12 +57,20 @@ class Template:
     newline: int
 
     @classmethod
-    def for_llm(cls, llm_spec: dict[str, Any]) -> "Template":
+    def for_llm(cls, llm_spec: dict[str, Any]) -> Template:
         lo, _ = llm_spec["text_token_range"]
         # fixed stand-ins for the role words and newline inside the text range
-        return cls(ids=llm_spec["special_tokens"], role_system=lo, role_user=lo + 1, role_assistant=lo + 2, newline=lo + 3)
+        return cls(
+            ids=llm_spec["special_tokens"],
+            role_system=lo,
+            role_user=lo + 1,
+            role_assistant=lo + 2,
+            newline=lo + 3,
+        )
 
-    def build(self, system: list[int], n_image: int, question: list[int], answer: list[int]) -> tuple[list[int], list[int]]:
+    def build(
+        self, system: list[int], n_image: int, question: list[int], answer: list[int]
+    ) -> tuple[list[int], list[int]]:
         t = self.ids
         prompt = (
             [t["im_start"], self.role_system, self.newline, *system, t["im_end"], self.newline]
@@ -141,8 +151,9 @@ class LlavaFile(Dataset):
         if self.path.is_dir():
             raise UsageError(f"--data {path}: is a folder; give a LLaVA-format .json or .jsonl file")
         if not self.path.is_file():
-            raise UsageError(f"--data {path}: no such file" if not self.path.exists() else
-                             f"--data {path}: not a regular file")
+            raise UsageError(
+                f"--data {path}: no such file" if not self.path.exists() else f"--data {path}: not a regular file"
+            )
         if tokenizer_dir is None:
             raise UsageError("--data FILE needs --tokenizer DIR (a local tokenizer folder); nothing is downloaded")
         self.tokenizer = _load_tokenizer(tokenizer_dir)
@@ -185,7 +196,11 @@ class LlavaFile(Dataset):
         ids = _encode_text(tok, f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n")
         labels = [IGNORE] * len(ids)
         for k, turn in enumerate(convs):
-            if not isinstance(turn, dict) or turn.get("from") not in ("human", "gpt") or not isinstance(turn.get("value"), str):
+            if (
+                not isinstance(turn, dict)
+                or turn.get("from") not in ("human", "gpt")
+                or not isinstance(turn.get("value"), str)
+            ):
                 raise ValueError(f"turn {k} needs 'from' (human|gpt) and a string 'value'")
             text = turn["value"]
             if turn["from"] == "human":
@@ -202,7 +217,9 @@ class LlavaFile(Dataset):
                 labels += reply + [IGNORE] * (len(ids) - len(labels) - len(reply))
         n_img = sum(1 for x in ids if x == t["image_pad"])
         if n_img != self.spec.image_tokens:
-            raise ValueError(f"expected one <image> in the human turns, found {n_img // max(1, self.spec.image_tokens)}")
+            raise ValueError(
+                f"expected one <image> in the human turns, found {n_img // max(1, self.spec.image_tokens)}"
+            )
         return {"input_ids": ids, "labels": labels, "image_path": str(img_path)}
 
     def __len__(self) -> int:
@@ -250,7 +267,11 @@ def _read_records(path: Path) -> Iterator[tuple[str, Any, str | None]]:
             try:
                 text = line.decode("utf-8-sig" if n == 1 else "utf-8")
             except UnicodeDecodeError as e:
-                yield f"line {n}", None, f"not UTF-8 text (byte 0x{line[e.start]:02x} at column {e.start + 1})"
+                yield (
+                    f"line {n}",
+                    None,
+                    f"not UTF-8 text (byte 0x{line[e.start]:02x} at column {e.start + 1})",
+                )
                 continue
             try:
                 yield f"line {n}", json.loads(text), None
@@ -298,11 +319,18 @@ def _load_tokenizer(path: str):
 
 def _tokenizer_special_ids(tok, where: str) -> dict[str, int]:
     ids = {}
-    for key, token in [("im_start", "<|im_start|>"), ("im_end", "<|im_end|>"), ("vision_start", "<|vision_start|>"),
-                       ("vision_end", "<|vision_end|>"), ("image_pad", "<|image_pad|>")]:
+    for key, token in [
+        ("im_start", "<|im_start|>"),
+        ("im_end", "<|im_end|>"),
+        ("vision_start", "<|vision_start|>"),
+        ("vision_end", "<|vision_end|>"),
+        ("image_pad", "<|image_pad|>"),
+    ]:
         i = tok.convert_tokens_to_ids(token)
         if i is None or i == tok.unk_token_id:
-            raise UsageError(f"--tokenizer {where}: the tokenizer has no {token} token (a Qwen2.5-style tokenizer is expected)")
+            raise UsageError(
+                f"--tokenizer {where}: the tokenizer has no {token} token (a Qwen2.5-style tokenizer is expected)"
+            )
         ids[key] = i
     ids["pad"] = tok.pad_token_id if tok.pad_token_id is not None else ids["im_end"]
     return ids
@@ -313,6 +341,7 @@ def _encode_text(tok, text: str) -> list[int]:
 
 
 # --- samplers --------------------------------------------------------------------------------------
+
 
 class BatchSampler(Sampler[list[int]]):
     """Random order, or length-bucketed: sort within mega-batches of 50 batches, shuffle the batches.
@@ -351,14 +380,22 @@ class BatchSampler(Sampler[list[int]]):
 
 # --- collation -------------------------------------------------------------------------------------
 
+
 class Collator:
     """Pads (optionally to a multiple) or packs a list of samples into one micro-batch.
 
     Token counts are computed here on the host, so counting them costs no device sync.
     """
 
-    def __init__(self, pad_id: int, pad_to_multiple_of: int = 1, packing: bool = False, pack_length: int = 2048,
-                 vision_features: torch.Tensor | None = None, labeled_only: bool = False) -> None:
+    def __init__(
+        self,
+        pad_id: int,
+        pad_to_multiple_of: int = 1,
+        packing: bool = False,
+        pack_length: int = 2048,
+        vision_features: torch.Tensor | None = None,
+        labeled_only: bool = False,
+    ) -> None:
         self.pad_id = pad_id
         self.multiple = pad_to_multiple_of
         self.packing = packing
@@ -438,6 +475,7 @@ class Collator:
 
 # --- preference pairs (DPO) ------------------------------------------------------------------------
 
+
 class SyntheticPairs(SyntheticVQA):
     """Preference pairs: each sample's prompt + image is shared by a chosen and a rejected answer.
 
@@ -450,8 +488,9 @@ class SyntheticPairs(SyntheticVQA):
         super().__init__(spec, num_samples, seed)
         _, self.rejected_answers = sample_text_lengths(self.lm, num_samples, seed + 2)
         fixed = self.lm["template_tokens"] + self.lm["system_prompt_tokens"] + spec.image_tokens + 2
-        self.row_lengths = [(c, fixed + int(q) + int(r)) for c, q, r in
-                            zip(self.lengths, self.questions, self.rejected_answers)]
+        self.row_lengths = [
+            (c, fixed + int(q) + int(r)) for c, q, r in zip(self.lengths, self.questions, self.rejected_answers)
+        ]
         self.lengths = [max(c, r) for c, r in self.row_lengths]
 
     def __getitem__(self, i: int) -> dict[str, Any]:
@@ -461,8 +500,12 @@ class SyntheticPairs(SyntheticVQA):
         question = q_rng.integers(*self.text_range, int(self.questions[i])).tolist()
         answer = rng.integers(*self.text_range, int(self.rejected_answers[i]) - 1).tolist()
         ids, labels = self.template.build(self.system, self.spec.image_tokens, question, answer)
-        pair = {"chosen": {"input_ids": chosen["input_ids"], "labels": chosen["labels"]},
-                "rejected": {"input_ids": ids, "labels": labels}, "image_id": chosen["image_id"], "index": i}
+        pair = {
+            "chosen": {"input_ids": chosen["input_ids"], "labels": chosen["labels"]},
+            "rejected": {"input_ids": ids, "labels": labels},
+            "image_id": chosen["image_id"],
+            "index": i,
+        }
         if self.with_pixels:
             pair["pixel_values"] = chosen["pixel_values"]
         return pair
@@ -507,8 +550,10 @@ class PreferenceFile(LlavaFile):
         for key in ("chosen", "rejected"):
             reply = _encode_text(tok, f"{_text_of(record.get(key), key, 'assistant')}<|im_end|>")
             tail = _encode_text(tok, "\n")
-            rows[key] = {"input_ids": head + reply + tail,
-                         "labels": [IGNORE] * len(head) + reply + [IGNORE] * len(tail)}
+            rows[key] = {
+                "input_ids": head + reply + tail,
+                "labels": [IGNORE] * len(head) + reply + [IGNORE] * len(tail),
+            }
         return {**rows, "image_path": str(img_path)}
 
     def __getitem__(self, i: int) -> dict[str, Any]:
@@ -523,8 +568,11 @@ def _text_of(value: Any, key: str, role: str) -> str:
     """A string, or TRL's conversational list of messages of one role, as one string."""
     if isinstance(value, str) and value.strip():
         return value
-    if isinstance(value, list) and value and all(isinstance(m, dict) and m.get("role") == role
-                                                 and isinstance(m.get("content"), str) for m in value):
+    if (
+        isinstance(value, list)
+        and value
+        and all(isinstance(m, dict) and m.get("role") == role and isinstance(m.get("content"), str) for m in value)
+    ):
         return "\n".join(m["content"] for m in value)
     raise ValueError(f"'{key}' must be a non-empty string or a list of {{role: {role}, content: str}} messages")
 

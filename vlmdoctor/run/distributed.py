@@ -9,14 +9,16 @@ and gathers the ranks' measurements to rank 0, which writes the one report.
 
 Backend: nccl on CUDA, gloo on the CPU (real collectives, no GPU needed).
 """
+
 from __future__ import annotations
 
 import contextlib
 import os
 import statistics
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,7 +28,11 @@ from vlmdoctor.run.config import RunConfig
 
 #: NVLink multicast (NVLS / symmetric-memory multicast) off in every process on a GPU: the project's
 #: GPU hosts do not support it, and NCCL or symmetric memory would otherwise try it and fail or hang
-NVLINK_MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+NVLINK_MULTICAST_OFF = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 
 WORKER = "vlmdoctor.run.rank_worker"
 
@@ -65,8 +71,10 @@ class Rendezvous:
         if self.master_port is not None and not 1 <= self.master_port <= 65535:
             raise UsageError(f"--master-port must be a port number 1..65535, got {self.master_port}")
         if self.multi_node() and not (self.rdzv_endpoint or self.master_addr):
-            raise UsageError(f"--nnodes {self.nnodes} needs the rendezvous: --rdzv-endpoint HOST:PORT (with "
-                             "--rdzv-backend c10d) or --master-addr HOST --master-port PORT (with --node-rank)")
+            raise UsageError(
+                f"--nnodes {self.nnodes} needs the rendezvous: --rdzv-endpoint HOST:PORT (with "
+                "--rdzv-backend c10d) or --master-addr HOST --master-port PORT (with --node-rank)"
+            )
 
     def args(self) -> list[str]:
         """torchrun's rendezvous arguments."""
@@ -74,20 +82,37 @@ class Rendezvous:
         if not self.multi_node() and not given:
             return ["--standalone"]
         out = ["--nnodes", self.nnodes]
-        for flag, value in (("--node-rank", self.node_rank), ("--rdzv-backend", self.rdzv_backend),
-                            ("--rdzv-endpoint", self.rdzv_endpoint), ("--rdzv-id", self.rdzv_id),
-                            ("--master-addr", self.master_addr), ("--master-port", self.master_port)):
+        for flag, value in (
+            ("--node-rank", self.node_rank),
+            ("--rdzv-backend", self.rdzv_backend),
+            ("--rdzv-endpoint", self.rdzv_endpoint),
+            ("--rdzv-id", self.rdzv_id),
+            ("--master-addr", self.master_addr),
+            ("--master-port", self.master_port),
+        ):
             if value is not None:
                 out += [flag, str(value)]
         return out
 
 
-def torchrun_command(cfg: RunConfig, worker_args: list[str], rdzv: Rendezvous | None = None,
-                     python: str | None = None) -> list[str]:
+def torchrun_command(
+    cfg: RunConfig, worker_args: list[str], rdzv: Rendezvous | None = None, python: str | None = None
+) -> list[str]:
     """`python -m torch.distributed.run ... -m vlmdoctor.run.rank_worker ARGS`: one process per GPU."""
     rdzv = rdzv or Rendezvous()
-    return [python or sys.executable, "-m", "torch.distributed.run", *rdzv.args(),
-            "--nproc-per-node", str(cfg.nproc_per_node), "--max-restarts", "0", "-m", WORKER, *worker_args]
+    return [
+        python or sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *rdzv.args(),
+        "--nproc-per-node",
+        str(cfg.nproc_per_node),
+        "--max-restarts",
+        "0",
+        "-m",
+        WORKER,
+        *worker_args,
+    ]
 
 
 def child_env(on_gpu: bool, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -102,11 +127,15 @@ def child_env(on_gpu: bool, base: dict[str, str] | None = None) -> dict[str, str
 def check_launch(cfg: RunConfig, device: torch.device) -> None:
     """What the launcher can refuse before any process starts."""
     if device.type == "cuda" and cfg.nproc_per_node > torch.cuda.device_count():
-        raise UsageError(f"--nproc-per-node {cfg.nproc_per_node} asks for one GPU per process, but this node "
-                         f"has {torch.cuda.device_count()} visible GPU(s)")
+        raise UsageError(
+            f"--nproc-per-node {cfg.nproc_per_node} asks for one GPU per process, but this node "
+            f"has {torch.cuda.device_count()} visible GPU(s)"
+        )
     if cfg.compile == "reduce-overhead" and is_distributed(cfg):
-        raise UsageError("--compile reduce-overhead (CUDA graphs) is not supported with --parallel ddp/fsdp2 here; "
-                         "use --compile default")
+        raise UsageError(
+            "--compile reduce-overhead (CUDA graphs) is not supported with --parallel ddp/fsdp2 here; "
+            "use --compile default"
+        )
 
 
 # --- the rank side ---------------------------------------------------------------------------------
@@ -133,8 +162,10 @@ def setup(cfg: RunConfig, device: torch.device) -> tuple[Dist, torch.device]:
     import torch.distributed as dist
 
     if not in_torchrun():
-        raise UsageError(f"--parallel {cfg.parallel} runs under torchrun; launch it with vlmdoctor profile "
-                         "--nproc-per-node N (which starts torchrun), not as a plain process")
+        raise UsageError(
+            f"--parallel {cfg.parallel} runs under torchrun; launch it with vlmdoctor profile "
+            "--nproc-per-node N (which starts torchrun), not as a plain process"
+        )
     local = int(os.environ["LOCAL_RANK"])
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
@@ -192,19 +223,31 @@ def wrap(vlm: nn.Module, cfg: RunConfig, d: Dist, device: torch.device) -> tuple
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ids = [device.index] if device.type == "cuda" else None
-        model = DDP(vlm, device_ids=ids, bucket_cap_mb=cfg.ddp_bucket_cap_mb, find_unused_parameters=False,
-                    static_graph=cfg.gradient_checkpointing and cfg.checkpoint_use_reentrant)
+        model = DDP(
+            vlm,
+            device_ids=ids,
+            bucket_cap_mb=cfg.ddp_bucket_cap_mb,
+            find_unused_parameters=False,
+            static_graph=cfg.gradient_checkpointing and cfg.checkpoint_use_reentrant,
+        )
         trainable = sum(p.numel() for p in vlm.parameters() if p.requires_grad)
-        return model, {"wrapper": "DistributedDataParallel", "bucket_cap_mb": cfg.ddp_bucket_cap_mb,
-                       "synced_params": trainable}
+        return model, {
+            "wrapper": "DistributedDataParallel",
+            "bucket_cap_mb": cfg.ddp_bucket_cap_mb,
+            "synced_params": trainable,
+        }
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     layers = decoder_layers(vlm)
     if not layers:
-        raise UsageError(f"--parallel fsdp2: no decoder layers found in {cfg.model}'s LLM (no ModuleList of "
-                         "identical blocks); use --parallel ddp")
+        raise UsageError(
+            f"--parallel fsdp2: no decoder layers found in {cfg.model}'s LLM (no ModuleList of "
+            "identical blocks); use --parallel ddp"
+        )
     bf16 = cfg.autocast == "bf16" or cfg.weight_dtype == "bf16"
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    )
     replicated = _replicated_params(vlm)
     layer_class = type(layers[0]).__name__  # fully_shard renames the class (FSDP<name>)
     for layer in layers:
@@ -215,17 +258,22 @@ def wrap(vlm: nn.Module, cfg: RunConfig, d: Dist, device: torch.device) -> tuple
     if cfg.fsdp_prefetch:
         k = cfg.fsdp_prefetch
         for i, layer in enumerate(layers):
-            ahead = layers[i + 1:i + 1 + k]
+            ahead = layers[i + 1 : i + 1 + k]
             if ahead:
                 layer.set_modules_to_forward_prefetch(ahead)
         for i, layer in enumerate(layers):
-            behind = layers[max(0, i - k):i][::-1]
+            behind = layers[max(0, i - k) : i][::-1]
             if behind:
                 layer.set_modules_to_backward_prefetch(behind)
-    return vlm, {"wrapper": "fully_shard", "sharded_layers": len(layers), "layer_class": layer_class,
-                 "mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"} if bf16 else None,
-                 "reshard_after_forward": cfg.reshard_after_forward, "forward_prefetch": cfg.fsdp_prefetch,
-                 "replicated_params": sum(p.numel() for p in replicated)}
+    return vlm, {
+        "wrapper": "fully_shard",
+        "sharded_layers": len(layers),
+        "layer_class": layer_class,
+        "mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"} if bf16 else None,
+        "reshard_after_forward": cfg.reshard_after_forward,
+        "forward_prefetch": cfg.fsdp_prefetch,
+        "replicated_params": sum(p.numel() for p in replicated),
+    }
 
 
 def micro_batch(model: nn.Module, vlm: nn.Module, cfg: RunConfig, last: bool):
@@ -251,8 +299,9 @@ class RankBatches(torch.utils.data.Sampler):
     then finish their steps together instead of waiting for the one that drew the long samples.
     """
 
-    def __init__(self, inner: Iterator[list[int]] | Any, lengths: list[int], rank: int, world: int,
-                 balance: bool) -> None:
+    def __init__(
+        self, inner: Iterator[list[int]] | Any, lengths: list[int], rank: int, world: int, balance: bool
+    ) -> None:
         self.inner, self.lengths, self.rank, self.world, self.balance = inner, lengths, rank, world, balance
 
     def __len__(self) -> int:
@@ -291,9 +340,17 @@ def rank_summary(rank: int, windows: list[dict[str, Any]], metrics: dict[str, An
     return {
         "rank": rank,
         "host": host,
-        "windows": [{"wall_s": w["wall_s"], "real_tokens": sum(w["step_real_tokens"]), "step_ms": w["step_ms"],
-                     "step_real_tokens": w["step_real_tokens"], "loss_tokens": w["loss_tokens_per_s"] * w["wall_s"],
-                     "model_flops": w["model_tflops_per_s"] * w["wall_s"] * 1e12} for w in windows],
+        "windows": [
+            {
+                "wall_s": w["wall_s"],
+                "real_tokens": sum(w["step_real_tokens"]),
+                "step_ms": w["step_ms"],
+                "step_real_tokens": w["step_real_tokens"],
+                "loss_tokens": w["loss_tokens_per_s"] * w["wall_s"],
+                "model_flops": w["model_tflops_per_s"] * w["wall_s"] * 1e12,
+            }
+            for w in windows
+        ],
         "step_ms": metrics["step_ms"],
         "real_tokens": sum(sum(w["step_real_tokens"]) for w in windows),
         "real_tokens_per_s": metrics["real_tokens_per_s"],
@@ -359,13 +416,25 @@ def combine(ranks: list[dict[str, Any]], peak_flops: float | None) -> dict[str, 
 
 def scaling(global_tps: float, world: int, one_gpu_tps: float, source: str) -> dict[str, Any]:
     """Scaling efficiency: global tokens/s / (ranks x the same config's tokens/s on one GPU)."""
-    return {"one_gpu_real_tokens_per_s": one_gpu_tps, "world_size": world, "source": source,
-            "speedup": global_tps / one_gpu_tps, "efficiency": global_tps / (world * one_gpu_tps)}
+    return {
+        "one_gpu_real_tokens_per_s": one_gpu_tps,
+        "world_size": world,
+        "source": source,
+        "speedup": global_tps / one_gpu_tps,
+        "efficiency": global_tps / (world * one_gpu_tps),
+    }
 
 
 #: knobs that may differ between a distributed run and its one-GPU reference
-DIST_KNOBS = ("nproc_per_node", "parallel", "reshard_after_forward", "fsdp_prefetch", "ddp_bucket_cap_mb",
-              "accum_no_sync", "balance_tokens")
+DIST_KNOBS = (
+    "nproc_per_node",
+    "parallel",
+    "reshard_after_forward",
+    "fsdp_prefetch",
+    "ddp_bucket_cap_mb",
+    "accum_no_sync",
+    "balance_tokens",
+)
 
 
 def one_gpu_config(cfg: RunConfig) -> RunConfig:
@@ -377,14 +446,23 @@ def check_reference(cfg: dict[str, Any], ref: dict[str, Any], where: str) -> Non
     """A one-GPU reference report must be the same config but for the knobs of distribution."""
     ref_cfg = ref.get("config") or {}
     if ref_cfg.get("nproc_per_node", 1) != 1 or ref_cfg.get("parallel", "none") != "none":
-        raise UsageError(f"{where}: not a one-GPU report (nproc_per_node={ref_cfg.get('nproc_per_node')}, "
-                         f"parallel={ref_cfg.get('parallel')}); give a report of the same config run with "
-                         "--nproc-per-node 1 and no --parallel")
-    differ = sorted(k for k in set(cfg) | set(ref_cfg)
-                    if k not in DIST_KNOBS and k in cfg and cfg.get(k) != ref_cfg.get(k, RunConfig().to_dict().get(k)))
+        raise UsageError(
+            f"{where}: not a one-GPU report (nproc_per_node={ref_cfg.get('nproc_per_node')}, "
+            f"parallel={ref_cfg.get('parallel')}); give a report of the same config run with "
+            "--nproc-per-node 1 and no --parallel"
+        )
+    differ = sorted(
+        k
+        for k in set(cfg) | set(ref_cfg)
+        if k not in DIST_KNOBS and k in cfg and cfg.get(k) != ref_cfg.get(k, RunConfig().to_dict().get(k))
+    )
     if differ:
-        raise UsageError(f"{where}: its config differs from this run's in {', '.join(differ[:8])}; the scaling "
-                         "efficiency needs the same config on one GPU")
+        raise UsageError(
+            f"{where}: its config differs from this run's in {', '.join(differ[:8])}; the scaling "
+            "efficiency needs the same config on one GPU"
+        )
     if ref.get("status") != "ok" or not (ref.get("metrics") or {}).get("real_tokens_per_s"):
-        raise UsageError(f"{where}: the one-GPU run did not finish (status {ref.get('status')!r}); it has no "
-                         "tokens/s to compare with")
+        raise UsageError(
+            f"{where}: the one-GPU run did not finish (status {ref.get('status')!r}); it has no "
+            "tokens/s to compare with"
+        )

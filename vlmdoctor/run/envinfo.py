@@ -1,4 +1,5 @@
 """The environment a number was measured in: a number without it cannot be compared."""
+
 from __future__ import annotations
 
 import os
@@ -36,7 +37,9 @@ def _driver() -> str | None:
     try:
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=10,
+            capture_output=True,
+            text=True,
+            timeout=10,
         )
         return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
     except (OSError, subprocess.SubprocessError):
@@ -69,8 +72,13 @@ def collect(device: torch.device) -> dict[str, Any]:
             driver=_driver(),
         )
     else:
-        env.update(gpu=None, driver=None, cuda=None, cpu_capability=torch.backends.cpu.get_cpu_capability(),
-                   cpu_matmul_gflops=matmul_probe())
+        env.update(
+            gpu=None,
+            driver=None,
+            cuda=None,
+            cpu_capability=torch.backends.cpu.get_cpu_capability(),
+            cpu_matmul_gflops=matmul_probe(),
+        )
     return env
 
 

@@ -53,6 +53,7 @@ Gradient-checkpoint recompute is not model work and is not counted (that is the 
 convention, as opposed to hardware FLOPs). Embedding lookups, norms, activations, the
 softmax and the optimizer are left out: they are a few percent of the matmul FLOPs.
 """
+
 from __future__ import annotations
 
 import re
@@ -106,7 +107,7 @@ class FlopModel:
     vision_extra_tokens: int = 0  # tokens the tower adds after embedding patches (CLS): no patch-embedding FLOPs
 
     @classmethod
-    def from_spec(cls, spec: ModelSpec) -> "FlopModel":
+    def from_spec(cls, spec: ModelSpec) -> FlopModel:
         lc, vc = spec.llm["config"], spec.vision["config"]
         h, inter, layers = lc["hidden_size"], lc["intermediate_size"], lc["num_hidden_layers"]
         hd = spec.llm_head_dim
@@ -122,11 +123,23 @@ class FlopModel:
         patches = grid * grid + extra
         d_in = spec.projector_in
         proj = d_in * spec.projector_out + (spec.projector_out**2 if spec.projector == "mlp2x_gelu" else 0)
-        return cls(llm_linear, layers, q, vision_linear, vc["num_hidden_layers"], vh, patches, proj, spec.image_tokens,
-                   h * lc["vocab_size"], 3 * patch * patch * vh, extra)
+        return cls(
+            llm_linear,
+            layers,
+            q,
+            vision_linear,
+            vc["num_hidden_layers"],
+            vh,
+            patches,
+            proj,
+            spec.image_tokens,
+            h * lc["vocab_size"],
+            3 * patch * patch * vh,
+            extra,
+        )
 
     @classmethod
-    def from_native(cls, spec: Any) -> "FlopModel":
+    def from_native(cls, spec: Any) -> FlopModel:
         """The coefficients of a native transformers VLM class (a native.NativeSpec)."""
         lc, vc = spec.text_config, spec.vision_config
         h, inter, layers = lc["hidden_size"], lc["intermediate_size"], lc["num_hidden_layers"]
@@ -148,8 +161,18 @@ class FlopModel:
             embed = vc.get("num_channels", 3) * p * p * vh
             proj = vh * h + h * h
         vision_linear = spec.vision_layers * (4 * vh * vh + 2 * vh * vinter) + embed
-        return cls(llm_linear, layers, q, vision_linear, spec.vision_layers, vh, spec.patches, proj,
-                   spec.image_tokens, h * lc["vocab_size"])
+        return cls(
+            llm_linear,
+            layers,
+            q,
+            vision_linear,
+            spec.vision_layers,
+            vh,
+            spec.patches,
+            proj,
+            spec.image_tokens,
+            h * lc["vocab_size"],
+        )
 
     def llm_forward(self, lengths: list[int], head_tokens: int | None = None) -> tuple[float, float]:
         """(linear, attention) forward FLOPs for samples with these real lengths.
@@ -166,11 +189,18 @@ class FlopModel:
     def vision_forward(self, images: int) -> float:
         n = self.vision_patches
         embed_skipped = 2.0 * self.vision_embed_params * self.vision_extra_tokens  # CLS is not a patch
-        return images * (2.0 * self.vision_linear_params * n - embed_skipped
-                         + 4.0 * self.vision_layers * self.vision_dim * n * n)
+        return images * (
+            2.0 * self.vision_linear_params * n - embed_skipped + 4.0 * self.vision_layers * self.vision_dim * n * n
+        )
 
-    def step(self, lengths: list[int], stage: int, vision_cached: bool = False,
-             head_tokens: int | None = None, mode: "Mode | None" = None) -> dict[str, float]:
+    def step(
+        self,
+        lengths: list[int],
+        stage: int,
+        vision_cached: bool = False,
+        head_tokens: int | None = None,
+        mode: Mode | None = None,
+    ) -> dict[str, float]:
         """Model FLOPs of one optimizer step over rows of these real lengths (one image each).
 
         With DPO the rows are the chosen and the rejected row of every pair (2B rows).
@@ -188,8 +218,14 @@ class FlopModel:
         reference = 0.0
         if mode.objective == "dpo" and mode.reference_in_step:  # forward only, on both rows of every pair
             reference = lin + att + vision + 2.0 * self.projector_params * self.image_tokens * len(lengths)
-        return {"llm": llm + adapters, "adapters": adapters, "vision": vision, "projector": projector,
-                "reference": reference, "total": llm + adapters + vision + projector + reference}
+        return {
+            "llm": llm + adapters,
+            "adapters": adapters,
+            "vision": vision,
+            "projector": projector,
+            "reference": reference,
+            "total": llm + adapters + vision + projector + reference,
+        }
 
 
 @dataclass(frozen=True)
@@ -214,8 +250,9 @@ def flop_model(model: str, cfg: dict[str, Any] | None = None) -> FlopModel:
     if is_native(model):
         return FlopModel.from_native(resolve_native(model))
     cfg = cfg or {}
-    return FlopModel.from_spec(resolve(model, cfg.get("vision"), cfg.get("llm"), cfg.get("projector"),
-                                       cfg.get("pixel_shuffle")))
+    return FlopModel.from_spec(
+        resolve(model, cfg.get("vision"), cfg.get("llm"), cfg.get("projector"), cfg.get("pixel_shuffle"))
+    )
 
 
 def describe() -> dict[str, Any]:
@@ -226,12 +263,12 @@ def describe() -> dict[str, Any]:
         "vision": "2*P_vis*N + 4*n_vis*d_vis*N^2 per image, forward only; 0 when features are cached",
         "projector": "4*P_proj*T per image",
         "native_classes": "LLaVA: N=T=patches, MLP projector; Qwen2-VL: N=patches, merger MLP on T=N/4; "
-                          "Idefics3: N=patches, linear on T=N/scale^2 (FlopModel.from_native)",
+        "Idefics3: N=patches, linear on T=N/scale^2 (FlopModel.from_native)",
         "lora": "frozen base: 2 * 2*P_llm*L + 3 * 2*n*d_att*L*(L+1) (no weight-grad GEMMs); adapters: 6 * r*(d_in+d_out) "
-                "per adapted layer per token (forward + input grad + weight grad)",
+        "per adapted layer per token (forward + input grad + weight grad)",
         "dpo": "policy on the chosen and the rejected row of each pair; reference forward on both: "
-               "2*P_llm*L + 2*n*d_att*L*(L+1) + vision + 2*P_proj*T per row (0 when precomputed)",
+        "2*P_llm*L + 2*n*d_att*L*(L+1) + vision + 2*P_proj*T per row (0 when precomputed)",
         "counted_on": "real tokens only; recompute, padding and casts are not model FLOPs; with lm_head_labeled_only "
-                      "the LM head counts the labeled positions it runs on",
+        "the LM head counts the labeled positions it runs on",
         "peak": "dense bf16 tensor-core peak of the device (data sheet)",
     }

@@ -26,6 +26,7 @@ region) it measured 0.81x of bf16 on the H100, the FP8 GEMMs 1.07x faster and th
 a step more (docs/treat.md). The rule `precision-fp8-gemm` prescribes it only for GEMMs four
 times wider than that.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -63,13 +64,17 @@ def check_device(cfg: Any, device: torch.device) -> None:
     """FP8 GEMMs need a CUDA GPU of compute capability 8.9+ and torchao: refused in one line before building."""
     flag = f"--fp8 {cfg.fp8}"
     if device.type != "cuda":
-        raise UsageError(f"{flag}: FP8 GEMMs need a CUDA GPU of compute capability 8.9+ (H100, H200, L40S, "
-                         f"RTX 4090...); this device is the CPU; drop {flag} (or use --fp8 off)")
+        raise UsageError(
+            f"{flag}: FP8 GEMMs need a CUDA GPU of compute capability 8.9+ (H100, H200, L40S, "
+            f"RTX 4090...); this device is the CPU; drop {flag} (or use --fp8 off)"
+        )
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < MIN_CAPABILITY:
         name = torch.cuda.get_device_name(device)
-        raise UsageError(f"{flag}: FP8 GEMMs need compute capability 8.9+ (H100, H200, L40S, RTX 4090...); this "
-                         f"device is {name} ({major}.{minor}); use --fp8 off")
+        raise UsageError(
+            f"{flag}: FP8 GEMMs need compute capability 8.9+ (H100, H200, L40S, RTX 4090...); this "
+            f"device is {name} ({major}.{minor}); use --fp8 off"
+        )
     import_torchao(flag)
 
 
@@ -78,8 +83,9 @@ def import_torchao(flag: str = "--fp8") -> Any:
     try:
         import torchao.float8 as float8
     except Exception as e:
-        raise UsageError(f"{flag} needs torchao, which cannot be imported ({type(e).__name__}); install it with: "
-                         "pip install torchao") from None
+        raise UsageError(
+            f"{flag} needs torchao, which cannot be imported ({type(e).__name__}); install it with: pip install torchao"
+        ) from None
     return float8
 
 
@@ -100,8 +106,14 @@ def convert(llm: nn.Module, recipe: str, pad_inner_dim: bool = False, emulate: b
     float8 = import_torchao(f"--fp8 {recipe}")
     linears = {name: m for name, m in llm.named_modules() if isinstance(m, nn.Linear)}
     skipped = sorted(name for name, m in linears.items() if not fp8_filter(m, name))
-    float8.convert_to_float8_training(llm, module_filter_fn=fp8_filter,
-                                      config=linear_config(recipe, pad_inner_dim, emulate))
+    float8.convert_to_float8_training(
+        llm, module_filter_fn=fp8_filter, config=linear_config(recipe, pad_inner_dim, emulate)
+    )
     converted = sum(1 for m in llm.modules() if type(m).__name__ == "Float8Linear")
-    return {"recipe": recipe, "converted_linear_layers": converted, "skipped_linear_layers": skipped[:20],
-            "skipped_count": len(skipped), "pad_inner_dim": pad_inner_dim}
+    return {
+        "recipe": recipe,
+        "converted_linear_layers": converted,
+        "skipped_linear_layers": skipped[:20],
+        "skipped_count": len(skipped),
+        "pad_inner_dim": pad_inner_dim,
+    }

@@ -3,6 +3,7 @@
 Each part runs inside a `record_function` range (`vlmdoctor::vision`, `::projector`, `::llm`)
 so that trace analysis can attribute GPU time to model parts through the ops that launched it.
 """
+
 from __future__ import annotations
 
 import math
@@ -97,16 +98,23 @@ class VLM(nn.Module):
                 use_cache=False,
             )
 
-    def _labeled_loss(self, embeds: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
-                      loss_index: torch.Tensor, loss_targets: torch.Tensor) -> Any:
+    def _labeled_loss(
+        self,
+        embeds: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        loss_index: torch.Tensor,
+        loss_targets: torch.Tensor,
+    ) -> Any:
         """LM head and cross entropy on the positions that predict a label only.
 
         `loss_index` indexes the flattened (batch, length - 1) positions whose next token is a
         label; the collator computes it on the host, so selecting them costs no device sync. The
         mean over these positions equals transformers' causal-LM loss over the same labels.
         """
-        hidden = self.llm.model(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids,
-                                use_cache=False).last_hidden_state
+        hidden = self.llm.model(
+            inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
         h = hidden[:, :-1].reshape(-1, hidden.shape[-1]).index_select(0, loss_index)
         head = self.llm.get_output_embeddings()
         if self.fused_ce:
@@ -139,7 +147,14 @@ class _Output:
 
 
 def _vision_class(family: str):
-    from transformers import CLIPVisionConfig, CLIPVisionModel, Dinov2Config, Dinov2Model, SiglipVisionConfig, SiglipVisionModel
+    from transformers import (
+        CLIPVisionConfig,
+        CLIPVisionModel,
+        Dinov2Config,
+        Dinov2Model,
+        SiglipVisionConfig,
+        SiglipVisionModel,
+    )
 
     return {
         "siglip": (SiglipVisionModel, SiglipVisionConfig),
@@ -175,7 +190,9 @@ def build_model(
             vision = vcls._from_config(vcfg, attn_implementation=vattn, dtype=dtype)
             lcfg = _llm_config(spec.llm["family"], spec.llm["config"])
             llm = AutoModelForCausalLM.from_config(lcfg, attn_implementation=lattn, dtype=dtype)
-        projector = Projector(spec.vision["config"]["hidden_size"], spec.projector_out, spec.pixel_shuffle, spec.projector)
+        projector = Projector(
+            spec.vision["config"]["hidden_size"], spec.projector_out, spec.pixel_shuffle, spec.projector
+        )
         projector.to(dtype)
     llm.config.use_cache = False
     return VLM(spec, vision, projector, llm)
@@ -201,8 +218,9 @@ def vision_attn_implementation(attention: str) -> str:
     return "eager" if attention == "eager" else "sdpa"
 
 
-def _load_pretrained(spec: ModelSpec, vcls, attn: tuple[str, str], dtype: torch.dtype,
-                     device) -> tuple[nn.Module, nn.Module]:
+def _load_pretrained(
+    spec: ModelSpec, vcls, attn: tuple[str, str], dtype: torch.dtype, device
+) -> tuple[nn.Module, nn.Module]:
     from transformers import AutoModelForCausalLM
 
     for part in (spec.vision, spec.llm):
@@ -262,8 +280,17 @@ def catalogue() -> list[dict[str, Any]]:
     for name, p in presets().items():
         spec = resolve(name)
         counts = param_counts(build_model(spec, device="meta"))
-        rows.append({"kind": "preset", "name": name, "params": counts["total"], "image_tokens": spec.image_tokens,
-                     "head_dim": f"{spec.vision_head_dim}/{spec.llm_head_dim}", "notes": p["about"], "counts": counts})
+        rows.append(
+            {
+                "kind": "preset",
+                "name": name,
+                "params": counts["total"],
+                "image_tokens": spec.image_tokens,
+                "head_dim": f"{spec.vision_head_dim}/{spec.llm_head_dim}",
+                "notes": p["about"],
+                "counts": counts,
+            }
+        )
     from vlmdoctor.run.native import native_catalogue
 
     rows += native_catalogue()  # native transformers classes: layers, hidden, heads and head dim as vision/LLM
@@ -271,14 +298,31 @@ def catalogue() -> list[dict[str, Any]]:
     for name, v in vision_specs().items():
         spec = ModelSpec("-", v, tiny.llm, "linear", 1)
         c = v["config"]
-        rows.append({"kind": "vision", "name": name, "params": param_counts(build_model(spec, device="meta"))["vision"],
-                     "layers": c["num_hidden_layers"], "hidden": c["hidden_size"], "heads": c["num_attention_heads"],
-                     "head_dim": spec.vision_head_dim, "notes": f"{v['input_size']}px, {spec.patch_grid}x{spec.patch_grid} patches"})
+        rows.append(
+            {
+                "kind": "vision",
+                "name": name,
+                "params": param_counts(build_model(spec, device="meta"))["vision"],
+                "layers": c["num_hidden_layers"],
+                "hidden": c["hidden_size"],
+                "heads": c["num_attention_heads"],
+                "head_dim": spec.vision_head_dim,
+                "notes": f"{v['input_size']}px, {spec.patch_grid}x{spec.patch_grid} patches",
+            }
+        )
     for name, lspec in llm_specs().items():
         spec = ModelSpec("-", tiny.vision, lspec, "linear", 1)
         c = lspec["config"]
-        rows.append({"kind": "llm", "name": name, "params": param_counts(build_model(spec, device="meta"))["llm"],
-                     "layers": c["num_hidden_layers"], "hidden": c["hidden_size"],
-                     "heads": f"{c['num_attention_heads']}/{c['num_key_value_heads']}", "head_dim": spec.llm_head_dim,
-                     "notes": f"vocab {c['vocab_size']}" + (", tied" if c.get("tie_word_embeddings") else "")})
+        rows.append(
+            {
+                "kind": "llm",
+                "name": name,
+                "params": param_counts(build_model(spec, device="meta"))["llm"],
+                "layers": c["num_hidden_layers"],
+                "hidden": c["hidden_size"],
+                "heads": f"{c['num_attention_heads']}/{c['num_key_value_heads']}",
+                "head_dim": spec.llm_head_dim,
+                "notes": f"vocab {c['vocab_size']}" + (", tied" if c.get("tie_word_embeddings") else ""),
+            }
+        )
     return rows

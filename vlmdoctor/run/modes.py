@@ -24,11 +24,13 @@ What each mode runs (docs/modes.md has the FLOP counts and the rules that read t
          forgets `torch.no_grad()` does: the copy's weights still require grad, so the reference
          builds a graph, keeps its activations, and the loss's backward runs through it.
 """
+
 from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -56,22 +58,32 @@ def check_mode_knobs(cfg: Any, source: str = "config") -> None:
     """Combinations of mode knobs that mean nothing, refused with one line (no hardware checks here)."""
     where = "" if source == "command line" else f"{source}: "
     if cfg.train != "full" and cfg.stage == 1:
-        raise UsageError(f"{where}--train {cfg.train} adapts the LLM, but stage 1 trains the projector only; use "
-                         "--stage 2 (LoRA on the LLM + a fully trainable projector)")
+        raise UsageError(
+            f"{where}--train {cfg.train} adapts the LLM, but stage 1 trains the projector only; use "
+            "--stage 2 (LoRA on the LLM + a fully trainable projector)"
+        )
     names = target_names(cfg.lora_targets)
     if not names or any(not n.replace("_", "").replace(".", "").isalnum() for n in names):
-        raise UsageError(f"{where}lora_targets={cfg.lora_targets!r}: give attention, attention_mlp or a comma list "
-                         "of module names (q_proj,v_proj)")
+        raise UsageError(
+            f"{where}lora_targets={cfg.lora_targets!r}: give attention, attention_mlp or a comma list "
+            "of module names (q_proj,v_proj)"
+        )
     if cfg.optimizer != "adamw" and cfg.fused_optimizer:
-        raise UsageError(f"{where}--fused-optimizer is torch's fused AdamW; it does not combine with "
-                         f"--optimizer {cfg.optimizer}")
+        raise UsageError(
+            f"{where}--fused-optimizer is torch's fused AdamW; it does not combine with --optimizer {cfg.optimizer}"
+        )
     if cfg.objective == "dpo":
-        for knob, flag in (("packing", "--packing"), ("lm_head_labeled_only", "--lm-head-labeled-only"),
-                           ("liger_fused_linear_cross_entropy", "--liger-fused-ce"),
-                           ("cache_vision_features", "--cache-vision-features")):
+        for knob, flag in (
+            ("packing", "--packing"),
+            ("lm_head_labeled_only", "--lm-head-labeled-only"),
+            ("liger_fused_linear_cross_entropy", "--liger-fused-ce"),
+            ("cache_vision_features", "--cache-vision-features"),
+        ):
             if getattr(cfg, knob):
-                raise UsageError(f"{where}{flag} is for the SFT loss; --objective dpo needs per-row log-probs of "
-                                 "full logits (drop the flag)")
+                raise UsageError(
+                    f"{where}{flag} is for the SFT loss; --objective dpo needs per-row log-probs of "
+                    "full logits (drop the flag)"
+                )
 
 
 def check_mode_device(cfg: Any, device: torch.device) -> None:
@@ -79,20 +91,26 @@ def check_mode_device(cfg: Any, device: torch.device) -> None:
     needs_bnb = [f"--train {cfg.train}"] if cfg.train == "qlora" else []
     needs_bnb += [f"--optimizer {cfg.optimizer}"] if cfg.optimizer != "adamw" else []
     if needs_bnb and device.type != "cuda":
-        raise UsageError(f"{' and '.join(needs_bnb)}: bitsandbytes' CUDA kernels, which run on a CUDA GPU only; "
-                         "on CPU use --train lora and --optimizer adamw")
+        raise UsageError(
+            f"{' and '.join(needs_bnb)}: bitsandbytes' CUDA kernels, which run on a CUDA GPU only; "
+            "on CPU use --train lora and --optimizer adamw"
+        )
     if needs_bnb:
         try:
             import bitsandbytes  # noqa: F401
         except Exception as e:
-            raise UsageError(f"{' and '.join(needs_bnb)} need bitsandbytes, which cannot be imported "
-                             f"({type(e).__name__}); install it with: pip install bitsandbytes") from None
+            raise UsageError(
+                f"{' and '.join(needs_bnb)} need bitsandbytes, which cannot be imported "
+                f"({type(e).__name__}); install it with: pip install bitsandbytes"
+            ) from None
     if cfg.train != "full":
         try:
             import peft  # noqa: F401
         except Exception as e:
-            raise UsageError(f"--train {cfg.train} needs peft, which cannot be imported ({type(e).__name__}); "
-                             "install it with: pip install 'vlmdoctor[lora]' (or pip install peft)") from None
+            raise UsageError(
+                f"--train {cfg.train} needs peft, which cannot be imported ({type(e).__name__}); "
+                "install it with: pip install 'vlmdoctor[lora]' (or pip install peft)"
+            ) from None
 
 
 # --- LoRA / QLoRA ------------------------------------------------------------------------------------
@@ -114,9 +132,15 @@ def quantize_nf4(llm: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> int:
         for child_name, child in list(module.named_children()):
             if not isinstance(child, nn.Linear) or child_name in skip:
                 continue
-            q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
-                                  compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4",
-                                  device="cpu")
+            q = bnb.nn.Linear4bit(
+                child.in_features,
+                child.out_features,
+                bias=child.bias is not None,
+                compute_dtype=torch.bfloat16,
+                compress_statistics=True,
+                quant_type="nf4",
+                device="cpu",
+            )
             w = child.weight.detach().to("cpu", torch.float16)
             q.weight = bnb.nn.Params4bit(w, requires_grad=False, compress_statistics=True, quant_type="nf4")
             if child.bias is not None:
@@ -139,11 +163,18 @@ def apply_lora(llm: nn.Module, cfg: Any) -> list[str]:
     have = _linear_names(llm) | _bnb_linear_names(llm)
     missing = [n for n in names if n not in have]
     if missing:
-        raise UsageError(f"--lora-targets: the LLM has no linear layer named {', '.join(missing)}; its linear "
-                         f"layers: {', '.join(sorted(have))}")
+        raise UsageError(
+            f"--lora-targets: the LLM has no linear layer named {', '.join(missing)}; its linear "
+            f"layers: {', '.join(sorted(have))}"
+        )
     llm.requires_grad_(False)
-    lcfg = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=list(names), bias="none")
+    lcfg = LoraConfig(
+        r=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=list(names),
+        bias="none",
+    )
     inject_adapter_in_model(lcfg, llm)
     adapted = [n for n, m in llm.named_modules() if _is_lora_layer(m)]
     for n, p in llm.named_parameters():
@@ -189,8 +220,15 @@ def expected_adapter_params(llm_config: dict[str, Any], head_dim: int, targets: 
     """r * (d_in + d_out) summed over the adapted projections, from the LLM config; None for unknown names."""
     h, inter, n = llm_config["hidden_size"], llm_config["intermediate_size"], llm_config["num_hidden_layers"]
     q, kv = llm_config["num_attention_heads"] * head_dim, llm_config["num_key_value_heads"] * head_dim
-    dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    dims = {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, inter),
+        "up_proj": (h, inter),
+        "down_proj": (inter, h),
+    }
     names = target_names(targets)
     if any(x not in dims for x in names):
         return None
@@ -217,13 +255,21 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return (logp * mask).sum(dim=1)
 
 
-def dpo_loss(pi_chosen: torch.Tensor, pi_rejected: torch.Tensor, ref_chosen: torch.Tensor,
-             ref_rejected: torch.Tensor, beta: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def dpo_loss(
+    pi_chosen: torch.Tensor,
+    pi_rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    beta: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """-log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r))), averaged over pairs; metrics stay on the device."""
     margin = (pi_chosen - ref_chosen) - (pi_rejected - ref_rejected)
     logits = beta * margin
     loss = -F.logsigmoid(logits).mean()
-    return loss, {"reward_margin": beta * margin.detach().mean(), "accuracy": (logits.detach() > 0).float().mean()}
+    return loss, {
+        "reward_margin": beta * margin.detach().mean(),
+        "accuracy": (logits.detach() > 0).float().mean(),
+    }
 
 
 class Reference:
@@ -235,8 +281,9 @@ class Reference:
         if self.shared:  # the policy's own base, adapters off; the projector from a frozen snapshot
             self.model = vlm
             prefix = _module_prefix(vlm, projector) if projector is not None else None
-            self.snapshot = {} if prefix is None else {
-                f"{prefix}{n}": p.detach().clone() for n, p in projector.named_parameters()}
+            self.snapshot = (
+                {} if prefix is None else {f"{prefix}{n}": p.detach().clone() for n, p in projector.named_parameters()}
+            )
         else:
             self.model = copy.deepcopy(vlm)
             self.model.to({"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.dpo_reference_dtype])
@@ -257,8 +304,7 @@ class Reference:
         off = adapters_disabled(self.model) if self.shared else contextlib.nullcontext()
         with torch.profiler.record_function(REFERENCE_RANGE), grad, off, _eval(self.model):
             if self.snapshot:
-                out = torch.func.functional_call(self.model, self.snapshot, (), {**batch, "labels": None},
-                                                 strict=False)
+                out = torch.func.functional_call(self.model, self.snapshot, (), {**batch, "labels": None}, strict=False)
             else:
                 out = self.model(**batch, labels=None)
             return sequence_logps(out.logits, labels)

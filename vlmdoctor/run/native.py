@@ -17,6 +17,7 @@ way), and `NativeVLM.forward` turns the collated batch into the inputs the class
 Parts are found with parts.find_parts and marked with parts.mark_parts, so traces carry the same
 `vlmdoctor::vision|projector|llm` ranges as the composite model's.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,9 +31,16 @@ from torch import nn
 
 from vlmdoctor.errors import UsageError
 from vlmdoctor.run.parts import find_parts, mark_parts
-from vlmdoctor.run.zoo import llm_specs, loading_checkpoints, native_presets, refuse_composite_only, vision_specs
+from vlmdoctor.run.zoo import (
+    llm_specs,
+    loading_checkpoints,
+    native_presets,
+    refuse_composite_only,
+    vision_specs,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
 
 def is_native(model: str) -> bool:
     return model in native_presets()
@@ -138,8 +146,12 @@ def resolve_native(model: str) -> NativeSpec:
         config["image_token_index"] = lspec["special_tokens"]["image_pad"]
         image_tokens = (v["input_size"] // v["config"]["patch_size"]) ** 2
         config["image_seq_length"] = image_tokens
-        llm = {"name": lspec["name"], "special_tokens": lspec["special_tokens"],
-               "text_token_range": lspec["text_token_range"], "config": lspec["config"]}
+        llm = {
+            "name": lspec["name"],
+            "special_tokens": lspec["special_tokens"],
+            "text_token_range": lspec["text_token_range"],
+            "config": lspec["config"],
+        }
         vision = {"name": v["name"], "input_size": v["input_size"], "config": v["config"]}
         return NativeSpec(model, cls_name, entry.get("hub_id"), config, llm, vision, image_tokens, entry["about"])
     size = entry["input_size"]
@@ -147,9 +159,15 @@ def resolve_native(model: str) -> NativeSpec:
     grid = size // vc["patch_size"]
     merge = vc["spatial_merge_size"] if cls_name.startswith("Qwen2VL") else config["scale_factor"]
     if size % vc["patch_size"] or grid % merge:
-        raise UsageError(f"{model}: {size}px is not a whole number of {merge}x{merge} groups of {vc['patch_size']}px patches")
-    llm = {"name": f"{model} text model", "special_tokens": entry["special_tokens"],
-           "text_token_range": entry["text_token_range"], "config": config["text_config"]}
+        raise UsageError(
+            f"{model}: {size}px is not a whole number of {merge}x{merge} groups of {vc['patch_size']}px patches"
+        )
+    llm = {
+        "name": f"{model} text model",
+        "special_tokens": entry["special_tokens"],
+        "text_token_range": entry["text_token_range"],
+        "config": config["text_config"],
+    }
     vision = {"name": f"{model} vision tower", "input_size": size, "config": vc}
     return NativeSpec(model, cls_name, entry.get("hub_id"), config, llm, vision, (grid // merge) ** 2, entry["about"])
 
@@ -157,8 +175,11 @@ def resolve_native(model: str) -> NativeSpec:
 def _classes(cls_name: str) -> tuple[type, type]:
     import transformers
 
-    config_cls = {"LlavaForConditionalGeneration": "LlavaConfig", "Qwen2VLForConditionalGeneration": "Qwen2VLConfig",
-                  "Idefics3ForConditionalGeneration": "Idefics3Config"}[cls_name]
+    config_cls = {
+        "LlavaForConditionalGeneration": "LlavaConfig",
+        "Qwen2VLForConditionalGeneration": "Qwen2VLConfig",
+        "Idefics3ForConditionalGeneration": "Idefics3Config",
+    }[cls_name]
     return getattr(transformers, cls_name), getattr(transformers, config_cls)
 
 
@@ -171,8 +192,10 @@ def check_native(cfg: Any, spec: NativeSpec, device: torch.device) -> None:
     """Knobs the native classes cannot honour: one clear line each, before anything is built."""
     refuse_composite_only(cfg.model, cfg.to_dict())
     if cfg.data != "synthetic":
-        raise UsageError(f"--data FILE is not supported for the native preset {spec.preset!r} yet: its tokens come "
-                         "from the synthetic length model; use --data synthetic or a composite preset")
+        raise UsageError(
+            f"--data FILE is not supported for the native preset {spec.preset!r} yet: its tokens come "
+            "from the synthetic length model; use --data synthetic or a composite preset"
+        )
     if cfg.weights == "pretrained" and not spec.hub_id:
         raise UsageError(f"{spec.preset} has no published checkpoint; use --weights random")
 
@@ -212,15 +235,26 @@ class NativeVLM(nn.Module):
         if _contains(self.parts["vision"], self.parts["projector"]):
             self._no_grad_hooks += _grad_mode_hooks(self.parts["projector"], True)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, pixel_values: torch.Tensor | None = None) -> Any:
-        kwargs: dict[str, Any] = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask,
-                                  "use_cache": False}
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+    ) -> Any:
+        kwargs: dict[str, Any] = {
+            "input_ids": input_ids,
+            "labels": labels,
+            "attention_mask": attention_mask,
+            "use_cache": False,
+        }
         name = self.spec.cls_name
         if name.startswith("Qwen2VL"):
             vc = self.spec.vision_config
             kwargs["pixel_values"], kwargs["image_grid_thw"] = qwen2vl_patches(
-                pixel_values, vc["patch_size"], vc["temporal_patch_size"], vc["spatial_merge_size"])
+                pixel_values, vc["patch_size"], vc["temporal_patch_size"], vc["spatial_merge_size"]
+            )
             # position ids: the model builds its 3-D multimodal RoPE positions from the token types and the
             # grid; the types are what the processor returns (1 on image tokens, 0 on text)
             kwargs["mm_token_type_ids"] = (input_ids == self.spec.config["image_token_id"]).int()
@@ -270,8 +304,13 @@ def qwen2vl_patches(pixels: torch.Tensor, patch: int, temporal: int, merge: int)
     return flat, grid
 
 
-def build_native(spec: NativeSpec, weight_dtype: str = "fp32", attention: str = "sdpa", weights: str = "random",
-                 device: str | torch.device = "cpu") -> NativeVLM:
+def build_native(
+    spec: NativeSpec,
+    weight_dtype: str = "fp32",
+    attention: str = "sdpa",
+    weights: str = "random",
+    device: str | torch.device = "cpu",
+) -> NativeVLM:
     """Random weights from the shipped config, or the class's `from_pretrained` when asked and reachable."""
     cls, _ = _classes(spec.cls_name)
     dtype = DTYPES[weight_dtype]
@@ -289,8 +328,10 @@ def build_native(spec: NativeSpec, weight_dtype: str = "fp32", attention: str = 
     except ValueError as e:  # e.g. Qwen2VLTextModel: "does not support ... flex_attention" (transformers 5.23)
         if attention != "flex" or "flex_attention" not in str(e):
             raise
-        raise UsageError(f"transformers cannot run {spec.cls_name}'s language model on FlexAttention "
-                         f"({str(e).split('.')[0]}); use --attention sdpa") from None
+        raise UsageError(
+            f"transformers cannot run {spec.cls_name}'s language model on FlexAttention "
+            f"({str(e).split('.')[0]}); use --attention sdpa"
+        ) from None
     hf.config.use_cache = False
     return NativeVLM(spec, hf)
 
@@ -334,8 +375,9 @@ def apply_native_liger(model: NativeVLM, cfg: Any) -> None:
     if name.startswith("Llava"):
         lk.apply_liger_kernel_to_llava(cross_entropy=False, fused_linear_cross_entropy=fce, model=hf, **flags)
     elif name.startswith("Qwen2VL"):
-        lk.apply_liger_kernel_to_qwen2_vl(cross_entropy=False, fused_linear_cross_entropy=fce, layer_norm=False,
-                                          model=hf, **flags)
+        lk.apply_liger_kernel_to_qwen2_vl(
+            cross_entropy=False, fused_linear_cross_entropy=fce, layer_norm=False, model=hf, **flags
+        )
     else:
         _liger_idefics3(hf, fce, flags)
 
@@ -351,8 +393,9 @@ def _liger_idefics3(hf: nn.Module, fce: bool, flags: dict[str, bool]) -> None:
     """
     import liger_kernel.transformers as lk
 
-    lk.apply_liger_kernel_to_llama(cross_entropy=False, fused_linear_cross_entropy=False, model=hf.model.text_model,
-                                   **flags)
+    lk.apply_liger_kernel_to_llama(
+        cross_entropy=False, fused_linear_cross_entropy=False, model=hf.model.text_model, **flags
+    )
     if fce:
         from liger_kernel.transformers.model.smolvlm import lce_forward
 
@@ -371,8 +414,13 @@ def native_param_counts(model: NativeVLM) -> dict[str, int]:
         return sum(every[i].numel() for i in ids if i in every and (every[i].requires_grad or not trainable))
 
     llm = set(every) - proj - vision
-    return {"vision": count(vision), "projector": count(proj), "llm": count(llm), "total": count(set(every)),
-            "trainable": count(set(every), trainable=True)}
+    return {
+        "vision": count(vision),
+        "projector": count(proj),
+        "llm": count(llm),
+        "total": count(set(every)),
+        "trainable": count(set(every), trainable=True),
+    }
 
 
 def native_catalogue() -> list[dict[str, Any]]:
@@ -381,13 +429,21 @@ def native_catalogue() -> list[dict[str, Any]]:
     for name in native_presets():
         spec = resolve_native(name)
         counts = native_param_counts(build_native(spec, device="meta"))
-        rows.append({"kind": "native", "name": name, "params": counts["total"], "image_tokens": spec.image_tokens,
-                     "layers": f"{spec.vision_layers}/{spec.text_config['num_hidden_layers']}",
-                     "hidden": f"{spec.vision_hidden}/{spec.text_config['hidden_size']}",
-                     "heads": f"{spec.vision_heads}/{spec.text_config['num_attention_heads']}",
-                     "head_dim": f"{spec.vision_head_dim}/{spec.llm_head_dim}",
-                     "notes": f"{spec.cls_name.removesuffix('ForConditionalGeneration')}, {spec.image_tokens} image tokens",
-                     "about": spec.about, "counts": counts})
+        rows.append(
+            {
+                "kind": "native",
+                "name": name,
+                "params": counts["total"],
+                "image_tokens": spec.image_tokens,
+                "layers": f"{spec.vision_layers}/{spec.text_config['num_hidden_layers']}",
+                "hidden": f"{spec.vision_hidden}/{spec.text_config['hidden_size']}",
+                "heads": f"{spec.vision_heads}/{spec.text_config['num_attention_heads']}",
+                "head_dim": f"{spec.vision_head_dim}/{spec.llm_head_dim}",
+                "notes": f"{spec.cls_name.removesuffix('ForConditionalGeneration')}, {spec.image_tokens} image tokens",
+                "about": spec.about,
+                "counts": counts,
+            }
+        )
     return rows
 
 

@@ -6,10 +6,12 @@ found by attribute name and class (LLaVA, Qwen2-VL / Qwen2.5-VL, Idefics3 / Smol
 and common custom names), and `mark_parts` puts the same ranges around them with forward hooks.
 A model that matches none falls back to its largest direct submodules, labelled by name.
 """
+
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 from torch.profiler import record_function
@@ -20,21 +22,57 @@ PARTS = ("vision", "projector", "llm")
 PART_PATHS: dict[str, tuple[str, ...]] = {
     # Qwen2-VL keeps its patch merger (the projector) inside `visual`: the merger is listed first so
     # that its hook nests inside the vision range and its time goes to the projector
-    "projector": ("model.visual.merger", "visual.merger", "model.multi_modal_projector", "multi_modal_projector",
-                  "model.connector", "connector", "mm_projector", "model.mm_projector", "projector",
-                  "vision_proj", "model.vision_proj"),
-    "vision": ("model.vision_tower", "vision_tower", "model.visual", "visual", "model.vision_model", "vision_model",
-               "vision_encoder", "model.vision_encoder", "vision", "visual_encoder", "image_encoder"),
-    "llm": ("model.language_model", "language_model", "model.text_model", "text_model", "llm", "lm",
-            "language_model.model", "text_decoder", "decoder"),
+    "projector": (
+        "model.visual.merger",
+        "visual.merger",
+        "model.multi_modal_projector",
+        "multi_modal_projector",
+        "model.connector",
+        "connector",
+        "mm_projector",
+        "model.mm_projector",
+        "projector",
+        "vision_proj",
+        "model.vision_proj",
+    ),
+    "vision": (
+        "model.vision_tower",
+        "vision_tower",
+        "model.visual",
+        "visual",
+        "model.vision_model",
+        "vision_model",
+        "vision_encoder",
+        "model.vision_encoder",
+        "vision",
+        "visual_encoder",
+        "image_encoder",
+    ),
+    "llm": (
+        "model.language_model",
+        "language_model",
+        "model.text_model",
+        "text_model",
+        "llm",
+        "lm",
+        "language_model.model",
+        "text_decoder",
+        "decoder",
+    ),
 }
 
 #: class-name patterns, for traces recorded with `with_modules`/`with_stack` (`nn.Module: SiglipVisionModel_0`)
 CLASS_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("projector", re.compile(r"(Projector|Connector|PatchMerger|Merger|Resampler|Adapter)(_\d+)?$", re.I)),
     ("vision", re.compile(r"(Vision|Visual|ViT|Siglip|Clip(?!Text)|Dinov2|ImageEncoder|PatchEmbed)", re.I)),
-    ("llm", re.compile(r"(TextModel|Qwen\d?(_\d)?Model|Qwen\d?VLTextModel|LlamaModel|MistralModel|GemmaModel|"
-                       r"Gemma\d?Model|Phi\d?Model|SmolLM|CausalLM|DecoderLayer|LanguageModel)", re.I)),
+    (
+        "llm",
+        re.compile(
+            r"(TextModel|Qwen\d?(_\d)?Model|Qwen\d?VLTextModel|LlamaModel|MistralModel|GemmaModel|"
+            r"Gemma\d?Model|Phi\d?Model|SmolLM|CausalLM|DecoderLayer|LanguageModel)",
+            re.I,
+        ),
+    ),
 )
 
 

@@ -6,6 +6,7 @@ job's numbers (they are all-gathered); local rank 0 of each node writes the job'
 DIR/report.json, for the `vlmdoctor profile` process that launched that node's ranks. A rank whose run fails writes DIR/report_rank<R>.json and exits with
 the run's exit code, so that torchrun stops the other ranks (they would wait for it forever).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,15 @@ def main(argv: list[str] | None = None) -> int:
         trace = TraceOptions(**json.loads(args.trace)) if args.trace else None
         report = run_profile(cfg, trace=trace)
     except VlmdoctorError as e:
-        write(f"report_rank{rank}.json", {"schema_version": SCHEMA_VERSION, "status": "usage_error", "rank": rank,
-                                          "error": {"type": "UsageError", "message": str(e), "rank": rank}})
+        write(
+            f"report_rank{rank}.json",
+            {
+                "schema_version": SCHEMA_VERSION,
+                "status": "usage_error",
+                "rank": rank,
+                "error": {"type": "UsageError", "message": str(e), "rank": rank},
+            },
+        )
         return getattr(e, "exit_code", EXIT_USAGE)
     code = exit_code(report)
     if "distributed" in report:  # every rank reached the gather and holds the job's numbers

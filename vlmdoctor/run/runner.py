@@ -8,6 +8,7 @@ Every timed step is a full optimizer step: data fetch, host-to-device copy, forw
 and a real AdamW update (the seed's benchmark left the optimizer out), followed by a device
 synchronize so that wall time is what the GPU really took.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,22 +23,36 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
 from vlmdoctor import SCHEMA_VERSION, __version__
-from vlmdoctor.run import distributed, envinfo, flops
+from vlmdoctor.errors import EXIT_FAILED_RUN, EXIT_NAN, EXIT_OK, EXIT_OOM, UsageError
+from vlmdoctor.run import distributed, envinfo, flops, fp8, modes, native
 from vlmdoctor.run.capture import TraceOptions, capture, trace_path
 from vlmdoctor.run.compile import compile_vlm, compiled, graphs_compiled, mark_lengths_dynamic
 from vlmdoctor.run.config import RunConfig
-from vlmdoctor.run.data import BatchSampler, Collator, LlavaFile, PairCollator, PreferenceFile, SyntheticPairs, SyntheticVQA
-from vlmdoctor.run import fp8, modes
-from vlmdoctor.errors import EXIT_FAILED_RUN, EXIT_NAN, EXIT_OK, EXIT_OOM, UsageError
-from vlmdoctor.run import native
-from vlmdoctor.run.model import VLM, apply_stage, build_model, enable_gradient_checkpointing, enable_input_require_grads, param_counts
+from vlmdoctor.run.data import (
+    BatchSampler,
+    Collator,
+    LlavaFile,
+    PairCollator,
+    PreferenceFile,
+    SyntheticPairs,
+    SyntheticVQA,
+)
+from vlmdoctor.run.model import (
+    VLM,
+    apply_stage,
+    build_model,
+    enable_gradient_checkpointing,
+    enable_input_require_grads,
+    param_counts,
+)
 from vlmdoctor.run.zoo import ModelSpec, resolve
 
 Progress = Callable[[str, int, int], None]
@@ -53,12 +68,16 @@ def resolve_device(cfg: RunConfig) -> torch.device:
     """auto -> the GPU when there is one; a GPU preset without a GPU is a user error with a hint."""
     has_gpu = torch.cuda.is_available()
     if cfg.device == "cuda" and not has_gpu:
-        raise UsageError("--device cuda asked for, but no CUDA GPU is visible; run on CPU with: "
-                         "vlmdoctor profile --model tiny --device cpu")
+        raise UsageError(
+            "--device cuda asked for, but no CUDA GPU is visible; run on CPU with: "
+            "vlmdoctor profile --model tiny --device cpu"
+        )
     if cfg.device == "auto" and not has_gpu:
         if cfg.model != "tiny" and not cfg.model.startswith("tiny-"):
-            raise UsageError(f"no CUDA GPU found for the {cfg.model!r} preset; to run on CPU use: "
-                             "vlmdoctor profile --model tiny --device cpu (or pass --device cpu to force this preset)")
+            raise UsageError(
+                f"no CUDA GPU found for the {cfg.model!r} preset; to run on CPU use: "
+                "vlmdoctor profile --model tiny --device cpu (or pass --device cpu to force this preset)"
+            )
         return torch.device("cpu")
     return torch.device("cuda" if cfg.device in ("auto", "cuda") else "cpu")
 
@@ -72,44 +91,63 @@ def preflight(cfg: RunConfig, spec: ModelSpec | native.NativeSpec, device: torch
         fp8.check_device(cfg, device)
     if cfg.uses_liger:
         if device.type != "cuda":
-            raise UsageError("Liger kernels are Triton GPU kernels and cannot run on the CPU; drop the --liger-* flags "
-                             "or run on a CUDA GPU")
+            raise UsageError(
+                "Liger kernels are Triton GPU kernels and cannot run on the CPU; drop the --liger-* flags "
+                "or run on a CUDA GPU"
+            )
         if isinstance(spec, ModelSpec) and spec.llm["family"] not in ("qwen2", "llama"):
             raise UsageError(f"Liger patches exist for qwen2 and llama LLMs, not {spec.llm['family']}")
         try:
             import liger_kernel.transformers  # noqa: F401
         except Exception as e:
-            raise UsageError(f"Liger asked for but liger-kernel cannot be imported ({type(e).__name__}: {e}); "
-                             "install it with: pip install liger-kernel") from None
+            raise UsageError(
+                f"Liger asked for but liger-kernel cannot be imported ({type(e).__name__}: {e}); "
+                "install it with: pip install liger-kernel"
+            ) from None
     if cfg.unsloth:
         check_unsloth(cfg, spec, device)
     if cfg.parallel != "none" and (cfg.train != "full" or cfg.objective != "sft"):
-        raise UsageError(f"--train {cfg.train} --objective {cfg.objective} runs in one process for now; drop "
-                         f"--parallel {cfg.parallel} (LoRA, QLoRA and DPO under DDP/FSDP2 are not built yet)")
+        raise UsageError(
+            f"--train {cfg.train} --objective {cfg.objective} runs in one process for now; drop "
+            f"--parallel {cfg.parallel} (LoRA, QLoRA and DPO under DDP/FSDP2 are not built yet)"
+        )
     if cfg.compile_vision != "model":
         if cfg.parallel != "none":
-            raise UsageError(f"--compile-vision {cfg.compile_vision} compiles the tower of one unwrapped model; with "
-                             f"--parallel {cfg.parallel} use --compile (and --compile-regions) instead")
+            raise UsageError(
+                f"--compile-vision {cfg.compile_vision} compiles the tower of one unwrapped model; with "
+                f"--parallel {cfg.parallel} use --compile (and --compile-regions) instead"
+            )
         if isinstance(spec, native.NativeSpec):
-            raise UsageError(f"--compile-vision {cfg.compile_vision} compiles the composite model's tower on its own; "
-                             f"the native preset {cfg.model!r} is compiled as one module: drop it")
+            raise UsageError(
+                f"--compile-vision {cfg.compile_vision} compiles the composite model's tower on its own; "
+                f"the native preset {cfg.model!r} is compiled as one module: drop it"
+            )
         if cfg.cache_vision_features:
-            raise UsageError(f"--compile-vision {cfg.compile_vision} compiles the tower, but --cache-vision-features "
-                             "takes the tower out of the step; drop one of them")
+            raise UsageError(
+                f"--compile-vision {cfg.compile_vision} compiles the tower, but --cache-vision-features "
+                "takes the tower out of the step; drop one of them"
+            )
     if cfg.compile == "reduce-overhead" and device.type != "cuda":
-        raise UsageError("--compile reduce-overhead uses CUDA graphs, which exist only on CUDA; use --compile default "
-                         "on CPU")
+        raise UsageError(
+            "--compile reduce-overhead uses CUDA graphs, which exist only on CUDA; use --compile default on CPU"
+        )
     if cfg.attention in GPU_ONLY_ATTENTION and device.type != "cuda":
         raise UsageError(f"the {cfg.attention!r} SDPA backend exists only on CUDA; use sdpa, math or eager on CPU")
     if cfg.attention == "flex" and device.type != "cuda":
-        raise UsageError(f"--attention flex trains only on CUDA: FlexAttention has no backward on {device.type} "
-                         f"(torch {torch.__version__.split('+')[0]}); use --attention sdpa here")
+        raise UsageError(
+            f"--attention flex trains only on CUDA: FlexAttention has no backward on {device.type} "
+            f"(torch {torch.__version__.split('+')[0]}); use --attention sdpa here"
+        )
     if cfg.packing and cfg.attention == "eager":
-        raise UsageError("packing runs on SDPA or FlexAttention here, not eager attention (it writes out every "
-                         "row's full score matrix); use --attention flex (it skips the blocks between samples) or sdpa")
+        raise UsageError(
+            "packing runs on SDPA or FlexAttention here, not eager attention (it writes out every "
+            "row's full score matrix); use --attention flex (it skips the blocks between samples) or sdpa"
+        )
     if cfg.data == "synthetic" and cfg.num_samples < cfg.batch_size * cfg.grad_accum * cfg.nproc_per_node:
-        raise UsageError("--num-samples must hold at least one optimizer step of samples"
-                         + (" on every rank" if cfg.nproc_per_node > 1 else ""))
+        raise UsageError(
+            "--num-samples must hold at least one optimizer step of samples"
+            + (" on every rank" if cfg.nproc_per_node > 1 else "")
+        )
     if distributed.is_distributed(cfg):
         distributed.check_launch(cfg, device)
 
@@ -117,7 +155,10 @@ def preflight(cfg: RunConfig, spec: ModelSpec | native.NativeSpec, device: torch
 #: what Unsloth needs importable besides itself (its own imports; docs/unsloth.md lists the full set)
 UNSLOTH_NEEDS = ("unsloth", "unsloth_zoo", "bitsandbytes", "trl", "peft", "accelerate")
 #: LLM families whose class Unsloth patches, and the Unsloth class that patches it
-UNSLOTH_CLASSES = {"llama": ("unsloth.models.llama", "FastLlamaModel"), "qwen2": ("unsloth.models.qwen2", "FastQwen2Model")}
+UNSLOTH_CLASSES = {
+    "llama": ("unsloth.models.llama", "FastLlamaModel"),
+    "qwen2": ("unsloth.models.qwen2", "FastQwen2Model"),
+}
 
 
 def check_unsloth(cfg: RunConfig, spec: ModelSpec | native.NativeSpec, device: torch.device) -> None:
@@ -125,20 +166,27 @@ def check_unsloth(cfg: RunConfig, spec: ModelSpec | native.NativeSpec, device: t
     import importlib.util
 
     if isinstance(spec, native.NativeSpec):
-        raise UsageError(f"--unsloth patches the composite model's LLM class; the native preset {cfg.model!r} is not "
-                         "supported: use a composite preset (0.5b, dino-135m, ...)")
+        raise UsageError(
+            f"--unsloth patches the composite model's LLM class; the native preset {cfg.model!r} is not "
+            "supported: use a composite preset (0.5b, dino-135m, ...)"
+        )
     if spec.llm["family"] not in UNSLOTH_CLASSES:
-        raise UsageError(f"Unsloth's fast path exists here for {', '.join(UNSLOTH_CLASSES)} LLMs, not "
-                         f"{spec.llm['family']}")
+        raise UsageError(
+            f"Unsloth's fast path exists here for {', '.join(UNSLOTH_CLASSES)} LLMs, not {spec.llm['family']}"
+        )
     if device.type != "cuda":
-        raise UsageError("Unsloth needs a CUDA GPU (its kernels are Triton GPU kernels and its import refuses a "
-                         "machine without one); drop --unsloth or run on a CUDA GPU")
+        raise UsageError(
+            "Unsloth needs a CUDA GPU (its kernels are Triton GPU kernels and its import refuses a "
+            "machine without one); drop --unsloth or run on a CUDA GPU"
+        )
     if cfg.weight_dtype != "bf16":
         raise UsageError("Unsloth's fast path trains 16-bit weights; add --weight-dtype bf16 with --unsloth")
     missing = [name for name in UNSLOTH_NEEDS if importlib.util.find_spec(name) is None]
     if missing:
-        raise UsageError(f"--unsloth asked for, but {', '.join(missing)} cannot be imported; install with: "
-                         "pip install unsloth (it brings unsloth_zoo, bitsandbytes, xformers, trl; docs/unsloth.md)")
+        raise UsageError(
+            f"--unsloth asked for, but {', '.join(missing)} cannot be imported; install with: "
+            "pip install unsloth (it brings unsloth_zoo, bitsandbytes, xformers, trl; docs/unsloth.md)"
+        )
 
 
 def apply_unsloth(family: str) -> None:
@@ -158,8 +206,10 @@ def apply_unsloth(family: str) -> None:
 
         getattr(importlib.import_module(module), cls).pre_patch()
     except Exception as e:
-        raise UsageError(f"Unsloth could not be loaded ({type(e).__name__}: {_first_line(e)}); see docs/unsloth.md "
-                         "for the versions it needs") from None
+        raise UsageError(
+            f"Unsloth could not be loaded ({type(e).__name__}: {_first_line(e)}); see docs/unsloth.md "
+            "for the versions it needs"
+        ) from None
 
 
 def resolve_model(cfg: RunConfig) -> ModelSpec | native.NativeSpec:
@@ -204,8 +254,9 @@ class Patient:
 
     def step_flops(self, counts: dict[str, Any]) -> float:
         head = counts["loss_tokens"] if self.cfg.lm_head_labeled_only else None
-        return self.flop_model.step(counts["lengths"], self.cfg.stage, self.cfg.cache_vision_features, head,
-                                    self.flop_mode)["total"]
+        return self.flop_model.step(
+            counts["lengths"], self.cfg.stage, self.cfg.cache_vision_features, head, self.flop_mode
+        )["total"]
 
 
 def _attention_context(backend: str):
@@ -215,8 +266,12 @@ def _attention_context(backend: str):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel(
-        {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-         "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}[backend]
+        {
+            "flash": SDPBackend.FLASH_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "math": SDPBackend.MATH,
+        }[backend]
     )
 
 
@@ -224,8 +279,14 @@ def _apply_liger(vlm: VLM, cfg: RunConfig) -> None:
     from liger_kernel.transformers import apply_liger_kernel_to_llama, apply_liger_kernel_to_qwen2
 
     fn = {"qwen2": apply_liger_kernel_to_qwen2, "llama": apply_liger_kernel_to_llama}[vlm.spec.llm["family"]]
-    fn(rope=cfg.liger_rope, rms_norm=cfg.liger_rms_norm, swiglu=cfg.liger_swiglu, cross_entropy=False,
-       fused_linear_cross_entropy=cfg.liger_fused_linear_cross_entropy, model=vlm.llm)
+    fn(
+        rope=cfg.liger_rope,
+        rms_norm=cfg.liger_rms_norm,
+        swiglu=cfg.liger_swiglu,
+        cross_entropy=False,
+        fused_linear_cross_entropy=cfg.liger_fused_linear_cross_entropy,
+        model=vlm.llm,
+    )
 
 
 def _cycle(loader) -> Iterator[dict[str, Any]]:
@@ -239,14 +300,21 @@ def _batch_sampler(cfg: RunConfig, lengths: list[int], dist: distributed.Dist | 
     if dist is None:
         return BatchSampler(lengths, cfg.batch_size, bucketed, cfg.seed)
     if len(lengths) < cfg.batch_size * dist.world:
-        raise UsageError(f"the data holds {len(lengths)} usable samples, fewer than one batch of {cfg.batch_size} "
-                         f"on each of {dist.world} ranks")
+        raise UsageError(
+            f"the data holds {len(lengths)} usable samples, fewer than one batch of {cfg.batch_size} "
+            f"on each of {dist.world} ranks"
+        )
     inner = BatchSampler(lengths, cfg.batch_size * dist.world, bucketed, cfg.seed)
     return distributed.RankBatches(inner, lengths, dist.rank, dist.world, cfg.balance_tokens)
 
 
-def _finish_model(cfg: RunConfig, vlm: torch.nn.Module, device: torch.device, dist: distributed.Dist | None,
-                  compile_fn: Callable[[torch.nn.Module], torch.nn.Module]) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, Any] | None]:
+def _finish_model(
+    cfg: RunConfig,
+    vlm: torch.nn.Module,
+    device: torch.device,
+    dist: distributed.Dist | None,
+    compile_fn: Callable[[torch.nn.Module], torch.nn.Module],
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, Any] | None]:
     """Wrap for data parallelism (FSDP2 replaces parameters, so before the optimizer), compile, optimizer."""
     info = None
     model: torch.nn.Module = vlm
@@ -261,8 +329,9 @@ def _finish_model(cfg: RunConfig, vlm: torch.nn.Module, device: torch.device, di
     return model, optimizer, info
 
 
-def build_patient(cfg: RunConfig, device: torch.device, progress: Progress = _quiet,
-                  dist: distributed.Dist | None = None) -> Patient:
+def build_patient(
+    cfg: RunConfig, device: torch.device, progress: Progress = _quiet, dist: distributed.Dist | None = None
+) -> Patient:
     spec = resolve_model(cfg)
     preflight(cfg, spec, device)
     torch.manual_seed(cfg.seed)
@@ -295,8 +364,13 @@ def build_patient(cfg: RunConfig, device: torch.device, progress: Progress = _qu
         dataset = (PreferenceFile if dpo else LlavaFile)(cfg.data, cfg.tokenizer, spec, cfg.bad_records)
         pad_id = dataset.ids["pad"]
         vlm.image_pad_id = dataset.ids["image_pad"]
-        data_info = {"source": cfg.data, "records": dataset.stats.records, "skipped": dataset.stats.skipped,
-                     "problems": dataset.stats.problems[:20], "samples": len(dataset)}
+        data_info = {
+            "source": cfg.data,
+            "records": dataset.stats.records,
+            "skipped": dataset.stats.skipped,
+            "problems": dataset.stats.problems[:20],
+            "samples": len(dataset),
+        }
     if len(dataset) < cfg.batch_size:
         raise UsageError(f"the data holds {len(dataset)} usable samples, fewer than one batch of {cfg.batch_size}")
 
@@ -305,22 +379,48 @@ def build_patient(cfg: RunConfig, device: torch.device, progress: Progress = _qu
         progress("caching vision features", 0, 1)
         features = _cache_features(vlm, dataset, cfg, device)
         dataset.with_pixels = False
-    collator = Collator(pad_id, cfg.pad_to_multiple_of, cfg.packing, cfg.pack_length, features, cfg.lm_head_labeled_only)
-    return _assemble(cfg, spec, device, vlm, vlm.projector, dataset, collator, flops.FlopModel.from_spec(spec),
-                     data_info, mode_info, dist)
+    collator = Collator(
+        pad_id, cfg.pad_to_multiple_of, cfg.packing, cfg.pack_length, features, cfg.lm_head_labeled_only
+    )
+    return _assemble(
+        cfg,
+        spec,
+        device,
+        vlm,
+        vlm.projector,
+        dataset,
+        collator,
+        flops.FlopModel.from_spec(spec),
+        data_info,
+        mode_info,
+        dist,
+    )
 
 
-def _assemble(cfg: RunConfig, spec: ModelSpec | native.NativeSpec, device: torch.device, vlm: torch.nn.Module,
-              projector: torch.nn.Module, dataset: Any, collator: Any, flop_model: flops.FlopModel,
-              data_info: dict[str, Any], mode_info: dict[str, Any], dist: distributed.Dist | None) -> Patient:
+def _assemble(
+    cfg: RunConfig,
+    spec: ModelSpec | native.NativeSpec,
+    device: torch.device,
+    vlm: torch.nn.Module,
+    projector: torch.nn.Module,
+    dataset: Any,
+    collator: Any,
+    flop_model: flops.FlopModel,
+    data_info: dict[str, Any],
+    mode_info: dict[str, Any],
+    dist: distributed.Dist | None,
+) -> Patient:
     """What the composite model and a native class share once built: the loader, the DPO reference, the
     optimizer and compile, or the DDP/FSDP2 wrapper (which makes its own optimizer)."""
     dpo = cfg.objective == "dpo"
     if dpo:
         collator = PairCollator(collator)
     loader = torch.utils.data.DataLoader(
-        dataset, batch_sampler=_batch_sampler(cfg, dataset.lengths, dist), collate_fn=collator,
-        num_workers=cfg.num_workers, pin_memory=cfg.pin_memory and device.type == "cuda",
+        dataset,
+        batch_sampler=_batch_sampler(cfg, dataset.lengths, dist),
+        collate_fn=collator,
+        num_workers=cfg.num_workers,
+        pin_memory=cfg.pin_memory and device.type == "cuda",
         persistent_workers=cfg.num_workers > 0,
     )
     reference = modes.Reference(vlm, cfg, projector) if dpo else None
@@ -331,9 +431,22 @@ def _assemble(cfg: RunConfig, spec: ModelSpec | native.NativeSpec, device: torch
         info = None
     else:
         model, optimizer, info = _finish_model(cfg, vlm, device, dist, lambda m: _compile_wrapped(m, cfg))
-    patient = Patient(cfg, spec, device, model, vlm, optimizer, _cycle(loader), flop_model, data_info, dist, info,
-                      reference=reference)
+    patient = Patient(
+        cfg,
+        spec,
+        device,
+        model,
+        vlm,
+        optimizer,
+        _cycle(loader),
+        flop_model,
+        data_info,
+        dist,
+        info,
+        reference=reference,
+    )
     return _with_mode(patient, mode_info, dataset, collator)
+
 
 def _apply_train_mode(llm: torch.nn.Module, cfg: RunConfig, device: torch.device) -> dict[str, Any]:
     """LoRA (on a 4-bit base for QLoRA) on the LLM; nothing for full training."""
@@ -343,20 +456,29 @@ def _apply_train_mode(llm: torch.nn.Module, cfg: RunConfig, device: torch.device
     if cfg.train == "qlora":
         info["quantized_linear_layers"] = modes.quantize_nf4(llm)
     adapted = modes.apply_lora(llm, cfg)
-    info.update(lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_targets=list(modes.target_names(cfg.lora_targets)),
-                adapted_layers=len(adapted), adapter_params=modes.adapter_params(llm))
+    info.update(
+        lora_rank=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        lora_targets=list(modes.target_names(cfg.lora_targets)),
+        adapted_layers=len(adapted),
+        adapter_params=modes.adapter_params(llm),
+    )
     return info
 
 
 def _with_mode(p: Patient, info: dict[str, Any], dataset: Any, collator: Any) -> Patient:
     """The mode's FLOP terms and report section; the reference pass over the data when precomputing."""
     if p.reference is not None:
-        info["reference"] = "adapters disabled + projector snapshot" if p.reference.shared else \
-            f"deep copy ({p.cfg.dpo_reference_dtype})"
+        info["reference"] = (
+            "adapters disabled + projector snapshot"
+            if p.reference.shared
+            else f"deep copy ({p.cfg.dpo_reference_dtype})"
+        )
         info["reference_mb"] = p.reference.params_bytes() / 2**20
         info["reference_no_grad"] = p.cfg.dpo_reference_no_grad
-    p.flop_mode = flops.Mode(p.cfg.train, int(info.get("adapter_params", 0)), p.cfg.objective,
-                             not p.cfg.dpo_precompute_reference)
+    p.flop_mode = flops.Mode(
+        p.cfg.train, int(info.get("adapter_params", 0)), p.cfg.objective, not p.cfg.dpo_precompute_reference
+    )
     p.mode_info = info
     if p.reference is not None and p.cfg.dpo_precompute_reference:
         info["precompute"] = _precompute_reference(p, dataset, collator)
@@ -389,14 +511,17 @@ def _input_dtype(p: Patient) -> torch.dtype:
     return p.vlm.input_dtype if isinstance(p.vlm, native.NativeVLM) else p.vlm.projector.dtype
 
 
-def _native_patient(cfg: RunConfig, spec: native.NativeSpec, device: torch.device,
-                    dist: distributed.Dist | None = None) -> Patient:
+def _native_patient(
+    cfg: RunConfig, spec: native.NativeSpec, device: torch.device, dist: distributed.Dist | None = None
+) -> Patient:
     """A native transformers class on the same synthetic data, collation and optimizer as the composite model."""
     vlm = native.build_native(spec, cfg.weight_dtype, cfg.attention, cfg.weights, device)
     native.configure(vlm, cfg, lambda: _apply_train_mode(vlm.parts["llm"], cfg, device))
     if cfg.fp8 != "off":  # the LLM part of a native class holds the decoder layers (its LM head sits outside)
-        vlm.mode_info = {**getattr(vlm, "mode_info", {"train": cfg.train, "objective": cfg.objective}),
-                         "fp8": fp8.convert(vlm.parts["llm"], cfg.fp8, pad_inner_dim=not fp8.tokens_aligned(cfg))}
+        vlm.mode_info = {
+            **getattr(vlm, "mode_info", {"train": cfg.train, "objective": cfg.objective}),
+            "fp8": fp8.convert(vlm.parts["llm"], cfg.fp8, pad_inner_dim=not fp8.tokens_aligned(cfg)),
+        }
     dpo = cfg.objective == "dpo"
     dataset = (SyntheticPairs if dpo else SyntheticVQA)(spec, cfg.num_samples, cfg.seed)  # type: ignore[arg-type]
     data_info = {"source": "synthetic", "length_model": dataset.lm["name"], "samples": len(dataset)}
@@ -404,8 +529,19 @@ def _native_patient(cfg: RunConfig, spec: native.NativeSpec, device: torch.devic
         raise UsageError(f"the data holds {len(dataset)} usable samples, fewer than one batch of {cfg.batch_size}")
     collator = Collator(spec.llm["special_tokens"]["pad"], cfg.pad_to_multiple_of)
     # preflight refused --compile-vision on native classes, so compile_vlm compiles the whole model here
-    return _assemble(cfg, spec, device, vlm, vlm.parts["projector"], dataset, collator, flops.FlopModel.from_native(spec),
-                     data_info, getattr(vlm, "mode_info", {"train": cfg.train, "objective": cfg.objective}), dist)
+    return _assemble(
+        cfg,
+        spec,
+        device,
+        vlm,
+        vlm.parts["projector"],
+        dataset,
+        collator,
+        flops.FlopModel.from_native(spec),
+        data_info,
+        getattr(vlm, "mode_info", {"train": cfg.train, "objective": cfg.objective}),
+        dist,
+    )
 
 
 def _compile_wrapped(model: torch.nn.Module, cfg: RunConfig) -> torch.nn.Module:
@@ -447,7 +583,14 @@ def train_step(p: Patient) -> tuple[torch.Tensor, dict[str, Any]]:
     """One optimizer step over grad_accum micro-batches; returns the (device) loss and host counts."""
     cfg = p.cfg
     dtype = _input_dtype(p)
-    total = {"real_tokens": 0, "loss_tokens": 0, "padded_tokens": 0, "samples": 0, "lengths": [], "host_losses": []}
+    total = {
+        "real_tokens": 0,
+        "loss_tokens": 0,
+        "padded_tokens": 0,
+        "samples": 0,
+        "lengths": [],
+        "host_losses": [],
+    }
     loss_sum = None
     for micro in range(cfg.grad_accum):
         batch = next(p.batches)
@@ -459,11 +602,16 @@ def train_step(p: Patient) -> tuple[torch.Tensor, dict[str, Any]]:
         batch = _to_device(batch, p.device, dtype)
         if cfg.compile != "off":
             mark_lengths_dynamic(batch)  # one graph for every length, no recompile per new length
-        sync = (distributed.micro_batch(p.model, p.vlm, cfg, micro == cfg.grad_accum - 1) if p.dist
-                else contextlib.nullcontext())
+        sync = (
+            distributed.micro_batch(p.model, p.vlm, cfg, micro == cfg.grad_accum - 1)
+            if p.dist
+            else contextlib.nullcontext()
+        )
         with _attention_context(cfg.attention), sync:
             with _autocast(cfg, p.device):
-                loss = (_dpo_loss(p, batch, index) if p.reference is not None else p.model(**batch).loss) / cfg.grad_accum
+                loss = (
+                    _dpo_loss(p, batch, index) if p.reference is not None else p.model(**batch).loss
+                ) / cfg.grad_accum
             loss.backward()
         if cfg.sync_loss:  # what a logging loop does: the host waits for the device every micro-batch
             total["host_losses"].append(loss.item())
@@ -554,8 +702,12 @@ def summarize(windows: list[dict[str, Any]], device_total_gb: float | None) -> t
         keys.append("mfu")
     stats = {k: _spread([w[k] for w in windows]) for k in keys}
     all_steps = [s for w in windows for s in w["step_ms"]]
-    stats["step_ms"] = {**_spread(all_steps), "p10": _percentile(all_steps, 0.1), "p90": _percentile(all_steps, 0.9),
-                        "n_repeats": len(windows)}
+    stats["step_ms"] = {
+        **_spread(all_steps),
+        "p10": _percentile(all_steps, 0.1),
+        "p90": _percentile(all_steps, 0.9),
+        "n_repeats": len(windows),
+    }
     final_losses = [w["losses"][-1] for w in windows]
     metrics: dict[str, Any] = {k: stats[k]["median"] for k in keys}
     metrics.setdefault("mfu", None)
@@ -602,8 +754,11 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
     }
     try:
         patient = build_patient(cfg, device, progress, dist)
-        report["model"]["params"] = (native.native_param_counts(patient.vlm) if isinstance(patient.vlm, native.NativeVLM)
-                                     else param_counts(patient.vlm))
+        report["model"]["params"] = (
+            native.native_param_counts(patient.vlm)
+            if isinstance(patient.vlm, native.NativeVLM)
+            else param_counts(patient.vlm)
+        )
         report["data"] = patient.data_info
         report["mode"] = patient.mode_info
         warm_s: list[float] = []
@@ -619,7 +774,9 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
             per_token.append(warm_s[-1] / max(1, counts["padded_tokens"] or counts["real_tokens"]))
             progress("warm-up", len(warm_s), max(cfg.warmup, len(warm_s)))
         graphs = graphs_compiled() if compiled(cfg) else 0
-        windows = [_window(patient, cfg.steps, peak, progress, f"timed {r + 1}/{cfg.repeats}") for r in range(cfg.repeats)]
+        windows = [
+            _window(patient, cfg.steps, peak, progress, f"timed {r + 1}/{cfg.repeats}") for r in range(cfg.repeats)
+        ]
         report["warmup"] = _warmup_times(warm_s)
         if compiled(cfg):
             report["warmup"]["settle_steps"] = len(warm_s) - cfg.warmup
@@ -629,18 +786,29 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
             if new:
                 report.setdefault("warnings", []).append(
                     f"torch.compile compiled {new} new graph(s) during the timed windows: their compile time counts "
-                    f"as step time; raise --warmup or pad to fewer lengths (pad_to_multiple_of)")
+                    f"as step time; raise --warmup or pad to fewer lengths (pad_to_multiple_of)"
+                )
         if trace is not None:
+
             def step() -> None:
                 train_step(patient)
                 _sync(device)
 
-            meta = {"schema_version": SCHEMA_VERSION, "tool_version": __version__, "config": cfg.to_dict(),
-                    "model": report["model"],
-                    "env": {k: env[k] for k in ("device_type", "cpu_count", "cpu_capability", "cpu_matmul_gflops") if k in env}}
+            meta = {
+                "schema_version": SCHEMA_VERSION,
+                "tool_version": __version__,
+                "config": cfg.to_dict(),
+                "model": report["model"],
+                "env": {
+                    k: env[k] for k in ("device_type", "cpu_count", "cpu_capability", "cpu_matmul_gflops") if k in env
+                },
+            }
             where = trace if trace.keep else replace(trace, trace_dir=tempfile.mkdtemp(prefix="vlmdoctor-trace-"))
-            path = (trace_path(where, cfg.model, cfg.stage) if dist is None  # ranks: one folder, rank in the name
-                    else Path(where.trace_dir) / f"vlmdoctor_{cfg.model}_s{cfg.stage}_rank{dist.rank}.pt.trace.json.gz")
+            path = (
+                trace_path(where, cfg.model, cfg.stage)
+                if dist is None  # ranks: one folder, rank in the name
+                else Path(where.trace_dir) / f"vlmdoctor_{cfg.model}_s{cfg.stage}_rank{dist.rank}.pt.trace.json.gz"
+            )
             try:
                 report["trace"] = capture(step, where, device, path, meta, progress)
             except BaseException:  # a temporary trace folder never outlives a failed or interrupted capture
@@ -658,8 +826,14 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
         raise
     except Exception as e:  # a crash inside a step (illegal memory access, no SDPA kernel, compile failure)
         _release(device)
-        report.update(status="error", error={"type": type(e).__name__, "message": _first_line(e),
-                                             "traceback": traceback.format_exc(limit=8)[-4000:]})
+        report.update(
+            status="error",
+            error={
+                "type": type(e).__name__,
+                "message": _first_line(e),
+                "traceback": traceback.format_exc(limit=8)[-4000:],
+            },
+        )
         return report
     total = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
     metrics, stats = summarize(windows, total)
@@ -669,7 +843,9 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
     report["stats"] = stats
     if "trace" in report:  # profiler overhead, visible next to the untraced numbers it stayed out of
         report["trace"]["untraced_step_ms_median"] = metrics["step_ms"]
-    report["repeats"] = [{k: v for k, v in w.items() if k != "losses"} | {"final_loss": w["losses"][-1]} for w in windows]
+    report["repeats"] = [
+        {k: v for k, v in w.items() if k != "losses"} | {"final_loss": w["losses"][-1]} for w in windows
+    ]
     warning = recompile_warning(cfg, windows)
     if warning and not (report.get("warmup") or {}).get("graphs_compiled_in_timed_windows"):
         # step times show compilation in the window that dynamo's graph count did not already report
@@ -697,8 +873,13 @@ def _unsettled(per_token: list[float]) -> bool:
     return len(last) < 3 or max(last) > SETTLE_RATIO * min(last)
 
 
-def _merge_ranks(report: dict[str, Any], dist: distributed.Dist, patient: Patient, windows: list[dict[str, Any]],
-                 peak: float | None) -> None:
+def _merge_ranks(
+    report: dict[str, Any],
+    dist: distributed.Dist,
+    patient: Patient,
+    windows: list[dict[str, Any]],
+    peak: float | None,
+) -> None:
     """Every rank's numbers to every rank; the report's metrics become the job's.
 
     metrics.real_tokens_per_s, model_tflops_per_s and mfu are global (all ranks' tokens over the
@@ -716,12 +897,18 @@ def _merge_ranks(report: dict[str, Any], dist: distributed.Dist, patient: Patien
     ranks = distributed.gather(own)
     whole = distributed.combine(ranks, peak)
     m = report["metrics"]
-    m.update(real_tokens_per_s=whole["real_tokens_per_s"], model_tflops_per_s=whole["model_tflops_per_s"],
-             mfu=whole["mfu"], step_ms=whole["slowest_step_ms"], peak_mem_gb=whole["peak_mem_gb"],
-             loss_finite=all(r["loss_finite"] for r in ranks))
+    m.update(
+        real_tokens_per_s=whole["real_tokens_per_s"],
+        model_tflops_per_s=whole["model_tflops_per_s"],
+        mfu=whole["mfu"],
+        step_ms=whole["slowest_step_ms"],
+        peak_mem_gb=whole["peak_mem_gb"],
+        loss_finite=all(r["loss_finite"] for r in ranks),
+    )
     m["loss_tokens_per_s"] = whole["loss_tokens_per_s"]
     m["pad_fraction"] = 1.0 - sum(r["real_tokens"] for r in ranks) / sum(
-        r["real_tokens"] / (1.0 - r["pad_fraction"]) if r["pad_fraction"] < 1 else 0 for r in ranks)
+        r["real_tokens"] / (1.0 - r["pad_fraction"]) if r["pad_fraction"] < 1 else 0 for r in ranks
+    )
     slow = [r for r in ranks if r["rank"] == whole["slowest_rank"]][0]
     steps_all = [s for w in slow["windows"] for s in w["step_ms"]]
     m["step_ms_p10"], m["step_ms_p90"] = _percentile(steps_all, 0.1), _percentile(steps_all, 0.9)
@@ -731,14 +918,27 @@ def _merge_ranks(report: dict[str, Any], dist: distributed.Dist, patient: Patien
         step_ms = [max(r["step_ms"][i] for r in per) for i in range(len(per[0]["step_ms"]))]
         step_tok = [sum(r["step_real_tokens"][i] for r in per) for i in range(len(per[0]["step_real_tokens"]))]
         wall = max(r["wall_s"] for r in per)
-        report["repeats"].append({"steps": windows[w]["steps"], "wall_s": wall, "real_tokens_per_s": sum(step_tok) / wall,
-                                  "step_ms": step_ms, "step_real_tokens": step_tok, "final_loss": windows[w]["losses"][-1]})
+        report["repeats"].append(
+            {
+                "steps": windows[w]["steps"],
+                "wall_s": wall,
+                "real_tokens_per_s": sum(step_tok) / wall,
+                "step_ms": step_ms,
+                "step_real_tokens": step_tok,
+                "final_loss": windows[w]["losses"][-1],
+            }
+        )
     stats = report.get("stats") or {}
     for key in ("real_tokens_per_s", "loss_tokens_per_s", "model_tflops_per_s", "mfu", "pad_fraction"):
         stats.pop(key, None)  # rank 0's spread would pass for the job's
     stats["real_tokens_per_s"] = _spread([r["real_tokens_per_s"] for r in report["repeats"]])
-    stats["step_ms"] = {**_spread(steps_all), "p10": m["step_ms_p10"], "p90": m["step_ms_p90"],
-                        "n_repeats": len(windows), "rank": whole["slowest_rank"]}
+    stats["step_ms"] = {
+        **_spread(steps_all),
+        "p10": m["step_ms_p10"],
+        "p90": m["step_ms_p90"],
+        "n_repeats": len(windows),
+        "rank": whole["slowest_rank"],
+    }
     report["distributed"] = {
         "world_size": dist.world,
         "nproc_per_node": patient.cfg.nproc_per_node,
@@ -765,8 +965,12 @@ def _warmup_times(warm_s: list[float]) -> dict[str, Any]:
     if not warm_s:
         return {"warmup_s": 0.0, "compile_s": 0.0, "steps": 0}
     steady = warm_s[-1]
-    return {"warmup_s": sum(warm_s), "compile_s": sum(max(0.0, s - steady) for s in warm_s[:-1]),
-            "steps": len(warm_s), "step_s": warm_s}
+    return {
+        "warmup_s": sum(warm_s),
+        "compile_s": sum(max(0.0, s - steady) for s in warm_s[:-1]),
+        "steps": len(warm_s),
+        "step_s": warm_s,
+    }
 
 
 #: a first timed step this many times the median of the others means compilation ran inside the timed window
@@ -782,13 +986,20 @@ def recompile_warning(cfg: RunConfig, windows: list[dict[str, Any]]) -> str | No
         if len(steps) < 2:
             continue
         worst = max(range(len(steps)), key=steps.__getitem__)
-        rest = statistics.median(steps[:worst] + steps[worst + 1:])
+        rest = statistics.median(steps[:worst] + steps[worst + 1 :])
         if rest > 0 and steps[worst] > RECOMPILE_RATIO * rest:
-            what = (f"--compile {cfg.compile}" if cfg.compile != "off" else f"--compile-vision {cfg.compile_vision}"
-                    if cfg.compile_vision != "model" else "--attention flex")
-            return (f"{what}: timed step {worst + 1} of window {r + 1} took {steps[worst]:.0f} ms, "
-                    f"{steps[worst] / rest:.0f}x the median of {rest:.0f} ms: compilation ran inside the timed "
-                    "window, so tokens/s is too low; use more --warmup steps")
+            what = (
+                f"--compile {cfg.compile}"
+                if cfg.compile != "off"
+                else f"--compile-vision {cfg.compile_vision}"
+                if cfg.compile_vision != "model"
+                else "--attention flex"
+            )
+            return (
+                f"{what}: timed step {worst + 1} of window {r + 1} took {steps[worst]:.0f} ms, "
+                f"{steps[worst] / rest:.0f}x the median of {rest:.0f} ms: compilation ran inside the timed "
+                "window, so tokens/s is too low; use more --warmup steps"
+            )
     return None
 
 
@@ -822,9 +1033,15 @@ def exit_code(report: dict[str, Any]) -> int:
     return {"ok": EXIT_OK, "oom": EXIT_OOM, "nan_loss": EXIT_NAN}.get(report["status"], EXIT_FAILED_RUN)
 
 
-def run_isolated(cfg: RunConfig, timeout: float | None = None, diagnose: bool = True,
-                 rules_dirs: list[str] | None = None, env: dict[str, str] | None = None,
-                 python: str | None = None, own_cwd: bool = False) -> dict[str, Any]:
+def run_isolated(
+    cfg: RunConfig,
+    timeout: float | None = None,
+    diagnose: bool = True,
+    rules_dirs: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    python: str | None = None,
+    own_cwd: bool = False,
+) -> dict[str, Any]:
     """Run one configuration in a fresh Python process and return its report (diagnosed unless asked not to).
 
     `env` adds to the child's environment (compile cache folders shared by a treatment's trials);
@@ -836,7 +1053,17 @@ def run_isolated(cfg: RunConfig, timeout: float | None = None, diagnose: bool = 
     with tempfile.TemporaryDirectory(prefix="vlmdoctor-") as tmp:
         cfg_path, out_path = Path(tmp) / "config.json", Path(tmp) / "report.json"
         cfg.dump(cfg_path)
-        cmd = [python or sys.executable, "-m", "vlmdoctor", "profile", "--config", str(cfg_path), "--json", str(out_path), "--quiet"]
+        cmd = [
+            python or sys.executable,
+            "-m",
+            "vlmdoctor",
+            "profile",
+            "--config",
+            str(cfg_path),
+            "--json",
+            str(out_path),
+            "--quiet",
+        ]
         cmd += [] if diagnose else ["--no-diagnose"]
         for d in rules_dirs or []:
             cmd += ["--rules", str(d)]
@@ -845,28 +1072,57 @@ def run_isolated(cfg: RunConfig, timeout: float | None = None, diagnose: bool = 
             if distributed.is_distributed(cfg):
                 proc = _run_group(cmd, timeout, {**os.environ, **env} if env else None, cwd)
             else:
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                                      env={**os.environ, **env} if env else None, cwd=cwd)
+                proc = subprocess.run(
+                    cmd,
+                    capture_output=True,
+                    text=True,
+                    timeout=timeout,
+                    env={**os.environ, **env} if env else None,
+                    cwd=cwd,
+                )
             if proc.returncode in (130, -2):  # the child was interrupted (Ctrl-C reaches the whole group)
                 raise KeyboardInterrupt
         except subprocess.TimeoutExpired:
-            return {"schema_version": SCHEMA_VERSION, "status": "timeout", "config": cfg.to_dict(),
-                    "error": {"type": "Timeout", "message": f"the run took longer than {timeout:.0f} s"}}
+            return {
+                "schema_version": SCHEMA_VERSION,
+                "status": "timeout",
+                "config": cfg.to_dict(),
+                "error": {"type": "Timeout", "message": f"the run took longer than {timeout:.0f} s"},
+            }
         if out_path.exists():
             try:
                 return json.loads(out_path.read_text())
             except (OSError, ValueError) as e:
-                return {"schema_version": SCHEMA_VERSION, "status": "error", "config": cfg.to_dict(),
-                        "error": {"type": "ProcessFailed", "message": f"the run's report is unreadable ({e})",
-                                  "exit_code": proc.returncode}}
-        return {"schema_version": SCHEMA_VERSION, "status": "error", "config": cfg.to_dict(),
-                "error": {"type": "ProcessFailed", "message": (proc.stderr or proc.stdout).strip()[-2000:],
-                          "exit_code": proc.returncode}}
+                return {
+                    "schema_version": SCHEMA_VERSION,
+                    "status": "error",
+                    "config": cfg.to_dict(),
+                    "error": {
+                        "type": "ProcessFailed",
+                        "message": f"the run's report is unreadable ({e})",
+                        "exit_code": proc.returncode,
+                    },
+                }
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "status": "error",
+            "config": cfg.to_dict(),
+            "error": {
+                "type": "ProcessFailed",
+                "message": (proc.stderr or proc.stdout).strip()[-2000:],
+                "exit_code": proc.returncode,
+            },
+        }
 
 
 # ------------------------------------------------------------------------------------------------
-def run_distributed(cfg: RunConfig, trace: TraceOptions | None = None, rdzv: distributed.Rendezvous | None = None,
-                    progress: Progress = _quiet, python: str | None = None) -> dict[str, Any]:
+def run_distributed(
+    cfg: RunConfig,
+    trace: TraceOptions | None = None,
+    rdzv: distributed.Rendezvous | None = None,
+    progress: Progress = _quiet,
+    python: str | None = None,
+) -> dict[str, Any]:
     """Launch the config through torchrun, one process per GPU, and return rank 0's report of the job.
 
     Every rank writes its own trace into one folder (the layout Holistic Trace Analysis reads):
@@ -919,8 +1175,11 @@ def run_distributed(cfg: RunConfig, trace: TraceOptions | None = None, rdzv: dis
             report["trace"]["kept"] = False  # remove_temporary_trace removes the folder after the diagnosis
         else:
             shutil.rmtree(temp_trace, ignore_errors=True)
-    report["launch"] = {"launcher": "torch.distributed.run", "command": shlex.join(cmd),
-                        "env": {k: env[k] for k in distributed.NVLINK_MULTICAST_OFF if k in env}}
+    report["launch"] = {
+        "launcher": "torch.distributed.run",
+        "command": shlex.join(cmd),
+        "env": {k: env[k] for k in distributed.NVLINK_MULTICAST_OFF if k in env},
+    }
     return report
 
 
@@ -938,14 +1197,22 @@ def _rank_report(folder: Path, cfg: RunConfig, returncode: int) -> dict[str, Any
     log = (folder / "torchrun.log").read_text(errors="replace") if (folder / "torchrun.log").exists() else ""
     lines = [ln for ln in log.splitlines() if ln.strip()]
     why = next((ln for ln in reversed(lines) if "Error" in ln and not ln.lstrip().startswith("File")), None)
-    return {"schema_version": SCHEMA_VERSION, "status": "error", "config": cfg.to_dict(),
-            "error": {"type": "ProcessFailed", "exit_code": returncode,
-                      "message": (why or f"torchrun exited with code {returncode}").strip()[:500],
-                      "log_tail": "\n".join(lines[-40:])[-4000:]}}
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "status": "error",
+        "config": cfg.to_dict(),
+        "error": {
+            "type": "ProcessFailed",
+            "exit_code": returncode,
+            "message": (why or f"torchrun exited with code {returncode}").strip()[:500],
+            "log_tail": "\n".join(lines[-40:])[-4000:],
+        },
+    }
 
 
-def _run_group(cmd: list[str], timeout: float | None, env: dict[str, str] | None,
-               cwd: str | None = None) -> subprocess.CompletedProcess:
+def _run_group(
+    cmd: list[str], timeout: float | None, env: dict[str, str] | None, cwd: str | None = None
+) -> subprocess.CompletedProcess:
     """A child that starts torchrun and its ranks: in a session of its own, so that a timeout or
     Ctrl-C stops all of them (killing the child alone would leave the ranks holding the GPUs).
 
@@ -954,8 +1221,15 @@ def _run_group(cmd: list[str], timeout: float | None, env: dict[str, str] | None
     """
     import signal
 
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True, cwd=cwd)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+        cwd=cwd,
+    )
 
     def stop(sig: int) -> None:
         try:

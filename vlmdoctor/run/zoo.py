@@ -5,21 +5,23 @@ so architectures are exact and nothing needs the network. Random weights are the
 `weights="pretrained"` calls `from_pretrained` on the hub id and says clearly when the hub or
 the local cache cannot provide it.
 """
+
 from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from importlib import resources
-from typing import Any, Iterator
+from typing import Any
 
 from vlmdoctor.errors import UsageError
 
 CONFIG_DIR = resources.files("vlmdoctor.run") / "configs"
 
 
-@lru_cache(maxsize=None)
+@cache
 def _load_dir(kind: str) -> dict[str, dict[str, Any]]:
     out = {}
     for entry in sorted((CONFIG_DIR / kind).iterdir(), key=lambda p: p.name):
@@ -37,7 +39,7 @@ def llm_specs() -> dict[str, dict[str, Any]]:
     return _load_dir("llm")
 
 
-@lru_cache(maxsize=None)
+@cache
 def presets() -> dict[str, dict[str, Any]]:
     return json.loads((CONFIG_DIR / "presets.json").read_text())
 
@@ -135,7 +137,7 @@ COMPOSITE_ONLY = (
 )
 
 
-@lru_cache(maxsize=None)
+@cache
 def native_presets() -> dict[str, dict[str, Any]]:
     """Native presets by name, from configs/native/*.json."""
     out = {}
@@ -152,8 +154,10 @@ def refuse_composite_only(model: str, knobs: dict[str, Any]) -> None:
         return
     for name, why in COMPOSITE_ONLY:
         if knobs.get(name) not in (None, False):
-            raise UsageError(f"--{name.replace('_', '-')} is not supported for the native preset {model!r}: {why}; "
-                             "drop it or use a composite preset (0.5b, 1.5b, tiny)")
+            raise UsageError(
+                f"--{name.replace('_', '-')} is not supported for the native preset {model!r}: {why}; "
+                "drop it or use a composite preset (0.5b, 1.5b, tiny)"
+            )
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ all-gather, reduce-scatter and all-to-all, * 1 for broadcast, reduce and send/re
 Exposed communication is collective time during which no compute ran: no other GPU kernel (NCCL),
 or no op on a compute thread (gloo). The rest is hidden (overlapped).
 """
+
 from __future__ import annotations
 
 import re
@@ -29,14 +30,47 @@ import pandas as pd
 from vlmdoctor.trace.facts import Intervals, Tables, _measure, intersect, subtract, total, union
 
 #: normalized collective name (lower case, no underscores) -> the name facts use
-KINDS = (("allreduce", "all_reduce"), ("reducescatter", "reduce_scatter"), ("allgather", "all_gather"),
-         ("alltoall", "all_to_all"), ("broadcast", "broadcast"), ("sendrecv", "send_recv"), ("send", "send_recv"),
-         ("recv", "send_recv"), ("barrier", "barrier"), ("reduce", "reduce"), ("gather", "gather"),
-         ("scatter", "scatter"))
-DTYPE_BYTES = {"float": 4, "float32": 4, "f32": 4, "bfloat16": 2, "c10::bfloat16": 2, "bf16": 2, "half": 2,
-               "c10::half": 2, "float16": 2, "f16": 2, "double": 8, "float64": 8, "long": 8, "int64": 8,
-               "int": 4, "int32": 4, "byte": 1, "char": 1, "unsigned char": 1, "signed char": 1, "int8": 1,
-               "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
+KINDS = (
+    ("allreduce", "all_reduce"),
+    ("reducescatter", "reduce_scatter"),
+    ("allgather", "all_gather"),
+    ("alltoall", "all_to_all"),
+    ("broadcast", "broadcast"),
+    ("sendrecv", "send_recv"),
+    ("send", "send_recv"),
+    ("recv", "send_recv"),
+    ("barrier", "barrier"),
+    ("reduce", "reduce"),
+    ("gather", "gather"),
+    ("scatter", "scatter"),
+)
+DTYPE_BYTES = {
+    "float": 4,
+    "float32": 4,
+    "f32": 4,
+    "bfloat16": 2,
+    "c10::bfloat16": 2,
+    "bf16": 2,
+    "half": 2,
+    "c10::half": 2,
+    "float16": 2,
+    "f16": 2,
+    "double": 8,
+    "float64": 8,
+    "long": 8,
+    "int64": 8,
+    "int": 4,
+    "int32": 4,
+    "byte": 1,
+    "char": 1,
+    "unsigned char": 1,
+    "signed char": 1,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
 GRAD_SYNC = ("all_reduce", "reduce_scatter")  # the collectives that synchronize gradients (DDP, FSDP)
 MICRO_MARKS = {"ddp": ("DistributedDataParallel.forward",), "fsdp2": ("FSDP::root_pre_forward",)}
 FSDP_AG = re.compile(r"^FSDP::all_gather \((.+)\)$")
@@ -54,7 +88,17 @@ def _names_where(col: pd.Series, test) -> np.ndarray:
 def kind_of(name: str) -> str:
     """The collective a kernel, host op or "Collective name" names, in the facts' spelling."""
     key = re.sub(r"[^a-z]", "", name.lower().split("(")[0])
-    for drop in ("ncclkernel", "nccldevkernel", "nccl", "gloo", "cd", "base", "coalesced", "intotensor", "tensor"):
+    for drop in (
+        "ncclkernel",
+        "nccldevkernel",
+        "nccl",
+        "gloo",
+        "cd",
+        "base",
+        "coalesced",
+        "intotensor",
+        "tensor",
+    ):
         key = key.replace(drop, "")
     for k, v in KINDS:
         if key.startswith(k):
@@ -161,8 +205,16 @@ def _nccl_work(t: Tables, world: int | None) -> list[dict[str, Any]]:
                         size = _nelems(o_args["Input Dims"]) * _elem_bytes(o_args.get("Input type"))
                         if kind_of(o_name) == "all_gather":  # the input is one rank's shard
                             size *= group or world or 1
-        out.append({"kind": kind or kind_of(name), "ts": ts, "dur": dur, "bytes": size, "issue": issue,
-                    "group": group or world})
+        out.append(
+            {
+                "kind": kind or kind_of(name),
+                "ts": ts,
+                "dur": dur,
+                "bytes": size,
+                "issue": issue,
+                "group": group or world,
+            }
+        )
     return out
 
 
@@ -233,18 +285,31 @@ def rank_comms(t: Tables) -> RankComms:
     """The collectives of one trace and the facts about them (empty facts when it ran none)."""
     info = t.meta.get("distributedInfo") or {}
     world = info.get("world_size") if isinstance(info.get("world_size"), int) else None
-    steps = t.steps if len(t.steps) else pd.DataFrame(  # no ProfilerStep: the whole trace is one window
-        {"name": ["trace"], "ts": [pd.Series([t.ops["ts"].min(), t.gpu["ts"].min()]).min()],
-         "end": [pd.Series([t.ops["end"].max(), t.gpu["end"].max()]).max()]})
+    steps = (
+        t.steps
+        if len(t.steps)
+        else pd.DataFrame(  # no ProfilerStep: the whole trace is one window
+            {
+                "name": ["trace"],
+                "ts": [pd.Series([t.ops["ts"].min(), t.gpu["ts"].min()]).min()],
+                "end": [pd.Series([t.ops["end"].max(), t.gpu["end"].max()]).max()],
+            }
+        )
+    )
     work = _nccl_work(t, world)
     backend, skip = ("nccl", set()) if work else ("gloo", set())
     if not work:
         work, skip = _gloo_work(t, world)
         if not work:
             backend = "none"
-    rc = RankComms(rank_of(t.meta, t.path.name), backend, world, steps.reset_index(drop=True),
-                   pd.DataFrame(work, columns=["kind", "ts", "dur", "bytes", "issue", "group"]),
-                   host=t.meta.get("host_name"))
+    rc = RankComms(
+        rank_of(t.meta, t.path.name),
+        backend,
+        world,
+        steps.reset_index(drop=True),
+        pd.DataFrame(work, columns=["kind", "ts", "dur", "bytes", "issue", "group"]),
+        host=t.meta.get("host_name"),
+    )
     _per_step(t, rc, skip)
     w = rc.work
     w["end"] = w["ts"] + w["dur"]
@@ -257,7 +322,10 @@ def rank_comms(t: Tables) -> RankComms:
         return rc
     windows = union(s0, s1)
     compute = intersect(_compute(t, backend, skip), windows)
-    a, b = w["ts"].to_numpy(), w["end"].to_numpy()  # each collective's own exposed time: its length less compute in it
+    a, b = (
+        w["ts"].to_numpy(),
+        w["end"].to_numpy(),
+    )  # each collective's own exposed time: its length less compute in it
     w["exposed"] = (b - a) - (_measure(compute, b) - _measure(compute, a)) if len(w) else np.zeros(0)
     comm = intersect(union(w["ts"].to_numpy(), w["end"].to_numpy()), windows)
     n = len(steps)
@@ -307,11 +375,16 @@ def _per_step(t: Tables, rc: RankComms, skip: set[int]) -> None:
     rows = []
     for name, a, b in zip(rc.steps["name"], rc.steps["ts"], rc.steps["end"]):
         lw = loader[(loader["ts"] >= a) & (loader["ts"] < b)]
-        rows.append({"step": str(name), "ms": (b - a) / 1e3,
-                     "tokens": sum(n for ts, n, _ in emb if a <= ts < b) or None,
-                     "batch": max((bs for ts, _, bs in emb if a <= ts < b), default=None),
-                     "loader_ms": total(union(lw["ts"].to_numpy(), lw["end"].to_numpy())) / 1e3,
-                     "gap_ms": float((b - a) - (_measure(busy, np.array([b])) - _measure(busy, np.array([a])))[0]) / 1e3})
+        rows.append(
+            {
+                "step": str(name),
+                "ms": (b - a) / 1e3,
+                "tokens": sum(n for ts, n, _ in emb if a <= ts < b) or None,
+                "batch": max((bs for ts, _, bs in emb if a <= ts < b), default=None),
+                "loader_ms": total(union(lw["ts"].to_numpy(), lw["end"].to_numpy())) / 1e3,
+                "gap_ms": float((b - a) - (_measure(busy, np.array([b])) - _measure(busy, np.array([a])))[0]) / 1e3,
+            }
+        )
     rc.per_step = pd.DataFrame(rows)
 
 

@@ -8,6 +8,7 @@ are native on this CPU is not in the trace: the run's matmul probe (run/envinfo.
 
 Times are ms per step; overlapping ops (a cast nested in a cast, two threads) are counted once.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -18,10 +19,20 @@ from vlmdoctor.trace.read import iter_events
 
 CAST_OPS = ("aten::to", "aten::_to_copy", "aten::copy_")
 #: matmul ops and the positions of their two matrix inputs
-MATMUL_OPS = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::bmm": (0, 1), "aten::baddbmm": (1, 2),
-              "aten::_addmm_activation": (1, 2)}
+MATMUL_OPS = {
+    "aten::mm": (0, 1),
+    "aten::addmm": (1, 2),
+    "aten::bmm": (0, 1),
+    "aten::baddbmm": (1, 2),
+    "aten::_addmm_activation": (1, 2),
+}
 DTYPES = {"float": "fp32", "c10::BFloat16": "bf16", "c10::Half": "fp16", "double": "fp64"}
-SCALAR_TYPE_CODES = {"5": "fp16", "6": "fp32", "7": "fp64", "15": "bf16"}  # c10::ScalarType, as 'Concrete Inputs'
+SCALAR_TYPE_CODES = {
+    "5": "fp16",
+    "6": "fp32",
+    "7": "fp64",
+    "15": "bf16",
+}  # c10::ScalarType, as 'Concrete Inputs'
 LOW = ("bf16", "fp16")
 PARTS = {"vlmdoctor::vision": "vision", "vlmdoctor::projector": "projector", "vlmdoctor::llm": "llm"}
 
@@ -144,8 +155,13 @@ def cpu_facts(t: Any, windows: list[tuple[float, float]], facts: dict[str, Any])
     return out
 
 
-def _part_facts(ranges: list[tuple[float, float, str, Any]], fwd_ops: list[tuple[float, Any, Any]],
-                bwd_nodes: list[tuple[Any, float]], n: int, step_ms: float) -> dict[str, Any]:
+def _part_facts(
+    ranges: list[tuple[float, float, str, Any]],
+    fwd_ops: list[tuple[float, Any, Any]],
+    bwd_nodes: list[tuple[Any, float]],
+    n: int,
+    step_ms: float,
+) -> dict[str, Any]:
     """Host time per model part and step: forward from the part ranges, backward through the autograd nodes.
 
     Forward: a range's own time, less the other parts' ranges nested in it (Qwen2-VL's merger inside
@@ -155,7 +171,7 @@ def _part_facts(ranges: list[tuple[float, float, str, Any]], fwd_ops: list[tuple
     ranges = sorted(ranges, key=lambda r: (r[0], -r[1]))
     fwd = dict.fromkeys(PARTS.values(), 0.0)
     for i, (s, e, part, tid) in enumerate(ranges):
-        nested = sum(e2 - s2 for s2, e2, p2, t2 in ranges[i + 1:] if t2 == tid and s2 >= s and e2 <= e and p2 != part)
+        nested = sum(e2 - s2 for s2, e2, p2, t2 in ranges[i + 1 :] if t2 == tid and s2 >= s and e2 <= e and p2 != part)
         fwd[part] += (e - s) - nested
     seq_part: dict[Any, str] = {}
     for ts, tid, seq in fwd_ops:

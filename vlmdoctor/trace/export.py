@@ -5,6 +5,7 @@ the output is strict JSON whatever the input was: NaN and Infinity (which Python
 but JSON forbids) become null, undecodable bytes become U+FFFD, and a truncated input is refused
 instead of copied. Every event and every top-level key is kept, in order.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -83,8 +84,10 @@ def _write(src: Path, head: dict[str, Any], out: Path, first: dict[str, Any] | N
 def _one_file(trace: Path) -> Path:
     files = trace_files(trace)  # TraceError (a UsageError) naming the path when missing or not a trace
     if Path(trace).is_dir():
-        raise UsageError(f"{trace} is a folder of {len(files)} trace file(s); export one file, or all of them with "
-                         "the HTA folder export")
+        raise UsageError(
+            f"{trace} is a folder of {len(files)} trace file(s); export one file, or all of them with "
+            "the HTA folder export"
+        )
     return files[0]
 
 
@@ -136,12 +139,16 @@ def export_hta_folder(traces: list[Path], out_dir: Path, force: bool = False) ->
     old = [p for p in present if OURS.fullmatch(p.name) and p.is_file() and not p.is_symlink()]
     foreign = sorted(p.name for p in present if p not in old)
     if foreign:  # --force replaces what this export wrote before, never someone else's archives
-        raise UsageError(f"{out_dir} holds {len(foreign)} file(s) vlmdoctor did not write ({', '.join(foreign[:3])}"
-                         f"{', ...' if len(foreign) > 3 else ''}) that HTA would read too; move them or choose "
-                         "another folder")
+        raise UsageError(
+            f"{out_dir} holds {len(foreign)} file(s) vlmdoctor did not write ({', '.join(foreign[:3])}"
+            f"{', ...' if len(foreign) > 3 else ''}) that HTA would read too; move them or choose "
+            "another folder"
+        )
     if old and not force:
-        raise UsageError(f"{out_dir} already holds {len(old)} trace file(s) (HTA would read them too); pass --force "
-                         "to replace them, or choose another folder")
+        raise UsageError(
+            f"{out_dir} already holds {len(old)} trace file(s) (HTA would read them too); pass --force "
+            "to replace them, or choose another folder"
+        )
 
     heads = [read_metadata(f, strict=True) for f in files]  # the events are read once, while writing
     given = [_rank_of(h.get("distributedInfo")) for h in heads]
@@ -162,8 +169,12 @@ def export_hta_folder(traces: list[Path], out_dir: Path, force: bool = False) ->
         for f, h, r, g in zip(files, heads, ranks, given):
             info = dict(h.get("distributedInfo") or {}) if isinstance(h.get("distributedInfo"), dict) else {}
             if g is None:  # no usable rank: set it, keeping what else the trace says (backend, process groups)
-                info = {**info, "rank": r, "world_size": info.get("world_size") or len(files),
-                        "backend": info.get("backend") or "nccl"}
+                info = {
+                    **info,
+                    "rank": r,
+                    "world_size": info.get("world_size") or len(files),
+                    "backend": info.get("backend") or "nccl",
+                }
             name = f"rank{r:0{width}d}.pt.trace.json.gz"
             _write(f, h, stage / name, first={"distributedInfo": info})
             names.append(name)

@@ -12,6 +12,7 @@ launched in, through its runtime call's correlation id:
     `use_reentrant=False` inside the saved-tensor unpack of some backward node.
 Facts are one flat dict of named numbers. Which fact comes from where: docs/analysis.md.
 """
+
 from __future__ import annotations
 
 import re
@@ -25,7 +26,14 @@ import numpy as np
 import pandas as pd
 
 from vlmdoctor.run.parts import part_of_class
-from vlmdoctor.trace.kernels import ATTENTION_CLASSES, GEMM_CLASSES, LIGER_CLASSES, classify, is_fp32_attention, memcpy_direction
+from vlmdoctor.trace.kernels import (
+    ATTENTION_CLASSES,
+    GEMM_CLASSES,
+    LIGER_CLASSES,
+    classify,
+    is_fp32_attention,
+    memcpy_direction,
+)
 from vlmdoctor.trace.read import TraceError, iter_events, read_metadata, trace_files
 
 PART_RANGES = {"vlmdoctor::vision": "vision", "vlmdoctor::projector": "projector", "vlmdoctor::llm": "llm"}
@@ -38,10 +46,14 @@ SDPA_BACKENDS = {
     "aten::_scaled_dot_product_attention_math": "math",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "flash_cpu",
 }
-LAUNCH_CALLS = re.compile(r"^(cudaLaunchKernel|cuLaunchKernel|cudaLaunchKernelExC|cuLaunchKernelEx|cudaLaunchCooperativeKernel)")
+LAUNCH_CALLS = re.compile(
+    r"^(cudaLaunchKernel|cuLaunchKernel|cudaLaunchKernelExC|cuLaunchKernelEx|cudaLaunchCooperativeKernel)"
+)
 # runtime calls that make the host wait for the device (aten::item on a CPU tensor is no sync: not here)
-SYNC_CALLS = re.compile(r"^(cudaStreamSynchronize|cudaDeviceSynchronize|cudaEventSynchronize|cudaMemcpy|cuStreamSynchronize"
-                        r"|cuCtxSynchronize|cuEventSynchronize|cuMemcpyDtoH)$")
+SYNC_CALLS = re.compile(
+    r"^(cudaStreamSynchronize|cudaDeviceSynchronize|cudaEventSynchronize|cudaMemcpy|cuStreamSynchronize"
+    r"|cuCtxSynchronize|cuEventSynchronize|cuMemcpyDtoH)$"
+)
 SDPA_OP = "aten::scaled_dot_product_attention"  # inputs (batch, heads, length, head_dim)
 EAGER_SOFTMAX = ("aten::_softmax",)  # attention written out as matmul + softmax (eager / math paths)
 DTYPE_BYTES = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8}
@@ -51,10 +63,17 @@ OPERAND_OPS = frozenset(("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"
 SHAPE_OPS = ("aten::embedding",)  # its first input is the token-id batch: (batch, length)
 MODULE_PREFIX = "nn.Module: "  # python_function events of with_stack/with_modules traces: `nn.Module: Qwen2Model_0`
 BACKWARD_NODE = "autograd::engine::evaluate_function"
-COMM_OPS = ("record_param_comms", "nccl:", "gloo:", "c10d::")  # host ops of collectives whose args trace/comms.py reads
+COMM_OPS = (
+    "record_param_comms",
+    "nccl:",
+    "gloo:",
+    "c10d::",
+)  # host ops of collectives whose args trace/comms.py reads
 COMM_KERNELS = ("ncclDevKernel", "ncclKernel")
 HTA_MAX_MB = 200  # the traceinsight cross-check runs on rank folders up to this size on disk (docs/analysis.md)
-LINEAR_BACKWARD = re.compile(r": (?:Mm|Addmm)Backward0$")  # a linear layer's backward: grad input, + grad weight if trained
+LINEAR_BACKWARD = re.compile(
+    r": (?:Mm|Addmm)Backward0$"
+)  # a linear layer's backward: grad input, + grad weight if trained
 
 
 @dataclass
@@ -70,9 +89,15 @@ class Tables:
     shapes: list[tuple[float, str, Any]] = field(default_factory=list)  # (ts, op, input dims) of a few ops
     types: dict[str, Any] = field(default_factory=dict)
     memory: dict[int, list[float]] = field(default_factory=dict)  # device type -> [max allocated, max reserved]
-    recorded: dict[str, bool] = field(default_factory=dict)  # which profiler options left their marks (shapes, memory, stack)
-    comm: list[tuple[str, str, int, float, float, dict[str, Any]]] = field(default_factory=list)  # (kind, name, tid, ts, dur, args) of collectives (trace/comms.py)
-    operands: list[tuple[str, float, float, int, Any, Any]] = field(default_factory=list)  # (name, ts, dur, tid, input dims, input types) of GEMMs and casts (trace/modes.py)
+    recorded: dict[str, bool] = field(
+        default_factory=dict
+    )  # which profiler options left their marks (shapes, memory, stack)
+    comm: list[tuple[str, str, int, float, float, dict[str, Any]]] = field(
+        default_factory=list
+    )  # (kind, name, tid, ts, dur, args) of collectives (trace/comms.py)
+    operands: list[tuple[str, float, float, int, Any, Any]] = field(
+        default_factory=list
+    )  # (name, ts, dur, tid, input dims, input types) of GEMMs and casts (trace/modes.py)
 
 
 class _Column:
@@ -83,9 +108,17 @@ class _Column:
         self.num = {k: array("d") for k in numeric}
 
     def frame(self, names: list[str]) -> pd.DataFrame:
-        df = pd.DataFrame({k: np.frombuffer(v, dtype=np.float64) if len(v) else np.zeros(0) for k, v in self.num.items()})
-        df.insert(0, "name", pd.Categorical.from_codes(np.frombuffer(self.codes, dtype=np.int32) if len(self.codes)
-                                                       else np.zeros(0, dtype=np.int32), categories=names))
+        df = pd.DataFrame(
+            {k: np.frombuffer(v, dtype=np.float64) if len(v) else np.zeros(0) for k, v in self.num.items()}
+        )
+        df.insert(
+            0,
+            "name",
+            pd.Categorical.from_codes(
+                np.frombuffer(self.codes, dtype=np.int32) if len(self.codes) else np.zeros(0, dtype=np.int32),
+                categories=names,
+            ),
+        )
         return df
 
 
@@ -108,12 +141,31 @@ def load_tables(path: Path) -> Tables:
     try:
         for count, ev in enumerate(iter_events(path), 1):
             if not isinstance(ev, dict):
-                raise TraceError(f"{path}: traceEvents item {count} is a JSON {type(ev).__name__}, not an event object; "
-                                 "expected a torch.profiler Chrome trace")
-            _take(ev, names, gpu, ops, rt, tids, steps, shapes, types, gpu_cats, memory, recorded, comm, operands)
+                raise TraceError(
+                    f"{path}: traceEvents item {count} is a JSON {type(ev).__name__}, not an event object; "
+                    "expected a torch.profiler Chrome trace"
+                )
+            _take(
+                ev,
+                names,
+                gpu,
+                ops,
+                rt,
+                tids,
+                steps,
+                shapes,
+                types,
+                gpu_cats,
+                memory,
+                recorded,
+                comm,
+                operands,
+            )
     except (AttributeError, TypeError, ValueError, KeyError) as e:
-        raise TraceError(f"{path}: event {count} is not a torch.profiler event ({type(e).__name__}: {e}); expected "
-                         "objects with a name, a category and numeric ts/dur") from None
+        raise TraceError(
+            f"{path}: event {count} is not a torch.profiler event ({type(e).__name__}: {e}); expected "
+            "objects with a name, a category and numeric ts/dur"
+        ) from None
     categories = list(names)
     steps_df = pd.DataFrame(steps, columns=["name", "ts", "end"]).sort_values("ts").reset_index(drop=True)
     gpu_df = gpu.frame(categories)
@@ -134,11 +186,22 @@ def load_tables(path: Path) -> Tables:
     return Tables(path, meta, steps_df, gpu_df, ops_df, rt_df, shapes, types, memory, recorded, comm, operands)
 
 
-def _take(ev: dict[str, Any], names: dict[str, int], gpu: _Column, ops: _Column, rt: _Column, tids: dict[Any, int],
-          steps: list[tuple[str, float, float]], shapes: list[tuple[float, str, Any]], types: dict[str, Any],
-          gpu_cats: dict[str, float], memory: dict[int, list[float]], recorded: dict[str, bool],
-          comm: list[tuple[str, str, int, float, float, dict[str, Any]]],
-          operands: list[tuple[str, float, float, int, Any, Any]]) -> None:
+def _take(
+    ev: dict[str, Any],
+    names: dict[str, int],
+    gpu: _Column,
+    ops: _Column,
+    rt: _Column,
+    tids: dict[Any, int],
+    steps: list[tuple[str, float, float]],
+    shapes: list[tuple[float, str, Any]],
+    types: dict[str, Any],
+    gpu_cats: dict[str, float],
+    memory: dict[int, list[float]],
+    recorded: dict[str, bool],
+    comm: list[tuple[str, str, int, float, float, dict[str, Any]]],
+    operands: list[tuple[str, float, float, int, Any, Any]],
+) -> None:
     """One trace event into the tables (a non-object or a non-numeric time raises, and the caller says where)."""
     intern = names.setdefault
     cat = ev.get("cat")
@@ -154,8 +217,15 @@ def _take(ev: dict[str, Any], names: dict[str, int], gpu: _Column, ops: _Column,
         recorded["stack"] = True
         name = ev.get("name", "")
         if name.startswith(MODULE_PREFIX):
-            _op_row(ops, intern(name, len(names)), tids.setdefault(ev.get("tid"), len(tids)),
-                    float(ev.get("ts", 0.0)), float(ev.get("dur", 0.0)), -1, -1)
+            _op_row(
+                ops,
+                intern(name, len(names)),
+                tids.setdefault(ev.get("tid"), len(tids)),
+                float(ev.get("ts", 0.0)),
+                float(ev.get("dur", 0.0)),
+                -1,
+                -1,
+            )
         return
     if cat == "cpu_op" or cat == "user_annotation":
         name = ev.get("name", "")
@@ -165,8 +235,15 @@ def _take(ev: dict[str, Any], names: dict[str, int], gpu: _Column, ops: _Column,
             return
         args = ev.get("args") or {}
         tid = tids.setdefault(ev.get("tid"), len(tids))
-        _op_row(ops, intern(name, len(names)), tid, ts, dur,
-                int(args.get("Sequence number", -1)), int(args.get("Fwd thread id", -1)))
+        _op_row(
+            ops,
+            intern(name, len(names)),
+            tid,
+            ts,
+            dur,
+            int(args.get("Sequence number", -1)),
+            int(args.get("Fwd thread id", -1)),
+        )
         if name.startswith(COMM_OPS):
             comm.append(("op", name, tid, ts, dur, args))
         if "Input Dims" in args:
@@ -208,6 +285,7 @@ def _op_row(ops: _Column, code: int, tid: int, ts: float, dur: float, seq: int, 
 
 
 # --- nesting of host ops, vectorized --------------------------------------------------------------
+
 
 def nesting(ts: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Depth and parent of intervals sorted by (start, -end), treated as a laminar family.
@@ -257,7 +335,7 @@ def op_context(t: Tables) -> pd.DataFrame:
     if not code_part.any():  # no vlmdoctor ranges: the module hierarchy, where the trace has it
         for k, c in enumerate(cats):
             if c.startswith(MODULE_PREFIX):
-                label = part_of_class(re.sub(r"_\d+$", "", c[len(MODULE_PREFIX):]))
+                label = part_of_class(re.sub(r"_\d+$", "", c[len(MODULE_PREFIX) :]))
                 code_part[k] = part_names.index(label) if label in part_names else 0
     codes = ops["name"].cat.codes.to_numpy()
     own_part = code_part[codes] if len(codes) else np.zeros(0, dtype=np.int8)
@@ -290,9 +368,18 @@ def op_context(t: Tables) -> pd.DataFrame:
             p = par[lvl]
             has = p >= 0
             prow = np.where(has, order[np.maximum(p, 0)], 0)
-            pp, po, pl, pb, pr, pk, pn = (np.where(has, arr[prow], default) for arr, default in
-                                          ((part, 0), (opt, False), (loss, False), (in_bwd, False), (recompute, False),
-                                           (bwd_key, -1), (node, -1)))
+            pp, po, pl, pb, pr, pk, pn = (
+                np.where(has, arr[prow], default)
+                for arr, default in (
+                    (part, 0),
+                    (opt, False),
+                    (loss, False),
+                    (in_bwd, False),
+                    (recompute, False),
+                    (bwd_key, -1),
+                    (node, -1),
+                )
+            )
             part[rows] = np.where(own_part[rows] > 0, own_part[rows], pp)
             opt[rows] = po | own_opt[rows]
             loss[rows] = pl | own_loss[rows]
@@ -323,8 +410,18 @@ def op_context(t: Tables) -> pd.DataFrame:
         key = key.map(alias).fillna(-1).astype(np.int64)
     parts = np.where(opt, "optimizer", np.where(in_bwd & resolved.notna().to_numpy(), resolved.to_numpy(), own_label))
     phases = np.where(opt, "optimizer", np.where(in_bwd, np.where(recompute, "recompute", "backward"), "forward"))
-    return pd.DataFrame({"part": parts, "phase": phases, "node": node, "recompute": recompute, "in_bwd": in_bwd,
-                         "fwd": fwd_ops, "order": inner, "parent": parent_pos})
+    return pd.DataFrame(
+        {
+            "part": parts,
+            "phase": phases,
+            "node": node,
+            "recompute": recompute,
+            "in_bwd": in_bwd,
+            "fwd": fwd_ops,
+            "order": inner,
+            "parent": parent_pos,
+        }
+    )
 
 
 def launch_context(t: Tables, ctx: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -411,6 +508,7 @@ def _measure(iv: Intervals, x: np.ndarray) -> np.ndarray:
 
 # --- facts ------------------------------------------------------------------------------------------
 
+
 def compute_facts(t: Tables, stage: int | None = None, model: str | None = None) -> dict[str, Any]:
     """One flat dict of named facts (times in ms per step unless the name says otherwise)."""
     facts: dict[str, Any] = {}
@@ -419,7 +517,10 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
     cfg = vmeta.get("config") or {}
     if not isinstance(cfg, dict):
         cfg = {}
-    for knob, value in cfg.items():  # what the run asked for: rules read it for exceptions, never as the trigger
+    for (
+        knob,
+        value,
+    ) in cfg.items():  # what the run asked for: rules read it for exceptions, never as the trigger
         facts[f"config.{knob}"] = value
     facts["trace.written_by_vlmdoctor"] = bool(vmeta)
     for what, seen in t.recorded.items():  # which profiler options left their marks
@@ -435,8 +536,10 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
         lo = min(x for x in (t.ops["ts"].min(), t.gpu["ts"].min()) if pd.notna(x))
         hi = max(x for x in (t.ops["end"].max(), t.gpu["end"].max()) if pd.notna(x))
         windows = [(lo, hi)]
-        warnings.append("no ProfilerStep markers: the whole trace is analyzed as one step (per-step numbers are "
-                        "per trace); record with a torch.profiler schedule and prof.step() for per-step facts")
+        warnings.append(
+            "no ProfilerStep markers: the whole trace is analyzed as one step (per-step numbers are "
+            "per trace); record with a torch.profiler schedule and prof.step() for per-step facts"
+        )
     n = len(windows)
     facts["trace.steps"] = n
     step_ms = [(e - s) / 1e3 for s, e in windows]
@@ -452,7 +555,9 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
         _host_facts(t, facts, n)
         _micro_batch_estimate(t, ctx, windows, facts)
         _attention_shape_facts(t, facts, n, ctx)  # head dims come from the host's shapes: no GPU needed
-        from vlmdoctor.trace.cpu_facts import cpu_facts  # it reads this module's tables: imported here, not at the top
+        from vlmdoctor.trace.cpu_facts import (
+            cpu_facts,
+        )  # it reads this module's tables: imported here, not at the top
 
         facts.update(cpu_facts(t, windows, facts))
         _mode_facts(t, windows, facts)
@@ -545,8 +650,12 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
     else:
         facts["recompute.kind"] = "none"
     facts["part.fp32_gemm_parts"] = sorted(set(g2.loc[g2["cls"] == "gemm_fp32_simt", "part"]))
-    if facts["part.source"] != "none":  # the LLM's bf16 GEMMs: what the fp8 knob converts (and its LM head, which it does not)
-        facts["gemm.bf16_llm_ms"] = float(g2.loc[(g2["cls"] == "gemm_tensor_core") & (g2["part"] == "llm"), "dur"].sum()) / 1e3 / n
+    if (
+        facts["part.source"] != "none"
+    ):  # the LLM's bf16 GEMMs: what the fp8 knob converts (and its LM head, which it does not)
+        facts["gemm.bf16_llm_ms"] = (
+            float(g2.loc[(g2["cls"] == "gemm_tensor_core") & (g2["part"] == "llm"), "dur"].sum()) / 1e3 / n
+        )
 
     # copies
     mc = g[g["cat"] == "gpu_memcpy"]
@@ -577,7 +686,7 @@ def part_source(t: Tables) -> str:
     cats = [str(c) for c in t.ops["name"].cat.categories]
     if any(c in PART_RANGES for c in cats):
         return "vlmdoctor ranges"
-    if any(c.startswith(MODULE_PREFIX) and part_of_class(re.sub(r"_\d+$", "", c[len(MODULE_PREFIX):])) for c in cats):
+    if any(c.startswith(MODULE_PREFIX) and part_of_class(re.sub(r"_\d+$", "", c[len(MODULE_PREFIX) :])) for c in cats):
         return "module hierarchy"
     return "none"
 
@@ -596,20 +705,31 @@ def estimate_stage(t: Tables, ctx: pd.DataFrame) -> tuple[int | None, str]:
     node = ctx["node"].to_numpy()
     mm = (names == "aten::mm") & ctx["in_bwd"].to_numpy() & ~ctx["recompute"].to_numpy() & (node >= 0)
     per_node = np.bincount(node[mm], minlength=len(names)) if mm.any() else np.zeros(len(names), dtype=np.int64)
-    linear = np.flatnonzero(pd.Series(names).str.contains(LINEAR_BACKWARD).to_numpy()
-                            & pd.Series(names).str.startswith(BACKWARD_NODE).to_numpy())
+    linear = np.flatnonzero(
+        pd.Series(names).str.contains(LINEAR_BACKWARD).to_numpy()
+        & pd.Series(names).str.startswith(BACKWARD_NODE).to_numpy()
+    )
     if not len(linear):
         return None, "no linear-layer backward nodes (MmBackward0 / AddmmBackward0) in the trace"
     in_llm = linear[ctx["part"].to_numpy()[linear] == "llm"]
     use, where = (in_llm, "LLM") if len(in_llm) else (linear, "model (no LLM attribution)")
     trained = float((per_node[use] >= 2).mean())
     stage = 2 if trained >= 0.5 else 1
-    return stage, (f"estimated: {trained * 100:.0f}% of the {where} linear-layer backward nodes compute a weight "
-                   f"gradient ({'LLM trains' if stage == 2 else 'LLM frozen'})")
+    return stage, (
+        f"estimated: {trained * 100:.0f}% of the {where} linear-layer backward nodes compute a weight "
+        f"gradient ({'LLM trains' if stage == 2 else 'LLM frozen'})"
+    )
 
 
-def _run_identity(t: Tables, ctx: pd.DataFrame, facts: dict[str, Any], stage: int | None, model: str | None,
-                  cfg: dict[str, Any], warnings: list[str]) -> None:
+def _run_identity(
+    t: Tables,
+    ctx: pd.DataFrame,
+    facts: dict[str, Any],
+    stage: int | None,
+    model: str | None,
+    cfg: dict[str, Any],
+    warnings: list[str],
+) -> None:
     """run.stage / run.model and where each came from; --stage / --model override, and say when they contradict."""
     notes: list[str] = []
     est, why = estimate_stage(t, ctx)
@@ -638,7 +758,9 @@ def _run_identity(t: Tables, ctx: pd.DataFrame, facts: dict[str, Any], stage: in
     warnings.extend(notes)
 
 
-def _micro_batch_estimate(t: Tables, ctx: pd.DataFrame, windows: list[tuple[float, float]], facts: dict[str, Any]) -> None:
+def _micro_batch_estimate(
+    t: Tables, ctx: pd.DataFrame, windows: list[tuple[float, float]], facts: dict[str, Any]
+) -> None:
     """Micro-batches per step where no token-batch shapes measured them: forward->backward transitions, or loss calls."""
     key = "shapes.micro_batches_per_step"
     if key in facts:
@@ -710,8 +832,11 @@ def _device_facts(t: Tables, facts: dict[str, Any], vmeta: dict[str, Any]) -> No
     """The GPU's compute capability (8.9 and up have FP8 tensor cores): the profiler's deviceProperties, else
     the environment vlmdoctor recorded with the run."""
     props = t.meta.get("deviceProperties") or []
-    major, minor = (props[0].get("computeMajor"), props[0].get("computeMinor")) if props and isinstance(props[0], dict) \
+    major, minor = (
+        (props[0].get("computeMajor"), props[0].get("computeMinor"))
+        if props and isinstance(props[0], dict)
         else (None, None)
+    )
     if isinstance(major, int) and isinstance(minor, int) and major > 0:
         facts["device.compute_capability"] = major + minor / 10
         return
@@ -754,10 +879,14 @@ def _flop_facts(t: Tables, facts: dict[str, Any], cfg: dict[str, Any]) -> None:
     facts["flops.model_tflop_per_step_upper"] = per_step / 1e12
     # the LM head on every position of the token batches, forward and backward (as computed unless labeled-only)
     positions = sum(B * L for B, L in batches) / facts["trace.steps"]
-    facts["flops.lm_head_tflop_per_step"] = 2.0 * fm.llm_head_params * positions * (3 if facts["run.stage"] == 2 else 2) / 1e12
+    facts["flops.lm_head_tflop_per_step"] = (
+        2.0 * fm.llm_head_params * positions * (3 if facts["run.stage"] == 2 else 2) / 1e12
+    )
     # the tower's forward for this step's images (one per row unless packed), whether it ran or was cached
     if not cfg.get("packing"):
-        facts["flops.vision_tflop_per_step"] = fm.vision_forward(sum(B for B, _ in batches)) / 1e12 / facts["trace.steps"]
+        facts["flops.vision_tflop_per_step"] = (
+            fm.vision_forward(sum(B for B, _ in batches)) / 1e12 / facts["trace.steps"]
+        )
     if facts.get("gpu.busy_ms"):
         facts["gpu.busy_tflops"] = per_step / 1e12 / (facts["gpu.busy_ms"] / 1e3)
     peak, _ = peak_flops(facts.get("device.name"))
@@ -795,7 +924,8 @@ def _idle_causes(t: Tables, idle: list[tuple[float, float]], facts: dict[str, An
     top = np.argsort(-per_code)[:8]
     facts["idle.top_host_ops"] = [
         {"op": str(cats[k]), "ms": float(per_code[k]) / 1e3 / n, "share": float(per_code[k]) / idle_total}
-        for k in top if per_code[k] > 0
+        for k in top
+        if per_code[k] > 0
     ]
 
 
@@ -959,13 +1089,18 @@ def analyze(path: str | Path, stage: int | None = None, model: str | None = None
     for f in files:
         t = load_tables(f)
         if t.ops.empty and t.gpu.empty:
-            raise TraceError(f"{f}: the trace holds no CPU ops and no GPU events (did the profiled code run inside the "
-                             "profiler's active steps?); nothing to analyze")
+            raise TraceError(
+                f"{f}: the trace holds no CPU ops and no GPU events (did the profiled code run inside the "
+                "profiler's active steps?); nothing to analyze"
+            )
         facts = compute_facts(t, stage, model)
         rc = rank_comms(t)
         facts.update(rc.facts)
-        entry = {"file": str(f), "facts": facts, "meta": {
-            k: t.meta[k] for k in ("vlmdoctor", "deviceProperties", "distributedInfo") if k in t.meta}}
+        entry = {
+            "file": str(f),
+            "facts": facts,
+            "meta": {k: t.meta[k] for k in ("vlmdoctor", "deviceProperties", "distributedInfo") if k in t.meta},
+        }
         if rc.rank is not None and (len(files) > 1 or rc.facts):
             entry["rank"] = rc.rank
         results.append(entry)
@@ -984,25 +1119,33 @@ def _cross_rank(path: str | Path, files: list[Path], per: list[Any], results: li
 
     missing = [f.name for f, rc in zip(files, per) if rc.rank is None]
     if missing:
-        return {"skipped": f"{missing[0]}: no rank in its distributedInfo.rank or its file name (trace_rank<R>.json.gz); "
-                           "cross-rank facts need one trace per rank"}
+        return {
+            "skipped": f"{missing[0]}: no rank in its distributedInfo.rank or its file name (trace_rank<R>.json.gz); "
+            "cross-rank facts need one trace per rank"
+        }
     seen: dict[int, str] = {}
     for f, rc in zip(files, per):
         if rc.rank in seen:
-            return {"skipped": f"{seen[rc.rank]} and {f.name} are both rank {rc.rank}: cross-rank facts need one trace "
-                               "per rank of one job"}
+            return {
+                "skipped": f"{seen[rc.rank]} and {f.name} are both rank {rc.rank}: cross-rank facts need one trace "
+                "per rank of one job"
+            }
         seen[rc.rank] = f.name
     doc = cross_rank(per, [r["facts"] for r in results])
     size_mb = sum(f.stat().st_size for f in files) / 2**20
     if any(rc.backend == "nccl" for rc in per) and size_mb > HTA_MAX_MB:
-        doc["hta"] = {"skipped": f"the traces hold {size_mb:,.0f} MB; traceinsight loads them whole (about 10x "
-                                 f"vlmdoctor's memory), so it is run on folders under {HTA_MAX_MB} MB only"}
+        doc["hta"] = {
+            "skipped": f"the traces hold {size_mb:,.0f} MB; traceinsight loads them whole (about 10x "
+            f"vlmdoctor's memory), so it is run on folders under {HTA_MAX_MB} MB only"
+        }
     elif any(rc.backend == "nccl" for rc in per):
         doc["hta"] = hta_overlap(path)
         ours = {r["rank"]: (r["hidden_ms"] / r["comm_ms"] * 100 if r.get("comm_ms") else None) for r in doc["ranks"]}
         doc["hta"]["ours_overlap_pct"] = ours
     else:
-        doc["hta"] = {"skipped": "traceinsight reads GPU NCCL kernels only; these traces ran their collectives on the CPU"}
+        doc["hta"] = {
+            "skipped": "traceinsight reads GPU NCCL kernels only; these traces ran their collectives on the CPU"
+        }
     return doc
 
 
@@ -1010,9 +1153,14 @@ def merge_measured(facts: dict[str, Any], report: dict[str, Any]) -> dict[str, A
     """Facts a trace cannot hold, from a profile report's measurements (padding, measured memory, exact MFU)."""
     m = report.get("metrics") or {}
     out = dict(facts)
-    for key, metric in (("data.pad_fraction", "pad_fraction"), ("data.real_tokens_per_s", "real_tokens_per_s"),
-                        ("memory.peak_allocated_gb", "peak_mem_gb"), ("memory.peak_reserved_gb", "peak_mem_reserved_gb"),
-                        ("memory.device_total_gb", "device_mem_total_gb"), ("mfu", "mfu")):
+    for key, metric in (
+        ("data.pad_fraction", "pad_fraction"),
+        ("data.real_tokens_per_s", "real_tokens_per_s"),
+        ("memory.peak_allocated_gb", "peak_mem_gb"),
+        ("memory.peak_reserved_gb", "peak_mem_reserved_gb"),
+        ("memory.device_total_gb", "device_mem_total_gb"),
+        ("mfu", "mfu"),
+    ):
         if m.get(metric) is not None:
             out[key] = m[metric]
     if m.get("loss_tokens_per_s") and m.get("real_tokens_per_s") and m.get("pad_fraction") is not None:

@@ -22,6 +22,7 @@ All of them are measured in the trace, never read from the run config:
 
 A second streaming pass over the trace reads the GEMM shapes (the tables keep only a few shapes).
 """
+
 from __future__ import annotations
 
 import re
@@ -138,8 +139,16 @@ def _read_shapes(t: Any, windows: list[tuple[float, float]]) -> tuple[list[dict[
             continue
         a = GEMM_OPS[name][0]
         types = types or []
-        gemms.append({"ts": ts, "end": ts + dur, "dur": dur, "dims": d, "tid": tid,
-                      "fp32": len(types) > a and types[a] == FP32})
+        gemms.append(
+            {
+                "ts": ts,
+                "end": ts + dur,
+                "dur": dur,
+                "dims": d,
+                "tid": tid,
+                "fp32": len(types) > a and types[a] == FP32,
+            }
+        )
     return gemms, cast_dims
 
 
@@ -168,19 +177,33 @@ def _lora_facts(gemms: list[dict[str, Any]], launches: _Launches, gpu: bool, n: 
         out["lora.rank"] = rank
 
 
-def _qlora_facts(t: Any, names: np.ndarray, in_win: np.ndarray, windows: list[tuple[float, float]], n: int, gpu: bool,
-                 denominator: float | None, facts: dict[str, Any], out: dict[str, Any]) -> None:
+def _qlora_facts(
+    t: Any,
+    names: np.ndarray,
+    in_win: np.ndarray,
+    windows: list[tuple[float, float]],
+    n: int,
+    gpu: bool,
+    denominator: float | None,
+    facts: dict[str, Any],
+    out: dict[str, Any],
+) -> None:
     if gpu:
         g = t.gpu
         sel = g[g["name"].astype(str).str.contains(DEQUANT) & _in_windows(g["ts"].to_numpy(), windows)]
         out["qlora.dequant_count"] = len(sel) / n
         out["qlora.dequant_ms"] = float(sel["dur"].sum()) / 1e3 / n
     else:
-        rows = np.flatnonzero(np.array([bool(DEQUANT.search(x)) for x in names], dtype=bool) & in_win) if len(names) \
+        rows = (
+            np.flatnonzero(np.array([bool(DEQUANT.search(x)) for x in names], dtype=bool) & in_win)
+            if len(names)
             else np.zeros(0, dtype=int)
+        )
         ops = t.ops
         out["qlora.dequant_count"] = len(rows) / n
-        out["qlora.dequant_ms"] = _union_us([(float(ops["ts"].iat[r]), float(ops["end"].iat[r])) for r in rows]) / 1e3 / n
+        out["qlora.dequant_ms"] = (
+            _union_us([(float(ops["ts"].iat[r]), float(ops["end"].iat[r])) for r in rows]) / 1e3 / n
+        )
     out["qlora.dequant_share"] = out["qlora.dequant_ms"] / denominator if denominator else 0.0
     params = (((t.meta.get("vlmdoctor") or {}).get("model") or {}).get("params") or {}).get("llm")
     if isinstance(params, (int, float)) and params > 0:  # bf16 base weights need 2 bytes a weight, NF4 about 0.5
@@ -189,17 +212,40 @@ def _qlora_facts(t: Any, names: np.ndarray, in_win: np.ndarray, windows: list[tu
         out["memory.headroom_gb"] = facts["memory.device_total_gb"] - facts["memory.peak_reserved_gb"]
 
 
-def _dpo_facts(t: Any, names: np.ndarray, in_win: np.ndarray, gemms: list[dict[str, Any]],
-               cast_dims: dict[float, int] | None, launches: _Launches, gpu: bool, n: int, denominator: float | None,
-               out: dict[str, Any]) -> None:
+def _dpo_facts(
+    t: Any,
+    names: np.ndarray,
+    in_win: np.ndarray,
+    gemms: list[dict[str, Any]],
+    cast_dims: dict[float, int] | None,
+    launches: _Launches,
+    gpu: bool,
+    n: int,
+    denominator: float | None,
+    out: dict[str, Any],
+) -> None:
     ops = t.ops
     ref_rows = np.flatnonzero(_reference_ranges(names) & in_win)
     if not len(ref_rows):
         if not t.meta.get("vlmdoctor"):  # a user's trace without a named range: the reference cannot be told apart
             return
         # vlmdoctor's runner always names the reference forward: none in the traced steps is measured as none
-        out.update({f"dpo.reference_{k}": 0.0 for k in ("count", "ms", "share", "backward_nodes", "backward_ms",
-                                                         "backward_share", "weight_casts", "cast_ms", "cast_share")})
+        out.update(
+            {
+                f"dpo.reference_{k}": 0.0
+                for k in (
+                    "count",
+                    "ms",
+                    "share",
+                    "backward_nodes",
+                    "backward_ms",
+                    "backward_share",
+                    "weight_casts",
+                    "cast_ms",
+                    "cast_share",
+                )
+            }
+        )
         return
     ts, end, tid = ops["ts"].to_numpy(), ops["end"].to_numpy(), ops["tid"].to_numpy()
     seq, ftid = ops["seq"].to_numpy(), ops["fwd_tid"].to_numpy()

@@ -10,6 +10,7 @@ skew is its excess over the mean (what perfect balance would save). The cause is
 differs on that rank: more real tokens, more data-loader time, or more host gaps.
 Which fact comes from where: docs/analysis.md ("Several ranks").
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -67,7 +68,11 @@ def cross_rank(per: list[RankComms], rank_facts: list[dict[str, Any]]) -> dict[s
     per = [p for p, _ in per_rank]
     rank_facts = [f for _, f in per_rank]
     facts: dict[str, Any] = {"dist.ranks": len(per)}
-    for key in ("trace.recorded.memory", "trace.recorded.shapes", "trace.cpu_only"):  # for the not-evaluated hints
+    for key in (
+        "trace.recorded.memory",
+        "trace.recorded.shapes",
+        "trace.cpu_only",
+    ):  # for the not-evaluated hints
         if any(key in f for f in rank_facts):
             facts[key] = all(f.get(key) for f in rank_facts)
     worlds = [r.world for r in per if r.world]
@@ -79,27 +84,40 @@ def cross_rank(per: list[RankComms], rank_facts: list[dict[str, Any]]) -> dict[s
         notes.append(f"{len(per)} of {facts['dist.world_size']} ranks' traces: the facts cover those ranks only")
     waits = _wait_per_step(per) if any(len(r.work) for r in per) else None
     if not any(len(r.work) for r in per):
-        notes.append("no collectives in the traces: the wait for late ranks is not measured (separate runs, "
-                     "or a trace window without communication?)")
+        notes.append(
+            "no collectives in the traces: the wait for late ranks is not measured (separate runs, "
+            "or a trace window without communication?)"
+        )
     elif waits is None and len({r.host for r in per if r.host}) > 1:
-        notes.append("the ranks ran on different hosts: their clocks are not comparable, so the wait for late ranks "
-                     "is not measured")
+        notes.append(
+            "the ranks ran on different hosts: their clocks are not comparable, so the wait for late ranks "
+            "is not measured"
+        )
     elif waits is None:
-        notes.append("the ranks recorded no common ProfilerStep: collectives cannot be matched, so the wait for late "
-                     "ranks is not measured")
+        notes.append(
+            "the ranks recorded no common ProfilerStep: collectives cannot be matched, so the wait for late "
+            "ranks is not measured"
+        )
     rows = []
     for r, f in zip(per, rank_facts):
         ps = r.per_step
         step_ms = float(ps["ms"].mean()) if len(ps) else None
         wait = float(np.mean(list(waits[r.rank].values()))) if waits and waits[r.rank] else (0.0 if waits else None)
         tokens = ps["tokens"].dropna()
-        rows.append({"rank": r.rank, "step_ms": step_ms, "wait_ms": wait,
-                     "busy_ms": step_ms - wait if step_ms is not None and wait is not None else step_ms,
-                     "tokens": float(tokens.mean()) if len(tokens) else None,
-                     "loader_ms": float(ps["loader_ms"].mean()) if len(ps) else None,
-                     "gap_ms": float(ps["gap_ms"].mean()) if len(ps) else None,
-                     "comm_ms": f.get("comm.ms"), "exposed_ms": f.get("comm.exposed_ms"),
-                     "hidden_ms": f.get("comm.hidden_ms")})
+        rows.append(
+            {
+                "rank": r.rank,
+                "step_ms": step_ms,
+                "wait_ms": wait,
+                "busy_ms": step_ms - wait if step_ms is not None and wait is not None else step_ms,
+                "tokens": float(tokens.mean()) if len(tokens) else None,
+                "loader_ms": float(ps["loader_ms"].mean()) if len(ps) else None,
+                "gap_ms": float(ps["gap_ms"].mean()) if len(ps) else None,
+                "comm_ms": f.get("comm.ms"),
+                "exposed_ms": f.get("comm.exposed_ms"),
+                "hidden_ms": f.get("comm.hidden_ms"),
+            }
+        )
     steps = [x["step_ms"] for x in rows if x["step_ms"] is not None]
     if steps:
         facts["dist.step.ms"] = float(np.mean(steps))
@@ -137,6 +155,7 @@ def cross_rank(per: list[RankComms], rank_facts: list[dict[str, Any]]) -> dict[s
         facts["dist.late_wait_ms_max"] = float(max(w))
     comm_ranks = [(x, f) for x, f in zip(rows, rank_facts) if "comm.ms" in f]
     if comm_ranks:
+
         def mean(key: str) -> float | None:
             vals = [f[key] for _, f in comm_ranks if f.get(key) is not None]
             return float(np.mean(vals)) if vals else None
@@ -163,9 +182,15 @@ def cross_rank(per: list[RankComms], rank_facts: list[dict[str, Any]]) -> dict[s
                 v = mean(f"comm.{kind}.{what}")
                 if v is not None:
                     facts[f"dist.comm.{kind}.{what}"] = v
-        for key in ("comm.fsdp.prefetched_frac", "comm.fsdp.forward_prefetched_frac",
-                    "comm.fsdp.backward_prefetched_frac", "comm.micro_batches_per_step",
-                    "comm.synced_micro_batches_per_step", "comm.grad_sync.extra_ms", "comm.grad_sync.extra_bytes"):
+        for key in (
+            "comm.fsdp.prefetched_frac",
+            "comm.fsdp.forward_prefetched_frac",
+            "comm.fsdp.backward_prefetched_frac",
+            "comm.micro_batches_per_step",
+            "comm.synced_micro_batches_per_step",
+            "comm.grad_sync.extra_ms",
+            "comm.grad_sync.extra_bytes",
+        ):
             v = mean(key)
             if v is not None:
                 facts["dist." + key.removeprefix("comm.")] = v
@@ -174,8 +199,13 @@ def cross_rank(per: list[RankComms], rank_facts: list[dict[str, Any]]) -> dict[s
         if synced and sync_bytes:
             # one synchronization moves every trained gradient once: its size is the trained parameters' bytes
             facts["dist.grad_gb"] = sync_bytes / synced / 2**30
-    for key in ("memory.device_total_gb", "memory.peak_reserved_gb", "memory.peak_reserved_frac",
-                "memory.peak_allocated_gb", "memory.peak_allocated_frac"):
+    for key in (
+        "memory.device_total_gb",
+        "memory.peak_reserved_gb",
+        "memory.peak_reserved_frac",
+        "memory.peak_allocated_gb",
+        "memory.peak_allocated_frac",
+    ):
         vals = [f[key] for f in rank_facts if f.get(key) is not None]
         if vals:
             facts[key] = max(vals)

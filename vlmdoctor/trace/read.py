@@ -4,15 +4,16 @@ Events are streamed one at a time through the C JSON decoder, never loaded whole
 The small top-level metadata (device properties, the `vlmdoctor` block a profile embeds) is read
 from the part of the file before `traceEvents`, where Kineto writes it.
 """
+
 from __future__ import annotations
 
 import gzip
 import io
 import json
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any, Iterator
-
+from typing import IO, Any
 
 from vlmdoctor.errors import UsageError
 
@@ -32,8 +33,10 @@ def trace_files(path: str | Path) -> list[Path]:
     if p.is_dir():
         files = sorted(f for f in p.iterdir() if f.is_file() and f.name.endswith(TRACE_SUFFIXES))
         if not files:
-            raise TraceError(f"{p}: the folder holds no trace files (expected *.json or *.json.gz written by "
-                             "torch.profiler, one per rank)")
+            raise TraceError(
+                f"{p}: the folder holds no trace files (expected *.json or *.json.gz written by "
+                "torch.profiler, one per rank)"
+            )
         return files
     if not p.name.endswith(TRACE_SUFFIXES):
         raise TraceError(f"{p}: expected a torch.profiler Chrome trace (.json or .json.gz)")
@@ -63,8 +66,10 @@ def read_metadata(path: Path, strict: bool = False) -> dict[str, Any]:
                         meta = json.loads(head[:i].decode("utf-8", "replace") + '"traceEvents": []}')
                     except json.JSONDecodeError as e:
                         if strict:
-                            raise TraceError(f"{path}: the keys before traceEvents are not valid JSON ({e.msg}); "
-                                             "expected a torch.profiler trace") from None
+                            raise TraceError(
+                                f"{path}: the keys before traceEvents are not valid JSON ({e.msg}); "
+                                "expected a torch.profiler trace"
+                            ) from None
                         return {}
                     meta.pop("traceEvents", None)
                     return meta
@@ -73,8 +78,10 @@ def read_metadata(path: Path, strict: bool = False) -> dict[str, Any]:
     if b'"traceEvents"' not in head:
         text = head[:200].decode("utf-8", "replace").strip()
         if not text.startswith("{"):
-            raise TraceError(f"{path}: not a JSON object (starts with {text[:40]!r}); expected a torch.profiler "
-                             "Chrome trace with a traceEvents list")
+            raise TraceError(
+                f"{path}: not a JSON object (starts with {text[:40]!r}); expected a torch.profiler "
+                "Chrome trace with a traceEvents list"
+            )
     return {}
 
 
@@ -120,11 +127,13 @@ def iter_events(path: Path, block: int = 1 << 24, tail: dict[str, Any] | None = 
                 count += 1
                 yield ev
             if tail is not None and count:
-                tail.update(_trailing_keys(path, buf[i + 1:] + f.read()))
+                tail.update(_trailing_keys(path, buf[i + 1 :] + f.read()))
     except json.JSONDecodeError as e:
         where = f"after {count} events" if count else "before any event"
-        raise TraceError(f"{path}: the JSON is malformed or truncated {where} ({e.msg}); expected a complete "
-                         "torch.profiler Chrome trace") from None
+        raise TraceError(
+            f"{path}: the JSON is malformed or truncated {where} ({e.msg}); expected a complete "
+            "torch.profiler Chrome trace"
+        ) from None
     except (OSError, EOFError, zlib.error) as e:
         raise TraceError(f"{path}: cannot read ({type(e).__name__}: {e}); a truncated .gz file?") from None
     if count == 0:
@@ -135,8 +144,10 @@ def _trailing_keys(path: Path, rest: str) -> dict[str, Any]:
     """The keys after the traceEvents list: `, "k": v, ... }`."""
     text = rest.strip()
     if not text.endswith("}"):
-        raise TraceError(f"{path}: the JSON object is not closed after traceEvents (a truncated file?); expected a "
-                         "complete torch.profiler Chrome trace")
+        raise TraceError(
+            f"{path}: the JSON object is not closed after traceEvents (a truncated file?); expected a "
+            "complete torch.profiler Chrome trace"
+        )
     body = text[:-1].strip().lstrip(",").strip()
     try:
         return json.loads("{" + body + "}") if body else {}
