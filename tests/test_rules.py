@@ -12,7 +12,7 @@ import yaml
 from typer.testing import CliRunner
 
 from vlmdoctor.cli import app
-from vlmdoctor.doctor.rules import RULES_DIR, diagnose, load_rules
+from vlmdoctor.doctor.rules import RULES_DIR, diagnose, gain_ratio, load_rules
 from vlmdoctor.run.config import RunConfig
 from vlmdoctor.trace.facts import analyze, merge_measured
 
@@ -189,10 +189,14 @@ def test_healthy_fixture_has_no_layer_1_findings():
     assert [f for f in fired("healthy_s2").values() if f["layer"] == 1] == []
 
 
-def test_findings_are_in_layer_order_with_evidence_patch_and_gain():
+def test_findings_are_ranked_by_gain_and_numbered_in_layer_order_with_evidence_patch_and_gain():
     findings = diagnose(measured("default_s2"), RULES)["findings"]
-    layers = [f["layer"] for f in findings]
-    assert layers == sorted(layers) and layers[0] == 1
+    ratios = [gain_ratio(f["expected_gain"]) for f in findings]
+    assert None not in ratios and ratios == sorted(ratios, reverse=True)  # the biggest expected win first
+    assert [f["rank"] for f in findings] == list(range(1, len(findings) + 1))
+    applied = sorted(findings, key=lambda f: f["apply_order"])  # the layer stays the order of application
+    assert [f["layer"] for f in applied] == sorted(f["layer"] for f in findings) and applied[0]["layer"] == 1
+    assert findings[0]["layer"] != 1  # here the gains and the layers disagree: the test checks both orders
     churn = next(f for f in findings if f["id"] == "data-shape-churn")
     assert churn["config_patch"] == {"pad_to_multiple_of": 64}
     assert "4x387" in " ".join(churn["evidence"])  # numbers from the trace, not the config
@@ -219,7 +223,7 @@ def test_missing_facts_mean_not_evaluated_not_fired(tmp_path):
 def test_a_fix_covered_by_an_earlier_one_is_superseded():
     facts = {**measured("default_s2"), "gemm.fp32_share": 0.6, "kernels.gemm_fp32_simt.ms": 30.0}
     d = diagnose(facts, RULES)
-    ids = [f["id"] for f in d["findings"]]
+    ids = [f["id"] for f in sorted(d["findings"], key=lambda f: f["apply_order"])]
     assert ids[0] == "precision-fp32-gemms"  # the larger estimated saving in layer 1
     assert {"id": "precision-autocast-casts", "by": "precision-fp32-gemms"} in [
         {"id": s["id"], "by": s["superseded_by"]} for s in d["superseded"]
@@ -318,7 +322,15 @@ def test_rules_list_and_show():
     for name, c in raw["constants"].items():  # every threshold with its value and where it comes from
         assert f"{name} = {c['value']}" in page and " ".join(str(c["why"]).split()) in page
     r = CliRunner().invoke(app, ["rules", "show", "nope"])
-    assert r.exit_code == 2 and "known rules" in r.output
+    assert r.exit_code == 2 and "no rule 'nope'" in r.output and len(r.output.strip().splitlines()) == 1
+    # an id cut by a narrow table, or mistyped: one line with the closest ids, not a line of every id
+    for given, meant in (
+        ("precision-frozen-tower-gra…", "precision-frozen-tower-graph"),
+        ("fusion-fusedce-stag2", "fusion-fusedce-stage2"),
+    ):
+        r = CliRunner().invoke(app, ["rules", "show", given])
+        assert r.exit_code == 2 and "did you mean" in r.output and meant in r.output, r.output
+        assert len(r.output.strip().splitlines()) == 1 and "system-sync-calls" not in r.output
 
 
 def test_profile_report_holds_findings(tmp_path):

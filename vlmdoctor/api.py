@@ -403,6 +403,10 @@ class Recorder:
             "model": self.desc,
             "source": self.source,
         }
+        if self.window is not None:  # the timed window's measurements, so `analyze` of this trace sees them too
+            from vlmdoctor.run.capture import measured_metadata
+
+            meta["metrics"] = measured_metadata(_metrics(self.window, self.device))
         self.prof.add_metadata_json("vlmdoctor", json.dumps(meta, default=str))
 
     def _stop_profiler(self) -> None:
@@ -599,7 +603,9 @@ def _stats(w: dict[str, Any]) -> dict[str, Any]:
 # --- from a measured report to prescriptions ---------------------------------------------------
 
 
-def diagnose_report(report: dict[str, Any], audience: str, rules_dirs: Sequence[str] = ()) -> dict[str, Any]:
+def diagnose_report(
+    report: dict[str, Any], audience: str, rules_dirs: Sequence[str] = (), selection: Any = None
+) -> dict[str, Any]:
     """Trace -> facts -> findings, plus CPU part times and the fix in the user's terms, in place.
 
     A trace the analyzer cannot read leaves `facts = {"trace.error": ...}`, never an exception.
@@ -611,11 +617,12 @@ def diagnose_report(report: dict[str, Any], audience: str, rules_dirs: Sequence[
     if report.get("status") not in ("ok", "nan_loss") or not trace.get("path"):
         return report
     try:
-        examine(report, rules_dirs)
+        examine(report, rules_dirs, selection=selection)
     except Exception as e:  # the analyzer on a trace it was not written for
         report["facts"] = {"trace.error": f"{type(e).__name__}: {e}"}
         report.pop("diagnosis", None)
         report.pop("findings", None)
+        report.pop("muted", None)
     if "diagnosis" in report:
         add_advice(report, audience)
     return report

@@ -58,6 +58,51 @@ def _json_opt(what: str):
     )
 
 
+#: --select / --ignore, the same on every command that diagnoses (typer only reads these, so commands share them)
+_SELECT = typer.Option(
+    None,
+    "--select",
+    metavar="RULES",
+    help="only these rules: ids (or globs: fusion-*), layers (1-5, precision ...) or severities (high, "
+    "medium, low); comma-separated, repeatable; the others' findings are listed as muted",
+)
+_IGNORE = typer.Option(
+    None,
+    "--ignore",
+    metavar="RULES",
+    help="mute these rules (ids, globs, layers or severities; comma-separated, repeatable): "
+    "their findings are listed as muted, never fail the gate",
+)
+
+
+def rule_choice(
+    select: list[str] | None, ignore: list[str] | None, rules_dirs: list[str] | None
+) -> tuple[Any, list[str], dict[str, Any]]:
+    """(selection, rule folders, project settings): --select/--ignore/--rules over the nearest
+    pyproject.toml's [tool.vlmdoctor] table, every token checked against the rules' ids (exit 2 with
+    "did you mean" on a typo)."""
+    from pathlib import Path
+
+    from vlmdoctor.doctor.select import build_selection, split_tokens
+    from vlmdoctor.inputs import check_rules_dirs
+    from vlmdoctor.settings import project_settings
+
+    settings = project_settings()
+    check_rules_dirs(list(rules_dirs or []))
+    for d in settings.get("rules", []):
+        if not Path(d).is_dir():
+            raise VlmdoctorError(f"{settings['_where']}: [tool.vlmdoctor] rules: {d} is not a folder")
+    dirs = [*(rules_dirs or []), *settings.get("rules", [])]
+    tokens = split_tokens(select) + split_tokens(ignore) + split_tokens(settings.get("select"))
+    tokens += split_tokens(settings.get("ignore"))
+    ids: list[str] = []
+    if tokens:
+        from vlmdoctor.doctor.rules import load_rules
+
+        ids = [r.id for r in load_rules(*dirs)[0]]
+    return build_selection(select, ignore, ids, settings), dirs, settings
+
+
 def knob_flags() -> dict[str, tuple[str, str | None]]:
     """Each run-config knob's flag on `profile`, read from the typer app: (flag, its --no- form or None)."""
     import typer.main
@@ -287,6 +332,8 @@ def profile(
         "fixes (the trace goes to a temporary folder unless --trace-dir is given)",
     ),
     rules_dirs: list[str] | None = typer.Option(None, "--rules", help="extra folder of rule files (repeatable)"),
+    select: list[str] | None = _SELECT,
+    ignore: list[str] | None = _IGNORE,
     trace_dir: str | None = typer.Option(
         None,
         "--trace-dir",
@@ -339,6 +386,7 @@ def profile(
             "one_gpu_report": one_gpu_report,
             "measure_one_gpu": measure_one_gpu,
         }
+        selection, rules_dirs, _ = rule_choice(select, ignore, rules_dirs)
         _profile(
             overrides,
             config,
@@ -347,9 +395,10 @@ def profile(
             force,
             quiet,
             trace,
-            rules_dirs or [],
+            rules_dirs,
             html_path,
             launch,
+            selection=selection,
         )
 
 
@@ -364,6 +413,7 @@ def _profile(
     rules_dirs: list[str] | None = None,
     html_path: str | None = None,
     launch: dict[str, Any] | None = None,
+    selection: Any = None,
 ) -> None:
     from vlmdoctor.doctor.diagnosis import examine, remove_temporary_trace
     from vlmdoctor.files import check_distinct, check_output_dir, check_writable, json_text, save, save_json
@@ -461,7 +511,7 @@ def _profile(
 
                 report = measure(progress)
         try:
-            examine(report, rules_dirs or [])
+            examine(report, rules_dirs or [], selection=selection)
         except Exception as e:  # the measurement is kept whatever the diagnosis does
             message, _ = describe_error(e)
             report["diagnosis_error"] = message
@@ -516,6 +566,8 @@ def analyze(
     html_path: str | None = typer.Option(None, "--html", help="write a self-contained HTML report here"),
     force: bool = typer.Option(False, "--force", help="overwrite an existing --json or --html file"),
     rules_dirs: list[str] | None = typer.Option(None, "--rules", help="extra folder of rule files (repeatable)"),
+    select: list[str] | None = _SELECT,
+    ignore: list[str] | None = _IGNORE,
 ) -> None:
     """Read a torch.profiler trace (anyone's), print what the GPU did, why it waited, and what to change."""
     from vlmdoctor import SCHEMA_VERSION
@@ -539,21 +591,26 @@ def analyze(
         check_writable(json_path, force, "--json")
         check_writable(html_path, force, "--html")
         check_rules_dirs(rules_dirs or [])
+        selection, rules_dirs, _ = rule_choice(select, ignore, rules_dirs)
         with err.status("reading the trace"):
             result = run_analysis(path, stage, model)
         rules, problems = load_rules(*(rules_dirs or []))
         from vlmdoctor.doctor.advice import add_advice
+        from vlmdoctor.doctor.diagnosis import measured_from_trace
 
         for entry in result["files"]:
-            entry["diagnosis"] = diagnose(entry["facts"], rules, problems)
+            measured_from_trace(entry)  # a vlmdoctor trace carries its run's measurements: as profile diagnosed
+            entry["diagnosis"] = diagnose(entry["facts"], rules, problems, selection)
             entry["findings"] = entry["diagnosis"]["findings"]
+            entry["muted"] = entry["diagnosis"]["muted"]
             if not entry["facts"].get("trace.written_by_vlmdoctor"):
                 # a user's own training: the fix as the lines of their loop, not a vlmdoctor command
                 add_advice({"config": {}, "diagnosis": entry["diagnosis"]}, "loop")
         cross = result.get("cross_rank")
         if cross and "facts" in cross:  # the job as a whole: rules over the joined ranks' facts
-            cross["diagnosis"] = diagnose(cross["facts"], [r for r in rules if r.uses_dist], problems)
+            cross["diagnosis"] = diagnose(cross["facts"], [r for r in rules if r.uses_dist], problems, selection)
             cross["findings"] = cross["diagnosis"]["findings"]
+            cross["muted"] = cross["diagnosis"]["muted"]
             if not any(e["facts"].get("trace.written_by_vlmdoctor") for e in result["files"]):
                 add_advice({"config": {}, "diagnosis": cross["diagnosis"]}, "loop")
         doc = {"schema_version": SCHEMA_VERSION, "kind": "analysis", **result}
@@ -620,12 +677,16 @@ def rules_list(
                 json_path,
             )
     if json_path != "-":
+        # an id is never cut (it is what --ignore and rules show take): the title wraps instead
         t = Table(show_header=True, header_style="bold")
-        for col in ("layer", "id", "severity", "title"):
-            t.add_column(col)
+        t.add_column("layer", no_wrap=True)
+        t.add_column("id", no_wrap=True, min_width=max((len(r.id) for r in rules), default=2))
+        t.add_column("max", no_wrap=True)
+        t.add_column("title", overflow="fold")
         for r in rules:
             t.add_row(str(r.layer), escape(r.id), escape(r.severity), escape(r.title))
         out.print(t)
+        out.print("[dim]max: the highest severity a finding can have; its expected gain sets it[/dim]")
         out.print("[dim]vlmdoctor rules show ID: what a rule detects, its evidence, fix and thresholds[/dim]")
     for p in problems:
         err.print(f"[yellow]rule problem:[/yellow] {escape(p)}", highlight=False)
@@ -652,7 +713,13 @@ def rules_show(
         rules, _ = load_rules(*(rules_dirs or []))
         match = [r for r in rules if r.id == rule_id]
         if not match:
-            raise VlmdoctorError(f"no rule {rule_id!r}; known rules: {', '.join(sorted(r.id for r in rules))}")
+            from vlmdoctor.doctor.select import suggest
+
+            close = suggest(rule_id, sorted(r.id for r in rules))
+            raise VlmdoctorError(
+                f"no rule {rule_id!r}"
+                + (f"; did you mean {', '.join(close)}?" if close else "; vlmdoctor rules list shows every id")
+            )
         page = rule_page(match[0])
         if json_path:
             write_json(page, json_path)
@@ -676,6 +743,8 @@ def run(
     json_path: str | None = typer.Option(None, "--json", help="also write the report JSON here ('-' for stdout)"),
     html_path: str | None = typer.Option(None, "--html", help="write a self-contained HTML report here"),
     rules_dirs: list[str] | None = typer.Option(None, "--rules", help="extra folder of rule files (repeatable)"),
+    select: list[str] | None = _SELECT,
+    ignore: list[str] | None = _IGNORE,
     force: bool = typer.Option(False, "--force", help="overwrite a report already in --out, --json or --html"),
     quiet: bool = typer.Option(False, "--quiet", help="no metrics and prescriptions on the console"),
 ) -> None:
@@ -687,6 +756,7 @@ def run(
     from vlmdoctor.launch import run_script
 
     with _user_errors():
+        selection, rules_dirs, _ = rule_choice(select, ignore, rules_dirs)
         code, report = run_script(
             command,
             out_dir,
@@ -696,10 +766,11 @@ def run(
             stop_after_window,
             stage,
             json_path,
-            rules_dirs or [],
+            rules_dirs,
             force,
             quiet,
             html_path,
+            selection=selection,
         )
         if json_path == "-" and report is not None:
             from vlmdoctor.files import write_json
@@ -791,6 +862,8 @@ def treat(
     trial_timeout: float = typer.Option(900, "--trial-timeout", help="seconds one run may take"),
     max_pairs: int = typer.Option(6, "--max-pairs", help="paired runs per comparison at most (3 at least)"),
     rules_dirs: list[str] | None = typer.Option(None, "--rules", help="extra folder of rule files (repeatable)"),
+    select: list[str] | None = _SELECT,
+    ignore: list[str] | None = _IGNORE,
     out_dir: str | None = typer.Option(
         None,
         "--out",
@@ -846,6 +919,7 @@ def treat(
         folder = Path(out_dir or f"treat-{cfg.model}-stage{cfg.stage}")
         check_output_dir(folder, "--out")
         check_rules_dirs(rules_dirs or [])
+        selection, rules_dirs, _ = rule_choice(select, ignore, rules_dirs)
         if folder.is_dir() and any(folder.iterdir()) and not force:
             raise VlmdoctorError(
                 f"{folder} already holds files; pass --force to write into it, or --out another folder"
@@ -873,7 +947,10 @@ def treat(
         compile_env = cache_env(folder / "compile-cache")  # trials of one treatment reuse each other's compiled kernels
 
         def run_one(c: RunConfig, diagnose: bool, timeout: float | None) -> dict[str, Any]:
-            return run_isolated(c, timeout=timeout, diagnose=diagnose, rules_dirs=opts.rules_dirs, env=compile_env)
+            from vlmdoctor.doctor.select import mute_report
+
+            report = run_isolated(c, timeout=timeout, diagnose=diagnose, rules_dirs=opts.rules_dirs, env=compile_env)
+            return mute_report(report, selection)  # a muted rule's fix is not tried
 
         if quiet or json_path == "-":
             result = run_treat(cfg, run_one, opts)
@@ -993,18 +1070,31 @@ def gate(
         "--current",
         help="the report to judge; without it, the baseline's config is profiled now, in a fresh process",
     ),
-    max_regression: float = typer.Option(
-        0.05,
+    max_regression: float | None = typer.Option(
+        None,
         "--max-regression",
-        help="fail on a real tokens/s drop larger than this (0.05 = 5%) that is also significant",
+        help="fail on a real tokens/s drop larger than this (0.05 = 5%) that is also significant "
+        "[default: [tool.vlmdoctor] max-regression, else 0.05]",
+        show_default=False,
     ),
     alpha: float = typer.Option(
         0.01, "--alpha", help="significance level of the Mann-Whitney U test on per-step throughput"
     ),
-    max_memory_growth: float = typer.Option(0.10, "--max-memory-growth", help="fail when peak memory grew more"),
-    fail_on: str = typer.Option(
-        "high", "--fail-on", help="fail on a new finding of this severity or above (high, medium, low)"
+    max_memory_growth: float | None = typer.Option(
+        None,
+        "--max-memory-growth",
+        help="fail when peak memory grew more [default: [tool.vlmdoctor] max-memory-growth, else 0.10]",
+        show_default=False,
     ),
+    fail_on: str | None = typer.Option(
+        None,
+        "--fail-on",
+        help="fail on a new finding of this severity or above (high, medium, low); muted findings never fail "
+        "[default: [tool.vlmdoctor] fail-on, else high]",
+        show_default=False,
+    ),
+    select: list[str] | None = _SELECT,
+    ignore: list[str] | None = _IGNORE,
     allow_env_change: bool = typer.Option(
         False,
         "--allow-env-change",
@@ -1071,6 +1161,10 @@ def gate(
     from vlmdoctor.inputs import check_number
 
     with _user_errors():
+        selection, _, settings = rule_choice(select, ignore, None)
+        max_regression = settings.get("max-regression", 0.05) if max_regression is None else max_regression
+        max_memory_growth = settings.get("max-memory-growth", 0.10) if max_memory_growth is None else max_memory_growth
+        fail_on = fail_on or settings.get("fail-on", "high")
         check_number("--max-regression", max_regression, minimum=0, below=1)
         check_number("--alpha", alpha, above=0, below=1)
         check_number("--max-memory-growth", max_memory_growth, minimum=0, maximum=100)
@@ -1126,6 +1220,7 @@ def gate(
                     fail_on=fail_on,
                     allow_env_change=allow_env_change,
                     notify=lambda m: status.update(m),
+                    selection=selection,
                 )
             result.pop("reports", None)
             _gate_outputs(result, junit, json_path, summary)
@@ -1150,7 +1245,7 @@ def gate(
             )
             return
         notes = check_comparable(base, cur, allow_env_change)
-        result = judge(base, cur, max_regression, alpha, max_memory_growth, fail_on, notes)
+        result = judge(base, cur, max_regression, alpha, max_memory_growth, fail_on, notes, selection)
         _gate_outputs(result, junit, json_path, summary)
         raise typer.Exit(0 if result["passed"] else 1)
 

@@ -139,7 +139,10 @@ class _Child:
             report = self.rec.finish()
             report["audience"] = self.rec.audience
             report["script"] = {"argv": self.s["argv"], "exit_code": None, "error": None}
-            diagnose_report(report, self.rec.audience, self.s.get("rules_dirs") or [])
+            from vlmdoctor.doctor.select import Selection
+
+            selection = Selection.from_json(self.s.get("selection"))
+            diagnose_report(report, self.rec.audience, self.s.get("rules_dirs") or [], selection)
             report["diagnosed_while_running"] = True
             write_outputs(report, Path(self.s["out"]))
             self.report = report
@@ -302,6 +305,7 @@ def run_script(
     force: bool = False,
     quiet: bool = False,
     html_path: str | None = None,
+    selection: Any = None,
 ) -> tuple[int, dict[str, Any] | None]:
     """Run the script under the bootstrap, then diagnose; returns (exit code, report)."""
     from vlmdoctor.api import diagnose_report, show, write_outputs
@@ -335,6 +339,7 @@ def run_script(
             "stop_after_window": stop_after_window,
             "stage": stage,
             "rules_dirs": [str(Path(d).resolve()) for d in rules_dirs],
+            "selection": selection.to_json() if selection else None,
             "quiet": quiet,
         }
     )
@@ -364,7 +369,7 @@ def run_script(
         code = script.get("exit_code") if script.get("exit_code") is not None else rc
         if report.get("status") == "ok":  # measured before it failed: the diagnosis still stands
             if not report.get("diagnosed_while_running"):
-                diagnose_report(report, report.get("audience") or "loop", rules_dirs)
+                diagnose_report(report, report.get("audience") or "loop", rules_dirs, selection)
                 if not quiet and json_path != "-" and "diagnosis" in report:
                     show(report)
             report["status"] = "error"
@@ -381,7 +386,7 @@ def run_script(
         return EXIT_FAILED_RUN, report
     shown = bool(report.get("diagnosed_while_running"))  # the child printed it when the window ended
     if not shown:
-        diagnose_report(report, report.get("audience") or "loop", rules_dirs)
+        diagnose_report(report, report.get("audience") or "loop", rules_dirs, selection)
     write_outputs(report, folder, copy)
     if html_path:
         from vlmdoctor.report.html import profile_html, write_html

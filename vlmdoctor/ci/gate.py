@@ -13,6 +13,7 @@ job, alternating with the current one in fresh processes, and judged on the pair
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import statistics
@@ -312,6 +313,7 @@ def paired_gate(
     notify: Any = lambda _: None,
     cpu_time: bool = False,
     extend_pairs: int | None = None,
+    selection: Any = None,
 ) -> dict[str, Any]:
     """Measure baseline and current alternately (B C, C B, ...), each run a fresh process, and judge
     the throughput on the paired ratios; memory and findings on the last clean run of each side.
@@ -389,7 +391,7 @@ def paired_gate(
         "p": None,
         "significant": slower,
     }
-    checks = [throughput, check_memory(base, cur, max_memory_growth), check_findings(base, cur, fail_on)]
+    checks = [throughput, check_memory(base, cur, max_memory_growth), check_findings(base, cur, fail_on, selection)]
     failed = [c for c in checks if not c["passed"]]
     summary = (
         ("FAILED: " + "; ".join(f"{c['name']}: {c['detail']}" for c in failed))
@@ -624,12 +626,34 @@ def _findings(report: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
     return None if f is None else {x["id"]: x for x in f}
 
 
-def check_findings(base: dict[str, Any], cur: dict[str, Any], fail_on: str = "high") -> dict[str, Any]:
-    """A new prescription (FP32 GEMMs back on the step, say) is a regression even before it shows in speed."""
+def check_findings(
+    base: dict[str, Any], cur: dict[str, Any], fail_on: str = "high", selection: Any = None
+) -> dict[str, Any]:
+    """A new prescription (FP32 GEMMs back on the step, say) is a regression even before it shows in speed.
+
+    A muted finding (the report's `muted`, or muted now by `selection`: --ignore, [tool.vlmdoctor])
+    never fails the gate; it is listed under `muted`.
+    """
     if fail_on not in SEVERITY_ORDER:
         raise UsageError(f"fail_on={fail_on!r} is not valid; choose one of: {', '.join(reversed(SEVERITY_ORDER))}")
+    if selection:
+        from vlmdoctor.doctor.select import mute_report
+
+        base, cur = (mute_report(copy.deepcopy(r), selection) for r in (base, cur))
     fb, fc = _findings(base), _findings(cur)
-    out: dict[str, Any] = {"name": "findings", "fail_on": fail_on, "added": [], "gone": [], "failing": []}
+    muted = [
+        {"id": m.get("id"), "severity": m.get("severity"), "muted_by": m.get("muted_by")}
+        for m in ((cur.get("diagnosis") or {}).get("muted") or cur.get("muted") or [])
+        if isinstance(m, dict)
+    ]
+    out: dict[str, Any] = {
+        "name": "findings",
+        "fail_on": fail_on,
+        "added": [],
+        "gone": [],
+        "failing": [],
+        "muted": muted,
+    }
     if fb is None or fc is None:
         which = "baseline" if fb is None else "current"
         return out | {
@@ -656,6 +680,8 @@ def check_findings(base: dict[str, Any], cur: dict[str, Any], fail_on: str = "hi
         parts.append("new, below the bar: " + ", ".join(f"{i} ({fc[i].get('severity')})" for i in others))
     if gone:
         parts.append("gone: " + ", ".join(gone))
+    if muted:
+        parts.append("muted: " + ", ".join(f"{m['id']} ({m['severity']})" for m in muted))
     detail = "; ".join(parts) if parts else "same findings as the baseline"
     passed = not failing
     return out | {
@@ -704,12 +730,13 @@ def gate(
     max_memory_growth: float = 0.10,
     fail_on: str = "high",
     notes: Sequence[str] = (),
+    selection: Any = None,
 ) -> dict[str, Any]:
     """All checks and one verdict; call check_comparable first (it refuses, this one judges)."""
     checks = [
         check_throughput(base, cur, max_regression, alpha),
         check_memory(base, cur, max_memory_growth),
-        check_findings(base, cur, fail_on),
+        check_findings(base, cur, fail_on, selection),
     ]
     if slowest_rank(base) and slowest_rank(cur):
         checks.append(check_slowest_rank(base, cur, max_regression))

@@ -53,17 +53,36 @@ def trace_facts(report: dict[str, Any]) -> dict[str, Any] | None:
     return merge_measured(facts, report)
 
 
-def examine(report: dict[str, Any], rules_dirs: Sequence[str] = (), prescribe: bool = True) -> dict[str, Any]:
-    """Add `facts`, and with `prescribe` the `diagnosis` and `findings`, to a run report in place."""
+def measured_from_trace(entry: dict[str, Any]) -> dict[str, Any]:
+    """An analyzed trace's facts merged with the measurements its run wrote into it, in place.
+
+    vlmdoctor's runs record the timed windows' metrics in the trace's `vlmdoctor` metadata, so
+    `analyze` of the trace alone diagnoses what `profile` did; other traces are left as they are.
+    """
+    vmeta = (entry.get("meta") or {}).get("vlmdoctor")
+    if isinstance(vmeta, dict) and isinstance(vmeta.get("metrics"), dict) and "trace.error" not in entry["facts"]:
+        env = vmeta.get("env") if isinstance(vmeta.get("env"), dict) else {}
+        entry["facts"] = merge_measured(entry["facts"], {"metrics": vmeta["metrics"], "env": env})
+    return entry
+
+
+def examine(
+    report: dict[str, Any], rules_dirs: Sequence[str] = (), prescribe: bool = True, selection: Any = None
+) -> dict[str, Any]:
+    """Add `facts`, and with `prescribe` the `diagnosis` and `findings`, to a run report in place.
+
+    `selection` (doctor/select.py) mutes findings: they go to `diagnosis.muted`, not away.
+    """
     facts = trace_facts(report)
     if facts is None:
         return report
     report["facts"] = facts
     if prescribe and "trace.error" not in facts:
         rules, problems = load_rules(*rules_dirs)
-        report["diagnosis"] = diagnose(facts, rules, problems)
+        report["diagnosis"] = diagnose(facts, rules, problems, selection)
         _set_aside_refused(report["diagnosis"], (report.get("config") or {}).get("model"))
         report["findings"] = report["diagnosis"]["findings"]
+        report["muted"] = report["diagnosis"]["muted"]
     return report
 
 

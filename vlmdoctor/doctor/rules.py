@@ -5,9 +5,12 @@ run.stage == 2`), parsed with Python's `ast` and evaluated by walking only white
 comparisons, and/or/not, arithmetic, literals, a few math functions. There is no `eval`.
 A rule that needs a fact the trace does not hold is reported as not evaluated, never as fired.
 
-Findings are ordered by layer (1 precision ... 5 system tuning), then by estimated time saved.
-A finding whose config patch contradicts or repeats an earlier one's, or that names it under
-`conflicts`, is kept as superseded rather than prescribed twice.
+A finding's severity follows its expected gain (`GAIN_SEVERITY`, capped by the rule's own
+`severity`), and findings are listed biggest expected gain first (`rank`); the layer (1 precision
+... 5 system tuning) is the order in which the fixes are applied (`apply_order`). A finding whose
+config patch contradicts or repeats an earlier-applied one's, or that names it under `conflicts`,
+is kept as superseded rather than prescribed twice. A finding the user muted (`--ignore`,
+`[tool.vlmdoctor]`) is kept under `muted`, never dropped.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import ast
 import math
 import operator
+import os
 import re
 from dataclasses import dataclass, field
 from functools import cache
@@ -43,6 +47,9 @@ def _builtin_rules_dir() -> Path:
 
 RULES_DIR = _builtin_rules_dir()
 SEVERITIES = ("high", "medium", "low")
+#: a finding's severity from its expected throughput ratio (x1.25: a quarter more tokens/s); below: low.
+#: A rule's own `severity` caps it; a finding whose gain cannot be computed keeps the rule's severity.
+GAIN_SEVERITY = (("high", 1.25), ("medium", 1.05))
 FUNCTIONS = {"min": min, "max": max, "floor": math.floor, "ceil": math.ceil, "round": round, "abs": abs}
 HAS = "has"  # has(fact.name): whether the trace measured it; never "not evaluated" (see rules/README.md)
 
@@ -463,8 +470,10 @@ def load_rules(*dirs: str | Path) -> tuple[list[Rule], list[str]]:
             f"no built-in rules found (looked in {RULES_DIR}); this vlmdoctor install is broken: "
             "reinstall it (pip install --force-reinstall vlmdoctor)"
         )
+    folders: dict[Path, Path] = {}  # a folder named twice (--rules and [tool.vlmdoctor] rules) loads once
     for d in [RULES_DIR, *dirs]:
-        d = Path(d)
+        folders.setdefault(Path(os.path.abspath(d)), Path(d))
+    for d in folders.values():
         if not d.is_dir():
             problems.append(f"{d}: not a folder of rule files")
             continue
@@ -565,10 +574,17 @@ def _evidence(rule: Rule, env: dict[str, Any]) -> list[str]:
     return lines
 
 
-def diagnose(facts: dict[str, Any], rules: list[Rule], problems: list[str] | None = None) -> dict[str, Any]:
-    """Findings in layer order, plus what could not be evaluated or does not apply, and why.
+def diagnose(
+    facts: dict[str, Any],
+    rules: list[Rule],
+    problems: list[str] | None = None,
+    selection: Any = None,
+) -> dict[str, Any]:
+    """Findings biggest expected gain first, plus what was muted, superseded, not evaluated or not applicable.
 
     `problems` (rule files that did not load) travel with the diagnosis so reports show them.
+    `selection` (vlmdoctor.doctor.select.Selection) mutes findings before supersession: a muted
+    fix covers nothing, so a finding it would have superseded is prescribed instead.
     """
     fired, not_evaluated, not_applicable = [], [], []
     stage = facts.get("run.stage")
@@ -594,6 +610,7 @@ def diagnose(facts: dict[str, Any], rules: list[Rule], problems: list[str] | Non
         if finding is not None:
             fired.append(finding)
     fired.sort(key=lambda f: (f["layer"], -f["_order"]))
+    fired, muted = selection.split(fired) if selection is not None else (fired, [])
     kept, superseded = [], []
     for f in fired:  # superseded: a declared conflict, or an earlier fix already sets every knob this one sets
         clash = next(
@@ -610,12 +627,13 @@ def diagnose(facts: dict[str, Any], rules: list[Rule], problems: list[str] | Non
             superseded.append({**f, "superseded_by": clash["id"]})
         else:
             kept.append(f)
-    for f in kept + superseded:
+    for f in kept + superseded + muted:
         f.pop("conflicts", None)
         f.pop("_order", None)
     return {
-        "findings": kept,
+        "findings": rank_findings(kept),
         "superseded": superseded,
+        "muted": muted,
         "not_evaluated": not_evaluated,
         "not_applicable": not_applicable,
         "problems": list(problems or []),
@@ -686,18 +704,22 @@ def _fire(
     if speedup is None and saves is not None and step and saves < step:
         speedup = step / (step - saves)
     equivalent = step * (1 - 1 / speedup) if speedup and step and speedup > 1 else saves
+    share = (saves / step) if saves and step else None
+    severity, basis = gain_severity(gain_ratio({"throughput_x": speedup, "share_of_step": share}), rule.severity)
     return {
         "id": rule.id,
         "layer": rule.layer,
         "layer_name": LAYER_NAMES[rule.layer],
         "title": rule.title,
-        "severity": rule.severity,
+        "severity": severity,
+        "severity_from": basis,
+        "rule_severity": rule.severity,
         "evidence": _evidence(rule, env),
         "fix": rule.fix,
         "config_patch": patch,
         "expected_gain": {
             "saves_ms_per_step": saves,
-            "share_of_step": (saves / step) if saves and step else None,
+            "share_of_step": share,
             "throughput_x": speedup,
             "how": rule.gain.get("how"),
         },
@@ -705,6 +727,58 @@ def _fire(
         "sources": rule.sources,
         "conflicts": rule.conflicts,
     }
+
+
+def gain_ratio(gain: dict[str, Any] | None) -> float | None:
+    """The expected throughput ratio of a finding (x1.25: a quarter more tokens/s), or None where not computable.
+
+    A speedup where the rule gives one, else the saved share of the step (1 / (1 - share)).
+    """
+    gain = gain or {}
+    x = gain.get("throughput_x")
+    if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0:
+        return float(x)
+    share = gain.get("share_of_step")
+    if isinstance(share, (int, float)) and not isinstance(share, bool) and math.isfinite(share) and share < 1:
+        return 1 / (1 - share)
+    return None
+
+
+def gain_severity(ratio: float | None, cap: str) -> tuple[str, str]:
+    """(severity, "gain" or "rule"): the severity the expected gain earns, never above the rule's own."""
+    if ratio is None:
+        return cap, "rule"
+    earned = next((sev for sev, at_least in GAIN_SEVERITY if ratio >= at_least), "low")
+    return max(earned, cap, key=SEVERITIES.index), "gain"
+
+
+def rank_findings(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Findings in order of application (layer order) numbered `apply_order`, then listed by expected gain.
+
+    `rank` 1 is the biggest expected win; findings whose gain cannot be computed come after those
+    with one, in order of application.
+    """
+    for i, f in enumerate(findings, 1):
+        f["apply_order"] = i
+    ranked = sorted(
+        findings,
+        key=lambda f: (
+            gain_ratio(f.get("expected_gain")) is None,
+            -(gain_ratio(f.get("expected_gain")) or 0.0),
+            f["apply_order"],
+        ),
+    )
+    for i, f in enumerate(ranked, 1):
+        f["rank"] = i
+    return ranked
+
+
+def in_apply_order(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Findings in the order their fixes are applied (layer order): `apply_order`, else the layer (older reports)."""
+    return sorted(
+        findings,
+        key=lambda f: (f.get("apply_order") if f.get("apply_order") is not None else 10**6, f.get("layer") or 9),
+    )
 
 
 def _gain(rule: Rule, key: str, env: dict[str, Any]) -> float | None:

@@ -148,7 +148,9 @@ def compose(
     A change that would make an invalid config, or one this machine refuses (`validate`: a GPU-only
     knob on a CPU), is left out and reported in `skipped`, so one such change cannot sink the others.
     """
-    findings = report.get("findings") or []
+    from vlmdoctor.doctor.rules import in_apply_order
+
+    findings = in_apply_order(report.get("findings") or [])  # listed by gain; composed in layer order
     superseded = report.get("superseded") or []
 
     def skip(f: dict[str, Any], why: str) -> None:

@@ -286,10 +286,52 @@ def _gain_text(gain: dict[str, Any]) -> str:
     return "n/a"
 
 
+def _apply_text(f: dict[str, Any]) -> str:
+    """The order of application: the fix's place in layer order, then its layer."""
+    order = f.get("apply_order")
+    return (f"{order}. " if order is not None else "") + f"layer {f['layer']}\n{f['layer_name']}"
+
+
+def _gain_short(gain: dict[str, Any] | None) -> str:
+    """A finding's expected gain in a few characters (x1.58, -3.1 ms/step, n/a), for the muted line."""
+    from vlmdoctor.doctor.rules import gain_ratio
+
+    ratio = gain_ratio(gain)
+    if ratio is not None:
+        return f"x{ratio:.2f}"
+    saves = (gain or {}).get("saves_ms_per_step")
+    return f"-{saves:,.1f} ms/step" if isinstance(saves, (int, float)) else "gain n/a"
+
+
+def _gain_cell(f: dict[str, Any]) -> str:
+    """The expected gain, then the throughput ratio and the severity it earns."""
+    text = _gain_text(f["expected_gain"])
+    ratio = _gain_short(f["expected_gain"])
+    tail = f"{ratio}, {f.get('severity', '')}" if ratio.startswith("x") and ratio not in text else f.get("severity", "")
+    return f"{text}\n{tail}"
+
+
+def render_muted(diagnosis: dict[str, Any], console: Console) -> None:
+    """One line naming every muted finding with its expected gain: muted, never silently dropped."""
+    muted = diagnosis.get("muted") or []
+    if not muted:
+        return
+    by = sorted({str(m.get("muted_by", "")).split(" ")[0] for m in muted})
+    console.print(
+        f"muted ({len(muted)}, by {', '.join(by)}): "
+        + ", ".join(f"{m['id']} {_gain_short(m.get('expected_gain'))}" for m in muted),
+        style="dim",
+        highlight=False,
+        markup=False,
+        soft_wrap=True,
+    )
+
+
 def render_findings(
     diagnosis: dict[str, Any], console: Console, command: Callable[[dict[str, Any]], str] | None = None
 ) -> None:
-    """Prescriptions in layer order: what was seen, what to change, what it should save.
+    """Prescriptions, biggest expected gain first: what was seen, what to change, what it should save, and
+    the order in which to apply it (its layer).
 
     Each patch is then printed on a line of its own, as the command that runs it (`command`
     turns a patch into one), never wrapped or cut, so it can be copied whole at any width.
@@ -298,19 +340,24 @@ def render_findings(
     if not findings:
         console.print("[bold green]no prescriptions[/bold green]: no rule fired on the measured facts")
     else:
-        t = Table(title="prescriptions, in layer order", show_header=True, header_style="bold", show_lines=True)
+        t = Table(
+            title="prescriptions, biggest expected gain first (apply them in the 'apply' order)",
+            show_header=True,
+            header_style="bold",
+            show_lines=True,
+        )
         t.add_column("#", justify="right")
-        t.add_column("layer")
+        t.add_column("apply")
         t.add_column("seen (measured)", ratio=3)
         t.add_column("change", ratio=2)
         t.add_column("expected gain", justify="right")
         for i, f in enumerate(findings, 1):
             t.add_row(
                 str(i),
-                f"{f['layer']} {f['layer_name']}",
+                _apply_text(f),
                 f"[bold]{escape(str(f['title']))}[/bold]\n" + "\n".join(escape(str(e)) for e in f["evidence"]),
                 escape(str(f["fix"])),
-                _gain_text(f["expected_gain"]),
+                _gain_cell(f),
             )
         console.print(t)
         for i, f in enumerate(findings, 1):
@@ -332,6 +379,7 @@ def render_findings(
             console.print(f"#{i} {f['id']}, run:", highlight=False, markup=False, soft_wrap=True)
             line = command(patch) if command else knobs
             console.print(f"  {line}", style="cyan", highlight=False, markup=False, soft_wrap=True)
+    render_muted(diagnosis, console)
     for s in diagnosis["superseded"]:
         console.print(f"[dim]superseded: {escape(s['id'])} (covered by {escape(s['superseded_by'])})[/dim]")
     for n in diagnosis.get("not_applicable", []):
@@ -576,10 +624,11 @@ def render_own_findings(diagnosis: dict[str, Any], console: Console) -> None:
     if not findings:
         console.print("[bold green]no prescriptions[/bold green]: no rule fired on the measured facts")
     else:
-        console.print("[bold]prescriptions, in layer order[/bold]")
+        console.print("[bold]prescriptions, biggest expected gain first[/bold]")
     for i, f in enumerate(findings, 1):
+        order = f"apply {f['apply_order']}, " if f.get("apply_order") is not None else ""
         console.print(
-            f"[bold]{i}. {escape(f['title'])}[/bold] [dim](layer {f['layer']} {f['layer_name']}, "
+            f"[bold]{i}. {escape(f['title'])}[/bold] [dim]({order}layer {f['layer']} {f['layer_name']}, "
             f"{f['severity']}; {_gain_line(f['expected_gain'])})[/dim]",
             highlight=False,
         )
@@ -598,6 +647,7 @@ def render_own_findings(diagnosis: dict[str, Any], console: Console) -> None:
                 "   knobs: [cyan]" + escape(", ".join(f"{k}={v}" for k, v in f["config_patch"].items())) + "[/cyan]",
                 highlight=False,
             )
+    render_muted(diagnosis, console)
     for s in diagnosis.get("superseded") or []:
         console.print(f"[dim]superseded: {s['id']} (covered by {s['superseded_by']})[/dim]")
     skipped = [n["id"] for n in diagnosis.get("not_evaluated") or []]

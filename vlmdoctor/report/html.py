@@ -70,6 +70,7 @@ svg text { font-family: system-ui, -apple-system, "Segoe UI", Roboto, Arial, san
 details { margin: 8px 0; } summary { cursor: pointer; color: #424242; }
 .grid2 { display: grid; grid-template-columns: repeat(auto-fit, minmax(320px, 1fr)); gap: 0 24px; }
 footer { margin-top: 32px; color: #9e9e9e; font-size: 12px; }
+p.top { border-left: 4px solid #2e7d32; background: #f1f8e9; padding: 8px 12px; margin: 8px 0 12px; }
 """
 CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
 
@@ -407,13 +408,50 @@ def _gain(g: dict[str, Any] | None) -> str:
     return text
 
 
+def by_gain(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Biggest expected win first (`rank`); a report older than ranks is ordered by its gains the same way."""
+    from vlmdoctor.doctor.rules import gain_ratio
+
+    def key(i_f: tuple[int, dict[str, Any]]) -> tuple:
+        i, f = i_f
+        if isinstance(f.get("rank"), int):
+            return (0, f["rank"], i)
+        ratio = gain_ratio(f.get("expected_gain"))
+        return (1, ratio is None, -(ratio or 0.0), i)
+
+    return [f for _, f in sorted(enumerate(findings), key=key)]
+
+
+def _apply_cell(f: dict[str, Any]) -> str:
+    order = f.get("apply_order")
+    where = f"layer {esc(str(f.get('layer', '')))} {esc(str(f.get('layer_name', '')))}"
+    return (f"<b>{esc(str(order))}</b> ({where})" if order is not None else where) if f.get("layer") else ""
+
+
+def top_finding(findings: list[dict[str, Any]] | None) -> str:
+    """The first screen's line: the biggest expected win, its gain and its fix."""
+    if not findings:
+        return ""
+    f = by_gain(findings)[0]
+    gain = _gain(f.get("expected_gain")).split('<div class="how">')[0].replace("<br>", "; ")
+    patch = f.get("config_patch") or {}
+    return (
+        '<p class="top">Biggest expected win: '
+        f"<b>{esc(str(f.get('title', '')))}</b> <code>{esc(str(f.get('id', '')))}</code>, {gain}"
+        f" ({esc(str(f.get('severity', '')))}).<br>Fix: {esc(str(f.get('fix', '')))}"
+        + (" " + _patch_html(patch) if patch else "")
+        + (f' <span class="note">({len(findings) - 1} more below)</span>' if len(findings) > 1 else "")
+        + "</p>"
+    )
+
+
 def findings_section(
     findings: list[dict[str, Any]] | None,
     diagnosis: dict[str, Any] | None = None,
     heading: str = "Prescriptions",
 ) -> str:
-    """The prescriptions in layer order: layer, what was seen (the evidence), the change, the config patch
-    and the expected gain with how it was estimated."""
+    """The prescriptions, biggest expected win first: what was seen (the evidence), the change, the config
+    patch, the expected gain with how it was estimated, and the order in which to apply them (the layer)."""
     out = [f"<h2>{esc(heading)}</h2>"]
     if findings is None:
         out.append(
@@ -424,10 +462,12 @@ def findings_section(
     if not findings:
         out.append("<p>No rule fired: nothing to prescribe.</p>")
     else:
-        order = sorted(range(len(findings)), key=lambda i: (findings[i].get("layer", 99), i))
+        out.append(
+            '<p class="note">Biggest expected win first; apply the fixes in the order of the "apply" column '
+            "(the layer: precision, batching, data layout, kernel fusion, system tuning).</p>"
+        )
         rows = []
-        for n, i in enumerate(order, 1):
-            f = findings[i]
+        for n, f in enumerate(by_gain(findings), 1):
             seen = (
                 f"<b>{esc(str(f.get('title', '')))}</b> <code>{esc(str(f.get('id', '')))}</code>"
                 + (f' <span class="note">({esc(str(f["severity"]))})</span>' if f.get("severity") else "")
@@ -437,22 +477,23 @@ def findings_section(
             )
             change = esc(str(f.get("fix", "")))
             patch = _patch_html(f.get("config_patch"))
-            rows.append(
-                (
-                    str(n),
-                    f"{esc(str(f.get('layer', '')))} {esc(str(f.get('layer_name', '')))}",
-                    seen,
-                    change,
-                    patch,
-                    _gain(f.get("expected_gain")),
-                )
-            )
+            rows.append((str(n), _apply_cell(f), seen, change, patch, _gain(f.get("expected_gain"))))
         out.append(
             _table(
-                ("#", "layer", "what was seen", "change", "config patch", "expected gain"),
+                ("#", "apply", "what was seen", "change", "config patch", "expected gain"),
                 rows,
                 cls="wide findings",
             )
+        )
+    if diagnosis and diagnosis.get("muted"):
+        out.append(
+            '<p class="note">muted: '
+            + ", ".join(
+                f"<code>{esc(str(m.get('id')))}</code> ({_gain(m.get('expected_gain')).split('<div')[0]}; "
+                f"{esc(str(m.get('severity')))}; by {esc(str(m.get('muted_by')))})"
+                for m in diagnosis["muted"]
+            )
+            + "</p>"
         )
     if diagnosis:
         notes = [
@@ -616,6 +657,9 @@ def profile_html(report: dict[str, Any]) -> str:
         f"{model.get('image_tokens')} image tokens; {report.get('created_at', '')}"
     )
     body: list[str] = []
+    diagnosis = report.get("diagnosis")
+    findings = report.get("findings", (diagnosis or {}).get("findings"))
+    body.append(top_finding(findings))
     status = report.get("status")
     if status not in ("ok", "nan_loss"):
         err = report.get("error") or {}
@@ -693,8 +737,6 @@ def profile_html(report: dict[str, Any]) -> str:
         body.extend(_facts_sections(facts))
     else:
         body.append('<p class="note">No trace facts in this report, so no step split and no kernel classes.</p>')
-    diagnosis = report.get("diagnosis")
-    findings = report.get("findings", (diagnosis or {}).get("findings"))
     body.append(findings_section(findings, diagnosis))
     body.append(_env_section(_report_env(env)))
     if cfg:
@@ -725,10 +767,11 @@ def analyze_html(result: dict[str, Any]) -> str:
                 + ("" if facts.get("trace.written_by_vlmdoctor") else " (not written by vlmdoctor)")
                 + "</p>"
             )
-        body.append("<h2>Summary</h2>" + _kv(_facts_metrics(facts)))
-        body.extend(_facts_sections(facts))
         diagnosis = entry.get("diagnosis")
         findings = entry.get("findings", (diagnosis or {}).get("findings"))
+        body.append(top_finding(findings))
+        body.append("<h2>Summary</h2>" + _kv(_facts_metrics(facts)))
+        body.extend(_facts_sections(facts))
         body.append(findings_section(findings if findings is not None else [], diagnosis))
         props = (meta.get("deviceProperties") or [{}])[0] if isinstance(meta.get("deviceProperties"), list) else {}
         env = entry.get("env") or result.get("env") or {}

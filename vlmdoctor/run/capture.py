@@ -4,12 +4,15 @@ Throughput comes from untraced windows, so profiler overhead stays out of the nu
 window uses a torch.profiler schedule (wait 1, warm-up 1, active N steps), so the trace holds
 `ProfilerStep#N` markers. It is written as gzipped Chrome JSON, which Perfetto and Holistic Trace
 Analysis read. The run config travels inside the trace as metadata (`vlmdoctor`), so later
-analysis knows the stage and model without guessing.
+analysis knows the stage and model without guessing, and so do the timed windows' measurements
+(`metrics`: padding, tokens/s, measured memory, MFU), so `vlmdoctor analyze` of the trace alone
+diagnoses what `profile` diagnosed.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +33,13 @@ class TraceOptions:
     stack: bool = False
     memory: bool = False
     keep: bool = True
+
+
+def measured_metadata(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The timed window's metrics that travel in the trace: finite numbers only (the trace stays valid JSON)."""
+    return {
+        k: v for k, v in metrics.items() if isinstance(v, (int, float)) and (isinstance(v, bool) or math.isfinite(v))
+    }
 
 
 def trace_path(opts: TraceOptions, model: str, stage: int) -> Path:

@@ -33,7 +33,7 @@ import torch
 from vlmdoctor import SCHEMA_VERSION, __version__
 from vlmdoctor.errors import EXIT_FAILED_RUN, EXIT_NAN, EXIT_OK, EXIT_OOM, UsageError
 from vlmdoctor.run import distributed, envinfo, flops, fp8, modes, native
-from vlmdoctor.run.capture import TraceOptions, capture, trace_path
+from vlmdoctor.run.capture import TraceOptions, capture, measured_metadata, trace_path
 from vlmdoctor.run.compile import compile_vlm, compiled, graphs_compiled, mark_lengths_dynamic
 from vlmdoctor.run.config import RunConfig
 from vlmdoctor.run.data import (
@@ -695,6 +695,10 @@ def _percentile(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
+def _device_total_gb(device: torch.device) -> float | None:
+    return torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
+
+
 def summarize(windows: list[dict[str, Any]], device_total_gb: float | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Per-window numbers -> metrics (medians over repeats) and their spread."""
     keys = ["real_tokens_per_s", "loss_tokens_per_s", "pad_fraction", "model_tflops_per_s"]
@@ -800,8 +804,12 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
                 "config": cfg.to_dict(),
                 "model": report["model"],
                 "env": {
-                    k: env[k] for k in ("device_type", "cpu_count", "cpu_capability", "cpu_matmul_gflops") if k in env
+                    k: env[k]
+                    for k in ("device_type", "cpu_count", "cpu_capability", "cpu_matmul_gflops", "compute_capability")
+                    if k in env
                 },
+                # the timed windows' measurements: `analyze` of this trace merges them as profile does
+                "metrics": measured_metadata(summarize(windows, _device_total_gb(device))[0]),
             }
             where = trace if trace.keep else replace(trace, trace_dir=tempfile.mkdtemp(prefix="vlmdoctor-trace-"))
             path = (
@@ -835,8 +843,7 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
             },
         )
         return report
-    total = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
-    metrics, stats = summarize(windows, total)
+    metrics, stats = summarize(windows, _device_total_gb(device))
     metrics["warmup_s"] = report.get("warmup", {}).get("warmup_s")
     metrics["compile_s"] = report.get("warmup", {}).get("compile_s") if compiled(cfg) else None
     report["metrics"] = metrics
