@@ -284,6 +284,12 @@ def test_the_runner_carries_the_matmul_probe_into_the_trace(tiny_cfg, tmp_path):
     report = run_profile(
         tiny_cfg(steps=1, warmup=1, batch_size=2), trace=TraceOptions(str(tmp_path), 1, True, False, False)
     )
+    from vlmdoctor.trace.read import read_metadata
+
+    # the timed window's measurements travel in the trace, so `analyze` of it alone merges them as profile does
+    carried = read_metadata(Path(report["trace"]["path"]))["vlmdoctor"]["metrics"]
+    assert carried["pad_fraction"] == report["metrics"]["pad_fraction"]
+    assert carried["real_tokens_per_s"] == report["metrics"]["real_tokens_per_s"]
     examine(report)
     f = report["facts"]
     assert f["cpu.probe.fp32_gflops"] > 0 and f["cpu.probe.bf16_gflops"] > 0 and f["cpu.capability"]

@@ -62,9 +62,22 @@ def _self_contained(page: str) -> None:
 
 
 def _layers_in_order(page: str, findings: list[dict]) -> None:
-    pos = {f["id"]: page.index(f"<code>{f['id']}</code>") for f in findings}
+    """Biggest expected win first (a finding without a computable gain last), the top one named on the first
+    screen, and each row's place in the order of application (the layer) shown."""
+    from vlmdoctor.doctor.rules import gain_ratio
+
+    table = page[page.index("<h2>Prescriptions</h2>") :]
+    pos = {f["id"]: table.index(f"<code>{f['id']}</code>") for f in findings}
     by_pos = sorted(findings, key=lambda f: pos[f["id"]])
-    assert [f["layer"] for f in by_pos] == sorted(f["layer"] for f in findings)
+    ratios = [gain_ratio(f.get("expected_gain")) for f in by_pos]
+    known = [r for r in ratios if r is not None]
+    assert known == sorted(known, reverse=True) and ratios == known + [None] * (len(ratios) - len(known))
+    top = page[page.index('<p class="top">') :]
+    assert page.index('<p class="top">') < page.index("<h2>", page.index("</h1>"))  # before any section
+    assert top.index(f"<code>{by_pos[0]['id']}</code>") < top.index("</p>")
+    assert "Biggest expected win" in top and "Fix:" in top
+    for f in findings:
+        assert f"layer {f['layer']} {f['layer_name']}" in table
 
 
 # --- profile -------------------------------------------------------------------------------------------

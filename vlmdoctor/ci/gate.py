@@ -643,7 +643,7 @@ def check_findings(
     fb, fc = _findings(base), _findings(cur)
     muted = [
         {"id": m.get("id"), "severity": m.get("severity"), "muted_by": m.get("muted_by")}
-        for m in ((cur.get("diagnosis") or {}).get("muted") or cur.get("muted") or [])
+        for m in (cur.get("muted") or (cur.get("diagnosis") or {}).get("muted") or [])
         if isinstance(m, dict)
     ]
     out: dict[str, Any] = {

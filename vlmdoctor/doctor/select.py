@@ -160,15 +160,14 @@ def mute_diagnosis(diagnosis: dict[str, Any], selection: Selection) -> dict[str,
 
 
 def mute_report(report: dict[str, Any], selection: Selection) -> dict[str, Any]:
-    """A report's findings muted by `selection`, in place: its diagnosis and the top-level `findings` agree."""
-    if not selection or not isinstance(report, dict) or report.get("findings") is None:
+    """A stored report's findings muted by `selection`, in place: the top-level `findings` (what gate and treat
+    read) and its diagnosis' each move what the selection mutes to their `muted`."""
+    if not selection or not isinstance(report, dict) or not isinstance(report.get("findings"), list):
         return report
-    diagnosis = report.get("diagnosis") if isinstance(report.get("diagnosis"), dict) else None
-    if diagnosis is None:
-        diagnosis = {"findings": report["findings"], "muted": report.get("muted") or []}
-    mute_diagnosis(diagnosis, selection)
-    report["findings"] = diagnosis["findings"]
-    report["muted"] = diagnosis["muted"]
-    if isinstance(report.get("diagnosis"), dict):
-        report["diagnosis"] = diagnosis
+    diagnosis = report.get("diagnosis")
+    if isinstance(diagnosis, dict) and isinstance(diagnosis.get("findings"), list):
+        mute_diagnosis(diagnosis, selection)
+    active, muted = selection.split(list(report["findings"]))
+    report["findings"] = active
+    report["muted"] = list(report.get("muted") or []) + muted
     return report
