@@ -85,7 +85,7 @@ def rule_choice(
 
     from vlmdoctor.doctor.select import build_selection, split_tokens
     from vlmdoctor.inputs import check_rules_dirs
-    from vlmdoctor.settings import project_settings
+    from vlmdoctor.doctor.settings import project_settings
 
     settings = project_settings()
     check_rules_dirs(list(rules_dirs or []))
