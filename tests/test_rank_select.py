@@ -162,12 +162,37 @@ def test_select_and_ignore_take_layers_severities_and_globs(trace_facts, analyze
     assert sel.muted_by({"id": "data-x", "layer": 3, "severity": "high"}).startswith("not in --select")
 
 
+def test_html_names_the_top_finding_first_and_lists_the_muted(default_s2):
+    from vlmdoctor.report.html import profile_html
+
+    report = json.loads((TRACES / "default_s2.report.json").read_text())
+    report["facts"] = default_s2
+    report["diagnosis"] = diagnose(default_s2, RULES, selection=build_selection(None, ["low"], [r.id for r in RULES]))
+    report["findings"], report["muted"] = report["diagnosis"]["findings"], report["diagnosis"]["muted"]
+    page = profile_html(report)
+    top = report["findings"][0]
+    first_screen = page[: page.index("<h2>")]
+    assert "Biggest expected win" in first_screen and f"<code>{top['id']}</code>" in first_screen
+    assert top["fix"].split()[0] in first_screen
+    muted = page[page.index('<p class="note">muted: ') :]
+    for m in report["muted"]:
+        assert f"<code>{m['id']}</code>" in muted[: muted.index("</p>")]
+    assert report["muted"] and "by --ignore low" in muted
+
+
 def test_a_typo_in_a_rule_token_is_one_line_with_did_you_mean():
     code, out = _analyze("--ignore", "fusion-eager-atention")
     assert code == 2 and len(out.strip().splitlines()) == 1
     assert "did you mean fusion-eager-attention" in out
     code, out = _analyze("--select", "precison")
     assert code == 2 and "did you mean precision" in out
+    for command in (
+        ["profile", "--model", "tiny", "--device", "cpu"],
+        ["gate", "--baseline", TRACE],
+        ["treat", "--model", "tiny", "--device", "cpu"],
+    ):
+        r = CliRunner().invoke(app, [*command, "--ignore", "fusion-lm-head-unlabled"])  # refused before any run
+        assert r.exit_code == 2 and "did you mean fusion-lm-head-unlabeled" in r.output, (command, r.output)
 
 
 def test_pyproject_table_mutes_rules_and_adds_rule_folders(tmp_path, monkeypatch):
