@@ -102,4 +102,8 @@ def _set_aside_refused(diagnosis: dict[str, Any], model: str | None) -> None:
             diagnosis["not_applicable"].append(
                 {"id": f["id"], "why": e.message, "measured": True, "evidence": f["evidence"]}
             )
+    if len(kept) < len(diagnosis["findings"]):  # numbered again: ranks and the order of application stay 1..n
+        from vlmdoctor.doctor.rules import in_apply_order, rank_findings
+
+        kept = rank_findings(in_apply_order(kept))
     diagnosis["findings"] = kept
