@@ -442,7 +442,7 @@ def render_ladder(result: dict[str, Any], console: Console) -> None:
             k = c["contribution"]
             t.add_row(str(step), c["rule"], _ci(k) or k.get("why", ""), str(k.get("pairs") or ""), k["outcome"])
         console.print(t)
-    rejected = [x for x in result["trials"] if x.get("outcome") != "kept"]
+    rejected = [x for x in result["trials"] if x.get("outcome") not in ("kept", "adopted")]
     if rejected:
         t = Table(title="trials not kept", header_style="bold")
         for col in ("trial", "what", "outcome", "x [95% CI]", "tokens/s"):
