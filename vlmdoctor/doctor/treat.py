@@ -542,7 +542,7 @@ def treat(
                 time_left,
                 first={"current": current},
                 notify=notify,
-                on_round=lambda r: live.update(arms=r, kind="composition", comps=comps),
+                on_round=lambda r, comps=comps: live.update(arms=r, kind="composition", comps=comps),
             )
             live.clear()
             best = None

@@ -154,7 +154,8 @@ def step_split_svg(facts: dict[str, Any]) -> str:
     W, X0, BAR_W, BAR_Y, BAR_H = 1100, 10, 1080, 30, 44
     out = [
         f'<svg viewBox="0 0 {W} {{H}}" role="img" aria-label="step time split">',
-        f'<text x="{X0}" y="18" font-size="14" fill="{INK}">one traced step: {esc(_num(step))} ms (host wall time, median); GPU busy '
+        f'<text x="{X0}" y="18" font-size="14" fill="{INK}">one traced step: {esc(_num(step))} ms '
+        "(host wall time, median); GPU busy "
         f"{esc(_pct(busy / step, 0))}</text>",
     ]
     x = float(X0)
