@@ -1122,6 +1122,7 @@ def gate(
                 if not eq or not key:
                     raise VlmdoctorError(f"--baseline-env {item!r}: expected KEY=VALUE")
                 env[key] = value
+            import vlmdoctor.launch as launcher
             from vlmdoctor.ci.gate import remeasure
 
             command = None
@@ -1143,6 +1144,7 @@ def gate(
                     cpu_threads=cpu_threads,
                     baseline_cwd=baseline_cwd,
                     current_command=command,
+                    launcher=launcher,
                     max_regression=max_regression,
                     max_pairs=max_pairs,
                     extend_pairs=extend_pairs,

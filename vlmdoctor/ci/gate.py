@@ -435,6 +435,7 @@ def remeasure(
     cpu_threads: int = 1,
     baseline_cwd: str | None = None,
     current_command: Sequence[str] | None = None,
+    launcher: Any = None,
     **judge: Any,
 ) -> dict[str, Any]:
     """The paired gate on the baseline report's config: the baseline side runs with `baseline_python`
@@ -460,6 +461,7 @@ def remeasure(
             cpu_threads=cpu_threads,
             baseline_cwd=baseline_cwd,
             current_command=current_command,
+            launcher=launcher,
             **judge,
         )
     if baseline_cwd or current_command:
@@ -532,6 +534,7 @@ def remeasure_script(
     baseline_cwd: str | None = None,
     current_command: Sequence[str] | None = None,
     current_cwd: str | None = None,
+    launcher: Any = None,
     **judge: Any,
 ) -> dict[str, Any]:
     """The paired gate on a user's own training script, from the command `vlmdoctor run` recorded.
@@ -541,9 +544,17 @@ def remeasure_script(
     same folder as the current side) with `baseline_python`/`baseline_env`, the current side in
     `current_cwd` (default: the working folder) with `current_command` (default: the recorded one).
     A relative script path resolves in each side's folder, so each runs its own copy of the code.
-    On CPU both run on `cpu_threads` threads and, on one, are judged on their steps' CPU time."""
-    from vlmdoctor.launch import measure_script, parse_command, recorded_env
+    On CPU both run on `cpu_threads` threads and, on one, are judged on their steps' CPU time.
 
+    `launcher` is `vlmdoctor.launch` (what starts a script under the step hook; the CLI passes it, since a
+    gate sits upstream of the ways in): its `measure_script`, `parse_command` and `recorded_env`."""
+    if launcher is None:
+        raise UsageError("the gate on a training script needs the launcher of `vlmdoctor run`")
+    measure_script, parse_command, recorded_env = (
+        launcher.measure_script,
+        launcher.parse_command,
+        launcher.recorded_env,
+    )
     script = recorded_command(base)
     command = list(script["command"])
     cur_command = list(current_command) if current_command else command
