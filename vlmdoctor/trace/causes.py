@@ -17,5 +17,6 @@ def cause_facts(t: Tables, ctx: pd.DataFrame, facts: dict[str, Any], n: int) -> 
 
     tree = op_tree(t, ctx)
     out = attention_cause_facts(t, ctx, tree, n)
-    out.update(cast_facts(t, ctx, tree, n))
+    if tree.gpu:  # a CPU run's casts are cpu.cast.* (trace/cpu_facts.py), weighed against its own bf16 rate
+        out.update(cast_facts(t, ctx, tree, n))
     return out
