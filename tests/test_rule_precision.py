@@ -30,6 +30,7 @@ SUBSET = [
     "user_traces/llava_healthy_s2",
     "user_h100/llava_s2_modules",
     "user_h100/llava_s2_plain",
+    "user_cpu/llava_s2_plain",
     "user_h100/llava_s2_ckpt_autocast",
     "traces/eager_s2",
     "traces/default_s2",
@@ -105,6 +106,10 @@ def test_pooling_head_is_not_eager_attention():
     assert tiny["attention.mha.head_blocks"] == 1 and tiny["attention.mha.parts"] == ["vision"]
     assert tiny["attention.math.blocks"] == 2 and tiny["attention.math.parts"] == ["llm"]
     assert "fusion-eager-attention" not in rp.fired("user_h100/llava_s2_modules")
+    # the same model on the CPU (docs/own-training.md's example): SDPA's CPU kernel, and the head written out
+    cpu = analyze(rp.trace_path("user_cpu/llava_s2_plain"))["files"][0]["facts"]
+    assert cpu["attention.sdpa_calls"] == 4 and cpu["attention.mha.blocks"] == 1 and cpu["attention.eager.blocks"] == 0
+    assert "fusion-eager-attention" not in rp.fired("user_cpu/llava_s2_plain")
 
 
 def test_eager_attention_gain_comes_from_its_measured_time():

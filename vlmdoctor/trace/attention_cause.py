@@ -41,9 +41,11 @@ KINDS = ("eager", "math", "mha")
 
 def attention_cause_facts(t: Tables, ctx: pd.DataFrame, tree: OpTree, n: int) -> dict[str, Any]:
     """Per kind: blocks per step, their time per step (ms), the model parts; pooling heads among them."""
+    source = "GPU kernels" if tree.gpu else "host ops (CPU trace)"
     soft = np.flatnonzero(tree.names == SOFTMAX)
-    if not len(soft):
-        return {f"attention.{k}.{w}": 0.0 for k in KINDS for w in ("blocks", "ms")}
+    if not len(soft):  # measured: no softmax, so nothing written out
+        none = {f"attention.{k}.{w}": 0.0 for k in KINDS for w in ("blocks", "ms")}
+        return {**none, "attention.eager.model_ms": 0.0, "attention.written_out.source": source}
     qlen = _query_lengths(t)
     children = _children(tree)
     bwd = backward_nodes(tree, ctx["in_bwd"].to_numpy())
@@ -77,7 +79,7 @@ def attention_cause_facts(t: Tables, ctx: pd.DataFrame, tree: OpTree, n: int) ->
             facts[f"attention.{kind}.head_ms"] = a["head_us"] / 1e3 / n
     # what attn_implementation="sdpa" would fuse: the model's eager attention, pooling heads left out
     facts["attention.eager.model_ms"] = facts["attention.eager.ms"] - facts.get("attention.eager.head_ms", 0.0)
-    facts["attention.written_out.source"] = "GPU kernels" if tree.gpu else "host ops (CPU trace)"
+    facts["attention.written_out.source"] = source
     return facts
 
 
