@@ -23,10 +23,14 @@ _spec.loader.exec_module(rp)
 LABELS = rp.load_labels()
 RULES = {r.id: r for r in load_rules()[0]}
 KNOWN = LABELS.get("known_misses") or {}
-#: one of each: the pooling head and fp32 islands in a bf16 model (llava_healthy_s2), SDPA's math backend
+#: one of each: the pooling head (Gemma3 and LLaVA, loop and Trainer) and fp32 islands in a bf16 model, the
+#: model's own eager attention (Gemma3 on the H100, the 0.5b preset), SDPA's math backend
 #: beside the head (the tiny LLaVA), eager attention, autocast over fp32 weights (a user's and vlmdoctor's),
 #: a knob already set (compile_s2: the compile prescriptions), a rank folder.
 SUBSET = [
+    "user_traces/gemma3_healthy_s2",
+    "user_traces/gemma3_eager_s2",
+    "user_traces/gemma3_trainer_healthy_s2",
     "user_traces/llava_healthy_s2",
     "user_h100/llava_s2_modules",
     "user_h100/llava_s2_plain",
@@ -96,6 +100,11 @@ def test_pooling_head_is_not_eager_attention():
     """SigLIP's pooling head (Gemma3, LLaVA: computed, then discarded) beside SDPA: no 'set sdpa' prescription."""
     from vlmdoctor.trace.facts import analyze
 
+    g3 = analyze(rp.trace_path("user_traces/gemma3_healthy_s2"))["files"][0]["facts"]
+    assert g3["attention.eager_softmax_calls"] == 1 and g3["attention.sdpa_calls"] > 1  # the issue's count share
+    assert g3["attention.mha.head_blocks"] == 1 and g3["attention.eager.model_ms"] == 0  # query length 1
+    assert "fusion-eager-attention" not in rp.fired("user_traces/gemma3_healthy_s2")
+    assert "fusion-eager-attention" in rp.fired("user_traces/gemma3_eager_s2")  # the LLM's own eager layers
     facts = analyze(rp.trace_path("user_traces/llava_healthy_s2"))["files"][0]["facts"]
     assert facts["attention.sdpa_calls"] > 30 and facts["attention.eager_softmax_calls"] == 1
     assert facts["attention.mha.blocks"] == 1 and facts["attention.mha.head_blocks"] == 1  # query length 1
