@@ -17,7 +17,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from vlmdoctor.api import Doctor, _log
-from vlmdoctor.trainer_args import training_args_config
+from vlmdoctor.run.trainer_args import training_args_config
 
 __all__ = ["DoctorCallback", "training_args_config"]
 

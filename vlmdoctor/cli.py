@@ -6,7 +6,7 @@ import inspect
 import json
 import sys
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any
 
 import typer
 
@@ -20,7 +20,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from vlmdoctor.errors import EXIT_FAILED_RUN, EXIT_USAGE, VlmdoctorError
-from vlmdoctor.run.config import RunConfig, override, panel
+from vlmdoctor.run.config import RunConfig, _base_type, fields_by_name, flag, override, panel
 
 #: exceptions that end a command on purpose, with their own exit code
 _EXITS = tuple({typer.Exit, SystemExit, *(getattr(m, "Exit", SystemExit) for m in (click_errors, typer))})
@@ -115,8 +115,6 @@ def _knob_param(name: str, default: Any, panels: bool, note: str) -> inspect.Par
 
     The option's own default is None, so the command sees which knobs the command line set;
     `default` is what the help says the knob is when it is not given."""
-    from vlmdoctor.run.config import _base_type, fields_by_name, flag, panel
-
     meta = fields_by_name()[name].metadata
     kind = _base_type(fields_by_name()[name].type)
     spelled = flag(name)
@@ -133,7 +131,7 @@ def _knob_param(name: str, default: Any, panels: bool, note: str) -> inspect.Par
         show_default=False,
         metavar=("[" + "|".join(str(c) for c in choices) + "]") if choices and kind is not bool else None,
     )
-    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=Optional[kind])  # noqa: UP045
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=kind | None)
 
 
 def knob_options(
@@ -658,8 +656,6 @@ def models(
 def _parse_sets(sets: list[str], many: bool = False) -> dict[str, Any]:
     """`knob=value` pairs (YAML values; with many, comma-separated lists) into a dict."""
     import yaml
-
-    from vlmdoctor.run.config import _base_type
 
     out: dict[str, Any] = {}
     for item in sets:

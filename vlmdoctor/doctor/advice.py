@@ -12,16 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vlmdoctor.trainer_args import TABLE, fields_for, spelled
+from vlmdoctor.run.trainer_args import LIGER, TABLE, fields_for, spelled
 
 AUDIENCES = ("trainer", "loop")
 
-LIGER_KNOBS = {
-    "liger_rope": "rope",
-    "liger_rms_norm": "rms_norm",
-    "liger_swiglu": "swiglu",
-    "liger_fused_linear_cross_entropy": "fused_linear_cross_entropy",
-}
+LIGER_KNOBS = LIGER
 
 
 def _liger_family(context: dict[str, Any]) -> str:
@@ -181,7 +176,7 @@ class Say:
     """How one knob's value is said in the user's code.
 
     loop: the lines of a plain training loop; trainer: a Trainer user's lines, where they are not
-    the `TrainingArguments` fields of `trainer_args.TABLE` (nor, without either, the loop's)."""
+    the `TrainingArguments` fields of `run/trainer_args.TABLE` (nor, without either, the loop's)."""
 
     loop: Callable[[Any], list[str]]
     trainer: Callable[[Any], list[str]] | None = None
@@ -259,6 +254,10 @@ ADVICE: dict[str, Say] = {
     "packing": Say(
         lambda v: [f"{'pack samples into rows' if v else 'stop packing samples'} in the collator"],
         lambda v: ["SFTConfig(packing=True)  # TRL"] if v else ["stop packing samples in the collator"],
+    ),
+    "pack_length": Say(
+        lambda v: [f"pack samples into rows of {v} tokens in the collator"],
+        lambda v: [f"SFTConfig(packing=True, max_length={v})  # TRL"],
     ),
     # layer 4: kernel fusion
     "attention": Say(_attention),

@@ -63,6 +63,15 @@ def _read_sampler(g: Get) -> str:
 OPTIM = {"adamw": "adamw_torch", "paged_adamw": "paged_adamw_32bit", "paged_adamw_8bit": "paged_adamw_8bit"}
 
 
+#: each Liger knob's kernel, as `liger_kernel_config` and liger-kernel's `apply_liger_kernel_to_*` name it
+LIGER = {
+    "liger_rope": "rope",
+    "liger_rms_norm": "rms_norm",
+    "liger_swiglu": "swiglu",
+    "liger_fused_linear_cross_entropy": "fused_linear_cross_entropy",
+}
+
+
 def _liger(key: str) -> TrainerField:
     """One Liger kernel: `use_liger_kernel` and its entry in `liger_kernel_config` (absent: on)."""
     return TrainerField(
@@ -87,10 +96,7 @@ TABLE: dict[str, TrainerField] = {
         lambda g: (g("torch_compile_mode") or "default") if g("torch_compile") else "off",
         lambda v: {"torch_compile": v != "off", **({"torch_compile_mode": v} if v not in ("off", "default") else {})},
     ),
-    "liger_rope": _liger("rope"),
-    "liger_rms_norm": _liger("rms_norm"),
-    "liger_swiglu": _liger("swiglu"),
-    "liger_fused_linear_cross_entropy": _liger("fused_linear_cross_entropy"),
+    **{knob: _liger(key) for knob, key in LIGER.items()},
     "gradient_checkpointing": TrainerField(
         ("gradient_checkpointing",),
         lambda g: bool(g("gradient_checkpointing")),
