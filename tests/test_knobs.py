@@ -47,7 +47,10 @@ def test_every_knob_is_a_profile_flag_generated_from_its_declaration():
 def test_help_says_each_knobs_default_and_choices(cli_runner):
     text = " ".join(cli_runner.invoke(cli.app, ["profile", "--help"], env={"COLUMNS": "200"}).stdout.split())
     assert "samples per micro-batch [default: 4]" in text
-    assert "[fp32|bf16]" in text and "recompute LLM activations in backward [default: on]" in text
+    assert (
+        "dtype the weights are stored in [fp32, bf16] [default: fp32]" in text
+        and "recompute LLM activations in backward [default: on]" in text
+    )
     for title in ("experiment", "1 precision", "2 batching", "3 data layout", "4 kernel fusion", "5 system tuning"):
         assert f"─ {title} ─" in text, title
     treat = " ".join(cli_runner.invoke(cli.app, ["treat", "--help"], env={"COLUMNS": "200"}).stdout.split())
@@ -215,3 +218,24 @@ def test_profile_config_with_compile_off_runs_on_cpu(cli_runner, tmp_path):
     assert len(notes) == 1 and "dropped compile_shape_padding, compile_regions" in notes[0], r.stderr
     config = json.loads(out.read_text())["config"]
     assert (config["compile"], config["compile_regions"], config["compile_shape_padding"]) == ("off", False, True)
+
+
+def test_treat_set_compile_off_drops_the_regions_of_its_start_config(cli_runner, tmp_path, monkeypatch):
+    """`treat --config final.yaml --set compile=off`: the start config treat checks has no regions left."""
+    import vlmdoctor.run.runner as runner_mod
+    from vlmdoctor.errors import VlmdoctorError
+
+    seen = []
+
+    def check(cfg):  # the first thing treat does with the config it built: stop there
+        seen.append(cfg)
+        raise VlmdoctorError("stopped before any run")
+
+    monkeypatch.setattr(runner_mod, "check", check)
+    path = _final(tmp_path)
+    r = cli_runner.invoke(cli.app, ["treat", "--config", str(path), "--set", "compile=off", "--steps", "2"])
+    assert r.exit_code == 2 and "stopped before any run" in r.stderr, r.output
+    assert [line for line in r.stderr.splitlines() if line.startswith("note:")] == [
+        f"note: --compile off: dropped compile_shape_padding, compile_regions from {path} (they only qualify --compile)"
+    ]
+    assert (seen[0].compile, seen[0].compile_regions, seen[0].steps, seen[0].batch_size) == ("off", False, 2, 2)

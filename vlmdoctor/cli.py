@@ -120,16 +120,16 @@ def _knob_param(name: str, default: Any, panels: bool, note: str) -> inspect.Par
     spelled = flag(name)
     decls = f"{spelled}/--no-{spelled[2:]}" if kind is bool else spelled
     words = [meta["help"] + (f" {note}" if note else "")]
-    if default is not None:
-        words.append(f"[default: {('on' if default else 'off') if isinstance(default, bool) else default}]")
-    choices = meta["choices"]
+    if meta["choices"] and kind is not bool:
+        words.append("[" + ", ".join(str(c) for c in meta["choices"]) + "]")
+    if default is not None and default is not False:  # a switch not given is off: no need to say it
+        words.append(f"[default: {'on' if default is True else default}]")
     option = typer.Option(
         None,
         decls,
         help=escape(" ".join(words)),  # rich markup would eat "[default: ...]"
         rich_help_panel=panel(name) if panels else None,
         show_default=False,
-        metavar=("[" + "|".join(str(c) for c in choices) + "]") if choices and kind is not bool else None,
     )
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=kind | None)
 
@@ -720,9 +720,9 @@ def treat(
 ) -> None:
     """Apply the prescriptions together, verify on paired runs, confirm each change by ablation.
 
-    Prints the ladder (each adopted round with its paired speedup, each change with its own measured
-    contribution) and the trials not kept, and writes the final run config, which `vlmdoctor profile
-    --config` runs again.
+    Prints the ladder: each adopted round with its paired speedup, each change with its measured contribution.
+
+    Then the trials not kept; writes the final run config, which `vlmdoctor profile --config` runs again.
     """
     from pathlib import Path
 
