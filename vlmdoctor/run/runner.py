@@ -102,7 +102,7 @@ def preflight(cfg: RunConfig, spec: ModelSpec | native.NativeSpec, device: torch
         except Exception as e:
             raise UsageError(
                 f"Liger asked for but liger-kernel cannot be imported ({type(e).__name__}: {e}); "
-                "install it with: pip install liger-kernel"
+                "install it with: pip install 'vlmdoctor[liger]'"
             ) from None
     if cfg.unsloth:
         check_unsloth(cfg, spec, device)
