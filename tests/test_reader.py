@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -174,45 +172,3 @@ def test_a_rank_folder_analyzed_in_parallel_equals_the_serial_analysis(monkeypat
     monkeypatch.setattr(facts_mod, "PARALLEL_MIN_BYTES", 0)
     monkeypatch.setattr(facts_mod, "cpus", lambda: 2)
     _same(facts_mod.analyze(folder, workers=2), serial)
-
-
-# --- a light analyzer: the analysis commands import no GPU stack ---------------------------------------------
-
-HEAVY = {"torch", "transformers", "triton", "liger_kernel"}
-
-
-def _heavy_imports(stderr: str) -> set[str]:
-    """Top-level packages -X importtime saw imported, among HEAVY."""
-    names = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in stderr.splitlines() if "import time:" in line}
-    return names & HEAVY
-
-
-def test_analyze_imports_no_torch(tmp_path):
-    trace = TRACES / "default_s2.pt.trace.json.gz"
-    cmd = [sys.executable, "-X", "importtime", "-m", "vlmdoctor", "analyze", str(trace), "--json", str(tmp_path / "a")]
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "import time:" in r.stderr and _heavy_imports(r.stderr) == set()
-
-
-def test_compare_gate_rules_and_export_import_no_torch(tmp_path):
-    """The other commands that read reports and traces, each as its command line, in one interpreter."""
-    a, b = TRACES / "default_s2.report.json", TRACES / "bf16_s2.report.json"
-    trace = TRACES / "compile_s2.pt.trace.json.gz"
-    runs = [
-        ["compare", str(a), str(b), "--allow-different", "--json", str(tmp_path / "c.json")],
-        ["gate", "--baseline", str(a), "--current", str(b), "--allow-env-change"],
-        ["rules", "list"],
-        ["rules", "show", "precision-autocast-casts"],
-        ["export", str(trace), "--chrome", str(tmp_path / "e.json.gz")],
-    ]
-    code = (
-        "import sys\nfrom typer.testing import CliRunner\nfrom vlmdoctor.cli import app\n"
-        f"for args in {runs!r}:\n"
-        "    r = CliRunner().invoke(app, args)\n"
-        "    assert r.exit_code in (0, 1), (args, r.output, r.exception)\n"
-    )
-    r = subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert (tmp_path / "c.json").exists() and (tmp_path / "e.json.gz").exists()
-    assert "import time:" in r.stderr and _heavy_imports(r.stderr) == set()
