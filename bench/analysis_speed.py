@@ -7,7 +7,7 @@ of the same file and against traceinsight (HTA), measured in one run; the table 
 Every measurement is its own process (a fresh interpreter), run one after the other; the rounds
 interleave json.load and the analyzer so that a change in the machine's load touches both. Peak
 memory is the largest sum of the resident sets of the process and all its children, sampled from
-/proc every 20 ms (the analyzer's worker processes count). CPU time is user + system of the
+/proc every 50 ms (the analyzer's worker processes count). CPU time is user + system of the
 process tree. Each figure is the median of the rounds.
 """
 
@@ -18,7 +18,6 @@ import datetime as dt
 import json
 import os
 import platform
-import re
 import resource
 import statistics
 import subprocess
@@ -30,6 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- analysis-speed:start -->", "<!-- analysis-speed:end -->"
+PAGE = os.sysconf("SC_PAGE_SIZE")
 
 JSON_LOAD = "import json, sys\nwith open(sys.argv[1]) as f:\n    json.load(f)\n"
 ONE_PROCESS = (  # the same command, its analysis held to one process
@@ -49,25 +49,17 @@ print("HTA idle_pct", float(tb["idle_time_pctg"].iloc[0]))
 
 
 def _tree_rss(pid: int) -> int:
-    """Resident bytes of `pid` and every process below it."""
-    kids: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                kids.setdefault(ppid, []).append(int(d))
-            except (OSError, ValueError, IndexError):
-                pass
+    """Resident bytes of `pid` and every process below it (walked through /proc/<pid>/task/*/children)."""
     total, todo = 0, [pid]
     while todo:
         p = todo.pop()
-        todo += kids.get(p, [])
         try:
-            with open(f"/proc/{p}/status") as f:
-                m = re.search(r"VmRSS:\s+(\d+) kB", f.read())
-            total += int(m.group(1)) * 1024 if m else 0
-        except OSError:
+            with open(f"/proc/{p}/statm") as f:
+                total += int(f.read().split()[1]) * PAGE
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except (OSError, ValueError):
             pass
     return total
 
@@ -80,7 +72,7 @@ def measure(cmd: list[str]) -> dict:
     peak = 0
     while proc.poll() is None:
         peak = max(peak, _tree_rss(proc.pid))
-        time.sleep(0.02)
+        time.sleep(0.05)
     wall = time.perf_counter() - t0
     out, err = proc.communicate()
     after = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -23,7 +23,7 @@ from vlmdoctor.errors import UsageError
 
 TRACE_SUFFIXES = (".json", ".json.gz")
 HEAD_LIMIT = 8 * 2**20  # metadata before traceEvents is small; never read more than this looking for it
-BLOCK = 1 << 23  # bytes read at a time; a chunk of events is about this size
+BLOCK = 1 << 21  # bytes read at a time; a chunk of events is about this size (decoded: about 10x)
 SLOW_AFTER = 8  # blocks without a place to cut: the rest is read event by event
 CUT_TRIES = 4  # cuts tried, the last first, before a chunk is read event by event
 _BETWEEN = re.compile(rb"\}[ \t\r\n]*,[ \t\r\n]*\{")  # where one event ends and the next starts, or inside one
