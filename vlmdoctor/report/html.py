@@ -154,7 +154,8 @@ def step_split_svg(facts: dict[str, Any]) -> str:
     W, X0, BAR_W, BAR_Y, BAR_H = 1100, 10, 1080, 30, 44
     out = [
         f'<svg viewBox="0 0 {W} {{H}}" role="img" aria-label="step time split">',
-        f'<text x="{X0}" y="18" font-size="14" fill="{INK}">one traced step: {esc(_num(step))} ms (host wall time, median); GPU busy '
+        f'<text x="{X0}" y="18" font-size="14" fill="{INK}">one traced step: {esc(_num(step))} ms '
+        "(host wall time, median); GPU busy "
         f"{esc(_pct(busy / step, 0))}</text>",
     ]
     x = float(X0)
@@ -322,7 +323,7 @@ def ladder_svg(result: dict[str, Any]) -> str:
         )
     rung, seen_at = 0, {}
     for t in trials:  # a trial is tried from the rung kept before it
-        if t.get("outcome") == "kept":
+        if t.get("outcome") in ("kept", "adopted"):
             rung += 1
             continue
         k = seen_at.get(rung, 0)
@@ -882,7 +883,7 @@ def treat_html(result: dict[str, Any]) -> str:
         rows = []
         for t in trials:
             outcome = str(t.get("outcome"))
-            cls = outcome if outcome in ("kept", "no_gain", "harmful") else "failed"
+            cls = "kept" if outcome == "adopted" else outcome if outcome in ("kept", "no_gain", "harmful") else "failed"
             if "ratio" in t:
                 measured = esc(_paired(t))
             elif "gain" in t:  # a treat.json of the first treat: gain against the spread-based margin
