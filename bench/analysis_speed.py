@@ -112,20 +112,25 @@ def main() -> None:
             print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]['wall_s']:.1f} s" for k, v in rows.items()), flush=True)
         facts = json.loads(Path(f"{tmp}/a0.json").read_text())["files"][0]["facts"]
         same = facts == json.loads(Path(f"{tmp}/b0.json").read_text())["files"][0]["facts"]
+    report = _report(rows, trace, gib, facts, same, load_before)
+    _save(args, report)  # the rounds now; again with traceinsight's runs when they end
     if args.hta_runs:
         rows["traceinsight"] = [measure([sys.executable, "-c", HTA, str(trace.parent)]) for _ in range(args.hta_runs)]
-    load_after = os.getloadavg()
+        _save(args, _report(rows, trace, gib, facts, same, load_before))
+
+
+def _report(rows: dict, trace: Path, gib: float, facts: dict, same: bool, load_before: tuple) -> dict:
     med = {
         k: {m: statistics.median(x[m] for x in v) for m in ("wall_s", "cpu_s", "peak_rss_gb")} for k, v in rows.items()
     }
-    result = {
+    return {
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "trace": str(trace),
         "trace_gib": gib,
         "steps": facts.get("trace.steps"),
         "cores": os.cpu_count(),
         "load_average_before": load_before,
-        "load_average_after": load_after,
+        "load_average_after": os.getloadavg(),
         "analyze_outputs_identical": same,
         "versions": {
             "python": platform.python_version(),
@@ -138,7 +143,10 @@ def main() -> None:
         "median": med,
         "all": rows,
     }
-    print(json.dumps({k: v for k, v in result.items() if k != "all"}, indent=2))
+
+
+def _save(args: argparse.Namespace, result: dict) -> None:
+    print(json.dumps({k: v for k, v in result.items() if k != "all"}, indent=2), flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
