@@ -184,7 +184,7 @@ def _write_doc(doc: Path, r: dict, argv: str) -> None:
         "interleave json.load and the analyzer. Commands:",
         "",
         "```bash",
-        "python bench/make_big_trace.py fixtures/traces/default_s2.pt.trace.json.gz /tmp/big/trace.json --min-gb 1.0",
+        f"python bench/make_big_trace.py fixtures/traces/default_s2.pt.trace.json.gz {r['trace']} --min-gb 1.0",
         f"python bench/analysis_speed.py {argv}",
         "```",
         END,
