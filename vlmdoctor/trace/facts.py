@@ -347,6 +347,7 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
 
         facts.update(cpu_facts(t, windows, facts))
         _mode_facts(t, windows, facts)
+        _cause_facts(t, ctx, facts, n)
         return facts
     facts["trace.gpu_kernels"] = True
     facts["trace.partial"] = bool(warnings)
@@ -456,6 +457,7 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
     _device_facts(t, facts, vmeta)
     _flop_facts(t, facts, cfg)
     _mode_facts(t, windows, facts)
+    _cause_facts(t, ctx, facts, n)
     facts["trace.warnings"] = warnings
     return facts
 
@@ -465,6 +467,13 @@ def _mode_facts(t: Tables, windows: list[tuple[float, float]], facts: dict[str, 
     from vlmdoctor.trace.modes import mode_facts
 
     facts.update(mode_facts(t, windows, facts))
+
+
+def _cause_facts(t: Tables, ctx: pd.DataFrame, facts: dict[str, Any], n: int) -> None:
+    """Casts by kind and written-out attention by kind, each weighed by its time (trace/causes.py)."""
+    from vlmdoctor.trace.causes import cause_facts
+
+    facts.update(cause_facts(t, ctx, facts, n))
 
 
 def part_source(t: Tables) -> str:
