@@ -24,6 +24,7 @@ import numpy as np
 import pandas as pd
 
 from vlmdoctor.run.parts import part_of_class
+from vlmdoctor.trace.cudnn_plan import cudnn_plan_facts
 from vlmdoctor.trace.kernels import (
     ATTENTION_CLASSES,
     GEMM_CLASSES,
@@ -362,6 +363,7 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
     facts["gpu.idle_ms"] = total(idle) / 1e3 / n
     facts["gpu.busy_frac"] = total(busy) / max(total(win), 1e-9)
     _idle_causes(t, idle, facts, n)
+    facts.update(cudnn_plan_facts(t.ops, t.runtime, idle, n, facts["step.ms"]))  # trace/cudnn_plan.py
 
     # kernel classes
     gpu_time = float(g["dur"].sum())
