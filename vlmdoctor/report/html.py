@@ -154,8 +154,8 @@ def step_split_svg(facts: dict[str, Any]) -> str:
     W, X0, BAR_W, BAR_Y, BAR_H = 1100, 10, 1080, 30, 44
     out = [
         f'<svg viewBox="0 0 {W} {{H}}" role="img" aria-label="step time split">',
-        f'<text x="{X0}" y="18" font-size="14" fill="{INK}">one traced step: {esc(_num(step))} ms (host wall time, median); GPU busy '
-        f"{esc(_pct(busy / step, 0))}</text>",
+        f'<text x="{X0}" y="18" font-size="14" fill="{INK}">one traced step: {esc(_num(step))} ms '
+        f"(host wall time, mean of the traced window); GPU busy {esc(_pct(busy / step, 0))}</text>",
     ]
     x = float(X0)
     for label, ms, color in segs:
@@ -399,7 +399,8 @@ def _gain(g: dict[str, Any] | None) -> str:
     if g.get("saves_ms_per_step"):
         s = f"saves {esc(_num(g['saves_ms_per_step']))} ms/step"
         if g.get("share_of_step"):
-            s += f" ({esc(_pct(g['share_of_step'], 0))} of the step)"
+            of = f"the {_num(g['step_ms'])} ms traced step" if g.get("step_ms") else "the traced step"
+            s += f" ({esc(_pct(g['share_of_step'], 0))} of {esc(of)})"
         parts.append(s)
     text = "<br>".join(parts) or "not estimated"
     if g.get("how"):
