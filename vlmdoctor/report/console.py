@@ -77,7 +77,7 @@ def render(report: dict[str, Any], console: Console) -> None:
     tp = report.get("throughput") or {}
     t.add_row(
         "real tokens/s",
-        _fmt(m["real_tokens_per_s"], "", 0),
+        _fmt(throughput.headline(report), "", 0),
         throughput.spread_text(tp) or spread("real_tokens_per_s", "", 0),
     )
     t.add_row("loss tokens/s", _fmt(m["loss_tokens_per_s"], "", 0), spread("loss_tokens_per_s", "", 0))
