@@ -88,7 +88,11 @@ def render(report: dict[str, Any], console: Console) -> None:
         _fmt(m["step_ms"], " ms"),
         f"p10 {_fmt(m['step_ms_p10'])} / p90 {_fmt(m['step_ms_p90'])} (n={step.get('n')})",
     )
-    t.add_row("MFU", _fmt(m["mfu"] * 100 if m["mfu"] is not None else None, " %"), spread("mfu", "", 3))
+    t.add_row(
+        "MFU",
+        _fmt(m["mfu"] * 100 if m["mfu"] is not None else None, " %"),
+        spread("mfu", "", 3) if m["mfu"] is not None else escape(str(m.get("mfu_reason") or "")),
+    )
     t.add_row("model TFLOP/s", _fmt(m["model_tflops_per_s"], "", 2), "")
     if m.get("peak_mem_gb") is not None:
         t.add_row(

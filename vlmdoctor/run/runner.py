@@ -854,6 +854,10 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
     metrics, stats = summarize(windows, total, peak)
     metrics["warmup_s"] = report.get("warmup", {}).get("warmup_s")
     metrics["compile_s"] = report.get("warmup", {}).get("compile_s") if compiled(cfg) else None
+    if metrics["mfu"] is None:
+        from vlmdoctor.run.flopcount import device_name
+
+        metrics["mfu_reason"] = f"no peak known for {device_name(env)}"
     report["metrics"] = metrics
     report["stats"] = stats
     report["throughput"] = pooled(windows, peak)
