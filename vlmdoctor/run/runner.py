@@ -725,6 +725,8 @@ def summarize(
     metrics: dict[str, Any] = {k: est[k] for k in ("real_tokens_per_s", "loss_tokens_per_s", "model_tflops_per_s")}
     metrics["pad_fraction"] = stats["pad_fraction"]["median"]
     metrics["mfu"] = est["mfu"]
+    flops_steps = [x for w in windows for x in w.get("step_flops") or []]
+    metrics["flops_per_step"] = sum(flops_steps) / len(flops_steps) if flops_steps else None
     metrics["step_ms"] = est["step_ms"]
     metrics["step_ms_p10"] = est["step_ms_p10"]
     metrics["step_ms_p90"] = est["step_ms_p90"]
