@@ -216,8 +216,10 @@ def render_facts(result: dict[str, Any], console: Console) -> None:
                 )
         line = f"step {_ms(f['step.ms'])} ms"
         if "gpu.busy_frac" in f:
-            busy = f"{f['gpu.busy_frac'] * 100:.0f}% ({_ms(f['gpu.busy_ms'])} ms)"
-            line += f"; GPU busy {busy}, idle {_ms(f['gpu.idle_ms'])} ms"
+            line += (
+                f"; GPU busy {f['gpu.busy_frac'] * 100:.0f}% ({_ms(f['gpu.busy_ms'])} ms), "
+                f"idle {_ms(f['gpu.idle_ms'])} ms"
+            )
         console.print(line)
         if "comm.ms" in f:
             console.print(comm_line(f, "comm.", entry.get("rank")))
@@ -457,7 +459,7 @@ def render_ladder(result: dict[str, Any], console: Console) -> None:
             k = c["contribution"]
             t.add_row(str(step), c["rule"], _ci(k) or k.get("why", ""), str(k.get("pairs") or ""), k["outcome"])
         console.print(t)
-    rejected = [x for x in result["trials"] if x.get("outcome") != "kept"]
+    rejected = [x for x in result["trials"] if x.get("outcome") not in ("kept", "adopted")]
     if rejected:
         t = Table(title="trials not kept", header_style="bold")
         for col in ("trial", "what", "outcome", "x [95% CI]", "tokens/s"):
