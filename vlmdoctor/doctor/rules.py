@@ -51,7 +51,7 @@ HAS = "has"  # has(fact.name): whether the trace measured it; never "not evaluat
 FACT_OPTIONS: list[tuple[re.Pattern[str], str, Any]] = [
     (
         re.compile(
-            r"(gpu|kernels|gemm|launch|idle|recompute|phase|liger|triton_compiled|optimizer|memcpy|memory|part)\."
+            r"(gpu|kernels|gemm|launch|idle|cudnn_plan|recompute|phase|liger|triton_compiled|optimizer|memcpy|memory|part)\."
             r"|attention\.(fp32_kernels|backend|kernel_share)"
         ),
         "a GPU trace (ProfilerActivity.CUDA)",
@@ -98,6 +98,7 @@ KNOWN_FACTS = [
         r"gpu\.(busy_ms|idle_ms|busy_frac)",
         r"idle\.[a-z_]+\.(ms|share)",
         r"idle\.op\.[a-z_]+\.ms",
+        r"cudnn_plan\.(calls|long_calls|idle_ms|step_share)",
         r"kernels\.[a-z0-9_]+\.(ms|count|share)",
         r"gemm\.(ms|count|fp32_share|tf32_share|fp32_share_of_gpu|fp32_top_kernels)",
         r"gemm\.(fp8_share|fp8_ms|bf16_ms|bf16_share_of_gpu|bf16_llm_ms|bf16_mean_ms)",
@@ -123,6 +124,11 @@ KNOWN_FACTS = [
         r"attention\.(eager_softmax_calls|sdpa_calls|backends)",
         r"attention\.[a-z_]+\.(head_dims|head_dim_pow2|fwd_tflop_per_step|fwd_tflops|dense_mask_share)",
         r"attention\.kernel_share",
+        # causes, weighed by time (trace/attention_cause.py, trace/casts.py)
+        r"attention\.(eager|math|mha)\.(blocks|ms|model_ms|head_blocks|head_ms|parts)",
+        r"attention\.written_out\.source",
+        r"casts\.(weight|input|island)\.(count|ms|share)",
+        r"casts\.classified_by",
         r"shapes\.rows_per_micro_batch",
         r"flops\.(vision_tflop_per_step|lm_head_tflop_per_step)",
         r"gpu\.(busy_tflops|busy_frac_traced)",
@@ -723,7 +729,7 @@ def _gain(rule: Rule, key: str, env: dict[str, Any]) -> float | None:
 
 #: facts only GPU kernels give: on a CPU-only trace a rule that needs one does not apply (it is not unmeasured)
 GPU_ONLY = re.compile(
-    r"(gpu|kernels|idle|launch|liger|gemm|phase|memcpy|recompute|triton_compiled|optimizer|device)\..*"
+    r"(gpu|kernels|idle|cudnn_plan|launch|liger|gemm|phase|memcpy|recompute|triton_compiled|optimizer|device|casts)\..*"
     r"|attention\.(fp32_kernels|kernel_share|[a-z]+\.(forward|backward|recompute)_ms|[a-z]+\.head_dim.*)"
     r"|part\.[a-z_]+\.(ms|share|forward_ms|backward_ms|recompute_ms)|part\.fp32_gemm_parts"
 )

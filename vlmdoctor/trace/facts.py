@@ -26,6 +26,7 @@ import numpy as np
 import pandas as pd
 
 from vlmdoctor.run.parts import part_of_class
+from vlmdoctor.trace.cudnn_plan import cudnn_plan_facts
 from vlmdoctor.trace.kernels import (
     ATTENTION_CLASSES,
     GEMM_CLASSES,
@@ -561,6 +562,7 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
 
         facts.update(cpu_facts(t, windows, facts))
         _mode_facts(t, windows, facts)
+        _cause_facts(t, ctx, facts, n)
         return facts
     facts["trace.gpu_kernels"] = True
     facts["trace.partial"] = bool(warnings)
@@ -575,6 +577,7 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
     facts["gpu.idle_ms"] = total(idle) / 1e3 / n
     facts["gpu.busy_frac"] = total(busy) / max(total(win), 1e-9)
     _idle_causes(t, idle, facts, n)
+    facts.update(cudnn_plan_facts(t.ops, t.runtime, idle, n, facts["step.ms"]))  # trace/cudnn_plan.py
 
     # kernel classes
     gpu_time = float(g["dur"].sum())
@@ -670,6 +673,7 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
     _device_facts(t, facts, vmeta)
     _flop_facts(t, facts, cfg)
     _mode_facts(t, windows, facts)
+    _cause_facts(t, ctx, facts, n)
     facts["trace.warnings"] = warnings
     return facts
 
@@ -679,6 +683,13 @@ def _mode_facts(t: Tables, windows: list[tuple[float, float]], facts: dict[str, 
     from vlmdoctor.trace.modes import mode_facts
 
     facts.update(mode_facts(t, windows, facts))
+
+
+def _cause_facts(t: Tables, ctx: pd.DataFrame, facts: dict[str, Any], n: int) -> None:
+    """Casts by kind and written-out attention by kind, each weighed by its time (trace/causes.py)."""
+    from vlmdoctor.trace.causes import cause_facts
+
+    facts.update(cause_facts(t, ctx, facts, n))
 
 
 def part_source(t: Tables) -> str:
