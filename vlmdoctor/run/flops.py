@@ -265,7 +265,8 @@ def describe() -> dict[str, Any]:
         "native_classes": "LLaVA: N=T=patches, MLP projector; Qwen2-VL: N=patches, merger MLP on T=N/4; "
         "Idefics3: N=patches, linear on T=N/scale^2 (FlopModel.from_native)",
         "lora": "frozen base: 2 * 2*P_llm*L + 3 * 2*n*d_att*L*(L+1) (no weight-grad GEMMs); "
-        "adapters: 6 * r*(d_in+d_out) per adapted layer per token (forward + input grad + weight grad)",
+        "adapters: 6 * r*(d_in+d_out) "
+        "per adapted layer per token (forward + input grad + weight grad)",
         "dpo": "policy on the chosen and the rejected row of each pair; reference forward on both: "
         "2*P_llm*L + 2*n*d_att*L*(L+1) + vision + 2*P_proj*T per row (0 when precomputed)",
         "counted_on": "real tokens only; recompute, padding and casts are not model FLOPs; with lm_head_labeled_only "

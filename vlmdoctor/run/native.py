@@ -88,8 +88,9 @@ class NativeVLM(nn.Module):
         return next(self.parts["projector"].parameters()).dtype
 
     def set_vision_no_grad(self, on: bool) -> None:
-        """Run the tower under torch.no_grad() through hooks; a projector nested in it (Qwen2-VL's merger)
-        keeps grad."""
+        """Run the tower under torch.no_grad() through hooks.
+
+        A projector nested in it (Qwen2-VL's merger) keeps grad."""
         for h in self._no_grad_hooks:
             h.remove()
         self._no_grad_hooks = []
