@@ -89,7 +89,8 @@ VARIATION_CASES = {
 }
 
 
-# rules whose fix another finding already covers: (fixture where it fires, the finding that supersedes it, a no-fire fixture)
+# rules whose fix another finding already covers:
+# (fixture where it fires, the finding that supersedes it, a no-fire fixture)
 SUPERSEDED_CASES = {
     # a launch-bound step gets compile first; Liger stays as the alternative `treat` also measures
     "fusion-unfused-norm-activation": ("cache_s1", "fusion-compile-launch-bound", "healthy_s2"),

@@ -77,6 +77,10 @@ def examine(
     if facts is None:
         return report
     report["facts"] = facts
+    if "trace.error" not in facts:
+        from vlmdoctor.trace.split import step_split
+
+        report["split"] = step_split(facts)
     if prescribe and "trace.error" not in facts:
         rules, problems = load_rules(*rules_dirs)
         report["diagnosis"] = diagnose(facts, rules, problems, selection)
