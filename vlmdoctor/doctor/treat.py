@@ -40,6 +40,7 @@ from vlmdoctor.run.config import RunConfig
 Runner = Callable[[RunConfig, bool, "float | None"], dict[str, Any]]
 PROFILE_FACTS = (
     "gpu.busy_frac",
+    "measured.gpu.busy_frac",
     "gpu.busy_tflops",
     "launch.kernels",
     "idle.other_host.ms",
@@ -340,7 +341,7 @@ def treat(
                 time_left,
                 first={"current": current},
                 notify=notify,
-                on_round=lambda r: live.update(arms=r, kind="composition", comps=comps),
+                on_round=lambda r, comps=comps: live.update(arms=r, kind="composition", comps=comps),
             )
             live.clear()
             best = None

@@ -154,7 +154,8 @@ def step_split_svg(facts: dict[str, Any]) -> str:
     W, X0, BAR_W, BAR_Y, BAR_H = 1100, 10, 1080, 30, 44
     out = [
         f'<svg viewBox="0 0 {W} {{H}}" role="img" aria-label="step time split">',
-        f'<text x="{X0}" y="18" font-size="14" fill="{INK}">one traced step: {esc(_num(step))} ms (host wall time, median); GPU busy '
+        f'<text x="{X0}" y="18" font-size="14" fill="{INK}">one traced step: {esc(_num(step))} ms '
+        "(host wall time, median); GPU busy "
         f"{esc(_pct(busy / step, 0))}</text>",
     ]
     x = float(X0)
@@ -583,7 +584,8 @@ def _facts_sections(facts: dict[str, Any]) -> list[str]:
 
 
 def _facts_metrics(facts: dict[str, Any]) -> list[tuple[str, Any]]:
-    busy = facts.get("gpu.busy_frac")
+    busy = facts.get("measured.gpu.busy_frac", facts.get("gpu.busy_frac"))  # the untraced run's, where measured
+    reserved = facts.get("measured.memory.peak_reserved_gb", facts.get("memory.peak_reserved_gb"))
     return [
         ("steps traced", facts.get("trace.steps")),
         ("step (median)", _num(facts.get("step.ms"), 1, " ms") if "step.ms" in facts else None),
@@ -598,9 +600,7 @@ def _facts_metrics(facts: dict[str, Any]) -> list[tuple[str, Any]]:
         ("MFU (measured)", _pct(facts["mfu"], 2) if isinstance(facts.get("mfu"), (int, float)) else None),
         (
             "peak memory reserved",
-            _num(facts.get("memory.peak_reserved_gb"), 2, " GiB")
-            if facts.get("memory.peak_reserved_gb") is not None
-            else None,
+            _num(reserved, 2, " GiB") if reserved is not None else None,
         ),
     ]
 
