@@ -52,7 +52,10 @@ PLACEHOLDERS: dict[str, tuple[str, str]] = {
         "GPU time outside the model parts: loss, optimizer, other, unattributed",
     ),
     "phase": ("forward|backward|recompute|optimizer|unattributed", "forward, backward, recompute, optimizer"),
-    "class": ("|".join(_KERNEL_CLASSES), "a kernel class of trace/kernels.py (`vlmdoctor kernels`)"),
+    "class": (
+        "|".join(_KERNEL_CLASSES),
+        "a kernel class of trace/kernels.py (KERNEL_CLASSES; memcpy, memset, triton_other, other)",
+    ),
     "liger": ("rms_norm|swiglu|rope|cross_entropy", "a Liger kernel: rms_norm, swiglu, rope, cross_entropy"),
     "backend": ("cudnn|flash|efficient|math|flash_cpu", "an SDPA backend: cudnn, flash, efficient, math, flash_cpu"),
     "direction": ("HtoD|DtoH|DtoD|HtoH|PtoP|other", "a copy direction: HtoD, DtoH, DtoD, HtoH, PtoP, other"),
@@ -527,18 +530,6 @@ FACTS: list[Fact] = [
     ),
 ]
 
-#: renamed facts: old name -> new name (docs/analysis.md, "Renamed facts")
-RENAMED = {
-    "gpu.busy_frac (as overwritten by the run report)": "measured.gpu.busy_frac",
-    "gpu.busy_frac_traced": "gpu.busy_frac",
-    "memory.peak_allocated_gb (from the run report)": "measured.memory.peak_allocated_gb",
-    "memory.peak_reserved_gb (from the run report)": "measured.memory.peak_reserved_gb",
-    "memory.device_total_gb (from the run report)": "measured.memory.device_total_gb",
-    "memory.peak_allocated_frac (from the run report)": "measured.memory.peak_allocated_frac",
-    "memory.peak_reserved_frac (from the run report)": "measured.memory.peak_reserved_frac",
-    "device.compute_capability (from the run report)": "measured.device.compute_capability",
-}
-
 
 def lookup(name: str) -> Fact | None:
     """The catalogue entry a fact name belongs to (a literal entry before a template)."""
@@ -582,3 +573,79 @@ def is_measured(name: str) -> bool:
 def suggest(name: str) -> list[str]:
     """Close catalogue names, for "did you mean"."""
     return difflib.get_close_matches(name, [f.name for f in FACTS], n=3, cutoff=0.6)
+
+
+# --- what `vlmdoctor facts` prints, and the generated tables of the docs ------------------------------------------
+
+
+def module_path(producer: str) -> str:
+    """A producer module as the file a reader opens: vlmdoctor/trace/families/idle.py."""
+    return producer.replace(".", "/") + ".py"
+
+
+def describe(f: Fact) -> dict[str, Any]:
+    """One fact as `vlmdoctor facts NAME --json` gives it."""
+    return {
+        "name": f.name,
+        "unit": f.unit,
+        "meaning": f.meaning,
+        "computed_in": module_path(f.producer),
+        "recorded_by": [NEEDS[n] for n in f.needs],
+        "template": f.is_template,
+        **({"values": {p: PLACEHOLDERS[p][1] for p in re.findall(r"<([a-z]+)>", f.name)}} if f.is_template else {}),
+        **({"ranks": f.joined} if f.joined else {}),
+        **({"no_fixture": f.unfixtured} if f.unfixtured else {}),
+    }
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def markdown_facts() -> str:
+    """The table of every fact, for docs/analysis.md."""
+    rows = ["| fact | unit | needs | computed in | meaning |", "|---|---|---|---|---|"]
+    for f in FACTS:
+        meaning = f.meaning + (f"; {f.joined}" if f.joined else "")
+        rows.append(
+            f"| `{f.name}` | {_cell(f.unit)} | {', '.join(f.needs)} | `{module_path(f.producer)}` | {_cell(meaning)} |"
+        )
+    rows += ["", "| needs | what records it |", "|---|---|"]
+    rows += [f"| {k} | {_cell(v)} |" for k, v in NEEDS.items()]
+    rows += ["", "| placeholder | stands for |", "|---|---|"]
+    rows += [f"| `<{k}>` | {_cell(d)} |" for k, (_, d) in PLACEHOLDERS.items()]
+    return "\n".join(rows) + "\n"
+
+
+def markdown_families() -> str:
+    """The table of producer modules and the facts each computes, for docs/architecture.md."""
+    rows = ["| module | facts it computes |", "|---|---|"]
+    for p in dict.fromkeys(f.producer for f in FACTS):
+        rows.append(f"| `{module_path(p)}` | {', '.join(f'`{f.name}`' for f in by_producer(p))} |")
+    return "\n".join(rows) + "\n"
+
+
+#: the generated tables of the docs: (file under docs/, table)
+GENERATED = {"facts": ("analysis.md", markdown_facts), "families": ("architecture.md", markdown_families)}
+_BEGIN = "<!-- {} table: generated from vlmdoctor/trace/catalog.py (python -m vlmdoctor.trace.catalog) -->\n"
+_END = "<!-- end of the generated {} table -->\n"
+
+
+def with_generated(text: str, which: str) -> str:
+    """A doc's text with its generated table rewritten from the catalogue."""
+    begin, end = _BEGIN.format(which), _END.format(which)
+    if begin not in text or end not in text:
+        raise ValueError(f"no generated {which} table (markers {begin.strip()} ... {end.strip()})")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return head + begin + GENERATED[which][1]() + end + tail
+
+
+if __name__ == "__main__":  # rewrite the docs' generated tables: python -m vlmdoctor.trace.catalog
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    for which, (name, _) in GENERATED.items():
+        path = docs / name
+        path.write_text(with_generated(path.read_text(), which))
+        print(f"wrote the {which} table of {path}")

@@ -27,8 +27,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from vlmdoctor.trace.catalog import by_producer
 from vlmdoctor.trace.intervals import Intervals, _measure, intersect, subtract, total, union
 from vlmdoctor.trace.tables import Tables
+
+PRODUCES = by_producer(__name__)
 
 #: normalized collective name (lower case, no underscores) -> the name facts use
 KINDS = (
