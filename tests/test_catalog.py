@@ -199,3 +199,30 @@ def test_missing_hints_follow_what_each_fact_needs():
     assert catalog.missing_hint("part.vision.forward_ms", gpu) == catalog.NEEDS["stack"]
     assert catalog.missing_hint("part.loss.ms", gpu) is None  # the loss is found without the module hierarchy
     assert catalog.missing_hint("measured.gpu.busy_frac", cpu) is None
+
+
+def test_the_spelled_out_names_cover_every_value_and_are_declared():
+    """The producers' tables of names (kernel classes, parts, copy directions, collectives) hold every value
+    the code can meet, each name declared for that producer: the template fallback is never used."""
+    from vlmdoctor.trace import comms, ranks
+    from vlmdoctor.trace.kernels import KERNEL_CLASSES
+
+    assert set(kernels.CLASS_FACTS) == {c for c, _, _ in KERNEL_CLASSES} | {"memcpy", "memset", "triton_other", "other"}
+    assert set(parts.PART_FACTS) == {*catalog.MODEL_PARTS, "loss", "optimizer", "other", "unattributed"}
+    assert set(ranks.KIND_FACTS) == {v for _, v in comms.KINDS} | {"other"}
+    tables = [
+        (kernels, [n for names in kernels.CLASS_FACTS.values() for n in names]),
+        (kernels, list(kernels.LIGER_FACTS.values())),
+        (parts, [n for names in (*parts.PART_FACTS.values(), *parts.PART_PHASE_FACTS.values()) for n in names]),
+        (memcpy, [n for names in memcpy.DIRECTION_FACTS.values() for n in names]),
+        (attention, [n for names in attention.PART_FACTS.values() for n in names]),
+        (ranks, [n for names in ranks.KIND_FACTS.values() for n in names]),
+        (cpu_facts, [*cpu_facts.PROBE_FACTS.values(), *(n for v in cpu_facts.MATMUL_FACTS.values() for n in v)]),
+    ]
+    bad = [
+        (mod.__name__, n)
+        for mod, names in tables
+        for n in names
+        if getattr(catalog.lookup(n), "producer", None) != mod.__name__
+    ]
+    assert not bad, bad

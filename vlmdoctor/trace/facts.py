@@ -89,7 +89,7 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
         facts[f"config.{knob}"] = value
     facts["trace.written_by_vlmdoctor"] = bool(vmeta)
     for what, seen in t.recorded.items():  # which profiler options left their marks
-        facts[RECORDED[what]] = seen
+        facts[RECORDED.get(what, f"trace.recorded.{what}")] = seen
     facts["part.source"] = part_source(t)
 
     steps = t.steps

@@ -118,6 +118,14 @@ KIND_FACTS = {
         "dist.comm.other.exposed_own_ms",
     ),
 }
+
+
+def _kind_facts(kind: str) -> tuple[str, ...]:
+    """A collective's joined facts (a kind the table lacks: tests/test_catalog.py checks it has them all)."""
+    whats = ("ms", "exposed_ms", "bytes", "busbw_gbps", "count", "exposed_own_ms")
+    return KIND_FACTS.get(kind) or tuple(f"dist.comm.{kind}.{w}" for w in whats)
+
+
 #: the ranks' mean of a per-rank fact: (comm fact, joined fact)
 MEAN_FACTS = (
     ("comm.fsdp.prefetched_frac", "dist.fsdp.prefetched_frac"),
@@ -281,9 +289,9 @@ def cross_rank(per: list[RankComms], rank_facts: list[dict[str, Any]]) -> dict[s
                 for r in per:
                     w = r.work[(r.work["kind"] == kind) & (r.work["step"] >= 0)]
                     own.append(float((w["exposed"] - w["wait"]).clip(lower=0).sum()) / 1e3 / max(len(r.steps), 1))
-                facts[KIND_FACTS[kind][5]] = float(np.mean(own))
+                facts[_kind_facts(kind)[5]] = float(np.mean(own))
         for kind in kinds:
-            for what, name in zip(("ms", "exposed_ms", "bytes", "busbw_gbps", "count"), KIND_FACTS[kind]):
+            for what, name in zip(("ms", "exposed_ms", "bytes", "busbw_gbps", "count"), _kind_facts(kind)):
                 v = mean(f"comm.{kind}.{what}")
                 if v is not None:
                     facts[name] = v
@@ -292,7 +300,7 @@ def cross_rank(per: list[RankComms], rank_facts: list[dict[str, Any]]) -> dict[s
             if v is not None:
                 facts[name] = v
         synced = facts.get("dist.synced_micro_batches_per_step")
-        sync_bytes = sum(facts.get(KIND_FACTS[k][2], 0.0) for k in GRAD_SYNC)
+        sync_bytes = sum(facts.get(_kind_facts(k)[2], 0.0) for k in GRAD_SYNC)
         if synced and sync_bytes:
             # one synchronization moves every trained gradient once: its size is the trained parameters' bytes
             facts["dist.grad_gb"] = sync_bytes / synced / 2**30

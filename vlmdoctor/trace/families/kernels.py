@@ -61,7 +61,7 @@ def produce(r: Reading, facts: dict[str, Any]) -> None:
     gpu_time = r.gpu_time
     by_cls = g.groupby("cls")["dur"].agg(["sum", "count"])
     for cls, row in by_cls.iterrows():
-        ms, count, share = CLASS_FACTS[cls]
+        ms, count, share = CLASS_FACTS.get(cls) or (f"kernels.{cls}.ms", f"kernels.{cls}.count", f"kernels.{cls}.share")
         facts[ms] = row["sum"] / 1e3 / n
         facts[count] = row["count"] / n
         facts[share] = row["sum"] / gpu_time
@@ -85,7 +85,9 @@ def produce(r: Reading, facts: dict[str, Any]) -> None:
     facts["attention.fp32_kernels"] = int(sum(is_fp32_attention(x) for x in att["name"])) / n
     facts["attention.kernel_share"] = float(att["dur"].sum()) / gpu_time if gpu_time else 0.0
     for cls in LIGER_CLASSES:
-        facts[LIGER_FACTS[cls]] = float(by_cls["count"].get(cls, 0)) / n
+        facts[LIGER_FACTS.get(cls) or f"liger.{cls.removeprefix('liger_')}.launches"] = (
+            float(by_cls["count"].get(cls, 0)) / n
+        )
     facts["triton_compiled.launches"] = float(by_cls["count"].get("triton_compiled", 0)) / n
     opt_names = g.loc[g["cls"] == "optimizer", "name"].astype(str)
     facts["optimizer.fused"] = bool(opt_names.str.contains("FusedOptimizer|FusedAdam", regex=True).any())

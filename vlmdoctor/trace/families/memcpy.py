@@ -24,7 +24,7 @@ def produce(r: Reading, facts: dict[str, Any]) -> None:
     g, n = r.t.gpu, r.n
     mc = g[g["cat"] == "gpu_memcpy"]
     for direction, grp in mc.groupby(mc["name"].map(memcpy_direction)):
-        nbytes, ms = DIRECTION_FACTS[direction]
+        nbytes, ms = DIRECTION_FACTS.get(direction) or (f"memcpy.{direction}.bytes", f"memcpy.{direction}.ms")
         facts[nbytes] = float(grp["bytes"].sum()) / n
         facts[ms] = float(grp["dur"].sum()) / 1e3 / n
     facts["memcpy.pageable_count"] = int(mc["name"].str.contains("Pageable").sum()) / n

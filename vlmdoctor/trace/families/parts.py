@@ -66,23 +66,28 @@ PHASE_FACTS = {
 }
 
 
+def _part_phase(part: str, phase: str) -> tuple[str, str]:
+    """A part's time and attention time in a phase (a part or phase the tables lack: tests/test_catalog.py)."""
+    return PART_PHASE_FACTS.get((part, phase)) or (f"part.{part}.{phase}_ms", f"attention.{part}.{phase}_ms")
+
+
 def produce(r: Reading, facts: dict[str, Any]) -> None:
     n, gpu_time = r.n, r.gpu_time
     g2 = r.attributed
     for part, v in g2.groupby("part")["dur"].sum().items():
-        ms, share = PART_FACTS[part]
+        ms, share = PART_FACTS.get(part) or (f"part.{part}.ms", f"part.{part}.share")
         facts[ms] = v / 1e3 / n
         facts[share] = v / gpu_time
     for phase, v in g2.groupby("phase")["dur"].sum().items():
-        facts[PHASE_FACTS[phase]] = v / 1e3 / n
+        facts[PHASE_FACTS.get(phase) or f"phase.{phase}.ms"] = v / 1e3 / n
     for part in g2["part"].unique():  # every phase of a part that ran, zero where it launched nothing
         for phase in ("forward", "backward", "recompute"):
-            facts[PART_PHASE_FACTS[part, phase][0]] = 0.0
+            facts[_part_phase(part, phase)[0]] = 0.0
     for (part, phase), v in g2.groupby(["part", "phase"])["dur"].sum().items():
-        facts[PART_PHASE_FACTS[part, phase][0]] = v / 1e3 / n
+        facts[_part_phase(part, phase)[0]] = v / 1e3 / n
     att_k = g2[g2["cls"].isin(ATTENTION_CLASSES) | ((g2["cls"] == "softmax") & (g2["part"] != "loss"))]
     for (part, phase), v in att_k.groupby(["part", "phase"])["dur"].sum().items():
-        facts[PART_PHASE_FACTS[part, phase][1]] = v / 1e3 / n
+        facts[_part_phase(part, phase)[1]] = v / 1e3 / n
     rec = float(g2.loc[g2["phase"] == "recompute", "dur"].sum())
     facts["recompute.ms"] = rec / 1e3 / n
     facts["recompute.share"] = rec / gpu_time
