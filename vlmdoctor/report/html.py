@@ -732,11 +732,12 @@ def analyze_html(result: dict[str, Any]) -> str:
         body.append(findings_section(findings if findings is not None else [], diagnosis))
         props = (meta.get("deviceProperties") or [{}])[0] if isinstance(meta.get("deviceProperties"), list) else {}
         env = entry.get("env") or result.get("env") or {}
+        card = facts.get("memory.device_total_gb") or facts.get("measured.memory.device_total_gb")
         pairs = [
             ("GPU", facts.get("device.name") or props.get("name") or env.get("gpu")),
             (
                 "GPU memory",
-                _num(facts["memory.device_total_gb"], 1, " GiB") if facts.get("memory.device_total_gb") else None,
+                _num(card, 1, " GiB") if card else None,
             ),
             (
                 "compute capability",
