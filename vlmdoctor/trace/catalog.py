@@ -534,7 +534,7 @@ FACTS: list[Fact] = [
 def lookup(name: str) -> Fact | None:
     """The catalogue entry a fact name belongs to (a literal entry before a template)."""
     for f in FACTS:
-        if not f.is_template and f.name == name:
+        if f.name == name:  # a literal name, or a template asked for by its own name
             return f
     for f in FACTS:
         if f.is_template and f.pattern.fullmatch(name):
