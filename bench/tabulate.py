@@ -27,7 +27,8 @@ def main(paths: list[str]) -> None:
         }
         print(f"\nStage {stage}\n")
         print(
-            "| configuration | real tok/s | x first row | loss tok/s | pad % | ms/step median (p10-p90) | MFU % | peak alloc GiB | run wall s |"
+            "| configuration | real tok/s | x first row | loss tok/s | pad % | ms/step median (p10-p90) | MFU % "
+            "| peak alloc GiB | run wall s |"
         )
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in runs:

@@ -220,7 +220,7 @@ def _wasm_dist() -> Path | None:
 
 
 def _native_binary() -> str | None:
-    """VLMDOCTOR_TRACE_PROCESSOR, or the binary the perfetto package pins, if it is already cached (never downloaded)."""
+    """VLMDOCTOR_TRACE_PROCESSOR, or the binary the perfetto package pins, if already cached (never downloaded)."""
     env = os.environ.get("VLMDOCTOR_TRACE_PROCESSOR")
     if env:
         return env if os.access(env, os.X_OK) else None
@@ -420,7 +420,7 @@ def test_hta_folder_is_read_by_traceinsight(tmp_path):
         assert data["vlmdoctor"]["config"]["stage"] == 1  # the run config travels along
     analysis = _hta(out)
     assert sorted(analysis.t.get_ranks()) == [0, 1]
-    for rank, src in ((0, a), (1, b)):
+    for rank in (0, 1):
         df = analysis.t.get_trace(rank)
         assert len(df) > 1000
         assert analysis.t.meta_data[rank]["distributedInfo"]["rank"] == rank

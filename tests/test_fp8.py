@@ -174,26 +174,22 @@ FP8_GEMMS = [
     "nvjet_sm103_qqtst_128x256_128x6_2x2_2cta_h_bz_Avec32UE8M0_Bvec32UE8M0_TNT",
     "void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm9x<cutlass::gemm::kernel::GemmUniversal<"
     "cute::tuple<int, int, int, int>, cutlass::gemm::collective::CollectiveMma<cutlass::gemm::"
-    "MainloopSm90TmaGmmaWarpSpecializedPingpongFP8FastAccum<8>, cutlass::float_e4m3_t, "
-    "cutlass::float_e4m3_t> > > >(...)",
+    "MainloopSm90TmaGmmaWarpSpecializedPingpongFP8FastAccum<8>, cutlass::float_e4m3_t, cutlass::float_e4m3_t> > > >(...)",  # noqa: E501 (a kernel name as the GPU reports it)
     "void fbgemm_gpu::f8f8bf16_rowwise_impl<128, 128, 128, 2, 1, 1>(...)",
     "triton_tem_fused__scaled_mm_0",  # Inductor's max-autotune template for torch._scaled_mm
 ]
 NOT_FP8 = {
-    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1"
-    "_execute_segment_k_off_kernel__5x_cublas": "gemm_tensor_core",
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel__5x_cublas": "gemm_tensor_core",  # noqa: E501 (a kernel name as the GPU reports it)
     "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN": "gemm_tensor_core",
     "nvjet_hsh_128x128_64x4_2x1_v_bz_TNT": "gemm_tensor_core",
     "cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_32x6_tn_align8": "gemm_tensor_core",
-    "sm80_xmma_gemm_f32f32_f32f32_f32_nn_n_tilesize128x128x8_stage3_warpsize2x2x1_ffma_aligna4_alignc4"
-    "_execute_kernel": "gemm_fp32_simt",
+    "sm80_xmma_gemm_f32f32_f32f32_f32_nn_n_tilesize128x128x8_stage3_warpsize2x2x1_ffma_aligna4_alignc4_execute_kernel": "gemm_fp32_simt",  # noqa: E501 (a kernel name as the GPU reports it)
     "ampere_sgemm_128x64_tn": "gemm_fp32_simt",
     "cutlass_80_simt_sgemm_128x128_8x4_nn_align1": "gemm_fp32_simt",
     "sm80_xmma_gemm_tf32f32_tf32f32_f32_nn_n_tilesize64x64x16_stage4_warpsize2x2x1_tensor16x8x8_kernel": "gemm_tf32",
     # eager torchao casts: an amax reduction and a copy to Float8_e4m3fn are not GEMMs
     "void at::native::vectorized_elementwise_kernel<4, at::native::(anonymous namespace)::direct_copy_kernel_cuda("
-    "at::TensorIteratorBase&)::{lambda()#3}::operator()() const::{lambda(c10::Float8_e4m3fn)#1}, "
-    "std::array<char*, 2ul> >"
+    "at::TensorIteratorBase&)::{lambda()#3}::operator()() const::{lambda(c10::Float8_e4m3fn)#1}, std::array<char*, 2ul> >"  # noqa: E501 (a kernel name as the GPU reports it)
     "(int, ...)": "cast",
     "triton_red_fused__to_copy_abs_amax_clamp_0": "triton_compiled",
     "ncclDevKernel_AllReduce_Sum_f32_RING_LL": "nccl",

@@ -499,7 +499,7 @@ def _simulate_gate(
     for _ in range(trials):
         m = _ci_host(rng, **noise)
         r = interleaved(
-            {"b": lambda: m(1000.0), "c": lambda: m(1000.0 * (1 - slowdown))},
+            {"b": lambda m=m: m(1000.0), "c": lambda m=m: m(1000.0 * (1 - slowdown))},
             "b",
             PairedOptions(min_pairs=3, max_pairs=max(16, extend_pairs)),
             judge=lambda x, final: slowdown_verdict(x, 0.05, 0.98, final, max_pairs=16),
@@ -721,7 +721,7 @@ def test_remeasure_pins_cpu_threads_on_both_sides(monkeypatch, base_device, thre
     base["config"]["device"] = base_device
     result = remeasure(base, "/opt/old/bin/python", {"PYTHONPATH": "/src/old"}, cpu_threads=threads)
     assert result["passed"] and len(seen) == 6
-    for python, env, diagnose in seen:
+    for _python, env, diagnose in seen:
         assert env.get("OMP_NUM_THREADS") == expected and env.get("MKL_NUM_THREADS") == expected
         assert not diagnose  # the baseline has no diagnosis: nothing to compare findings with
     assert [p for p, _, _ in seen].count("/opt/old/bin/python") == 3
@@ -757,7 +757,7 @@ def test_gate_json_carries_the_verdict_pairs_and_ratios(tmp_path, monkeypatch):
         lambda base, *a, **kw: paired_gate(
             lambda: _ok(1000.0),
             lambda: _ok(1000.0 * next(slow)),
-            **{k: v for k, v in kw.items() if k not in ("cpu_threads",)},
+            **{k: v for k, v in kw.items() if k not in ("cpu_threads", "baseline_cwd", "current_command", "launcher")},
         ),
     )
     base = write(tmp_path, "base.json", fixture("bf16_s2"))

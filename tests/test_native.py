@@ -63,7 +63,7 @@ def stage_reports(request, tmp_path_factory):
 
 def test_tiny_native_runs_both_stages(stage_reports):
     model, s1, s2 = stage_reports
-    for stage, r in ((1, s1), (2, s2)):
+    for r in (s1, s2):
         assert r["status"] == "ok", r.get("error")
         assert r["model"]["class"] == resolve_native(model).cls_name
         m = r["metrics"]
@@ -254,7 +254,7 @@ def test_vision_no_grad_keeps_the_tower_out_of_autograd_but_not_the_projector(mo
         seen: list[bool] = []
         blocks = [m for m in vlm.parts["vision"].modules() if type(m).__name__.endswith(("EncoderLayer", "Block"))]
         blocks[-1].register_forward_hook(
-            lambda _m, _a, out: seen.append((out[0] if isinstance(out, tuple) else out).requires_grad)
+            lambda _m, _a, out: seen.append((out[0] if isinstance(out, tuple) else out).requires_grad)  # noqa: B023
         )
         vlm(**batch).loss.backward()
         assert seen == [tower_graph]

@@ -191,7 +191,7 @@ class Recorder:
         self.warmup, self.steps, self.trace_steps = (
             max(0, int(warmup)),
             max(1, int(steps)),
-            max(1, int(trace_steps)),
+            max(0, int(trace_steps)),  # 0: timed only (the gate's paired runs), no traced window
         )
         self.stage_given = stage
         self.source = source
@@ -206,6 +206,7 @@ class Recorder:
         self.pending_losses: list[torch.Tensor] = []
         self.records: list[dict[str, Any]] = []  # per step: t_end, counts, losses
         self.t_start: float | None = None
+        self.c_start: float | None = None  # the process's CPU time where the first step starts
         self.window: dict[str, Any] | None = None
         self.prof: Any = None
         self.unmark: Any = None
@@ -268,6 +269,7 @@ class Recorder:
         """Where the first step starts (the first interval is measured from here)."""
         if self.t_start is None:
             self.t_start = time.perf_counter()
+            self.c_start = time.process_time()
 
     def step(self, batch: Any = None, loss: Any = None, **inputs: Any) -> None:
         self._safe(self._step, batch, loss, inputs)
@@ -278,6 +280,7 @@ class Recorder:
         now = time.perf_counter()
         if self.t_start is None:
             self.t_start = now
+            self.c_start = time.process_time()
         if batch is None and inputs:
             batch = inputs
         counts = self.pending
@@ -296,12 +299,13 @@ class Recorder:
         if boundary:
             _sync(self.device)
             now = time.perf_counter()
-        self.records.append({"t": now, "counts": counts, "losses": losses[-1:]})
+        self.records.append({"t": now, "cpu": time.process_time(), "counts": counts, "losses": losses[-1:]})
         if i == self.warmup and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         if i == self.warmup + self.steps:
             self.window = self._summarize(self.warmup, i)
-            self._start_profiler()
+            if self.trace_steps:
+                self._start_profiler()
         elif self.prof is not None:
             if i > self.warmup + self.steps + 2 and self.trace_info is not None:  # an active (recorded) step
                 self.trace_info["traced_step_ms"].append((now - self.records[-2]["t"]) * 1e3)
@@ -315,18 +319,21 @@ class Recorder:
     @property
     def window_done(self) -> bool:
         """The timed and traced windows are over: the rest of the run is not measured."""
-        return self.window is not None and self.prof is None and self.trace_info is not None
+        return self.window is not None and self.prof is None and (self.trace_info is not None or not self.trace_steps)
 
     # -- the timed window -------------------------------------------------------------------------
     def _summarize(self, first: int, last: int) -> dict[str, Any]:
         """Steps first+1..last (1-based): their end times minus the previous step's end."""
         recs = self.records
         t0 = recs[first - 1]["t"] if first >= 1 else self.t_start
-        step_s = []
+        step_s, step_cpu = [], []
         prev = t0
+        cpu = recs[first - 1]["cpu"] if first >= 1 else self.c_start
         for r in recs[first:last]:
             step_s.append(r["t"] - prev)
             prev = r["t"]
+            step_cpu.append(r["cpu"] - cpu if cpu is not None else None)
+            cpu = r["cpu"]
         toks = []
         for r in recs[first:last]:
             cs = r["counts"]
@@ -352,6 +359,8 @@ class Recorder:
             "loss_tokens_per_s": (sum(t[1] for t in toks) / wall) if wall > 0 and all(t[4] for t in toks) else None,
             "pad_fraction": 1.0 - real / padded if padded else None,
             "step_ms": [s * 1e3 for s in step_s],
+            # the process's CPU time per step: a one-thread CPU run's work, which a neighbour's load does not stretch
+            "step_cpu_ms": [c * 1e3 for c in step_cpu] if None not in step_cpu else None,
             "step_real_tokens": [t[0] for t in toks],
             "model_tflops_per_s": None,
             "mfu": None,
@@ -506,7 +515,9 @@ class Recorder:
                 f"asked for: the numbers are over steps {first + 1}..{n}"
                 + (" (warm-up steps included)" if first < self.warmup else "")
             )
-        if window is not None and self.trace_info is None:
+        if window is not None and self.trace_info is None and not self.trace_steps:
+            notes.append("not traced (trace steps 0): timed only, no facts and no diagnosis")
+        elif window is not None and self.trace_info is None:
             notes.append("no traced window: the loop ended first, so there are no facts and no diagnosis")
         elif self.trace_info is not None and self.n < self.warmup + self.steps + 2 + self.trace_steps:
             notes.append("the loop ended inside the traced window: the trace holds fewer steps than asked")

@@ -1073,6 +1073,18 @@ def gate(
         "--baseline-env",
         help="with --remeasure-baseline: KEY=VALUE for the baseline's runs, e.g. PYTHONPATH=old/checkout (repeatable)",
     ),
+    baseline_cwd: str | None = typer.Option(
+        None,
+        "--baseline-cwd",
+        help="with --remeasure-baseline of a `vlmdoctor run` baseline: the checkout of the baseline's code, "
+        "where its recorded command runs",
+    ),
+    current_command: str | None = typer.Option(
+        None,
+        "--current-command",
+        help="with --remeasure-baseline of a `vlmdoctor run` baseline: the current side's command, quoted, "
+        "when it is not the recorded one (e.g. 'python train.py --new-flag')",
+    ),
     max_pairs: int = typer.Option(
         16,
         "--max-pairs",
@@ -1154,8 +1166,19 @@ def gate(
                 if not eq or not key:
                     raise VlmdoctorError(f"--baseline-env {item!r}: expected KEY=VALUE")
                 env[key] = value
+            import vlmdoctor.launch as launcher
             from vlmdoctor.ci.gate import remeasure
 
+            command = None
+            if current_command is not None:
+                import shlex
+
+                try:
+                    command = shlex.split(current_command)
+                except ValueError as e:
+                    raise VlmdoctorError(f"--current-command {current_command!r}: {e}") from None
+                if not command:
+                    raise VlmdoctorError("--current-command is empty")
             with err.status("paired runs: baseline and current, alternating") as status:
                 result = remeasure(
                     base,
@@ -1163,6 +1186,9 @@ def gate(
                     env or None,
                     timeout,
                     cpu_threads=cpu_threads,
+                    baseline_cwd=baseline_cwd,
+                    current_command=command,
+                    launcher=launcher,
                     max_regression=max_regression,
                     max_pairs=max_pairs,
                     extend_pairs=extend_pairs,

@@ -17,6 +17,7 @@ import os
 import runpy
 import subprocess
 import sys
+import tempfile
 import traceback
 import warnings
 from collections.abc import Sequence
@@ -33,8 +34,10 @@ PY_FLAGS_WITH_VALUE = {"-W", "-X"}
 MULTI_PROCESS_LAUNCHERS = {"torchrun", "accelerate", "deepspeed", "mpirun", "srun"}
 
 
-def parse_command(command: Sequence[str]) -> list[str]:
-    """`python [opts] train.py ARGS`, `train.py ARGS` or `python -m pkg.mod ARGS` -> what follows the interpreter."""
+def parse_command(command: Sequence[str], cwd: str | None = None) -> list[str]:
+    """`python [opts] train.py ARGS`, `train.py ARGS` or `python -m pkg.mod ARGS` -> what follows the interpreter.
+
+    `cwd`: the folder the command runs in (the gate runs a recorded command in a baseline checkout)."""
     cmd = list(command)
     if not cmd:
         raise UsageError("give the training command after --, e.g.: vlmdoctor run -- python train.py --epochs 1")
@@ -59,8 +62,8 @@ def parse_command(command: Sequence[str]) -> list[str]:
         if len(cmd) < 2:
             raise UsageError("python -m needs a module name")
         return cmd
-    if not Path(cmd[0]).is_file():
-        raise UsageError(f"{cmd[0]}: no such script file")
+    if not (Path(cwd or ".") / cmd[0]).is_file():
+        raise UsageError(f"{cmd[0]}: no such script file" + (f" in {cwd}" if cwd else ""))
     return cmd
 
 
@@ -139,7 +142,8 @@ class _Child:
             report = self.rec.finish()
             report["audience"] = self.rec.audience
             report["script"] = {"argv": self.s["argv"], "exit_code": None, "error": None}
-            diagnose_report(report, self.rec.audience, self.s.get("rules_dirs") or [])
+            if self.s.get("diagnose", True):
+                diagnose_report(report, self.rec.audience, self.s.get("rules_dirs") or [])
             report["diagnosed_while_running"] = True
             write_outputs(report, Path(self.s["out"]))
             self.report = report
@@ -274,6 +278,106 @@ def child_main() -> None:
 # --- the parent ----------------------------------------------------------------------------------
 
 
+#: environment variables that change how a training script runs (threads, devices, the allocator, compilers)
+RECORDED_ENV_PREFIXES = ("OMP_", "MKL_", "CUDA_", "PYTORCH_", "TORCH", "NCCL_", "CUBLAS_", "CUDNN_", "TRITON_")
+#: a variable whose name holds one of these is never recorded: a report is shared, a credential must not be
+SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH")
+
+
+def recorded_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The variables of `environ` that change how training runs, none that could be a credential."""
+    environ = dict(os.environ if environ is None else environ)
+    return {
+        k: v
+        for k, v in sorted(environ.items())
+        if k.startswith(RECORDED_ENV_PREFIXES) and not any(w in k.upper() for w in SECRET_WORDS)
+    }
+
+
+def recorded_command(command: Sequence[str], warmup: int, steps: int) -> dict[str, Any]:
+    """What `vlmdoctor gate --remeasure-baseline` needs to run the training again: the command as given, the
+    folder it ran in, the interpreter, the variables that matter, and the measured window."""
+    return {
+        "command": list(command),
+        "cwd": os.getcwd(),
+        "python": sys.executable,
+        "env": recorded_env(),
+        "warmup": warmup,
+        "steps": steps,
+    }
+
+
+def child_env(settings: dict[str, Any], extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of the child: the settings for its bootstrap, and this vlmdoctor importable first."""
+    env = {**os.environ, **(extra or {})}
+    env[ENV_KEY] = json.dumps(settings)
+    pkg_root = str(Path(__file__).resolve().parent.parent)  # this vlmdoctor, importable in the child
+    env["PYTHONPATH"] = os.pathsep.join([pkg_root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def measure_script(
+    command: Sequence[str],
+    cwd: str,
+    warmup: int,
+    steps: int,
+    python: str | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float | None = None,
+) -> dict[str, Any]:
+    """One timed run of a training script: a side of the gate's pairs. Untraced and undiagnosed (the pairs
+    judge time), stopped after its window (the gate does not wait for the training), output to a log only.
+    A run that fails comes back as a report with its status and the end of its output, never an exception."""
+    from vlmdoctor import SCHEMA_VERSION
+
+    argv = parse_command(command, cwd)
+    with tempfile.TemporaryDirectory(prefix="vlmdoctor-gate-") as tmp:
+        settings = {
+            "out": tmp,
+            "warmup": warmup,
+            "steps": steps,
+            "trace_steps": 0,
+            "stop_after_window": True,
+            "stage": None,
+            "rules_dirs": [],
+            "quiet": True,
+            "diagnose": False,
+        }
+        log = Path(tmp) / "script.log"
+
+        def failed(status: str, message: str) -> dict[str, Any]:
+            tail = log.read_text(errors="replace")[-400:] if log.exists() else ""
+            return {
+                "schema_version": SCHEMA_VERSION,
+                "status": status,
+                "error": {"type": "ScriptFailed", "message": message + (f"; its output ended: {tail}" if tail else "")},
+            }
+
+        try:
+            with log.open("wb") as f:
+                rc = subprocess.run(
+                    [python or sys.executable, "-c", BOOTSTRAP, *argv],
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                    env=child_env(settings, env),
+                    cwd=cwd,
+                    timeout=timeout,
+                ).returncode
+        except subprocess.TimeoutExpired:
+            return failed("timeout", f"the script took longer than {timeout:.0f} s")
+        path = Path(tmp) / "report.json"
+        if not path.exists():
+            return failed("error", f"the script exited with code {rc} and left no report")
+        report = json.loads(path.read_text())
+        code = (report.get("script") or {}).get("exit_code")
+        if rc != 0 or code:
+            return failed("error", f"the script exited with code {code if code is not None else rc}")
+        if report.get("status") == "ok":
+            report.setdefault("script", {}).update(recorded_command(command, warmup, steps) | {"cwd": cwd})
+        return report
+
+
 def _tee(proc: subprocess.Popen, log: Path, to_stderr: bool) -> None:
     """The script's output, as it comes, to the terminal (stderr when stdout carries the JSON) and the log."""
     sink = sys.stderr if to_stderr else sys.stdout
@@ -325,8 +429,7 @@ def run_script(
     folder.mkdir(parents=True, exist_ok=True)
     if report_path.exists():
         report_path.unlink()
-    env = dict(os.environ)
-    env[ENV_KEY] = json.dumps(
+    env = child_env(
         {
             "out": str(folder),
             "warmup": warmup,
@@ -338,9 +441,6 @@ def run_script(
             "quiet": quiet,
         }
     )
-    pkg_root = str(Path(__file__).resolve().parent.parent)  # this vlmdoctor, importable in the child
-    env["PYTHONPATH"] = os.pathsep.join([pkg_root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env["PYTHONUNBUFFERED"] = "1"
     log = folder / "script.log"
     proc = subprocess.Popen(
         [sys.executable, "-c", BOOTSTRAP, *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env
@@ -353,11 +453,15 @@ def run_script(
         raise
     rc = proc.wait()
     copy = json_path if json_path != "-" else None  # '-': the caller prints the report, once
-    say = lambda m: print(f"vlmdoctor: {m}", file=sys.stderr, flush=True)
+
+    def say(m: str) -> None:
+        print(f"vlmdoctor: {m}", file=sys.stderr, flush=True)
+
     if not report_path.exists():
         say(f"the script exited with code {rc} and left no report; its output is in {log}")
         return EXIT_FAILED_RUN, None
     report = json.loads(report_path.read_text())
+    report.setdefault("script", {}).update(recorded_command(command, warmup, steps))
     script = report.get("script") or {}
     err = report.get("error") or {}
     if rc != 0 or script.get("exit_code"):

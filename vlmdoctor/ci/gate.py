@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
@@ -155,6 +156,12 @@ def run_current(base: dict[str, Any], diagnose: bool = True, timeout: float | No
     from vlmdoctor.run.runner import run_isolated
 
     source = base["config"].get("source")
+    if source == "script":
+        raise UsageError(
+            "the baseline measures your own training script: pass --remeasure-baseline to run its recorded "
+            "command again on both sides, alternating (docs/ci.md), or record the current run the same way "
+            "and pass --current"
+        )
     if source in OWN_TRAINING_SOURCES:
         raise UsageError(
             f"the baseline measures your own training (recorded by the {source} way in), which "
@@ -426,6 +433,9 @@ def remeasure(
     timeout: float | None = None,
     diagnose: bool | None = None,
     cpu_threads: int = 1,
+    baseline_cwd: str | None = None,
+    current_command: Sequence[str] | None = None,
+    launcher: Any = None,
     **judge: Any,
 ) -> dict[str, Any]:
     """The paired gate on the baseline report's config: the baseline side runs with `baseline_python`
@@ -441,6 +451,29 @@ def remeasure(
     from vlmdoctor.run.config import RunConfig
     from vlmdoctor.run.runner import run_isolated
 
+    source = base["config"].get("source")
+    if source == "script":
+        return remeasure_script(
+            base,
+            baseline_python,
+            baseline_env,
+            timeout,
+            cpu_threads=cpu_threads,
+            baseline_cwd=baseline_cwd,
+            current_command=current_command,
+            launcher=launcher,
+            **judge,
+        )
+    if baseline_cwd or current_command:
+        raise UsageError(
+            "--baseline-cwd and --current-command apply to a baseline recorded by `vlmdoctor run`; "
+            "for a vlmdoctor config use --baseline-python/--baseline-env"
+        )
+    if source in OWN_TRAINING_SOURCES:
+        raise UsageError(
+            f"the baseline measures your own training through the {source} way in, which records no command to "
+            "run again; record the baseline with `vlmdoctor run -- python train.py ARGS`, which does"
+        )
     if diagnose is None:
         diagnose = base.get("findings") is not None
 
@@ -476,6 +509,93 @@ def remeasure(
             0,
             "baseline and current ran the same code and config: this measures the noise "
             "of the gate (pass --baseline-python/--baseline-env for another code version)",
+        )
+    return result
+
+
+def recorded_command(base: dict[str, Any]) -> dict[str, Any]:
+    """The command a `vlmdoctor run` baseline recorded, or a usage error saying how to record one."""
+    script = base.get("script") if isinstance(base.get("script"), dict) else {}
+    command = script.get("command")
+    if not isinstance(command, list) or not command or not all(isinstance(c, str) for c in command):
+        raise UsageError(
+            "the baseline report records no command to run again (written by an older vlmdoctor); "
+            "record it again with `vlmdoctor run -- python train.py ARGS`"
+        )
+    return script
+
+
+def remeasure_script(
+    base: dict[str, Any],
+    baseline_python: str | None = None,
+    baseline_env: dict[str, str] | None = None,
+    timeout: float | None = None,
+    cpu_threads: int = 1,
+    baseline_cwd: str | None = None,
+    current_command: Sequence[str] | None = None,
+    current_cwd: str | None = None,
+    launcher: Any = None,
+    **judge: Any,
+) -> dict[str, Any]:
+    """The paired gate on a user's own training script, from the command `vlmdoctor run` recorded.
+
+    Both sides run the script in fresh processes, alternating, each stopped after its timed window
+    (untraced): the baseline side in `baseline_cwd` (a checkout of the baseline's code; default: the
+    same folder as the current side) with `baseline_python`/`baseline_env`, the current side in
+    `current_cwd` (default: the working folder) with `current_command` (default: the recorded one).
+    A relative script path resolves in each side's folder, so each runs its own copy of the code.
+    On CPU both run on `cpu_threads` threads and, on one, are judged on their steps' CPU time.
+
+    `launcher` is `vlmdoctor.launch` (what starts a script under the step hook; the CLI passes it, since a
+    gate sits upstream of the ways in): its `measure_script`, `parse_command` and `recorded_env`."""
+    if launcher is None:
+        raise UsageError("the gate on a training script needs the launcher of `vlmdoctor run`")
+    measure_script, parse_command, recorded_env = (
+        launcher.measure_script,
+        launcher.parse_command,
+        launcher.recorded_env,
+    )
+    script = recorded_command(base)
+    command = list(script["command"])
+    cur_command = list(current_command) if current_command else command
+    here = os.path.abspath(current_cwd or os.getcwd())
+    there = os.path.abspath(baseline_cwd) if baseline_cwd else here
+    if not os.path.isdir(there):
+        raise UsageError(f"--baseline-cwd {baseline_cwd}: no such folder")
+    parse_command(command, there)  # a missing script is a usage error now, not a failed run later
+    parse_command(cur_command, here)
+    warmup = int(script.get("warmup") or base["config"].get("warmup") or 5)
+    steps = int(script.get("steps") or base["config"].get("steps") or 20)
+    pinned = on_cpu(base) and cpu_threads > 0
+    threads = {k: str(cpu_threads) for k in THREAD_VARS} if pinned else {}
+    result = paired_gate(
+        lambda: measure_script(
+            command, there, warmup, steps, baseline_python, {**threads, **(baseline_env or {})}, timeout
+        ),
+        lambda: measure_script(cur_command, here, warmup, steps, None, threads, timeout),
+        cpu_time=pinned and cpu_threads == 1,
+        **judge,
+    )
+    for check in result["checks"]:
+        if check["name"] == "findings" and check["verdict"] == "skip":
+            check["detail"] = "skipped: the paired runs of a script are timed, not traced; `vlmdoctor run` diagnoses it"
+    notes = result["notes"]
+    if pinned:
+        notes.insert(0, f"CPU runs on {cpu_threads} thread(s) a side (--cpu-threads)")
+    notes.insert(0, f"ran: baseline `{' '.join(command)}` in {there}; current `{' '.join(cur_command)}` in {here}")
+    same = there == here and cur_command == command and not baseline_python and not baseline_env
+    if same:
+        notes.insert(
+            1,
+            "baseline and current ran the same code and command: this measures the noise of the gate "
+            "(pass --baseline-cwd with a checkout of the baseline's code)",
+        )
+    now, then = recorded_env(), script.get("env") or {}
+    changed = sorted(k for k in set(now) | set(then) if now.get(k) != then.get(k) and k not in THREAD_VARS)
+    if changed:
+        notes.append(
+            "environment differs from the recorded run (both sides ran with this job's): "
+            + ", ".join(f"{k} {then.get(k)!r} -> {now.get(k)!r}" for k in changed[:6])
         )
     return result
 

@@ -11,11 +11,21 @@ step was host-bound, and +30% at batch 48). So a round of `treat`:
 2. compares each composition with the current config on paired evidence
    (`vlmdoctor.doctor.decide`: interleaved fresh-process runs, a t-interval on the paired
    ratio) and adopts the best one that is kept;
-3. re-diagnoses the adopted config and repeats while prescriptions, time and `--max-trials` last;
+3. re-diagnoses the adopted config and repeats while prescriptions, time and `--max-trials` last.
+   Before it stops for want of prescriptions, the adopted config is run once more with a trace and
+   diagnosed again (one diagnosed run decides whether a noisy threshold trips: on the H100 the 0.5b
+   batch-22 config ran 82-86% GPU busy against the batch rule's 85%), and wherever the measured
+   peak memory leaves room for a larger batch, the batch ceiling is probed (`MemoryModel`) whatever
+   the busy share says;
 4. then confirms each adopted change by leave-one-out ablation in the final config: the final
    config minus that change, paired against the final config. A change whose own contribution is
    shown to stay below `min_gain` is dropped; one whose interval the time or the pairs left open
    stays, marked undecided (the composition it came in was measured to pay).
+
+"kept" means the paired interval excludes no gain (its lower bound is above 1). A composition taken
+on two pairs both beyond 1.5x (`decide.large_effect`, to save a third run of a slow config) whose
+two-pair interval still reaches below 1 is "adopted": the ladder moves on with it, and its changes
+are undecided until an ablation decides them.
 
 A trial is one arm of a comparison (a composition, or one ablation). Ctrl-C ends the treatment
 and keeps what was measured.
@@ -62,6 +72,8 @@ BROKEN_WITHOUT = {
     "timeout": "the run timed out without it",
 }
 NOT_ABLATED = "not ablated: --max-trials or the time budget left no room"
+#: a one-change composition adopted on two pairs whose interval still reaches below 1: the ablation may decide it
+ADOPTED_OPEN = "the composition, adopted on two pairs beyond 1.5x; its interval does not exclude no gain"
 
 
 @dataclass
@@ -197,6 +209,138 @@ def compose(
     return out
 
 
+# --- the batch ceiling ------------------------------------------------------------------------------
+
+#: the rule id a batch probe is recorded under (not a rule file: treat's own search, from measured memory)
+PROBE_RULE = "treat-batch-probe"
+#: share of the card the probe sizes the batch for, in allocated (live) memory: the batch rule's HEADROOM
+#: (rules/batching-gpu-underfed.yaml says why allocated, not reserved)
+PROBE_HEADROOM = 0.7
+#: the probe runs only when the memory model leaves room for this much more batch: a smaller step is not worth
+#: a round of paired runs
+PROBE_MIN_STEP = 1.25
+#: the most a probe multiplies the batch by, as the batch rule does: memory per sample is extrapolated
+PROBE_MAX_FACTOR = 8
+
+
+def _family(cfg: RunConfig) -> str:
+    """The config without its batch and its measurement knobs: runs of one family differ in memory by the batch."""
+    d = {k: v for k, v in cfg.to_dict().items() if k not in ("batch_size", *MEASUREMENT_KNOBS)}
+    return json.dumps(d, sort_keys=True, default=str)
+
+
+@dataclass
+class MemoryModel:
+    """Peak allocated memory against the batch, per config family, from every run of the treatment.
+
+    The batch a family can hold is (usable - fixed) / per_sample: from two measured batches, the line
+    through them; from one, per_sample = peak / batch (fixed taken as 0, which overestimates the memory a
+    sample needs and so underestimates the batch). An out-of-memory run bounds it from above; the next
+    guess after one is the middle between the largest batch that ran and the smallest that did not."""
+
+    points: dict[str, dict[int, float]] = field(default_factory=dict)
+    oom: dict[str, int] = field(default_factory=dict)
+    flat: dict[str, int] = field(default_factory=dict)  # a larger batch measured and not kept: saturated
+    total_gb: float | None = None
+
+    def observe(self, cfg: RunConfig, report: dict[str, Any]) -> None:
+        fam, b = _family(cfg), cfg.batch_size
+        m = report.get("metrics") or {}
+        if report.get("status") == "oom":
+            self.oom[fam] = min(self.oom.get(fam, b), b)
+            return
+        if report.get("status") != "ok" or not m.get("peak_mem_gb") or not m.get("device_mem_total_gb"):
+            return
+        self.total_gb = float(m["device_mem_total_gb"])
+        pts = self.points.setdefault(fam, {})
+        pts[b] = max(pts.get(b, 0.0), float(m["peak_mem_gb"]))
+
+    def ceiling(self, cfg: RunConfig) -> tuple[int, str] | None:
+        """The largest batch the family should hold, and how that was worked out; None without memory facts."""
+        fam = _family(cfg)
+        pts = sorted(self.points.get(fam, {}).items())
+        if not pts or not self.total_gb:
+            return None
+        usable = PROBE_HEADROOM * self.total_gb
+        (b1, p1), (b2, p2) = (pts[-2], pts[-1]) if len(pts) >= 2 else (pts[-1], pts[-1])
+        per = (p2 - p1) / (b2 - b1) if b2 > b1 else 0.0
+        if per > 0:
+            fixed = max(0.0, p2 - per * b2)
+            how = f"{per:.2f} GiB a sample + {fixed:.1f} GiB fixed (batches {b1} and {b2})"
+        else:
+            per, fixed = p2 / b2, 0.0
+            how = f"{p2:.1f} GiB at batch {b2}: at most {per:.2f} GiB a sample"
+        target = int((usable - fixed) // per)
+        how += f"; {PROBE_HEADROOM:.0%} of {self.total_gb:.0f} GiB holds batch {target}"
+        target = min(target, PROBE_MAX_FACTOR * cfg.batch_size)
+        if fam in self.oom and target >= self.oom[fam]:
+            fits = max([b for b, _ in pts if b < self.oom[fam]], default=cfg.batch_size)
+            target = (fits + self.oom[fam]) // 2
+            how += f"; out of memory at batch {self.oom[fam]}: bisected to {target}"
+        return target, how
+
+
+def batch_probe(cfg: RunConfig, mem: MemoryModel) -> dict[str, Any] | None:
+    """A change to the batch the measured memory allows, when that is well above the current one and the family
+    did not already show that a larger batch does not pay."""
+    fam = _family(cfg)
+    if fam in mem.flat and mem.flat[fam] > cfg.batch_size:
+        return None
+    ceiling = mem.ceiling(cfg)
+    if ceiling is None:
+        return None
+    target, how = ceiling
+    if target < math.ceil(PROBE_MIN_STEP * cfg.batch_size):
+        return None
+    return {
+        "rule": PROBE_RULE,
+        "layer": 2,
+        "title": "probe the batch ceiling: memory left room",
+        "config_patch": {"batch_size": target},
+        "expected_gain": None,
+        "why": how,
+    }
+
+
+def _raises_batch(comp: dict[str, Any], cfg: RunConfig) -> bool:
+    return any((ch["config_patch"].get("batch_size") or 0) > cfg.batch_size for ch in comp["changes"])
+
+
+def _key(cfg: RunConfig) -> str:
+    return json.dumps(cfg.to_dict(), sort_keys=True)
+
+
+def with_probe(
+    found: list[dict[str, Any]],
+    cfg: RunConfig,
+    mem: MemoryModel,
+    validate: Callable[[RunConfig], Any],
+    tried: set[str] = frozenset(),  # type: ignore[assignment]
+) -> list[dict[str, Any]]:
+    """The compositions with the batch probe: in the first one (a larger batch is tried with the other changes
+    of its round), or alone when there is no other or that joint config was measured already. Unchanged
+    when a composition already raises the batch (the batch rule sized it) or memory leaves no room."""
+    if any(_raises_batch(c, cfg) for c in found):
+        return found
+    probe = batch_probe(cfg, mem)
+    if probe is None:
+        return found
+    options = []
+    if found:
+        joint = sorted([*found[0]["changes"], probe], key=lambda ch: ch["layer"])
+        options.append(({"name": found[0]["name"], "changes": joint}, found[1:]))
+    options.append(({"name": "batch probe", "changes": [probe]}, []))
+    for comp, others in options:
+        try:
+            comp["config"] = apply(cfg, comp["changes"])
+            validate(comp["config"])
+        except UsageError:
+            continue
+        if _key(comp["config"]) not in tried:
+            return [comp, *others]
+    return found
+
+
 # --- the treatment ------------------------------------------------------------------------------
 
 
@@ -221,6 +365,41 @@ def _outcome(decision: dict[str, Any], arm: ArmResult) -> str:
     ):
         return "not_applicable"  # the run refused the config (a GPU-only knob on CPU, say)
     return o
+
+
+def _adopted(outcome: str, decision: dict[str, Any]) -> str:
+    """ "kept" only when the interval excludes no gain; a large effect decided on two pairs whose interval does
+    not is "adopted": the ladder moves on with it, without calling it shown."""
+    if outcome == "kept" and (decision.get("ci_low") or 0.0) <= 1:
+        return "adopted"
+    return outcome
+
+
+def _nothing_left(out: dict[str, Any], found: list[dict[str, Any]], cfg: RunConfig, mem: MemoryModel) -> str:
+    """Why the treatment stops with time left: what was tried, and what is left and why it is not tried."""
+    comps = [t for t in out["trials"] if t["kind"] == "composition"]
+    adopted = sum(r.get("adopted") is not None for r in out["rounds"])
+    parts = [
+        f"no prescription left: the adopted config was diagnosed again with a trace; "
+        f"{len(comps)} composition(s) tried in {len(out['rounds'])} round(s), {adopted} adopted"
+    ]
+    left = sorted({ch["rule"] for c in found for ch in c["changes"]})
+    if left:
+        parts.append(f"left, already measured in this config: {', '.join(left)}")
+    fam = _family(cfg)
+    ceiling = mem.ceiling(cfg)
+    if fam in mem.flat:
+        parts.append(f"batch {mem.flat[fam]} measured no better than {cfg.batch_size}")
+    elif fam in mem.oom:
+        parts.append(f"batch {cfg.batch_size}; out of memory at {mem.oom[fam]}")
+    elif ceiling is not None:
+        parts.append(f"batch {cfg.batch_size}, memory model ceiling {ceiling[0]}")
+    else:
+        parts.append("no memory measured: no batch probe")
+    skipped = sorted({s["rule"] for s in out["skipped"]})
+    if skipped:
+        parts.append(f"not applicable here: {', '.join(skipped)}")
+    return "; ".join(parts)
 
 
 def treat(
@@ -266,6 +445,7 @@ def treat(
         return math.inf if opts.time_budget_s is None else opts.time_budget_s - (time.time() - t0)
 
     run_s: list[float] = []  # wall time of each run, to size what still fits in the budget
+    mem = MemoryModel()  # peak memory against the batch, from every run: where the batch ceiling is
 
     def runner(c: RunConfig, diagnose: bool) -> Callable[[], dict[str, Any]]:
         def go() -> dict[str, Any]:
@@ -274,6 +454,7 @@ def treat(
             t = time.time()
             rep = run(c, diagnose, limit)
             run_s.append(time.time() - t)
+            mem.observe(c, rep)
             return rep
 
         return go
@@ -281,6 +462,7 @@ def treat(
     current_cfg = cfg
     speedup = 1.0
     tried: set[str] = set()
+    rediagnosed: set[str] = set()  # configs diagnosed a second time before the treatment could stop on them
     pending: list[dict[str, Any]] = []  # a composition to retry with a smaller batch after an OOM
     adopted: list[list[dict[str, Any]]] = []  # each adopted round's changes, in order
     live: dict[str, Any] = {}  # what the round in flight has measured, for Ctrl-C
@@ -315,11 +497,31 @@ def treat(
             if time_left() <= 0:
                 out["stopped_because"] = f"--time-budget {opts.time_budget_s:.0f} s spent"
                 break
-            found = pending or compose(current_cfg, current, out["skipped"], validate)
+            found = pending or with_probe(
+                compose(current_cfg, current, out["skipped"], validate), current_cfg, mem, validate, tried
+            )
             pending = []
-            comps = [c for c in found if json.dumps(c["config"].to_dict(), sort_keys=True) not in tried][:budget]
+            comps = [c for c in found if _key(c["config"]) not in tried][:budget]
             if not comps:
-                break
+                if _key(current_cfg) in rediagnosed:
+                    out["stopped_because"] = _nothing_left(out, found, current_cfg, mem)
+                    break
+                if run_s and time_left() < 2 * statistics.fmean(run_s):
+                    out["stopped_because"] = (
+                        f"--time-budget {opts.time_budget_s:.0f} s: too little left to diagnose the adopted config "
+                        "again and measure another round"
+                    )
+                    break
+                # one diagnosed run decided that nothing is left: diagnose the adopted config again, with a trace
+                rediagnosed.add(_key(current_cfg))
+                notify("nothing new to try: diagnosing the adopted config again, with a trace")
+                again = runner(current_cfg, True)()
+                if again.get("status") == "ok" and again.get("findings") is not None and throughput(again):
+                    current = again
+                    out.setdefault("rediagnosed", []).append(
+                        {"round": len(out["rounds"]), "findings": [f["id"] for f in again["findings"]]}
+                    )
+                continue
             rnd: dict[str, Any] = {
                 "round": len(out["rounds"]) + 1,
                 "started_s": time.time() - t0,
@@ -328,7 +530,7 @@ def treat(
             }
             out["rounds"].append(rnd)
             for c in comps:
-                tried.add(json.dumps(c["config"].to_dict(), sort_keys=True))
+                tried.add(_key(c["config"]))
             # 1. the compositions against the current config
             arms = {"current": runner(current_cfg, False)}
             arms.update({c["name"]: _first_diagnosed(runner, c["config"]) for c in comps})
@@ -347,10 +549,13 @@ def treat(
             best = None
             for c in comps:
                 d, arm = res["decisions"][c["name"]], res["arms"][c["name"]]
-                entry = _trial(out, "composition", c["name"], c["changes"], _outcome(d, arm), d, arm)
+                entry = _trial(out, "composition", c["name"], c["changes"], _adopted(_outcome(d, arm), d), d, arm)
                 rnd["compositions"].append(entry["trial"])
-                if entry["outcome"] == "kept" and (best is None or d["ratio"] > best[1]["ratio"]):
+                if entry["outcome"] in ("kept", "adopted") and (best is None or d["ratio"] > best[1]["ratio"]):
                     best = (c, d, arm)
+                probe = next((ch for ch in c["changes"] if ch["rule"] == PROBE_RULE), None)
+                if probe and len(c["changes"]) == 1 and entry["outcome"] not in ("kept", "adopted", "oom"):
+                    mem.flat[_family(current_cfg)] = probe["config_patch"]["batch_size"]  # a larger batch did not pay
             if best is None:
                 rnd["adopted"] = None
                 oom = next((c for c in comps if res["decisions"][c["name"]].get("outcome") == "oom"), None)
@@ -380,12 +585,12 @@ def treat(
             for ch in comp["changes"]:
                 if len(comp["changes"]) == 1:  # its own contribution is the composition's
                     k = {
-                        "outcome": "kept",
+                        "outcome": "kept" if d["ci_low"] > 1 else "undecided",
                         "ratio": d["ratio"],
                         "ci_low": d["ci_low"],
                         "ci_high": d["ci_high"],
                         "pairs": d["pairs"],
-                        "how": "the composition",
+                        "how": "the composition" if d["ci_low"] > 1 else ADOPTED_OPEN,
                     }
                 else:
                     k = {"outcome": "undecided", "how": NOT_ABLATED}
@@ -471,7 +676,7 @@ def _final_ablation(
     everything = [c for changes in adopted for c in changes]
     cands: list[tuple[dict[str, Any], RunConfig]] = []
     for c in everything:
-        if c["contribution"]["how"] != NOT_ABLATED:
+        if c["contribution"]["how"] not in (NOT_ABLATED, ADOPTED_OPEN):
             continue
         try:
             without = _rebuild(start, adopted, [c])
@@ -515,6 +720,8 @@ def _final_ablation(
         # memory without compile, whose fused loss never holds the fp32 logits (an 11.8 GiB allocation)
         broke = BROKEN_WITHOUT.get(o)
         why = {"why": broke} if broke else {}
+        if o == "kept" and not broke and (dd.get("ci_low") or 0.0) <= 1:
+            o = "undecided"  # two pairs beyond 1.5x, but their interval does not exclude no gain: not shown to pay
         o = "kept" if broke else o
         if o == "no_gain" and (dd.get("ci_high") or 0.0) >= 1 + opts.min_gain:
             o = "undecided"  # the pairs or the time ran out with the interval still open

@@ -55,7 +55,7 @@ def ladder_png(result: dict[str, Any], path: Path | IO[bytes]) -> None:
     rung = 0
     for t in trials:  # a trial is tried from the rung kept before it
         rung_of_trial[t["trial"]] = rung
-        if t.get("outcome") == "kept":
+        if t.get("outcome") in ("kept", "adopted"):
             rung += 1
     for i, r in enumerate(ladder):
         x0, x1 = LEFT + i * slot + slot * 0.2, LEFT + (i + 1) * slot - slot * 0.2
@@ -65,7 +65,7 @@ def ladder_png(result: dict[str, Any], path: Path | IO[bytes]) -> None:
         label = r["change"] if len(r["change"]) <= 40 else r["change"][:37] + "..."
         _vertical_text(img, label, (int((x0 + x1) / 2) - 7, int(y(0)) + 6), small)
     for t in trials:
-        if t.get("outcome") == "kept":
+        if t.get("outcome") in ("kept", "adopted"):
             continue
         i = rung_of_trial[t["trial"]]
         cx = LEFT + (i + 1) * slot - slot * 0.12

@@ -205,7 +205,10 @@ def render_facts(result: dict[str, Any], console: Console) -> None:
                 )
         line = f"step {_ms(f['step.ms'])} ms"
         if "gpu.busy_frac" in f:
-            line += f"; GPU busy {f['gpu.busy_frac'] * 100:.0f}% ({_ms(f['gpu.busy_ms'])} ms), idle {_ms(f['gpu.idle_ms'])} ms"
+            line += (
+                f"; GPU busy {f['gpu.busy_frac'] * 100:.0f}% ({_ms(f['gpu.busy_ms'])} ms), "
+                f"idle {_ms(f['gpu.idle_ms'])} ms"
+            )
         console.print(line)
         if "comm.ms" in f:
             console.print(comm_line(f, "comm.", entry.get("rank")))
@@ -340,7 +343,8 @@ def render_findings(
     for n in diagnosis["not_evaluated"]:
         hint = f"; record with {n['hint']}" if n.get("hint") else ""
         console.print(
-            f"[dim]not evaluated: {escape(n['id'])} (needs {escape(', '.join(n.get('missing') or []))}{escape(hint)})[/dim]"
+            f"[dim]not evaluated: {escape(n['id'])} "
+            f"(needs {escape(', '.join(n.get('missing') or []))}{escape(hint)})[/dim]"
         )
     gpu_only = [n["id"] for n in diagnosis.get("not_applicable", []) if "fact of GPU runs" in n["why"]]
     if gpu_only:
@@ -442,7 +446,7 @@ def render_ladder(result: dict[str, Any], console: Console) -> None:
             k = c["contribution"]
             t.add_row(str(step), c["rule"], _ci(k) or k.get("why", ""), str(k.get("pairs") or ""), k["outcome"])
         console.print(t)
-    rejected = [x for x in result["trials"] if x.get("outcome") != "kept"]
+    rejected = [x for x in result["trials"] if x.get("outcome") not in ("kept", "adopted")]
     if rejected:
         t = Table(title="trials not kept", header_style="bold")
         for col in ("trial", "what", "outcome", "x [95% CI]", "tokens/s"):

@@ -323,7 +323,7 @@ def ladder_svg(result: dict[str, Any]) -> str:
         )
     rung, seen_at = 0, {}
     for t in trials:  # a trial is tried from the rung kept before it
-        if t.get("outcome") == "kept":
+        if t.get("outcome") in ("kept", "adopted"):
             rung += 1
             continue
         k = seen_at.get(rung, 0)
@@ -883,7 +883,7 @@ def treat_html(result: dict[str, Any]) -> str:
         rows = []
         for t in trials:
             outcome = str(t.get("outcome"))
-            cls = outcome if outcome in ("kept", "no_gain", "harmful") else "failed"
+            cls = "kept" if outcome == "adopted" else outcome if outcome in ("kept", "no_gain", "harmful") else "failed"
             if "ratio" in t:
                 measured = esc(_paired(t))
             elif "gain" in t:  # a treat.json of the first treat: gain against the spread-based margin
