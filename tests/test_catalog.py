@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from vlmdoctor.cli import app
 from vlmdoctor.doctor.rules import load_rules
-from vlmdoctor.trace import catalog, cpu_facts, modes
+from vlmdoctor.trace import attention_cause, casts, catalog, cpu_facts, modes
 from vlmdoctor.trace import facts as driver
 from vlmdoctor.trace.families import (
     attention,
@@ -76,6 +76,12 @@ def produced() -> dict[str, set[str]]:
         mp.setattr(fam, "produce", _record(out, fam.__name__, fam.produce))
     mp.setattr(cpu_facts, "cpu_facts", _record(out, cpu_facts.__name__, cpu_facts.cpu_facts))
     mp.setattr(modes, "mode_facts", _record(out, modes.__name__, modes.mode_facts))
+    mp.setattr(casts, "cast_facts", _record(out, casts.__name__, casts.cast_facts))
+    mp.setattr(
+        attention_cause,
+        "attention_cause_facts",
+        _record(out, attention_cause.__name__, attention_cause.attention_cause_facts),
+    )
     mp.setattr(driver, "rank_comms", _record(out, "vlmdoctor.trace.comms", driver.rank_comms))
     mp.setattr(driver, "cross_rank", _record(out, "vlmdoctor.trace.ranks", driver.cross_rank))
     try:
@@ -113,7 +119,7 @@ def test_every_declared_fact_is_made_by_a_committed_trace(produced):
 
 
 def test_each_family_declares_its_facts_as_PRODUCES():
-    for mod in (*FAMILIES, cpu_facts, modes, driver):
+    for mod in (*FAMILIES, cpu_facts, modes, casts, attention_cause, driver):
         assert getattr(mod, "PRODUCES", None) == catalog.by_producer(mod.__name__) != [], mod.__name__
 
 
@@ -218,6 +224,8 @@ def test_the_spelled_out_names_cover_every_value_and_are_declared():
         (attention, [n for names in attention.PART_FACTS.values() for n in names]),
         (ranks, [n for names in ranks.KIND_FACTS.values() for n in names]),
         (cpu_facts, [*cpu_facts.PROBE_FACTS.values(), *(n for v in cpu_facts.MATMUL_FACTS.values() for n in v)]),
+        (casts, [n for names in casts.KIND_FACTS.values() for n in names]),
+        (attention_cause, [n for names in attention_cause.KIND_FACTS.values() for n in names]),
     ]
     bad = [
         (mod.__name__, n)

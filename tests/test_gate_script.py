@@ -78,7 +78,7 @@ def test_twice_the_work_per_step_fails(checkouts, tmp_path):
     r, v = gate(slow, report, tmp_path, "--baseline-cwd", str(base))
     assert r.exit_code == 1, r.output
     t = v["checks"][0]
-    assert t["verdict"] == "fail" and t["ratio"] < 0.75 and t["slower_ci_high"] < 1
+    assert t["verdict"] == "fail" and t["ratio"] < 0.7 and t["slower_ci_high"] < 1  # x0.51 measured by hand
     assert any(f"in {base}" in n and f"in {slow}" in n for n in v["notes"])
 
 

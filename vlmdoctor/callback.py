@@ -17,65 +17,9 @@ from typing import Any
 from transformers import TrainerCallback
 
 from vlmdoctor.api import Doctor, _log
+from vlmdoctor.run.trainer_args import training_args_config
 
-
-def training_args_config(args: Any) -> dict[str, Any]:
-    """TrainingArguments -> run-config knobs (what the rules read), plus the raw fields under `trainer_args`."""
-    g = lambda name, default=None: getattr(args, name, default)  # noqa: E731
-    optim = str(g("optim", "") or "")
-    optim = getattr(g("optim"), "value", optim)
-    liger = bool(g("use_liger_kernel", False))
-    lcfg = g("liger_kernel_config") or {}
-    raw = {
-        k: g(k)
-        for k in (
-            "bf16",
-            "fp16",
-            "tf32",
-            "gradient_checkpointing",
-            "group_by_length",
-            "train_sampling_strategy",
-            "dataloader_num_workers",
-            "dataloader_pin_memory",
-            "torch_compile",
-            "torch_compile_mode",
-            "use_liger_kernel",
-            "liger_kernel_config",
-            "per_device_train_batch_size",
-            "gradient_accumulation_steps",
-            "optim",
-            "logging_steps",
-            "max_steps",
-        )
-    }
-    raw["optim"] = str(optim)
-    cfg: dict[str, Any] = {
-        "autocast": "bf16" if raw["bf16"] else ("fp16" if raw["fp16"] else "off"),
-        "gradient_checkpointing": bool(raw["gradient_checkpointing"]),
-        # transformers 4.x: group_by_length=True; 5.x: train_sampling_strategy="group_by_length"
-        "sampler": "length_bucketed"
-        if raw["group_by_length"] or raw["train_sampling_strategy"] == "group_by_length"
-        else "random",
-        "num_workers": int(raw["dataloader_num_workers"] or 0),
-        "pin_memory": bool(raw["dataloader_pin_memory"]),
-        "compile": (raw["torch_compile_mode"] or "default") if raw["torch_compile"] else "off",
-        "batch_size": raw["per_device_train_batch_size"],
-        "grad_accum": raw["gradient_accumulation_steps"],
-        "fused_optimizer": "fused" in str(optim),
-    }
-    for knob, key in (
-        ("liger_rope", "rope"),
-        ("liger_rms_norm", "rms_norm"),
-        ("liger_swiglu", "swiglu"),
-        ("liger_fused_linear_cross_entropy", "fused_linear_cross_entropy"),
-    ):
-        cfg[knob] = liger and bool(lcfg.get(key, True))
-    if raw["tf32"] is not None:
-        cfg["allow_tf32"] = bool(raw["tf32"])
-    cfg["trainer_args"] = {
-        k: (v if isinstance(v, (bool, int, float, str, dict, type(None))) else str(v)) for k, v in raw.items()
-    }
-    return cfg
+__all__ = ["DoctorCallback", "training_args_config"]
 
 
 class DoctorCallback(TrainerCallback):

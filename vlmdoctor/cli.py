@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import typer
@@ -13,15 +15,16 @@ try:  # typer >= 0.20 carries its own copy of click; its exceptions are those, n
 except ImportError:  # pragma: no cover
     from click import exceptions as click_errors
 
-#: exceptions that end a command on purpose, with their own exit code
-_EXITS = tuple({typer.Exit, SystemExit, *(getattr(m, "Exit", SystemExit) for m in (click_errors, typer))})
-_ABORTS = tuple({getattr(m, "Abort", KeyboardInterrupt) for m in (click_errors, typer)})
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from vlmdoctor.errors import EXIT_FAILED_RUN, EXIT_USAGE, VlmdoctorError
-from vlmdoctor.run.config import RunConfig
+from vlmdoctor.run.config import RunConfig, _base_type, fields_by_name, flag, override, panel
+
+#: exceptions that end a command on purpose, with their own exit code
+_EXITS = tuple({typer.Exit, SystemExit, *(getattr(m, "Exit", SystemExit) for m in (click_errors, typer))})
+_ABORTS = tuple({getattr(m, "Abort", KeyboardInterrupt) for m in (click_errors, typer)})
 
 app = typer.Typer(
     add_completion=False,
@@ -104,154 +107,65 @@ def run_command(config: dict[str, Any], patch: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
-P0, P1, P2, P3, P4, P5 = (
-    "experiment",
-    "1 precision",
-    "2 batching",
-    "3 data layout",
-    "4 kernel fusion",
-    "5 system tuning",
-)
-PD, PL = "several GPUs", "torchrun launch"
+PL = "torchrun launch"
 
 
-def _opt(help: str, panel: str, *names: str):
-    return typer.Option(None, *names, help=help, rich_help_panel=panel, show_default=False)
+def _knob_param(name: str, default: Any, panels: bool, note: str) -> inspect.Parameter:
+    """A run-config knob as a typer option, all from its declaration: flag, help, panel, choices.
+
+    The option's own default is None, so the command sees which knobs the command line set;
+    `default` is what the help says the knob is when it is not given."""
+    meta = fields_by_name()[name].metadata
+    kind = _base_type(fields_by_name()[name].type)
+    spelled = flag(name)
+    decls = f"{spelled}/--no-{spelled[2:]}" if kind is bool else spelled
+    words = [meta["help"] + (f" {note}" if note else "")]
+    if meta["choices"] and kind is not bool:
+        words.append("[" + ", ".join(str(c) for c in meta["choices"]) + "]")
+    if default is not None and default is not False:  # a switch not given is off: no need to say it
+        words.append(f"[default: {'on' if default is True else default}]")
+    option = typer.Option(
+        None,
+        decls,
+        help=escape(" ".join(words)),  # rich markup would eat "[default: ...]"
+        rich_help_panel=panel(name) if panels else None,
+        show_default=False,
+    )
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=kind | None)
+
+
+def knob_options(
+    names: tuple[str, ...] | None = None, defaults: dict[str, Any] | None = None, panels: bool = True, note: str = ""
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Give a command an option for each run-config knob (all, or `names`), generated from the config.
+
+    The command takes them as `**knobs` (None where not given); `defaults`: what the command uses
+    where it does not use the config's own default (treat's shorter window), said in the help."""
+
+    def wrap(func: Callable[..., Any]) -> Callable[..., Any]:
+        own = inspect.signature(func)
+        made = [
+            _knob_param(n, (defaults or {}).get(n, f.default), panels, note)
+            for n, f in RunConfig.__dataclass_fields__.items()
+            if names is None or n in names
+        ]
+        kept = [p.replace(kind=p.KEYWORD_ONLY) for p in own.parameters.values() if p.kind is not p.VAR_KEYWORD]
+        func.__signature__ = own.replace(parameters=made + kept)
+        func.__annotations__ = {**func.__annotations__, **{p.name: p.annotation for p in made}}
+        return func
+
+    return wrap
 
 
 @app.command()
+@knob_options()
 def profile(
-    model: str | None = _opt(
-        "model preset: 0.5b, 1.5b, tiny, llava-1.5-7b, dino-135m, dino-1.7b, tiny-dino; native classes: llava-siglip2-0.5b, qwen2-vl-2b, smolvlm-256m, tiny-llava, tiny-qwen2-vl, tiny-smolvlm [default: 0.5b]",
-        P0,
-        "--model",
-    ),
-    stage: int | None = _opt("1: projector only; 2: LLM + projector [default: 2]", P0, "--stage"),
-    device: str | None = _opt("auto, cuda or cpu [default: auto]", P0, "--device"),
-    vision: str | None = _opt("vision tower, overrides the preset's", P0, "--vision"),
-    llm: str | None = _opt("LLM, overrides the preset's", P0, "--llm"),
-    projector: str | None = _opt("linear or mlp2x_gelu, overrides the preset's", P0, "--projector"),
-    pixel_shuffle: int | None = _opt("pixel-shuffle factor, overrides the preset's", P0, "--pixel-shuffle"),
-    weights: str | None = _opt("random (default) or pretrained (needs the hub or a local cache)", P0, "--weights"),
-    steps: int | None = _opt("timed steps per repeat [default: 20]", P0, "--steps"),
-    warmup: int | None = _opt("warm-up steps [default: 5]", P0, "--warmup"),
-    repeats: int | None = _opt("timed windows; metrics are medians over them [default: 1]", P0, "--repeats"),
-    seed: int | None = _opt("random seed", P0, "--seed"),
-    lr: float | None = _opt("AdamW learning rate [default: 1e-5]", P0, "--lr"),
-    num_samples: int | None = _opt("synthetic samples in the data set [default: 4096]", P0, "--num-samples"),
-    data: str | None = _opt("'synthetic' (default) or a LLaVA-format JSON/JSONL file", P0, "--data"),
-    tokenizer: str | None = _opt("local tokenizer folder, for --data FILE", P0, "--tokenizer"),
-    bad_records: str | None = _opt("stop (default) or skip malformed --data records", P0, "--bad-records"),
-    train: str | None = _opt("full (default), lora or qlora (docs/modes.md)", P0, "--train"),
-    lora_rank: int | None = _opt("LoRA rank [default: 16]", P0, "--lora-rank"),
-    lora_alpha: float | None = _opt("LoRA alpha [default: 32]", P0, "--lora-alpha"),
-    lora_dropout: float | None = _opt("LoRA dropout [default: 0.05]", P0, "--lora-dropout"),
-    lora_targets: str | None = _opt("attention, attention_mlp (default) or module names a,b,c", P0, "--lora-targets"),
-    objective: str | None = _opt("sft (default) or dpo (preference pairs, frozen reference)", P0, "--objective"),
-    dpo_beta: float | None = _opt("DPO beta [default: 0.1]", P0, "--dpo-beta"),
-    weight_dtype: str | None = _opt("fp32 (default, as loaded) or bf16", P1, "--weight-dtype"),
-    dpo_reference_dtype: str | None = _opt(
-        "DPO reference weights: fp32 (default) or bf16", P1, "--dpo-reference-dtype"
-    ),
-    dpo_reference_no_grad: bool | None = _opt(
-        "DPO reference forward under no_grad, frozen",
-        P1,
-        "--dpo-reference-no-grad/--no-dpo-reference-no-grad",
-    ),
-    autocast: str | None = _opt("bf16 (default) or off", P1, "--autocast"),
-    vision_no_grad: bool | None = _opt(
-        "frozen tower under torch.no_grad()", P1, "--vision-no-grad/--no-vision-no-grad"
-    ),
-    allow_tf32: bool | None = _opt("TF32 for FP32 matmuls", P1, "--allow-tf32/--no-allow-tf32"),
-    input_require_grads: bool | None = _opt(
-        "enable_input_require_grads() on tower and LLM (frozen tower then builds a graph)",
-        P1,
-        "--input-require-grads/--no-input-require-grads",
-    ),
-    fp8: str | None = _opt(
-        "off (default), tensorwise or rowwise: FP8 GEMMs in the LLM's decoder layers (torchao; "
-        "GPU of compute capability 8.9+; pays with --compile)",
-        P1,
-        "--fp8",
-    ),
-    batch_size: int | None = _opt("samples per micro-batch [default: 4]", P2, "--batch-size"),
-    grad_accum: int | None = _opt("micro-batches per optimizer step [default: 1]", P2, "--grad-accum"),
-    sampler: str | None = _opt("random (default) or length_bucketed", P3, "--sampler"),
-    pad_to_multiple_of: int | None = _opt("pad batch length to a multiple [default: 1]", P3, "--pad-to-multiple-of"),
-    packing: bool | None = _opt("pack samples into rows", P3, "--packing/--no-packing"),
-    pack_length: int | None = _opt("tokens per packed row [default: 2048]", P3, "--pack-length"),
-    attention: str | None = _opt("sdpa (default), flash, efficient, cudnn, math, eager, flex", P4, "--attention"),
-    liger_rope: bool | None = _opt("Liger RoPE", P4, "--liger-rope/--no-liger-rope"),
-    liger_rms_norm: bool | None = _opt("Liger RMSNorm", P4, "--liger-rms-norm/--no-liger-rms-norm"),
-    liger_swiglu: bool | None = _opt("Liger SwiGLU", P4, "--liger-swiglu/--no-liger-swiglu"),
-    liger_fused_linear_cross_entropy: bool | None = _opt(
-        "Liger fused linear cross entropy (FusedCE)", P4, "--liger-fused-ce/--no-liger-fused-ce"
-    ),
-    liger: bool | None = _opt("shorthand: Liger rope + rms_norm + swiglu (FusedCE stays as set)", P4, "--liger"),
-    lm_head_labeled_only: bool | None = _opt(
-        "LM head + loss only on labeled positions", P4, "--lm-head-labeled-only/--no-lm-head-labeled-only"
-    ),
-    compile: str | None = _opt("off (default), default, reduce-overhead, max-autotune", P4, "--compile"),
-    compile_vision: str | None = _opt(
-        "model (default: the tower compiles with the model) or fullgraph (the tower on "
-        "its own, fullgraph=True, static shapes)",
-        P4,
-        "--compile-vision",
-    ),
-    compile_shape_padding: bool | None = _opt(
-        "Inductor shape_padding [default: on, as torch's]",
-        P4,
-        "--compile-shape-padding/--no-compile-shape-padding",
-    ),
-    compile_regions: bool | None = _opt(
-        "with --compile: each repeated layer compiled on its own, one compile serving every layer of a stack",
-        P4,
-        "--compile-regions/--no-compile-regions",
-    ),
-    unsloth: bool | None = _opt(
-        "LLM through Unsloth's fast path (CUDA; not with Liger or --compile)", P4, "--unsloth/--no-unsloth"
-    ),
-    gradient_checkpointing: bool | None = _opt(
-        "recompute LLM activations [default: on]", P5, "--gradient-checkpointing/--no-gradient-checkpointing"
-    ),
-    checkpoint_use_reentrant: bool | None = _opt(
-        "reentrant checkpoint implementation", P5, "--checkpoint-reentrant/--no-checkpoint-reentrant"
-    ),
-    num_workers: int | None = _opt("data-loader workers [default: 0]", P5, "--num-workers"),
-    pin_memory: bool | None = _opt("pinned host memory", P5, "--pin-memory/--no-pin-memory"),
-    cache_vision_features: bool | None = _opt(
-        "precompute frozen vision features", P5, "--cache-vision-features/--no-cache-vision-features"
-    ),
-    fused_optimizer: bool | None = _opt("AdamW(fused=True)", P5, "--fused-optimizer/--no-fused-optimizer"),
-    optimizer: str | None = _opt("adamw (default), paged_adamw, paged_adamw_8bit (bitsandbytes)", P5, "--optimizer"),
-    dpo_precompute_reference: bool | None = _opt(
-        "DPO reference log-probs once per sample, before timing",
-        P5,
-        "--dpo-precompute-reference/--no-dpo-precompute-reference",
-    ),
-    sync_loss: bool | None = _opt(
-        "loss.item() after every micro-batch (a device sync)", P5, "--sync-loss/--no-sync-loss"
-    ),
-    nproc_per_node: int | None = _opt(
-        "processes (one per GPU) on this node, launched through torchrun [default: 1]", PD, "--nproc-per-node"
-    ),
-    parallel: str | None = _opt(
-        "none (default), ddp, or fsdp2 (fully_shard per decoder layer and the root)", PD, "--parallel"
-    ),
-    reshard_after_forward: bool | None = _opt(
-        "FSDP2: free gathered parameters after forward [default: on]",
-        PD,
-        "--reshard-after-forward/--no-reshard-after-forward",
-    ),
-    fsdp_prefetch: int | None = _opt(
-        "FSDP2: layers whose all-gather is issued ahead [default: 0]", PD, "--fsdp-prefetch"
-    ),
-    ddp_bucket_cap_mb: int | None = _opt("DDP: gradient bucket size in MB [default: 25]", PD, "--ddp-bucket-cap-mb"),
-    accum_no_sync: bool | None = _opt(
-        "sync gradients on the last micro-batch only", PD, "--accum-no-sync/--no-accum-no-sync"
-    ),
-    balance_tokens: bool | None = _opt(
-        "micro-batches of about equal token counts on every rank", PD, "--balance-tokens/--no-balance-tokens"
+    liger: bool | None = typer.Option(
+        None,
+        "--liger",
+        help="shorthand: Liger rope + rms_norm + swiglu (FusedCE stays as set)",
+        rich_help_panel=panel("liger_rope"),
+        show_default=False,
     ),
     nnodes: str = typer.Option("1", "--nnodes", help="torchrun: nodes (N or MIN:MAX)", rich_help_panel=PL),
     node_rank: int | None = typer.Option(None, "--node-rank", help="torchrun: this node's rank", rich_help_panel=PL),
@@ -314,6 +228,7 @@ def profile(
     save_config: str | None = typer.Option(None, "--save-config", help="write the resolved run config (YAML/JSON)"),
     force: bool = typer.Option(False, "--force", help="overwrite existing output files"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress and no table"),
+    **knobs: Any,
 ) -> None:
     """Run real training steps of a VLM and measure them.
 
@@ -324,7 +239,7 @@ def profile(
     trace = TraceOptions(trace_dir, trace_steps, trace_shapes, trace_stack, trace_memory) if trace_dir else None
     if trace is None and diagnose_run:  # a short traced window into a temporary folder, removed after analysis
         trace = TraceOptions("", trace_steps, trace_shapes, trace_stack, trace_memory, keep=False)
-    overrides = {k: v for k, v in locals().items() if v is not None and k in RunConfig.__dataclass_fields__}
+    overrides = {k: v for k, v in knobs.items() if v is not None}
     if liger is not None:
         for k in ("liger_rope", "liger_rms_norm", "liger_swiglu"):
             overrides.setdefault(k, liger)
@@ -353,6 +268,17 @@ def profile(
         )
 
 
+def _run_config(config: str | None, overrides: dict[str, Any]) -> RunConfig:
+    """The command line's knobs over a config file's; what a file's knob only qualified, now off, is said once."""
+    if not config:
+        return RunConfig().replace(source="command line", **overrides)
+    notes: list[str] = []
+    cfg = RunConfig.load(config, overrides, notes)
+    for note in notes:
+        err.print(f"note: {escape(note)}", highlight=False)
+    return cfg
+
+
 def _profile(
     overrides: dict[str, Any],
     config: str | None,
@@ -371,7 +297,7 @@ def _profile(
     from vlmdoctor.report.console import render
     from vlmdoctor.run.runner import check, exit_code, run_distributed, run_profile
 
-    cfg = RunConfig.load(config, overrides) if config else RunConfig().replace(source="command line", **overrides)
+    cfg = _run_config(config, overrides)
     # every output is checked before any measurement: a bad path must not cost the run
     check_distinct(json=json_path, save_config=save_config, html=html_path)
     check_writable(json_path, force, "--json")
@@ -775,8 +701,6 @@ def _parse_sets(sets: list[str], many: bool = False) -> dict[str, Any]:
     """`knob=value` pairs (YAML values; with many, comma-separated lists) into a dict."""
     import yaml
 
-    from vlmdoctor.run.config import _base_type
-
     out: dict[str, Any] = {}
     for item in sets:
         if "=" not in item:
@@ -796,26 +720,16 @@ def _parse_sets(sets: list[str], many: bool = False) -> dict[str, Any]:
     return out
 
 
+#: the knobs `treat` takes as flags (others: --set), and its shorter window without --config
+TREAT_KNOBS = ("model", "stage", "device", "steps", "warmup", "repeats", "nproc_per_node", "parallel")
+TREAT_DEFAULTS = {"steps": 10, "repeats": 3}
+
+
 @app.command()
+@knob_options(TREAT_KNOBS, TREAT_DEFAULTS, panels=False)
 def treat(
-    model: str | None = typer.Option(None, "--model", help="model preset [default: 0.5b]"),
-    stage: int | None = typer.Option(None, "--stage", help="1 or 2 [default: 2]"),
-    device: str | None = typer.Option(None, "--device", help="auto, cuda or cpu [default: auto]"),
     config: str | None = typer.Option(None, "--config", help="start from this run config (YAML/JSON or a report)"),
     sets: list[str] | None = typer.Option(None, "--set", help="knob=value on top of the start config (repeatable)"),
-    steps: int | None = typer.Option(None, "--steps", help="timed steps per repeat [default: 10]"),
-    warmup: int | None = typer.Option(None, "--warmup", help="warm-up steps [default: 5]"),
-    repeats: int | None = typer.Option(
-        None,
-        "--repeats",
-        help="timed windows per run; the noise the decisions use comes from their spread [default: 3]",
-    ),
-    nproc_per_node: int | None = typer.Option(
-        None,
-        "--nproc-per-node",
-        help="processes (one per GPU) per trial, launched through torchrun [default: 1]",
-    ),
-    parallel: str | None = typer.Option(None, "--parallel", help="none, ddp or fsdp2 for every trial"),
     max_trials: int = typer.Option(
         24,
         "--max-trials",
@@ -846,10 +760,13 @@ def treat(
     force: bool = typer.Option(False, "--force", help="write into an --out folder that already holds results"),
     json_path: str | None = typer.Option(None, "--json", help="also write the result JSON here ('-' = stdout)"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress and no tables"),
+    **knobs: Any,
 ) -> None:
     """Apply the prescriptions together, verify on paired runs, confirm each change by ablation.
 
-    Prints the ladder (each adopted round with its paired speedup, each change with its own measured contribution) and the trials not kept, and writes the final run config, which `vlmdoctor profile --config` runs again.
+    Prints the ladder: each adopted round with its paired speedup, each change with its measured contribution.
+
+    Then the trials not kept; writes the final run config, which `vlmdoctor profile --config` runs again.
     """
     from pathlib import Path
 
@@ -866,22 +783,13 @@ def treat(
         check_number("--time-budget", time_budget, above=0)
         check_number("--min-gain", min_gain, minimum=0, maximum=10)
         check_number("--trial-timeout", trial_timeout, above=0)
-        base = RunConfig.load(config) if config else RunConfig(steps=10, repeats=3)
-        flags = {
-            k: v
-            for k, v in dict(
-                model=model,
-                stage=stage,
-                device=device,
-                steps=steps,
-                warmup=warmup,
-                repeats=repeats,
-                nproc_per_node=nproc_per_node,
-                parallel=parallel,
-            ).items()
-            if v is not None
-        }
-        cfg = base.replace(source="--set", **_parse_sets(sets or [])).replace(source="command line", **flags)
+        cfg = RunConfig.load(config) if config else RunConfig(**TREAT_DEFAULTS)
+        flags = {k: v for k, v in knobs.items() if v is not None}
+        for source, changes in (("--set", _parse_sets(sets or [])), ("command line", flags)):
+            merged, dropped = override(cfg.to_dict(), changes, config or "the start config")  # the later one wins
+            if dropped:
+                err.print(f"note: {escape(dropped)}", highlight=False)
+            cfg = RunConfig.from_dict(merged, source=source)
         check(cfg)
         from vlmdoctor.files import check_distinct, check_writable
 
@@ -951,6 +859,7 @@ def treat(
 
 
 @app.command()
+@knob_options(("nproc_per_node", "parallel"), panels=False, note="(every run; a --set value wins)")
 def sweep(
     grid: str | None = typer.Argument(None, help="a grid YAML: defaults, runs (name, set, optional stages), stages"),
     sets: list[str] | None = typer.Option(
@@ -964,16 +873,9 @@ def sweep(
     jsonl_path: str | None = typer.Option(None, "--jsonl", help="append each run's full report as a JSON line"),
     diagnose_runs: bool = typer.Option(False, "--diagnose/--no-diagnose", help="trace and diagnose each run"),
     timeout: float = typer.Option(900, "--timeout", help="seconds one run may take"),
-    nproc_per_node: int | None = typer.Option(
-        None,
-        "--nproc-per-node",
-        help="processes (one per GPU) per run, launched through torchrun (a --set value wins)",
-    ),
-    parallel: str | None = typer.Option(
-        None, "--parallel", help="none, ddp or fsdp2 for every run (a --set value wins)"
-    ),
     json_path: str | None = _json_opt("results table"),
     force: bool = typer.Option(False, "--force", help="overwrite an existing --csv or --json file"),
+    **knobs: Any,
 ) -> None:
     """Run a list of configurations, one fresh process each, and tabulate them (the seed's 48-run table style)."""
     from vlmdoctor.ci.sweep import load_grid, product_grid, run_sweep
@@ -989,7 +891,7 @@ def sweep(
         check_writable(csv_path, force, "--csv")
         check_writable(json_path, force, "--json")
         check_writable(jsonl_path, True, "--jsonl")  # appended to: an existing regular file is fine
-        launch = {k: v for k, v in (("nproc_per_node", nproc_per_node), ("parallel", parallel)) if v is not None}
+        launch = {k: v for k, v in knobs.items() if v is not None}
         if grid:  # every run launched the same way (--set knob=value wins)
             plan = load_grid(grid, {**launch, **_parse_sets(sets or [])}, stages)
         elif sets:

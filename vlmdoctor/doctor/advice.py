@@ -8,16 +8,15 @@ for a plain loop.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
+
+from vlmdoctor.run.trainer_args import LIGER, TABLE, fields_for, spelled
 
 AUDIENCES = ("trainer", "loop")
 
-LIGER_KNOBS = {
-    "liger_rope": "rope",
-    "liger_rms_norm": "rms_norm",
-    "liger_swiglu": "swiglu",
-    "liger_fused_linear_cross_entropy": "fused_linear_cross_entropy",
-}
+LIGER_KNOBS = LIGER
 
 
 def _liger_family(context: dict[str, Any]) -> str:
@@ -43,19 +42,91 @@ def _liger_family(context: dict[str, Any]) -> str:
     return "<your_llm_family>"
 
 
-def _sampling_field() -> str:
-    """How this transformers spells length grouping: `group_by_length=True` (4.x) or the sampling strategy (5.x)."""
-    try:
-        import dataclasses
+def _lines(on: list[str], off: list[str]) -> Callable[[Any], list[str]]:
+    """Advice for a switch: these lines to turn it on, those to turn it off."""
+    return lambda v: on if v else off
 
-        from transformers import TrainingArguments
 
-        names = {f.name for f in dataclasses.fields(TrainingArguments)}
-    except Exception:
-        return "group_by_length=True"
-    if "group_by_length" not in names and "train_sampling_strategy" in names:
-        return 'train_sampling_strategy="group_by_length"'
-    return "group_by_length=True"
+def _weight_dtype(v: Any, trainer: bool) -> list[str]:
+    if v == "bf16":
+        if trainer:
+            return ["from_pretrained(..., dtype=torch.bfloat16)  # weights in bf16, not fp32", "bf16=True"]
+        return ["model.to(torch.bfloat16)  # or from_pretrained(..., dtype=torch.bfloat16)"]
+    return ["from_pretrained(..., dtype=torch.float32)"] if trainer else ["model.to(torch.float32)"]
+
+
+def _attention(v: Any) -> list[str]:
+    if v == "flex":  # the LLM only: packed position ids become a document BlockMask
+        return [
+            'from_pretrained(..., attn_implementation="flex_attention")  # the LLM',
+            '# a VLM class: attn_implementation={"text_config": "flex_attention"}',
+            "# packed rows: position_ids restart per sample, attention_mask=None",
+        ]
+    if v in ("sdpa", "eager", "flash"):
+        impl = {"sdpa": "sdpa", "eager": "eager", "flash": "flash_attention_2"}[v]
+        return [f'from_pretrained(..., attn_implementation="{impl}")']
+    backend = {"cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}.get(v, v)
+    return [
+        "from torch.nn.attention import sdpa_kernel, SDPBackend",
+        f"with sdpa_kernel(SDPBackend.{backend}):  # forward + backward",
+    ]
+
+
+def _lm_head(v: Any, trainer: bool) -> list[str]:
+    head = ["in Trainer.compute_loss (a subclass):"] if trainer else []
+    if not v:
+        return head + ["loss = model(**batch).loss  # the LM head over every position"]
+    return head + [
+        "out = model.model(**inputs)  # no LM head over every position",
+        "keep = labels[:, 1:] != -100  # next token is a label",
+        "h = out.last_hidden_state[:, :-1][keep]",
+        "loss = F.cross_entropy(model.lm_head(h), labels[:, 1:][keep])",
+    ]
+
+
+def _fp8(v: Any) -> list[str]:
+    if v == "off":
+        return ["train the linear layers in bf16 (no convert_to_float8_training)"]
+    return [
+        "from torchao.float8 import convert_to_float8_training, Float8LinearConfig",
+        "# before torch.compile and the optimizer; not the LM head:",
+        "convert_to_float8_training(model.model.language_model,",
+        "    module_filter_fn=lambda m, fqn: m.in_features % 16 == 0",
+        "    and m.out_features % 16 == 0,",
+        f"    config=Float8LinearConfig.from_recipe_name({v!r}))",
+    ]
+
+
+def _train(v: Any) -> list[str]:
+    if v == "lora":
+        return [
+            "load the base in bf16 without quantization_config (no BitsAndBytesConfig)",
+            "model = get_peft_model(model, LoraConfig(r=16, target_modules=[...]))  # peft",
+        ]
+    if v == "full":
+        return ["train the LLM's own weights (no get_peft_model)"]
+    return [
+        "from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4'))"
+    ]
+
+
+def _dpo_reference_no_grad(v: Any, trainer: bool) -> list[str]:
+    if not v:
+        return ["run the reference forward with autograd (drop its torch.no_grad())"]
+    lines = [
+        "ref_model.requires_grad_(False); ref_model.eval()",
+        "with torch.no_grad():",
+        "    ref_logps = logps(ref_model, batch)  # detached",
+    ]
+    return (
+        ["DPOConfig: pass ref_model=None with peft (adapters off), or a frozen ref_model"] + lines if trainer else lines
+    )
+
+
+def _compile(v: Any) -> list[str]:
+    if v == "off":
+        return ["drop model = torch.compile(model)"]
+    return [f"model = torch.compile(model{'' if v == 'default' else f', mode={v!r}'})"]
 
 
 DIST_ADVICE = {
@@ -100,235 +171,174 @@ DIST_ADVICE = {
 }
 
 
-def _one(knob: str, value: Any, audience: str, ctx: dict[str, Any]) -> list[str]:
-    trainer = audience == "trainer"
-    if knob == "weight_dtype":
-        if value == "bf16":
-            return (
-                ["from_pretrained(..., dtype=torch.bfloat16)  # weights in bf16, not fp32", "bf16=True"]
-                if trainer
-                else ["model.to(torch.bfloat16)  # or from_pretrained(..., dtype=torch.bfloat16)"]
-            )
-        return ["from_pretrained(..., dtype=torch.float32)"] if trainer else ["model.to(torch.float32)"]
-    if knob == "autocast":
-        if value == "bf16":
-            return (
-                ["bf16=True"]
-                if trainer
-                else ["with torch.autocast('cuda', dtype=torch.bfloat16):", "    loss = model(**batch).loss"]
-            )
-        return ["bf16=False, fp16=False"] if trainer else ["drop the torch.autocast(...) around the forward"]
-    if knob == "gradient_checkpointing":
-        if trainer:
-            return [f"gradient_checkpointing={bool(value)}"]
-        return ["model.gradient_checkpointing_enable()" if value else "model.gradient_checkpointing_disable()"]
-    if knob == "checkpoint_use_reentrant":
-        kw = f"gradient_checkpointing_kwargs={{'use_reentrant': {bool(value)}}}"
-        return [kw] if trainer else ["model.gradient_checkpointing_enable(", f"    {kw})"]
-    if knob == "sampler":
-        if value == "length_bucketed":
-            return (
-                [_sampling_field()]
-                if trainer
-                else [
-                    "from transformers.trainer_pt_utils import LengthGroupedSampler",
-                    "sampler = LengthGroupedSampler(B, lengths=lengths)",
-                    "DataLoader(ds, batch_size=B, sampler=sampler)",
-                ]
-            )
-        off = "group_by_length=False" if _sampling_field().startswith("group") else 'train_sampling_strategy="random"'
-        return [off] if trainer else ["DataLoader(ds, batch_size=B, shuffle=True)"]
-    if knob in LIGER_KNOBS:
-        return []  # said once for all Liger knobs, below
-    if knob == "compile":
-        if value == "off":
-            return ["torch_compile=False"] if trainer else ["drop model = torch.compile(model)"]
-        mode = "" if value == "default" else f", mode={value!r}"
-        if trainer:
-            return ["torch_compile=True"] + ([f"torch_compile_mode={value!r}"] if mode else [])
-        return [f"model = torch.compile(model{mode})"]
-    if knob == "compile_regions":  # on: said with the compile mode, in advise()
-        return ["compile the whole model: model = torch.compile(model)"]
-    if knob == "compile_vision":
-        if value == "fullgraph":
-            return [
-                "model.vision_tower = torch.compile(",
-                "    model.vision_tower, fullgraph=True, dynamic=False)",
-            ]
-        return ["compile the vision tower with the model (no separate torch.compile)"]
-    if knob == "compile_shape_padding":
-        return [
-            "import torch._inductor.config as inductor_config",
-            f"inductor_config.shape_padding = {bool(value)}  # before torch.compile",
-        ]
-    if knob == "unsloth":
-        if value:
-            return [
-                "from unsloth import FastLanguageModel  # before transformers",
-                "model, tok = FastLanguageModel.from_pretrained(NAME,",
-                "    load_in_4bit=False, full_finetuning=True)",
-            ]
-        return ["load the model with transformers, not Unsloth's FastLanguageModel"]
-    if knob == "num_workers":
-        return (
-            [f"dataloader_num_workers={value}", "dataloader_persistent_workers=True"]
-            if trainer
-            else [f"DataLoader(..., num_workers={value}, persistent_workers=True)"]
+@dataclass(frozen=True)
+class Say:
+    """How one knob's value is said in the user's code.
+
+    loop: the lines of a plain training loop; trainer: a Trainer user's lines, where they are not
+    the `TrainingArguments` fields of `run/trainer_args.TABLE` (nor, without either, the loop's)."""
+
+    loop: Callable[[Any], list[str]]
+    trainer: Callable[[Any], list[str]] | None = None
+
+
+def _both(fn: Callable[[Any, bool], list[str]]) -> Say:
+    """One function for both audiences."""
+    return Say(lambda v: fn(v, False), lambda v: fn(v, True))
+
+
+_DTYPE = {"bf16": "torch.bfloat16", "fp32": "torch.float32"}
+_LORA_FIELDS = {
+    "lora_rank": "r",
+    "lora_alpha": "lora_alpha",
+    "lora_dropout": "lora_dropout",
+    "lora_targets": "target_modules",
+}
+_OPTIM_CLASS = {
+    "adamw": "torch.optim.AdamW",
+    "paged_adamw": "bnb.optim.PagedAdamW",
+    "paged_adamw_8bit": "bnb.optim.PagedAdamW8bit",
+}
+
+#: every knob a user's own training can change, said as code (Liger's kernels: together, in advise)
+ADVICE: dict[str, Say] = {
+    # layer 0 (what trains, and how): peft, TRL
+    "train": Say(_train),
+    **{k: Say(lambda v, f=f: [f"LoraConfig({f}={v!r})  # peft"]) for k, f in _LORA_FIELDS.items()},
+    "dpo_beta": Say(lambda v: [f"beta = {v}  # in the DPO loss"], lambda v: [f"DPOConfig(beta={v})"]),
+    "warmup": Say(lambda v: []),  # vlmdoctor's own measuring window, not the user's training
+    "steps": Say(lambda v: []),
+    "repeats": Say(lambda v: []),
+    # layer 1: precision
+    "weight_dtype": _both(_weight_dtype),
+    "autocast": Say(
+        lambda v: (
+            ["with torch.autocast('cuda', dtype=torch.bfloat16):", "    loss = model(**batch).loss"]
+            if v == "bf16"
+            else ["drop the torch.autocast(...) around the forward"]
         )
-    if knob == "pin_memory":
-        return (
-            [f"dataloader_pin_memory={bool(value)}"]
-            if trainer
-            else [f"DataLoader(..., pin_memory={bool(value)})"]
-            + (["batch = {k: v.to('cuda', non_blocking=True) for k, v in batch.items()}"] if value else [])
-        )
-    if knob == "batch_size":
-        return [f"per_device_train_batch_size={value}"] if trainer else [f"DataLoader(..., batch_size={value})"]
-    if knob == "grad_accum":
-        return (
-            [f"gradient_accumulation_steps={value}"]
-            if trainer
-            else [f"accumulate {value} micro-batches per optimizer step"]
-        )
-    if knob == "fused_optimizer":
-        if trainer:
-            return ['optim="adamw_torch_fused"' if value else 'optim="adamw_torch"']
-        return [f"torch.optim.AdamW(params, lr=..., fused={bool(value)})"]
-    if knob == "vision_no_grad":
-        if value:
-            return [
+    ),
+    "vision_no_grad": Say(
+        _lines(
+            [
                 "model.vision_tower.requires_grad_(False)  # frozen tower",
                 "with torch.no_grad():",
                 "    image_features = model.get_image_features(pixel_values=pixel_values)",
-            ]
-        return ["run the vision tower with autograd (drop its torch.no_grad())"]
-    if knob == "allow_tf32":
-        return ["tf32=True"] if trainer and value else [f"torch.backends.cuda.matmul.allow_tf32 = {bool(value)}"]
-    if knob == "attention":
-        if value == "flex":  # the LLM only: packed position ids become a document BlockMask
-            return [
-                'from_pretrained(..., attn_implementation="flex_attention")  # the LLM',
-                '# a VLM class: attn_implementation={"text_config": "flex_attention"}',
-                "# packed rows: position_ids restart per sample, attention_mask=None",
-            ]
-        if value in ("sdpa", "eager", "flash"):
-            impl = {"sdpa": "sdpa", "eager": "eager", "flash": "flash_attention_2"}[value]
-            return [f'from_pretrained(..., attn_implementation="{impl}")']
-        backend = {"cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}.get(value, value)
-        return [
-            "from torch.nn.attention import sdpa_kernel, SDPBackend",
-            f"with sdpa_kernel(SDPBackend.{backend}):  # forward + backward",
-        ]
-    if knob == "pad_to_multiple_of":
-        return [f"processor(..., padding=True, pad_to_multiple_of={value})  # or the collator's"]
-    if knob == "packing":
-        return (
-            ["SFTConfig(packing=True)  # TRL"]
-            if trainer and value
-            else [f"{'pack samples into rows' if value else 'stop packing samples'} in the collator"]
+            ],
+            ["run the vision tower with autograd (drop its torch.no_grad())"],
         )
-    if knob == "lm_head_labeled_only":
-        head = ["in Trainer.compute_loss (a subclass):"] if trainer else []
-        if not value:
-            return head + ["loss = model(**batch).loss  # the LM head over every position"]
-        return head + [
-            "out = model.model(**inputs)  # no LM head over every position",
-            "keep = labels[:, 1:] != -100  # next token is a label",
-            "h = out.last_hidden_state[:, :-1][keep]",
-            "loss = F.cross_entropy(model.lm_head(h), labels[:, 1:][keep])",
-        ]
-    if knob == "cache_vision_features":
-        return [
-            "compute image features in the step instead of caching them"
-            if not value
-            else "precompute the frozen tower's image features once and load them with the batch"
-        ]
-    if knob == "fp8":
-        if value == "off":
-            return ["train the linear layers in bf16 (no convert_to_float8_training)"]
-        return [
-            "from torchao.float8 import convert_to_float8_training, Float8LinearConfig",
-            "# before torch.compile and the optimizer; not the LM head:",
-            "convert_to_float8_training(model.model.language_model,",
-            "    module_filter_fn=lambda m, fqn: m.in_features % 16 == 0",
-            "    and m.out_features % 16 == 0,",
-            f"    config=Float8LinearConfig.from_recipe_name({value!r}))",
-        ]
-    if knob == "input_require_grads":
-        return ["model.enable_input_require_grads()" if value else "drop model.enable_input_require_grads()"]
-    if knob == "sync_loss":
-        return (
-            ["logging_steps=50  # each log syncs the device"]
-            if trainer
-            else ["call loss.item() every N steps, not every step (it waits for the GPU)"]
-        )
-    if (
-        knob in DIST_ADVICE
-    ):  # issue 13: several processes (same lines for Trainer users, through accelerate/FSDP config)
-        return DIST_ADVICE[knob](value)
-    if knob == "train":
-        if value == "lora":
-            return [
-                "load the base in bf16 without quantization_config (no BitsAndBytesConfig)",
-                "model = get_peft_model(model, LoraConfig(r=16, target_modules=[...]))  # peft",
+    ),
+    "allow_tf32": Say(lambda v: [f"torch.backends.cuda.matmul.allow_tf32 = {bool(v)}"]),
+    "input_require_grads": Say(
+        _lines(["model.enable_input_require_grads()"], ["drop model.enable_input_require_grads()"])
+    ),
+    "dpo_reference_dtype": Say(lambda v: [f"ref_model.to({_DTYPE[v]})  # or load it with dtype={_DTYPE[v]}"]),
+    "dpo_reference_no_grad": _both(_dpo_reference_no_grad),
+    "fp8": Say(_fp8),
+    # layer 2: batching
+    "batch_size": Say(lambda v: [f"DataLoader(..., batch_size={v})"]),
+    "grad_accum": Say(lambda v: [f"accumulate {v} micro-batches per optimizer step"]),
+    # layer 3: data layout
+    "sampler": Say(
+        lambda v: (
+            [
+                "from transformers.trainer_pt_utils import LengthGroupedSampler",
+                "sampler = LengthGroupedSampler(B, lengths=lengths)",
+                "DataLoader(ds, batch_size=B, sampler=sampler)",
             ]
-        if value == "full":
-            return ["train the LLM's own weights (no get_peft_model)"]
-        return [
-            "from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4'))"
-        ]
-    if knob == "dpo_reference_no_grad":
-        if not value:
-            return ["run the reference forward with autograd (drop its torch.no_grad())"]
-        lines = [
-            "ref_model.requires_grad_(False); ref_model.eval()",
-            "with torch.no_grad():",
-            "    ref_logps = logps(ref_model, batch)  # detached",
-        ]
-        return (
-            ["DPOConfig: pass ref_model=None with peft (adapters off), or a frozen ref_model"] + lines
-            if trainer
-            else lines
+            if v == "length_bucketed"
+            else ["DataLoader(ds, batch_size=B, shuffle=True)"]
         )
-    if knob == "dpo_reference_dtype":
-        dtype = "torch.bfloat16" if value == "bf16" else "torch.float32"
-        return [f"ref_model.to({dtype})  # or load it with dtype={dtype}"]
-    if knob == "dpo_precompute_reference":
-        if trainer:
-            return [f"DPOConfig(precompute_ref_log_probs={bool(value)})  # TRL"]
-        return (
+    ),
+    "pad_to_multiple_of": Say(lambda v: [f"processor(..., padding=True, pad_to_multiple_of={v})  # or the collator's"]),
+    "packing": Say(
+        lambda v: [f"{'pack samples into rows' if v else 'stop packing samples'} in the collator"],
+        lambda v: ["SFTConfig(packing=True)  # TRL"] if v else ["stop packing samples in the collator"],
+    ),
+    "pack_length": Say(
+        lambda v: [f"pack samples into rows of {v} tokens in the collator"],
+        lambda v: [f"SFTConfig(packing=True, max_length={v})  # TRL"],
+    ),
+    # layer 4: kernel fusion
+    "attention": Say(_attention),
+    "lm_head_labeled_only": _both(_lm_head),
+    "compile": Say(_compile),
+    "compile_regions": Say(lambda v: ["compile the whole model: model = torch.compile(model)"]),  # on: in advise()
+    "compile_vision": Say(
+        lambda v: (
+            ["model.vision_tower = torch.compile(", "    model.vision_tower, fullgraph=True, dynamic=False)"]
+            if v == "fullgraph"
+            else ["compile the vision tower with the model (no separate torch.compile)"]
+        )
+    ),
+    "compile_shape_padding": Say(
+        lambda v: [
+            "import torch._inductor.config as inductor_config",
+            f"inductor_config.shape_padding = {bool(v)}  # before torch.compile",
+        ]
+    ),
+    "unsloth": Say(
+        _lines(
+            [
+                "from unsloth import FastLanguageModel  # before transformers",
+                "model, tok = FastLanguageModel.from_pretrained(NAME,",
+                "    load_in_4bit=False, full_finetuning=True)",
+            ],
+            ["load the model with transformers, not Unsloth's FastLanguageModel"],
+        )
+    ),
+    # layer 5: system tuning
+    "gradient_checkpointing": Say(
+        _lines(["model.gradient_checkpointing_enable()"], ["model.gradient_checkpointing_disable()"])
+    ),
+    "checkpoint_use_reentrant": Say(
+        lambda v: [
+            "model.gradient_checkpointing_enable(",
+            f"    gradient_checkpointing_kwargs={{'use_reentrant': {bool(v)}}})",
+        ]
+    ),
+    "num_workers": Say(lambda v: [f"DataLoader(..., num_workers={v}, persistent_workers=True)"]),
+    "pin_memory": Say(
+        lambda v: (
+            [f"DataLoader(..., pin_memory={bool(v)})"]
+            + (["batch = {k: v.to('cuda', non_blocking=True) for k, v in batch.items()}"] if v else [])
+        )
+    ),
+    "cache_vision_features": Say(
+        _lines(
+            ["precompute the frozen tower's image features once and load them with the batch"],
+            ["compute image features in the step instead of caching them"],
+        )
+    ),
+    "fused_optimizer": Say(lambda v: [f"torch.optim.AdamW(params, lr=..., fused={bool(v)})"]),
+    "optimizer": Say(lambda v: [f"{_OPTIM_CLASS[v]}(params, lr=...)"]),
+    "dpo_precompute_reference": Say(
+        _lines(
             [
                 "compute the reference log-probs of every pair once, before training, and read",
                 "them with the batch (the reference then leaves the step and the GPU)",
-            ]
-            if value
-            else ["compute the reference log-probs in each step"]
-        )
-    if knob == "optimizer":
-        name = {
-            "adamw": "adamw_torch",
-            "paged_adamw": "paged_adamw_32bit",
-            "paged_adamw_8bit": "paged_adamw_8bit",
-        }[value]
-        cls = {
-            "adamw": "torch.optim.AdamW",
-            "paged_adamw": "bnb.optim.PagedAdamW",
-            "paged_adamw_8bit": "bnb.optim.PagedAdamW8bit",
-        }[value]
-        return [f'optim="{name}"'] if trainer else [f"{cls}(params, lr=...)"]
-    if knob in ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets"):
-        peft_name = {
-            "lora_rank": "r",
-            "lora_alpha": "lora_alpha",
-            "lora_dropout": "lora_dropout",
-            "lora_targets": "target_modules",
-        }[knob]
-        return [f"LoraConfig({peft_name}={value!r})  # peft"]
-    if knob == "dpo_beta":
-        return [f"DPOConfig(beta={value})" if trainer else f"beta = {value}  # in the DPO loss"]
-    if knob in ("warmup", "steps", "repeats"):
-        return []  # vlmdoctor's own measuring window, not the user's training
-    return [f"{knob}={value!r} (no {'TrainingArguments' if trainer else 'loop'} equivalent known)"]
+            ],
+            ["compute the reference log-probs in each step"],
+        ),
+        lambda v: [f"DPOConfig(precompute_ref_log_probs={bool(v)})  # TRL"],
+    ),
+    "sync_loss": Say(
+        lambda v: ["call loss.item() every N steps, not every step (it waits for the GPU)"],
+        lambda v: ["logging_steps=50  # each log syncs the device"],
+    ),
+    # several processes (the same lines for Trainer users, through accelerate / FSDP config)
+    **{k: Say(fn) for k, fn in DIST_ADVICE.items()},
+}
+
+
+def _one(knob: str, value: Any, trainer: bool, fields: dict[str, Any]) -> list[str]:
+    """One knob's lines: its TrainingArguments fields for a Trainer user, else its entry in ADVICE."""
+    if trainer and knob in TABLE:
+        return [spelled(name, fields[name]) for name in TABLE[knob].write(value) if name in fields]
+    say = ADVICE.get(knob)
+    if say is None:
+        return [f"{knob}={value!r} (no {'TrainingArguments' if trainer else 'loop'} equivalent known)"]
+    return (say.trainer if trainer and say.trainer else say.loop)(value)
 
 
 def _regional(mode: str, trainer: bool) -> list[str]:
@@ -348,36 +358,39 @@ def advise(patch: dict[str, Any], audience: str, context: dict[str, Any] | None 
     if audience not in AUDIENCES:
         raise ValueError(f"audience must be one of {AUDIENCES}, not {audience!r}")
     ctx = context or {}
+    trainer = audience == "trainer"
+    fields = fields_for(patch) if trainer else {}
     lines: list[str] = []
     regional = bool(patch.get("compile_regions"))
     for knob, value in patch.items():
         if regional and knob == "compile":  # said once, with compile_regions
             continue
         if regional and knob == "compile_regions":
-            value_lines = _regional(str(patch.get("compile", "default")), audience == "trainer")
+            value_lines = _regional(str(patch.get("compile", "default")), trainer)
+        elif knob in LIGER_KNOBS and not trainer:
+            value_lines = []  # said once for all Liger knobs, below
         else:
-            value_lines = _one(knob, value, audience, ctx)
+            value_lines = _one(knob, value, trainer, fields)
         for line in value_lines:
             if line not in lines:
                 lines.append(line)
     liger = {LIGER_KNOBS[k]: bool(v) for k, v in patch.items() if k in LIGER_KNOBS}
-    if liger:
-        if audience == "trainer":
-            on = any(liger.values())
-            lines.append(f"use_liger_kernel={on}")
-            if on:
-                lines.append(f"liger_kernel_config={liger!r}")
-        elif not any(liger.values()):  # the fix turns Liger off (compile fuses the same operations)
-            lines.append(f"# and drop apply_liger_kernel_to_{_liger_family(ctx)}(...) if you call it")
-        else:
-            fam = _liger_family(ctx)
-            lines += [
-                f"from liger_kernel.transformers import apply_liger_kernel_to_{fam}",
-                "# before the model is built:",
-                f"apply_liger_kernel_to_{fam}(",
-            ]
-            lines += [f"    {k}={v}," for k, v in liger.items()] + [")"]
+    if liger and not trainer:
+        lines += _liger_loop(liger, _liger_family(ctx))
     return lines
+
+
+def _liger_loop(liger: dict[str, bool], fam: str) -> list[str]:
+    """Liger's kernels in a plain loop: one patching call for all of them, before the model is built."""
+    if not any(liger.values()):  # the fix turns Liger off (compile fuses the same operations)
+        return [f"# and drop apply_liger_kernel_to_{fam}(...) if you call it"]
+    return [
+        f"from liger_kernel.transformers import apply_liger_kernel_to_{fam}",
+        "# before the model is built:",
+        f"apply_liger_kernel_to_{fam}(",
+        *[f"    {k}={v}," for k, v in liger.items()],
+        ")",
+    ]
 
 
 def add_advice(report: dict[str, Any], audience: str) -> dict[str, Any]:

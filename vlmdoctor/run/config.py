@@ -23,6 +23,9 @@ import yaml
 
 from vlmdoctor.errors import UsageError
 
+#: the `--help` panel of the knobs that spread a run over several processes
+GPUS = "several GPUs"
+
 LAYER_NAMES = {
     0: "experiment",
     1: "precision",
@@ -41,8 +44,21 @@ def knob(
     minimum: float | None = None,
     maximum: float | None = None,
     above: float | None = None,
+    *,
+    flag: str | None = None,
+    panel: str | None = None,
+    qualifies: dict[str, tuple] | None = None,
+    alone: str | None = None,
 ):
-    """A config field with its layer, help text and allowed values (numbers: bounds, all inclusive but `above`)."""
+    """A config field: the one declaration of a knob, from which its flag, `--help` line and checks come.
+
+    layer: the recipe layer (0-5); help: one line for `--help` and the docs; choices / minimum /
+    maximum / above (exclusive): the allowed values; flag: the command-line flag where it is not
+    --NAME-WITH-DASHES; panel: the `--help` panel where it is not its layer's; qualifies: the
+    knobs this one only says how to run, each with the values that turn them off (this knob then
+    means nothing, and a command-line override turning them off drops it from a config file);
+    alone: set without them, the knob is refused with this reason instead of being ignored.
+    """
     return field(
         default=default,
         metadata={
@@ -52,21 +68,18 @@ def knob(
             "minimum": minimum,
             "maximum": maximum,
             "above": above,
+            "flag": flag,
+            "panel": panel,
+            "qualifies": qualifies or {},
+            "alone": alone,
         },
     )
-
-
-#: knobs whose command-line flag is not --NAME-WITH-DASHES
-FLAGS = {
-    "liger_fused_linear_cross_entropy": "--liger-fused-ce",
-    "checkpoint_use_reentrant": "--checkpoint-reentrant",
-}
 
 
 def _label(name: str, source: str) -> str:
     """How an error names a knob: the flag on the command line, `source: knob` for a file."""
     if source == "command line":
-        return FLAGS.get(name, "--" + name.replace("_", "-"))
+        return flag(name)
     return f"{source}: {name}"
 
 
@@ -81,7 +94,10 @@ class RunConfig:
         None, 0, "pixel-shuffle factor, overrides the preset's (1 = none)", minimum=1, maximum=16
     )
     weights: str = knob(
-        "random", 0, "random init from shipped configs, or the real checkpoints", ("random", "pretrained")
+        "random",
+        0,
+        "random init from shipped configs, or the real checkpoints (the hub or a local cache)",
+        ("random", "pretrained"),
     )
     stage: int = knob(2, 0, "1: projector only; 2: LLM + projector", (1, 2))
     device: str = knob("auto", 0, "where to run", ("auto", "cuda", "cpu"))
@@ -91,9 +107,13 @@ class RunConfig:
     seed: int = knob(0, 0, "random seed for weights and data", minimum=0, maximum=2**32 - 1)
     lr: float = knob(1e-5, 0, "AdamW learning rate", above=0)
     data: str = knob("synthetic", 0, "'synthetic' or a LLaVA-format JSON/JSONL file")
-    tokenizer: str | None = knob(None, 0, "local tokenizer folder for --data FILE")
+    tokenizer: str | None = knob(None, 0, "local tokenizer folder for --data FILE", qualifies={"data": ("synthetic",)})
     bad_records: str = knob(
-        "stop", 0, "malformed records in --data: stop the run or skip them (counted)", ("stop", "skip")
+        "stop",
+        0,
+        "malformed records in --data: stop the run or skip them (counted)",
+        ("stop", "skip"),
+        qualifies={"data": ("synthetic",)},
     )
     num_samples: int = knob(4096, 0, "synthetic samples in the data set", minimum=1, maximum=1_000_000)
     train: str = knob(
@@ -103,14 +123,19 @@ class RunConfig:
         "or LoRA on a 4-bit NF4 base (qlora, GPU + bitsandbytes); docs/modes.md",
         ("full", "lora", "qlora"),
     )
-    lora_rank: int = knob(16, 0, "LoRA rank r", minimum=1, maximum=4096)
-    lora_alpha: float = knob(32.0, 0, "LoRA alpha (the adapter output is scaled by alpha / r)", above=0)
-    lora_dropout: float = knob(0.05, 0, "dropout on the LoRA adapter input", minimum=0, maximum=0.9)
+    lora_rank: int = knob(16, 0, "LoRA rank r", minimum=1, maximum=4096, qualifies={"train": ("full",)})
+    lora_alpha: float = knob(
+        32.0, 0, "LoRA alpha (the adapter output is scaled by alpha / r)", above=0, qualifies={"train": ("full",)}
+    )
+    lora_dropout: float = knob(
+        0.05, 0, "dropout on the LoRA adapter input", minimum=0, maximum=0.9, qualifies={"train": ("full",)}
+    )
     lora_targets: str = knob(
         "attention_mlp",
         0,
         "LLM modules that get adapters: attention (q,k,v,o), attention_mlp "
         "(+ gate, up, down) or a comma list of module names",
+        qualifies={"train": ("full",)},
     )
     objective: str = knob(
         "sft",
@@ -118,7 +143,9 @@ class RunConfig:
         "training objective: next-token cross entropy (sft) or DPO on preference pairs",
         ("sft", "dpo"),
     )
-    dpo_beta: float = knob(0.1, 0, "DPO beta (strength of the implicit KL penalty)", above=0)
+    dpo_beta: float = knob(
+        0.1, 0, "DPO beta (strength of the implicit KL penalty)", above=0, qualifies={"objective": ("sft",)}
+    )
     # --- layer 1: precision --------------------------------------------------------------
     weight_dtype: str = knob("fp32", 1, "dtype the weights are stored in", ("fp32", "bf16"))
     autocast: str = knob("bf16", 1, "autocast around forward and loss", ("bf16", "off"))
@@ -136,12 +163,14 @@ class RunConfig:
         1,
         "dtype of the DPO reference copy's weights (full training; LoRA's reference is the policy's own base)",
         ("fp32", "bf16"),
+        qualifies={"objective": ("sft",)},
     )
     dpo_reference_no_grad: bool = knob(
         False,
         1,
         "run the DPO reference forward under torch.no_grad() with frozen "
         "weights (off: a deep-copied reference that still tracks grad)",
+        qualifies={"objective": ("sft",)},
     )
     fp8: str = knob(
         "off",
@@ -160,7 +189,9 @@ class RunConfig:
         1, 3, "pad each batch's length up to a multiple of this (1 = none)", minimum=1, maximum=65536
     )
     packing: bool = knob(False, 3, "pack samples into rows (position ids reset, no cross-sample attention)")
-    pack_length: int = knob(2048, 3, "tokens per packed row", minimum=16, maximum=1 << 20)
+    pack_length: int = knob(
+        2048, 3, "tokens per packed row", minimum=16, maximum=1 << 20, qualifies={"packing": (False,)}
+    )
     # --- layer 4: kernel fusion ----------------------------------------------------------
     attention: str = knob(
         "sdpa",
@@ -171,7 +202,9 @@ class RunConfig:
     liger_rope: bool = knob(False, 4, "Liger Triton RoPE")
     liger_rms_norm: bool = knob(False, 4, "Liger Triton RMSNorm")
     liger_swiglu: bool = knob(False, 4, "Liger Triton SwiGLU")
-    liger_fused_linear_cross_entropy: bool = knob(False, 4, "Liger fused LM head + cross entropy (FusedCE)")
+    liger_fused_linear_cross_entropy: bool = knob(
+        False, 4, "Liger fused LM head + cross entropy (FusedCE)", flag="--liger-fused-ce"
+    )
     lm_head_labeled_only: bool = knob(
         False,
         4,
@@ -194,6 +227,8 @@ class RunConfig:
         4,
         "Inductor's shape_padding (pad matmul dims for tensor-core alignment); "
         "torch's default is on, false turns it off for a with/without comparison",
+        qualifies={"compile": ("off",), "compile_vision": ("model",)},
+        alone="off changes nothing without torch.compile; add --compile or --compile-vision fullgraph",
     )
     compile_regions: bool = knob(
         False,
@@ -202,6 +237,8 @@ class RunConfig:
         "own (regional compilation: one graph serves all decoder layers, a fraction of the "
         "whole model's compile time), and the LM head with the loss on labeled positions as "
         "one more region; the rest stays eager",
+        qualifies={"compile": ("off",)},
+        alone="says how --compile compiles; add --compile default",
     )
     unsloth: bool = knob(
         False,
@@ -211,7 +248,13 @@ class RunConfig:
     )
     # --- layer 5: system tuning ----------------------------------------------------------
     gradient_checkpointing: bool = knob(True, 5, "recompute LLM activations in backward")
-    checkpoint_use_reentrant: bool = knob(False, 5, "use the reentrant checkpoint implementation")
+    checkpoint_use_reentrant: bool = knob(
+        False,
+        5,
+        "use the reentrant checkpoint implementation",
+        flag="--checkpoint-reentrant",
+        qualifies={"gradient_checkpointing": (False,)},
+    )
     num_workers: int = knob(0, 5, "data-loader worker processes", minimum=0, maximum=256)
     pin_memory: bool = knob(False, 5, "pinned host memory for batches (async H2D copies)")
     cache_vision_features: bool = knob(False, 5, "precompute frozen vision features once, copy them H2D each step")
@@ -227,6 +270,7 @@ class RunConfig:
         5,
         "compute the DPO reference log-probs once per sample before "
         "training and reuse them (reported, outside the timed window)",
+        qualifies={"objective": ("sft",)},
     )
     sync_loss: bool = knob(
         False,
@@ -236,7 +280,12 @@ class RunConfig:
     )
     # --- several processes (torchrun) -----------------------------------------------------
     nproc_per_node: int = knob(
-        1, 0, "processes (one per GPU) per node, launched through torchrun", minimum=1, maximum=1024
+        1,
+        0,
+        "processes (one per GPU) per node, launched through torchrun",
+        minimum=1,
+        maximum=1024,
+        panel=GPUS,
     )
     parallel: str = knob(
         "none",
@@ -244,9 +293,14 @@ class RunConfig:
         "data parallelism across processes: none (one process), ddp, or fsdp2 "
         "(fully_shard per decoder layer and the root)",
         ("none", "ddp", "fsdp2"),
+        panel=GPUS,
     )
     reshard_after_forward: bool = knob(
-        True, 5, "FSDP2: free gathered parameters after forward, gather again in backward"
+        True,
+        5,
+        "FSDP2: free gathered parameters after forward, gather again in backward",
+        panel=GPUS,
+        qualifies={"parallel": ("none", "ddp")},
     )
     fsdp_prefetch: int = knob(
         0,
@@ -254,18 +308,32 @@ class RunConfig:
         "FSDP2: decoder layers whose all-gather is issued ahead explicitly (0 = FSDP2's implicit prefetch only)",
         minimum=0,
         maximum=64,
+        panel=GPUS,
+        qualifies={"parallel": ("none", "ddp")},
     )
-    ddp_bucket_cap_mb: int = knob(25, 5, "DDP: gradient bucket size in MB", minimum=1, maximum=4096)
+    ddp_bucket_cap_mb: int = knob(
+        25,
+        5,
+        "DDP: gradient bucket size in MB",
+        minimum=1,
+        maximum=4096,
+        panel=GPUS,
+        qualifies={"parallel": ("none", "fsdp2")},
+    )
     accum_no_sync: bool = knob(
         False,
         5,
         "sync gradients only on the last micro-batch of an optimizer step (DDP "
         "no_sync, FSDP2 set_requires_gradient_sync)",
+        panel=GPUS,
+        qualifies={"parallel": ("none",)},
     )
     balance_tokens: bool = knob(
         False,
         2,
         "give every rank micro-batches of about the same token count (token-budget batching across ranks)",
+        panel=GPUS,
+        qualifies={"parallel": ("none",)},
     )
 
     # ------------------------------------------------------------------------------------
@@ -374,8 +442,10 @@ class RunConfig:
                 )
         if self.fp8 != "off":
             self._check_fp8(source)
-        if self.compile_regions and self.compile == "off":
-            raise UsageError(f"{_label('compile_regions', source)} says how --compile compiles; add --compile default")
+        for name in idle_qualifiers(self.to_dict()):
+            reason = fields_by_name()[name].metadata["alone"]
+            if reason:
+                raise UsageError(f"{_label(name, source)} {reason}")
         if self.compile_regions and self.compile == "reduce-overhead":
             # measured on the H100 (dino-135m): "accessing tensor output of CUDAGraphs that has been
             # overwritten by a subsequent run" in the first step, because every layer replays one graph
@@ -388,11 +458,6 @@ class RunConfig:
             raise UsageError(
                 f"{_pair('compile_regions', 'compile_vision', source)} do not stack: regional "
                 "compilation already compiles the tower's layers on their own; choose one"
-            )
-        if not self.compile_shape_padding and self.compile == "off" and self.compile_vision == "model":
-            raise UsageError(
-                f"{_label('compile_shape_padding', source)} off changes nothing without torch.compile; "
-                "add --compile or --compile-vision fullgraph"
             )
 
     def _check_fp8(self, source: str) -> None:
@@ -417,16 +482,23 @@ class RunConfig:
 
     # --- files -----------------------------------------------------------------------------
     @classmethod
-    def load(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
+    def load(
+        cls, path: str | Path, overrides: dict[str, Any] | None = None, notes: list[str] | None = None
+    ) -> RunConfig:
         """Read YAML or JSON; a report JSON works too (its `config` section is used).
 
-        `overrides` (the command line's flags) apply before the knobs are checked against each
-        other, so a flag can complete a file (`compile_regions: true` in the file, `--compile` given)."""
+        `overrides` (the command line's flags) win, and apply before the knobs are checked against
+        each other, so a flag can complete a file (`compile_regions: true` in the file, `--compile`
+        given) or turn a knob off (`--compile off`: the file's knobs that only qualify it are
+        dropped, and `notes` gets one line naming them)."""
         data = cls._read(path)
         if not overrides:
             return cls.from_dict(data, source=str(path))
         cls.from_dict(data, source=str(path), combinations=False)  # each of the file's values is valid on its own
-        return cls.from_dict({**data, **overrides}, source="command line")
+        merged, line = override(data, overrides, str(path))
+        if line and notes is not None:
+            notes.append(line)
+        return cls.from_dict(merged, source="command line")
 
     @classmethod
     def _read(cls, path: str | Path) -> Any:
@@ -465,6 +537,73 @@ class RunConfig:
         return (
             json.dumps(data, indent=2) + "\n" if Path(path).suffix == ".json" else yaml.safe_dump(data, sort_keys=False)
         )
+
+
+FLAGS = {f.name: f.metadata["flag"] for f in fields(RunConfig) if f.metadata["flag"]}
+
+
+def fields_by_name() -> dict[str, Any]:
+    """The knobs' declarations (dataclass fields) by name."""
+    return RunConfig.__dataclass_fields__
+
+
+def flag(name: str) -> str:
+    """A knob's command-line flag: --NAME-WITH-DASHES unless its declaration names another."""
+    return fields_by_name()[name].metadata["flag"] or "--" + name.replace("_", "-")
+
+
+def panel(name: str) -> str:
+    """A knob's `--help` panel: its layer ('1 precision'), or the panel its declaration names."""
+    meta = fields_by_name()[name].metadata
+    layer = meta["layer"]
+    return meta["panel"] or (LAYER_NAMES[layer] if layer == 0 else f"{layer} {LAYER_NAMES[layer]}")
+
+
+def _off(values: dict[str, Any], qualifies: dict[str, tuple]) -> bool:
+    """Every knob a qualifier qualifies is at a value that turns it off."""
+    defaults = fields_by_name()
+    return all(values.get(k, defaults[k].default) in off for k, off in qualifies.items())
+
+
+def idle_qualifiers(values: dict[str, Any]) -> list[str]:
+    """Knobs set away from their default that only qualify knobs which are off: they change nothing."""
+    found = []
+    for f in fields(RunConfig):
+        q = f.metadata["qualifies"]
+        if q and values.get(f.name, f.default) != f.default and _off(values, q):
+            found.append(f.name)
+    return found
+
+
+def override(data: dict[str, Any], overrides: dict[str, Any], source: str) -> tuple[dict[str, Any], str | None]:
+    """A config file's knobs with the command line's on top: the command line wins.
+
+    A knob of the file that only qualifies knobs the command line turns off (`compile_regions`
+    under `--compile off`) is dropped back to its default rather than refused; the second value is
+    one line naming what was dropped (None when nothing was)."""
+    merged = {**data, **overrides}
+    dropped, given, qualified = [], [], []
+    for name in idle_qualifiers(merged):
+        by_flag = [k for k in fields_by_name()[name].metadata["qualifies"] if k in overrides]
+        if name in data and name not in overrides and by_flag:
+            del merged[name]
+            dropped.append(name)
+            given += [_spelled(k, overrides[k]) for k in by_flag]
+            qualified += [flag(k) for k in by_flag]
+    if not dropped:
+        return merged, None
+    they = "it only qualifies" if len(dropped) == 1 else "they only qualify"
+    return merged, (
+        f"{', '.join(dict.fromkeys(given))}: dropped {', '.join(dropped)} from {source} "
+        f"({they} {', '.join(dict.fromkeys(qualified))})"
+    )
+
+
+def _spelled(name: str, value: Any) -> str:
+    """A knob's value as the command line spells it: `--compile off`, `--no-packing`."""
+    if isinstance(value, bool):
+        return flag(name) if value else "--no-" + flag(name)[2:]
+    return f"{flag(name)} {value}"
 
 
 def _pair(a: str, b: str, source: str) -> str:

@@ -17,14 +17,14 @@ import os
 import statistics
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 from torch import nn
 
 from vlmdoctor.errors import UsageError
-from vlmdoctor.run.config import RunConfig
+from vlmdoctor.run.config import GPUS, RunConfig
 
 #: NVLink multicast (NVLS / symmetric-memory multicast) off in every process on a GPU: the project's
 #: GPU hosts do not support it, and NCCL or symmetric memory would otherwise try it and fail or hang
@@ -425,16 +425,8 @@ def scaling(global_tps: float, world: int, one_gpu_tps: float, source: str) -> d
     }
 
 
-#: knobs that may differ between a distributed run and its one-GPU reference
-DIST_KNOBS = (
-    "nproc_per_node",
-    "parallel",
-    "reshard_after_forward",
-    "fsdp_prefetch",
-    "ddp_bucket_cap_mb",
-    "accum_no_sync",
-    "balance_tokens",
-)
+#: knobs that may differ between a distributed run and its one-GPU reference: those of the several-GPUs panel
+DIST_KNOBS = tuple(f.name for f in fields(RunConfig) if f.metadata["panel"] == GPUS)
 
 
 def one_gpu_config(cfg: RunConfig) -> RunConfig:

@@ -73,15 +73,12 @@ def check_mode_knobs(cfg: Any, source: str = "config") -> None:
             f"{where}--fused-optimizer is torch's fused AdamW; it does not combine with --optimizer {cfg.optimizer}"
         )
     if cfg.objective == "dpo":
-        for knob, flag in (
-            ("packing", "--packing"),
-            ("lm_head_labeled_only", "--lm-head-labeled-only"),
-            ("liger_fused_linear_cross_entropy", "--liger-fused-ce"),
-            ("cache_vision_features", "--cache-vision-features"),
-        ):
+        from vlmdoctor.run.config import flag
+
+        for knob in ("packing", "lm_head_labeled_only", "liger_fused_linear_cross_entropy", "cache_vision_features"):
             if getattr(cfg, knob):
                 raise UsageError(
-                    f"{where}{flag} is for the SFT loss; --objective dpo needs per-row log-probs of "
+                    f"{where}{flag(knob)} is for the SFT loss; --objective dpo needs per-row log-probs of "
                     "full logits (drop the flag)"
                 )
 
@@ -128,7 +125,7 @@ def quantize_nf4(llm: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> int:
     import bitsandbytes as bnb
 
     count = 0
-    for name, module in list(llm.named_modules()):
+    for module in list(llm.modules()):
         for child_name, child in list(module.named_children()):
             if not isinstance(child, nn.Linear) or child_name in skip:
                 continue

@@ -62,6 +62,11 @@ PLACEHOLDERS: dict[str, tuple[str, str]] = {
     "option": ("shapes|memory|stack", "a profiler option: shapes, memory, stack"),
     "dtype": ("fp32|bf16|fp16", "a matmul dtype: fp32, bf16, fp16"),
     "kind": ("[a-z_]+", "a collective: all_reduce, all_gather, reduce_scatter, broadcast, ..."),
+    "written": (
+        "eager|math|mha",
+        "attention written out as matmul + softmax: eager, SDPA's math path, nn.MultiheadAttention",
+    ),
+    "cast": ("weight|input|island", "a cast's kind: a weight's, a GEMM input's, an fp32 island's"),
     "knob": ("|".join(_KNOBS), "a knob of the run config (`vlmdoctor profile --help`)"),
 }
 
@@ -317,6 +322,30 @@ FACTS: list[Fact] = [
             ("attention.<part>.fwd_tflop_per_step", "TFLOP/step", "forward attention FLOPs of the part"),
             ("attention.<part>.fwd_tflops", "TFLOP/s", "forward attention throughput of the part"),
             ("attention.<part>.dense_mask_share", "fraction", "share of the part's SDPA calls with a dense mask"),
+        ],
+    ),
+    # --- causes, weighed by time (trace/attention_cause.py, trace/casts.py) ---------------------------------
+    *_group(
+        f"{_T}.attention_cause",
+        ("trace",),
+        [
+            ("attention.<written>.blocks", "count/step", "attention blocks written out as matmul + softmax"),
+            ("attention.<written>.ms", "ms/step", "their time (GPU kernels, or host ops on a CPU trace)"),
+            ("attention.<written>.parts", "list", "the model parts they ran in"),
+            ("attention.<written>.head_blocks", "count/step", "those in a pooling head (one query)"),
+            ("attention.<written>.head_ms", "ms/step", "the pooling heads' time"),
+            ("attention.eager.model_ms", "ms/step", "eager attention time less the pooling heads' (what SDPA fuses)"),
+            ("attention.written_out.source", "text", "GPU kernels, or host ops (CPU trace)"),
+        ],
+    ),
+    *_group(
+        f"{_T}.casts",
+        ("gpu",),
+        [
+            ("casts.<cast>.count", "count/step", "cast ops of one kind that launched kernels"),
+            ("casts.<cast>.ms", "ms/step", "their time"),
+            ("casts.<cast>.share", "fraction", "their share of GPU time"),
+            ("casts.classified_by", "text", "shapes (record_shapes), or the parent op"),
         ],
     ),
     # --- memory and the device -------------------------------------------------------------------------------

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from vlmdoctor.trace import causes, modes
 from vlmdoctor.trace import cpu_facts as cpu_family
-from vlmdoctor.trace import modes
 from vlmdoctor.trace.catalog import by_producer
 from vlmdoctor.trace.comms import rank_comms
 from vlmdoctor.trace.context import (  # noqa: F401  (re-exported: read through this module too)
@@ -122,12 +122,14 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
         attention.produce(r, facts)  # head dims come from the host's shapes: no GPU needed
         facts.update(cpu_family.cpu_facts(t, windows, facts))
         facts.update(modes.mode_facts(t, windows, facts))
+        facts.update(causes.cause_facts(t, r.ctx, facts, r.n))  # written-out attention, by kind
         return facts
     facts["trace.gpu_kernels"] = True
     facts["trace.partial"] = bool(warnings)
     for family in (busy, idle, kernels, launch, parts, memcpy, host, batches, loss, attention, memory, device, flops):
         family.produce(r, facts)
     facts.update(modes.mode_facts(t, windows, facts))
+    facts.update(causes.cause_facts(t, r.ctx, facts, r.n))  # casts and written-out attention, by kind
     facts["trace.warnings"] = warnings
     return facts
 
