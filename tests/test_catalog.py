@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from vlmdoctor.cli import app
 from vlmdoctor.doctor.rules import load_rules
-from vlmdoctor.trace import attention_cause, casts, catalog, cpu_facts, modes
+from vlmdoctor.trace import attention_cause, casts, catalog, cpu_facts, cudnn_plan, modes
 from vlmdoctor.trace import facts as driver
 from vlmdoctor.trace.families import (
     attention,
@@ -77,6 +77,7 @@ def produced() -> dict[str, set[str]]:
     mp.setattr(cpu_facts, "cpu_facts", _record(out, cpu_facts.__name__, cpu_facts.cpu_facts))
     mp.setattr(modes, "mode_facts", _record(out, modes.__name__, modes.mode_facts))
     mp.setattr(casts, "cast_facts", _record(out, casts.__name__, casts.cast_facts))
+    mp.setattr(cudnn_plan, "cudnn_plan_facts", _record(out, cudnn_plan.__name__, cudnn_plan.cudnn_plan_facts))
     mp.setattr(
         attention_cause,
         "attention_cause_facts",
@@ -119,7 +120,7 @@ def test_every_declared_fact_is_made_by_a_committed_trace(produced):
 
 
 def test_each_family_declares_its_facts_as_PRODUCES():
-    for mod in (*FAMILIES, cpu_facts, modes, casts, attention_cause, driver):
+    for mod in (*FAMILIES, cpu_facts, modes, casts, attention_cause, cudnn_plan, driver):
         assert getattr(mod, "PRODUCES", None) == catalog.by_producer(mod.__name__) != [], mod.__name__
 
 

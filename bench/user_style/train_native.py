@@ -368,8 +368,9 @@ def parse_args():
     ap.add_argument(
         "--recipe",
         default="schedule",
-        choices=["schedule", "plain"],
-        help="schedule: the tutorial's schedule + on_trace_ready; plain: with profile() around steps",
+        choices=["schedule", "plain", "none"],
+        help="schedule: the tutorial's schedule + on_trace_ready; plain: with profile() around steps; "
+        "none: no profiler (the script as run under `vlmdoctor run --`, which brings its own)",
     )
     ap.add_argument("--record-shapes", action="store_true")
     ap.add_argument("--profile-memory", action="store_true")
@@ -469,7 +470,10 @@ def run_loop(args, model, image_token, n_img, device, dtype) -> dict:
     sync()
     dt = time.perf_counter() - t0
     opts = profiler_options(args, device)
-    if args.recipe == "schedule":
+    if args.recipe == "none":
+        for _ in range(2 + args.active):
+            train_step()
+    elif args.recipe == "schedule":
 
         def on_ready(p):
             p.export_chrome_trace(args.out)
@@ -584,7 +588,7 @@ def main() -> None:
                 "cuda": torch.version.cuda,
                 "transformers": __import__("transformers").__version__,
                 "n_params": sum(p.numel() for p in model.parameters()),
-                "size_bytes": os.path.getsize(args.out),
+                "size_bytes": os.path.getsize(args.out) if os.path.exists(args.out) else None,
             }
         )
     )

@@ -634,7 +634,7 @@ def _gain(rule: Rule, key: str, env: dict[str, Any]) -> float | None:
 
 #: facts only GPU kernels give: on a CPU-only trace a rule that needs one does not apply (it is not unmeasured)
 GPU_ONLY = re.compile(
-    r"(gpu|kernels|idle|launch|liger|gemm|phase|memcpy|recompute|triton_compiled|optimizer|device|casts)\..*"
+    r"(gpu|kernels|idle|cudnn_plan|launch|liger|gemm|phase|memcpy|recompute|triton_compiled|optimizer|device|casts)\..*"
     r"|attention\.(fp32_kernels|kernel_share|[a-z]+\.(forward|backward|recompute)_ms|[a-z]+\.head_dim.*)"
     r"|part\.[a-z_]+\.(ms|share|forward_ms|backward_ms|recompute_ms)|part\.fp32_gemm_parts"
 )

@@ -192,6 +192,16 @@ FACTS: list[Fact] = [
             ("idle.top_host_ops", "list", "the innermost host ops the GPU waited on most (op, ms, share)"),
         ],
     ),
+    *_group(
+        f"{_T}.cudnn_plan",
+        ("gpu",),
+        [
+            ("cudnn_plan.calls", "calls/step", "cuDNN attention calls (a wrapper and its inner op counted once)"),
+            ("cudnn_plan.long_calls", "calls/step", "those that held the host 1 ms or more (plan builds)"),
+            ("cudnn_plan.idle_ms", "ms/step", "GPU idle time while the host was inside cuDNN attention calls"),
+            ("cudnn_plan.step_share", "fraction", "that idle time over the step"),
+        ],
+    ),
     # --- kernel classes, GEMMs -------------------------------------------------------------------------------
     *_group(
         f"{_F}.kernels",

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from vlmdoctor.trace import causes, modes
+from vlmdoctor.trace import causes, cudnn_plan, modes
 from vlmdoctor.trace import cpu_facts as cpu_family
 from vlmdoctor.trace.catalog import by_producer
 from vlmdoctor.trace.comms import rank_comms
@@ -126,7 +126,10 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
         return facts
     facts["trace.gpu_kernels"] = True
     facts["trace.partial"] = bool(warnings)
-    for family in (busy, idle, kernels, launch, parts, memcpy, host, batches, loss, attention, memory, device, flops):
+    busy.produce(r, facts)
+    idle.produce(r, facts)
+    facts.update(cudnn_plan.cudnn_plan_facts(t.ops, t.runtime, r.idle, r.n, facts["step.ms"]))
+    for family in (kernels, launch, parts, memcpy, host, batches, loss, attention, memory, device, flops):
         family.produce(r, facts)
     facts.update(modes.mode_facts(t, windows, facts))
     facts.update(causes.cause_facts(t, r.ctx, facts, r.n))  # casts and written-out attention, by kind
