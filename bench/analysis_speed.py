@@ -1,68 +1,202 @@
-"""Time and peak RSS of `vlmdoctor analyze` and of traceinsight (HTA) on one large trace.
+"""Time, CPU time and peak memory of `vlmdoctor analyze` on one large trace, against a bare `json.load`
+of the same file and against traceinsight (HTA), measured in one run; the table goes to docs/benchmarks.md.
 
     python bench/make_big_trace.py fixtures/traces/default_s2.pt.trace.json.gz /tmp/big/trace.json --min-gb 1.0
-    python bench/analysis_speed.py /tmp/big/trace.json
+    python bench/analysis_speed.py /tmp/big/trace.json --runs 3 --hta-runs 1 --doc docs/benchmarks.md
 
-Each tool runs in its own process under /usr/bin/time -v, one after the other. HTA runs
-TraceAnalysis (the parse) plus the breakdowns that overlap vlmdoctor's facts: temporal,
-idle time and kernel launch statistics.
+Every measurement is its own process (a fresh interpreter), run one after the other; the rounds
+interleave json.load and the analyzer so that a change in the machine's load touches both. Peak
+memory is the largest sum of the resident sets of the process and all its children, sampled from
+/proc every 50 ms (the analyzer's worker processes count). CPU time is user + system of the
+process tree. Each figure is the median of the rounds.
 """
 
 from __future__ import annotations
 
+import argparse
+import datetime as dt
 import json
 import os
-import re
+import platform
+import resource
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from importlib import metadata
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+START, END = "<!-- analysis-speed:start -->", "<!-- analysis-speed:end -->"
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+JSON_LOAD = "import json, sys\nwith open(sys.argv[1]) as f:\n    json.load(f)\n"
+ONE_PROCESS = (  # the same command, its analysis held to one process
+    "import sys\nimport vlmdoctor.trace.facts as f\nf.cpus = lambda: 1\nfrom vlmdoctor.cli import main\n"
+    "sys.argv = ['vlmdoctor', 'analyze', sys.argv[1], '--json', sys.argv[2], '--force']\nmain()\n"
+)
 HTA = """
-import time, warnings
+import sys, time, warnings
 warnings.filterwarnings("ignore")
 from hta.trace_analysis import TraceAnalysis
-t = time.time()
-a = TraceAnalysis(trace_dir={folder!r}, include_last_profiler_step=True)
-t1 = time.time()
+a = TraceAnalysis(trace_dir=sys.argv[1], include_last_profiler_step=True)
 tb = a.get_temporal_breakdown(visualize=False)
 a.get_idle_time_breakdown(visualize=False)
 a.get_cuda_kernel_launch_stats(visualize=False)
-print("HTA parse_s", round(t1 - t, 2), "breakdowns_s", round(time.time() - t1, 2))
 print("HTA idle_pct", float(tb["idle_time_pctg"].iloc[0]))
 """
 
 
-def timed(cmd: list[str]) -> dict:
-    proc = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True)
-    err = proc.stderr
-    wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (\S+)", err).group(1)
-    parts = [float(x) for x in wall.split(":")]
-    seconds = parts[-1] + 60 * parts[-2] + (3600 * parts[-3] if len(parts) == 3 else 0)
-    rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", err).group(1)) / 2**20
-    return {"exit": proc.returncode, "wall_s": seconds, "peak_rss_gb": rss, "stdout_tail": proc.stdout[-600:]}
+def _tree_rss(pid: int) -> int:
+    """Resident bytes of `pid` and every process below it (walked through /proc/<pid>/task/*/children)."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/statm") as f:
+                total += int(f.read().split()[1]) * PAGE
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except (OSError, ValueError):
+            pass
+    return total
+
+
+def measure(cmd: list[str]) -> dict:
+    """Wall time, CPU time (user + system) and peak resident memory of the process tree."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    peak = 0
+    while proc.poll() is None:
+        peak = max(peak, _tree_rss(proc.pid))
+        time.sleep(0.05)
+    wall = time.perf_counter() - t0
+    out, err = proc.communicate()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd[:4])}... exited with {proc.returncode}: {err[-2000:]}")
+    return {"wall_s": wall, "cpu_s": cpu, "peak_rss_gb": peak / 1e9, "stdout": out[-400:]}
+
+
+def _version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def main() -> None:
-    trace = Path(sys.argv[1]).resolve()
-    size_gb = trace.stat().st_size / 2**30
+    ap = argparse.ArgumentParser()
+    ap.add_argument("trace")
+    ap.add_argument("--runs", type=int, default=3, help="rounds of json.load and the analyzer")
+    ap.add_argument("--hta-runs", type=int, default=1, help="traceinsight runs (0: skip; minutes each on 1 GB)")
+    ap.add_argument("--doc", help="write the table into this Markdown file, between the analysis-speed markers")
+    ap.add_argument("--out", help="write every measurement here as JSON")
+    args = ap.parse_args()
+    trace = Path(args.trace).resolve()
+    gib = trace.stat().st_size / 2**30
+    load_before = os.getloadavg()
+    rows: dict[str, list[dict]] = {"json.load": [], "analyze": [], "analyze, one process": []}
     with tempfile.TemporaryDirectory() as tmp:
-        ours = timed([sys.executable, "-m", "vlmdoctor", "analyze", str(trace), "--json", f"{tmp}/facts.json"])
-        facts = json.loads(Path(f"{tmp}/facts.json").read_text())["files"][0]["facts"]
-    ours["idle_pct"] = 100 * (1 - facts["gpu.busy_frac"])
-    ours["steps"] = facts["trace.steps"]
-    hta = timed([sys.executable, "-c", HTA.format(folder=str(trace.parent))])
-    m = re.search(r"HTA idle_pct (\S+)", hta["stdout_tail"])
-    hta["idle_pct"] = float(m.group(1)) if m else None
-    result = {
-        "trace": str(trace),
-        "trace_gb": size_gb,
-        "cpus": os.cpu_count(),
-        "vlmdoctor": ours,
-        "traceinsight": hta,
-        "speedup": hta["wall_s"] / ours["wall_s"],
+        for r in range(args.runs):
+            rows["json.load"].append(measure([sys.executable, "-c", JSON_LOAD, str(trace)]))
+            a, b = f"{tmp}/a{r}.json", f"{tmp}/b{r}.json"
+            rows["analyze"].append(
+                measure([sys.executable, "-m", "vlmdoctor", "analyze", str(trace), "--json", a, "--force"])
+            )
+            rows["analyze, one process"].append(measure([sys.executable, "-c", ONE_PROCESS, str(trace), b]))
+            print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]['wall_s']:.1f} s" for k, v in rows.items()), flush=True)
+        facts = json.loads(Path(f"{tmp}/a0.json").read_text())["files"][0]["facts"]
+        same = facts == json.loads(Path(f"{tmp}/b0.json").read_text())["files"][0]["facts"]
+    report = _report(rows, trace, gib, facts, same, load_before)
+    _save(args, report)  # the rounds now; again with traceinsight's runs when they end
+    if args.hta_runs:
+        rows["traceinsight"] = [measure([sys.executable, "-c", HTA, str(trace.parent)]) for _ in range(args.hta_runs)]
+        _save(args, _report(rows, trace, gib, facts, same, load_before))
+
+
+def _report(rows: dict, trace: Path, gib: float, facts: dict, same: bool, load_before: tuple) -> dict:
+    med = {
+        k: {m: statistics.median(x[m] for x in v) for m in ("wall_s", "cpu_s", "peak_rss_gb")} for k, v in rows.items()
     }
-    print(json.dumps(result, indent=2))
+    return {
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "trace": str(trace),
+        "trace_gib": gib,
+        "steps": facts.get("trace.steps"),
+        "cores": os.cpu_count(),
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "analyze_outputs_identical": same,
+        "versions": {
+            "python": platform.python_version(),
+            **{k: _version(k) for k in ("vlmdoctor", "msgspec", "pandas", "numpy", "traceinsight")},
+        },
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+        ).stdout.strip(),
+        "runs": {k: len(v) for k, v in rows.items()},
+        "median": med,
+        "all": rows,
+    }
+
+
+def _save(args: argparse.Namespace, result: dict) -> None:
+    print(json.dumps({k: v for k, v in result.items() if k != "all"}, indent=2), flush=True)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    if args.doc:
+        _write_doc(Path(args.doc), result, " ".join(sys.argv[1:]))
+
+
+def _write_doc(doc: Path, r: dict, argv: str) -> None:
+    gib, med, base = r["trace_gib"], r["median"], r["median"]["json.load"]["wall_s"]
+    lines = [
+        START,
+        f"## Issue 26: analyzing a 1 GiB trace ({r['cores']}-core CPU machine, {r['date'][:10]})",
+        "",
+        "| | runs | wall time (median) | s per GiB | x json.load's time | CPU time (user+sys) | peak RSS "
+        "(all processes) | peak RSS / trace size |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for k, m in med.items():
+        lines.append(
+            f"| {k} | {r['runs'][k]} | {m['wall_s']:.1f} s | {m['wall_s'] / gib:.1f} | {m['wall_s'] / base:.2f} | "
+            f"{m['cpu_s']:.1f} s | {m['peak_rss_gb']:.2f} GB | {m['peak_rss_gb'] * 1e9 / 2**30 / gib:.2f} |"
+        )
+    v = r["versions"]
+    lines += [
+        "",
+        f"Device: a {r['cores']}-core CPU machine, shared: load average {r['load_average_before'][0]:.1f} "
+        f"(1 min) when the runs started and {r['load_average_after'][0]:.1f} when they ended, so wall times "
+        "carry the other work's share of the cores; CPU time is the process tree's own. Trace: "
+        f"{gib:.2f} GiB uncompressed, {r['steps']} steps, built by `bench/make_big_trace.py` from the recorded "
+        "default-config H100 trace. `analyze` is the command (one process per core); `analyze, one process` is "
+        "the same command with its analysis held to one process; their facts were "
+        f"{'identical' if r['analyze_outputs_identical'] else 'NOT identical'}. Versions: Python {v['python']}, "
+        f"vlmdoctor {v['vlmdoctor']} (commit {r['commit']}), msgspec {v['msgspec']}, pandas {v['pandas']}, "
+        f"numpy {v['numpy']}, traceinsight {v['traceinsight']}. Each row is the median of its runs; rounds "
+        "interleave json.load and the analyzer. Commands:",
+        "",
+        "```bash",
+        f"python bench/make_big_trace.py fixtures/traces/default_s2.pt.trace.json.gz {r['trace']} --min-gb 1.0",
+        f"python bench/analysis_speed.py {argv}",
+        "```",
+        END,
+    ]
+    text = doc.read_text()
+    block = "\n".join(lines)
+    if START in text:
+        a, b = text.index(START), text.index(END) + len(END)
+        text = text[:a] + block + text[b:]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    doc.write_text(text)
 
 
 if __name__ == "__main__":

@@ -40,13 +40,14 @@ def host(
     return measure, state
 
 
-def simulate(gain: float, trials: int, seed: int, opts: PairedOptions = PairedOptions(), **noise) -> dict[str, float]:
+def simulate(gain: float, trials: int, seed: int, opts: PairedOptions | None = None, **noise) -> dict[str, float]:
+    opts = opts or PairedOptions()
     rng = np.random.default_rng(seed)
     counts: dict[str, int] = {}
     runs = 0
     for _ in range(trials):
         m, state = host(rng, **noise)
-        r = interleaved({"cur": lambda: m(1000.0), "cand": lambda: m(1000.0 * (1 + gain))}, "cur", opts)
+        r = interleaved({"cur": lambda: m(1000.0), "cand": lambda: m(1000.0 * (1 + gain))}, "cur", opts)  # noqa: B023
         o = r["decisions"]["cand"]["outcome"]
         counts[o] = counts.get(o, 0) + 1
         runs += state["runs"]
@@ -205,7 +206,9 @@ def test_the_two_pair_shortcut_keeps_false_keeps_under_1_percent(noise, early_li
         for _ in range(600):
             m, _state = host(rng, **noise)
             d = interleaved(
-                {"cur": lambda: m(1000.0), "cand": lambda: m(1000.0)}, "cur", PairedOptions(large_effect=le)
+                {"cur": lambda: m(1000.0), "cand": lambda: m(1000.0)},  # noqa: B023 (run inside this iteration)
+                "cur",
+                PairedOptions(large_effect=le),
             )["decisions"]["cand"]
             kept[le] += d["outcome"] == "kept"
             early += d["outcome"] == "kept" and d["pairs"] == 2

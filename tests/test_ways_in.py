@@ -260,6 +260,19 @@ def _check_report(report, source: str, model_class: str) -> None:
     assert "diagnosis" in report and isinstance(report["findings"], list)
     for f in report["findings"]:
         assert f["advice"]["lines"], f["id"]
+    # FLOPs counted on a real step of the user's model; no peak for a CPU, and the report says so
+    assert m["flops_per_step"] > 0 and report["flops"]["formula"] == "counted"
+    assert m["mfu"] is None and m["mfu_reason"].startswith("no peak known for ")
+    # the headline is the one estimator, with its spread and its stability verdict
+    tp = report["throughput"]
+    assert m["real_tokens_per_s"] == tp["real_tokens_per_s"]
+    assert tp["real_tokens_per_s_p10"] <= m["real_tokens_per_s"] <= tp["real_tokens_per_s_p90"]
+    assert isinstance(tp["stable"], bool) and (tp["stable"] or tp["unstable_reason"])
+    # the split of one window (the traced one), shares summing to one with an explicit rest
+    split = report["split"]
+    assert split["window"] == "traced" and split["step_ms"] == facts["step.ms"]
+    assert sum(r["share"] for r in split["rows"]) == pytest.approx(1.0)
+    assert [r["part"] for r in split["rows"]][-1] == "other"
 
 
 def test_api_loop_llava(api_llava):

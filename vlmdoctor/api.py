@@ -34,6 +34,8 @@ import torch
 from torch import nn
 
 from vlmdoctor import SCHEMA_VERSION, __version__
+from vlmdoctor.run import throughput
+from vlmdoctor.run.flopcount import StepFlops, describe_counted, peak_of, per_step
 
 IGNORE_INDEX = -100
 
@@ -215,6 +217,12 @@ class Recorder:
         self.hooks: list[Any] = []
         self.batch_seen = False
         self.desc = describe_model(model) if model is not None else {"class": None, "parts": {}}
+        self.warmup_asked = self.warmup
+        # the warm-up may grow until its last steps agree (throughput.unsettled), by as many steps as were asked
+        self.settle_left = min(20, self.warmup) if self.warmup >= throughput.SETTLE_STEPS else 0
+        self.settled: bool | None = None
+        self.flops = StepFlops()
+        self.flops_padded: int | None = None
 
     # -- hooks ------------------------------------------------------------------------------------
     def attach(self) -> None:
@@ -295,17 +303,25 @@ class Recorder:
         self.pending, self.pending_losses = [], []
         self.n += 1
         i = self.n
+        if self.flops.running:  # the counted step (the profiler's wait step) ends here
+            self.flops.stop()
+            self.flops_padded = sum(int(c["padded"]) for c in counts) or None
         boundary = i == self.warmup or i == self.warmup + self.steps
         if boundary:
             _sync(self.device)
             now = time.perf_counter()
         self.records.append({"t": now, "cpu": time.process_time(), "counts": counts, "losses": losses[-1:]})
+        if i == self.warmup and self._still_warming():
+            self.warmup += 1  # one more warm-up step; the window starts once the steps agree
+            return
         if i == self.warmup and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         if i == self.warmup + self.steps:
             self.window = self._summarize(self.warmup, i)
             if self.trace_steps:
                 self._start_profiler()
+            if self.model is not None and self.prof is not None:
+                self.flops.start()  # the next step is the profiler's wait step: count its FLOPs, untimed
         elif self.prof is not None:
             if i > self.warmup + self.steps + 2 and self.trace_info is not None:  # an active (recorded) step
                 self.trace_info["traced_step_ms"].append((now - self.records[-2]["t"]) * 1e3)
@@ -315,6 +331,21 @@ class Recorder:
             if i >= self.warmup + self.steps + 2 + self.trace_steps:
                 self._stop_profiler()
                 self._detach()
+
+    def _still_warming(self) -> bool:
+        """The warm-up's last steps do not agree yet (time per real token): warm up one more step, while allowed."""
+        if self.warmup < throughput.SETTLE_STEPS or not self.warmup_asked:
+            return False
+        per_token = []
+        for k in range(max(0, self.warmup - throughput.SETTLE_STEPS), self.warmup):
+            prev = self.records[k - 1]["t"] if k >= 1 else self.t_start
+            tokens = sum(int(c["real"]) for c in self.records[k]["counts"]) or 1
+            per_token.append((self.records[k]["t"] - prev) / tokens)
+        self.settled = not throughput.unsettled(per_token)
+        if self.settled or self.settle_left <= 0:
+            return False
+        self.settle_left -= 1
+        return True
 
     @property
     def window_done(self) -> bool:
@@ -352,16 +383,21 @@ class Recorder:
         wall = prev - t0
         real = sum(t[0] for t in toks)
         padded = sum(t[2] for t in toks)
+        step_ms = [s * 1e3 for s in step_s]
+        real_steps = [t[0] for t in toks] if real else None
+        loss_steps = [t[1] for t in toks] if toks and all(t[4] for t in toks) else None
         w: dict[str, Any] = {
             "steps": last - first,
             "wall_s": wall,
-            "real_tokens_per_s": real / wall if wall > 0 and real else None,
-            "loss_tokens_per_s": (sum(t[1] for t in toks) / wall) if wall > 0 and all(t[4] for t in toks) else None,
+            "real_tokens_per_s": throughput.rate(real_steps, step_ms),
+            "loss_tokens_per_s": throughput.rate(loss_steps, step_ms),
             "pad_fraction": 1.0 - real / padded if padded else None,
-            "step_ms": [s * 1e3 for s in step_s],
+            "step_ms": step_ms,
             # the process's CPU time per step: a one-thread CPU run's work, which a neighbour's load does not stretch
             "step_cpu_ms": [c * 1e3 for c in step_cpu] if None not in step_cpu else None,
             "step_real_tokens": [t[0] for t in toks],
+            "step_loss_tokens": loss_steps,
+            "step_padded_tokens": [t[2] for t in toks],
             "model_tflops_per_s": None,
             "mfu": None,
             "losses": losses,
@@ -415,6 +451,11 @@ class Recorder:
         self.prof.add_metadata_json("vlmdoctor", json.dumps(meta, default=str))
 
     def _stop_profiler(self) -> None:
+        if self.flops.running:  # a dispatch mode never outlives the measurement
+            try:
+                self.flops.stop()
+            except Exception as e:
+                self.flops.reason = f"not counted: {type(e).__name__}: {e}"
         prof, self.prof = self.prof, None
         if prof is not None:
             try:
@@ -497,12 +538,18 @@ class Recorder:
             "kind": "profile",
             "model": self.desc,
             "env": env,
-            "flops": {
-                "formula": "not counted for a user's model",
-                "peak_flops": None,
-                "peak_source": "MFU is not computed for a user's own model",
-            },
         }
+        peak, peak_source, no_peak = peak_of(env)
+        report["flops"] = describe_counted(self.flops, self.flops_padded) | {
+            "peak_flops": peak,
+            "peak_source": peak_source,
+        }
+        if self.flops.total is None and self.flops.reason is None:
+            report["flops"]["formula"] = (
+                "not counted: the loop ended before the traced window's first step"
+                if self.trace_steps
+                else "not counted: no traced window (trace_steps=0), whose first step is the one counted"
+            )
         n = self.n
         notes = list(self.notes)
         window = self.window
@@ -536,7 +583,30 @@ class Recorder:
                 "no tokens seen: the model was not called with input_ids / attention_mask keyword "
                 "arguments (with vlmdoctor.Doctor, pass the batch: doc.step(batch))"
             )
+        step_flops = per_step(self.flops.total, self.flops_padded, window.get("step_padded_tokens") or [])
+        if step_flops is not None:
+            window["step_flops"] = step_flops if isinstance(step_flops, list) else [step_flops] * window["steps"]
+        est = throughput.window_stats(
+            window["step_ms"],
+            window["step_real_tokens"] if window["real_tokens_per_s"] is not None else None,
+            window.get("step_loss_tokens"),
+            window.get("step_flops"),
+            peak,
+        )
+        window["model_tflops_per_s"], window["mfu"] = est["model_tflops_per_s"], est["mfu"]
         report["metrics"] = _metrics(window, self.device)
+        report["metrics"]["flops_per_step"] = (
+            sum(window["step_flops"]) / len(window["step_flops"]) if window.get("step_flops") else None
+        )
+        if est["mfu"] is None:
+            report["metrics"]["mfu_reason"] = no_peak or f"FLOPs {report['flops']['formula']}"
+        report["throughput"] = est
+        report["warmup"] = {
+            "asked": self.warmup_asked,
+            "steps": self.warmup,
+            "settle_steps": self.warmup - self.warmup_asked,
+            "settled": self.settled,
+        }
         report["stats"] = _stats(window)
         report["repeats"] = [
             {k: v for k, v in window.items() if k != "losses"}
@@ -556,11 +626,7 @@ class Recorder:
         return report
 
 
-def _percentile(values: Sequence[float], q: float) -> float:
-    s = sorted(values)
-    k = (len(s) - 1) * q
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+_percentile = throughput.percentile
 
 
 def _metrics(w: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -572,8 +638,8 @@ def _metrics(w: dict[str, Any], device: torch.device) -> dict[str, Any]:
         "real_tokens_per_s": w["real_tokens_per_s"],
         "loss_tokens_per_s": w["loss_tokens_per_s"],
         "pad_fraction": w["pad_fraction"],
-        "model_tflops_per_s": None,
-        "mfu": None,
+        "model_tflops_per_s": w.get("model_tflops_per_s"),
+        "mfu": w.get("mfu"),
         "step_ms": statistics.median(ms),
         "step_ms_p10": _percentile(ms, 0.1),
         "step_ms_p90": _percentile(ms, 0.9),
@@ -689,6 +755,21 @@ class Doctor:
         self.rec.step(batch, loss, **inputs)
         if self.report is None and self.rec.window_done:
             self.finish()
+
+    def _still_warming(self) -> bool:
+        """The warm-up's last steps do not agree yet (time per real token): warm up one more step, while allowed."""
+        if self.warmup < throughput.SETTLE_STEPS or not self.warmup_asked:
+            return False
+        per_token = []
+        for k in range(max(0, self.warmup - throughput.SETTLE_STEPS), self.warmup):
+            prev = self.records[k - 1]["t"] if k >= 1 else self.t_start
+            tokens = sum(int(c["real"]) for c in self.records[k]["counts"]) or 1
+            per_token.append((self.records[k]["t"] - prev) / tokens)
+        self.settled = not throughput.unsettled(per_token)
+        if self.settled or self.settle_left <= 0:
+            return False
+        self.settle_left -= 1
+        return True
 
     @property
     def window_done(self) -> bool:

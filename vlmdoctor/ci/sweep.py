@@ -29,7 +29,9 @@ ROW_KEYS = {"name", "set", "stages"}
 def grid_rows(
     path: str | Path, extra: dict[str, Any] | None = None, stages: list[int] | None = None
 ) -> list[tuple[int, str, RunConfig]]:
-    """(row index, name, config) for every row, model and stage of a grid file; bad knobs are user errors naming the row."""
+    """(row index, name, config) for every row, model and stage of a grid file.
+
+    Bad knobs are user errors naming the row."""
     from vlmdoctor.inputs import read_text
 
     try:

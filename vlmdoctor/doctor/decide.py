@@ -211,13 +211,12 @@ def large_effect(ratios: Sequence[float], opts: PairedOptions) -> dict[str, Any]
 
 
 def throughput(report: Report) -> float | None:
-    """Median real tokens/s over a run's timed windows; None when the run did not finish cleanly."""
+    """A run's real tokens/s by the one estimator (run/throughput.py); None when the run did not finish cleanly."""
     if report.get("status") != "ok":
         return None
-    reps = [r["real_tokens_per_s"] for r in report.get("repeats") or [] if r.get("real_tokens_per_s")]
-    if reps:
-        return statistics.median(reps)
-    return (report.get("metrics") or {}).get("real_tokens_per_s")
+    from vlmdoctor.run.throughput import headline
+
+    return headline(report)
 
 
 def step_throughput(report: Report, cpu_time: bool = False) -> float | None:
@@ -230,16 +229,19 @@ def step_throughput(report: Report, cpu_time: bool = False) -> float | None:
     Falls back to `throughput` for reports without per-step records."""
     if report.get("status") != "ok":
         return None
+    from vlmdoctor.run.throughput import rate
+
     key = "step_cpu_ms" if cpu_time else "step_ms"
-    steps = [
-        tok / (ms / 1000)
+    pairs = [
+        (tok, ms)
         for r in report.get("repeats") or []
         for tok, ms in zip(r.get("step_real_tokens") or [], r.get(key) or [])
         if ms and ms > 0
     ]
-    if cpu_time and not steps:
+    if cpu_time and not pairs:
         return step_throughput(report)
-    return statistics.median(steps) if steps else throughput(report)
+    # the one estimator (the median of the per-step rates), over wall or CPU time
+    return rate([t for t, _ in pairs], [m for _, m in pairs]) if pairs else throughput(report)
 
 
 # --- the engine -------------------------------------------------------------------------------
@@ -267,17 +269,18 @@ def interleaved(
 ) -> dict[str, Any]:
     """Measure the arms in rounds, each arm once per round, and decide each candidate against the reference.
 
-    The order within a round rotates (A B, B A, A B ... for two arms; R A B, A B R, B R A for three) so that a steady drift of the
-    host does not always favour the arm that runs second. A round's ratio is candidate / reference
-    of that round. After `min_pairs` rounds, another round runs only while some candidate is
-    undecided, `max_pairs` is not reached and the last round's wall time still fits in
+    The order within a round rotates (A B, B A, A B ... for two arms; R A B, A B R, B R A for three) so
+    that a steady drift of the host does not always favour the arm that runs second. A round's ratio is
+    candidate / reference of that round. After `min_pairs` rounds, another round runs only while some
+    candidate is undecided, `max_pairs` is not reached and the last round's wall time still fits in
     `time_left()`. With `contribution`, a candidate's ratio is reference / candidate: what the
     reference has that the candidate lacks (a leave-one-out ablation). `judge(ratios, final)`
     replaces the keep/harmful verdict (the gate judges slowdowns). `first` holds reports
-    already measured for round 1 (the diagnosed run a treatment starts from). An arm whose run fails (OOM, crash, timeout) leaves the comparison with that
-    outcome; when the reference fails, nothing can be decided. `on_round` sees the results after
-    every round (treat uses it to keep what was measured on Ctrl-C). `value` reads a run's
-    throughput from its report (None: the run failed); the gate takes the median step.
+    already measured for round 1 (the diagnosed run a treatment starts from). An arm whose run fails
+    (OOM, crash, timeout) leaves the comparison with that outcome; when the reference fails, nothing
+    can be decided. `on_round` sees the results after every round (treat uses it to keep what was
+    measured on Ctrl-C). `value` reads a run's throughput from its report (None: the run failed); the
+    gate takes the median step.
     """
     early = judge is None  # a large effect may be decided on two pairs (not by a caller's own judge)
     if judge is None:

@@ -59,6 +59,10 @@ def examine(report: dict[str, Any], rules_dirs: Sequence[str] = (), prescribe: b
     if facts is None:
         return report
     report["facts"] = facts
+    if "trace.error" not in facts:
+        from vlmdoctor.trace.split import step_split
+
+        report["split"] = step_split(facts)
     if prescribe and "trace.error" not in facts:
         rules, problems = load_rules(*rules_dirs)
         report["diagnosis"] = diagnose(facts, rules, problems)

@@ -612,6 +612,9 @@ def _fire(
         "expected_gain": {
             "saves_ms_per_step": saves,
             "share_of_step": (saves / step) if saves and step else None,
+            # the step the ms and the share are of: the traced window's (facts' step.ms), never the timed median
+            "step_ms": step,
+            "window": "traced",
             "throughput_x": speedup,
             "how": rule.gain.get("how"),
         },

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from vlmdoctor.errors import UsageError
+from vlmdoctor.run import throughput
 from vlmdoctor.run.config import knob_table
 
 MODEL_KEYS = ("model", "vision", "llm", "projector", "pixel_shuffle")
@@ -101,6 +102,8 @@ def _metric_rows(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for key, label, higher in METRICS:
         va, vb = a["metrics"].get(key), b["metrics"].get(key)
+        if key == "real_tokens_per_s":  # the one estimator, also for reports written before it
+            va, vb = throughput.headline(a), throughput.headline(b)
         rows.append(
             {
                 "key": key,
@@ -190,6 +193,13 @@ def compare(
                 f"{label}: slowest of {world_size(r)} ranks is rank {slow['rank']} ({slow['step_ms']:,.1f} ms/step"
                 + (f", {slow['imbalance'] * 100:.1f}% over the fastest)" if slow["imbalance"] is not None else ")")
             )
+
+    for label, r in ((la, a), (lb, b)):
+        tp = r.get("throughput") or {}
+        if tp.get("stable") is False:
+            notes.append(f"{label}'s timed window is unstable ({tp.get('unstable_reason')}): a difference may be noise")
+        if tp.get("settled") is False:
+            notes.append(f"{label}'s timed window was still warming up: its tokens/s reads low")
 
     fa, fb = _facts(a), _facts(b)
     kernels = gpu = None

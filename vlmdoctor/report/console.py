@@ -12,6 +12,7 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
+from vlmdoctor.run import throughput
 from vlmdoctor.run.config import RunConfig, knob_table
 
 
@@ -73,7 +74,12 @@ def render(report: dict[str, Any], console: Console) -> None:
             return ""
         return f"{_fmt(s['min'], unit, digits)} .. {_fmt(s['max'], unit, digits)}"
 
-    t.add_row("real tokens/s", _fmt(m["real_tokens_per_s"], "", 0), spread("real_tokens_per_s", "", 0))
+    tp = report.get("throughput") or {}
+    t.add_row(
+        "real tokens/s",
+        _fmt(throughput.headline(report), "", 0),
+        throughput.spread_text(tp) or spread("real_tokens_per_s", "", 0),
+    )
     t.add_row("loss tokens/s", _fmt(m["loss_tokens_per_s"], "", 0), spread("loss_tokens_per_s", "", 0))
     t.add_row("pad fraction", _fmt(m["pad_fraction"] * 100, " %"), "")
     step = stats.get("step_ms", {})
@@ -82,7 +88,11 @@ def render(report: dict[str, Any], console: Console) -> None:
         _fmt(m["step_ms"], " ms"),
         f"p10 {_fmt(m['step_ms_p10'])} / p90 {_fmt(m['step_ms_p90'])} (n={step.get('n')})",
     )
-    t.add_row("MFU", _fmt(m["mfu"] * 100 if m["mfu"] is not None else None, " %"), spread("mfu", "", 3))
+    t.add_row(
+        "MFU",
+        _fmt(m["mfu"] * 100 if m["mfu"] is not None else None, " %"),
+        spread("mfu", "", 3) if m["mfu"] is not None else escape(str(m.get("mfu_reason") or "")),
+    )
     t.add_row("model TFLOP/s", _fmt(m["model_tflops_per_s"], "", 2), "")
     if m.get("peak_mem_gb") is not None:
         t.add_row(
@@ -95,6 +105,7 @@ def render(report: dict[str, Any], console: Console) -> None:
     loss = m["final_loss"]
     t.add_row("final loss", _fmt(loss, "", 4) if m["loss_finite"] else f"[red]{loss} (not finite)[/red]", "")
     console.print(t)
+    render_measurement_notes(report, console)
     if report.get("distributed"):
         render_ranks(report["distributed"], console)
     versions = ", ".join(f"{k} {env.get(k)}" for k in ("torch", "transformers", "liger_kernel") if env.get(k))
@@ -281,8 +292,10 @@ def render_facts(result: dict[str, Any], console: Console) -> None:
 def _gain_text(gain: dict[str, Any]) -> str:
     if gain["saves_ms_per_step"] is not None:
         g = f"-{gain['saves_ms_per_step']:,.1f} ms/step"
-        if gain["share_of_step"]:
-            g += f"\n({gain['share_of_step'] * 100:.0f}% of the step)"
+        if gain["share_of_step"] and gain.get("step_ms"):  # the ms and the step from one window, said
+            g += f"\n({gain['share_of_step'] * 100:.0f}% of the {gain['step_ms']:,.1f} ms traced step)"
+        elif gain["share_of_step"]:
+            g += f"\n({gain['share_of_step'] * 100:.0f}% of the traced step)"
         return g
     if gain.get("throughput_x"):
         return f"x{gain['throughput_x']:.2f} throughput"
@@ -539,7 +552,9 @@ def render_own(report: dict[str, Any], console: Console) -> None:
     t = Table(show_header=True, header_style="bold")
     t.add_column("metric")
     t.add_column("value", justify="right")
-    t.add_row("real tokens/s", _fmt(m.get("real_tokens_per_s"), "", 0))
+    tp = report.get("throughput") or {}
+    spread = throughput.spread_text(tp)
+    t.add_row("real tokens/s", _fmt(m.get("real_tokens_per_s"), "", 0) + (f" ({spread})" if spread else ""))
     t.add_row("loss tokens/s", _fmt(m.get("loss_tokens_per_s"), "", 0))
     pad = m.get("pad_fraction")
     t.add_row("pad fraction", _fmt(pad * 100 if pad is not None else None, " %"))
@@ -548,17 +563,14 @@ def render_own(report: dict[str, Any], console: Console) -> None:
         f"{_fmt(m['step_ms'], ' ms')} (p10 {_fmt(m['step_ms_p10'])}, "
         f"p90 {_fmt(m['step_ms_p90'])}, n={m['steps_per_repeat']})",
     )
+    _flop_rows(t, m, report.get("flops") or {})
     if m.get("peak_mem_gb") is not None:
         t.add_row("peak memory allocated", _fmt(m["peak_mem_gb"], " GiB", 2))
     if m.get("final_loss") is not None:
         t.add_row("last loss", _fmt(m["final_loss"], "", 4))
     facts = report.get("facts") or {}
-    for p in ("vision", "projector", "llm"):
-        key = f"part.{p}.ms" if f"part.{p}.ms" in facts else f"cpu.part.{p}.ms"
-        if key in facts:
-            label = "GPU" if key.startswith("part.") else "CPU op"
-            t.add_row(f"{p} ({label} time/step)", _fmt(facts[key], " ms", 2))
     console.print(t)
+    render_measurement_notes(report, console)
     if "trace.error" in facts:
         console.print(f"[yellow]the trace could not be analyzed:[/yellow] {escape(str(facts['trace.error']))}")
     tr = report.get("trace") or {}
@@ -566,6 +578,54 @@ def render_own(report: dict[str, Any], console: Console) -> None:
         console.print(f"trace: {tr['path']}", highlight=False)
     if "diagnosis" in report:
         render_own_findings(report["diagnosis"], console)
+
+
+def _flop_rows(t: Table, m: dict[str, Any], flops: dict[str, Any]) -> None:
+    """FLOPs per step and MFU of a user's model: counted from a real step; MFU null says why."""
+    fps = m.get("flops_per_step")
+    t.add_row("FLOPs/step", f"{fps / 1e9:,.2f} GFLOP (counted)" if fps else str(flops.get("formula") or "n/a"))
+    mfu = m.get("mfu")
+    t.add_row("MFU", _fmt(mfu * 100, " %", 2) if mfu is not None else f"n/a: {m.get('mfu_reason') or 'not computed'}")
+
+
+def measurement_notes(report: dict[str, Any]) -> list[str]:
+    """What to know before trusting the numbers: an unstable window, a warm-up that had not settled, the split."""
+    tp = report.get("throughput") or {}
+    out = []
+    if tp.get("stable") is False:
+        out.append(
+            f"unstable window: {tp.get('unstable_reason')}. tokens/s is the median step's rate, which a few slow "
+            f"steps barely move; {tp.get('advice')}"
+        )
+    if tp.get("settled") is False and tp.get("settle_note"):
+        out.append(f"warm-up: {tp['settle_note']}")
+    warm = report.get("warmup") or {}
+    if warm.get("settle_steps"):
+        out.append(
+            f"warm-up extended by {warm['settle_steps']} step(s) until its last steps agreed"
+            + (" (they never did: limit reached)" if warm.get("settled") is False else "")
+        )
+    return out
+
+
+def render_measurement_notes(report: dict[str, Any], console: Console) -> None:
+    for line in measurement_notes(report):
+        console.print(f"[yellow]note:[/yellow] {escape(line)}", highlight=False)
+    sp = report.get("split")
+    if sp:
+        timed = (report.get("metrics") or {}).get("step_ms")
+        console.print(
+            f"time split of the traced step ({sp['step_ms']:,.1f} ms, {sp['basis']}"
+            + (f"; the timed median step is {timed:,.1f} ms" if timed else "")
+            + "):",
+            highlight=False,
+        )
+        console.print(
+            "  " + ", ".join(f"{r['part']} {r['share'] * 100:.0f}% ({r['ms']:,.1f} ms)" for r in sp["rows"]),
+            highlight=False,
+        )
+        if sp.get("note"):
+            console.print(f"  {escape(sp['note'])}", highlight=False)
 
 
 def _gain_line(gain: dict[str, Any]) -> str:

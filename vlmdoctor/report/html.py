@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmdoctor.errors import UsageError
+from vlmdoctor.run import throughput
 
 esc = html.escape
 
@@ -155,8 +156,7 @@ def step_split_svg(facts: dict[str, Any]) -> str:
     out = [
         f'<svg viewBox="0 0 {W} {{H}}" role="img" aria-label="step time split">',
         f'<text x="{X0}" y="18" font-size="14" fill="{INK}">one traced step: {esc(_num(step))} ms '
-        "(host wall time, median); GPU busy "
-        f"{esc(_pct(busy / step, 0))}</text>",
+        f"(host wall time, mean of the traced window); GPU busy {esc(_pct(busy / step, 0))}</text>",
     ]
     x = float(X0)
     for label, ms, color in segs:
@@ -400,7 +400,8 @@ def _gain(g: dict[str, Any] | None) -> str:
     if g.get("saves_ms_per_step"):
         s = f"saves {esc(_num(g['saves_ms_per_step']))} ms/step"
         if g.get("share_of_step"):
-            s += f" ({esc(_pct(g['share_of_step'], 0))} of the step)"
+            of = f"the {_num(g['step_ms'])} ms traced step" if g.get("step_ms") else "the traced step"
+            s += f" ({esc(_pct(g['share_of_step'], 0))} of {esc(of)})"
         parts.append(s)
     text = "<br>".join(parts) or "not estimated"
     if g.get("how"):
@@ -605,6 +606,32 @@ def _facts_metrics(facts: dict[str, Any]) -> list[tuple[str, Any]]:
     ]
 
 
+def _measurement_notes(report: dict[str, Any]) -> list[str]:
+    """An unstable or unsettled window said plainly, and the split of the traced step with its shares."""
+    from vlmdoctor.report.console import measurement_notes
+
+    out = [f'<p class="warn">{esc(line)}</p>' for line in measurement_notes(report)]
+    sp = report.get("split")
+    if sp:
+        timed = (report.get("metrics") or {}).get("step_ms")
+        out.append(
+            f'<h2>Time split of the traced step</h2><p class="note">one traced step of {esc(_num(sp["step_ms"]))} ms'
+            f" ({esc(sp['basis'])}); shares of that step, from the traced window"
+            + (f", not of the timed median step ({esc(_num(timed))} ms)" if timed else "")
+            + "</p>"
+        )
+        out.append(
+            _table(
+                ("part", "ms per traced step", "share"),
+                [(esc(r["part"]), esc(_num(r["ms"])), esc(_pct(r["share"], 0))) for r in sp["rows"]],
+                numeric=(1, 2),
+            )
+        )
+        if sp.get("note"):
+            out.append(f'<p class="note">{esc(sp["note"])}</p>')
+    return out
+
+
 # -- pages ----------------------------------------------------------------------------------------------
 def profile_html(report: dict[str, Any]) -> str:
     """A `vlmdoctor profile --json` report as one HTML page."""
@@ -640,8 +667,14 @@ def profile_html(report: dict[str, Any]) -> str:
             s = stats.get(key)
             return f"{_num(s['min'], digits)} .. {_num(s['max'], digits)}" if s and s.get("n", 0) >= 2 else ""
 
+        tp = report.get("throughput") or {}
+        fps = m.get("flops_per_step")
         rows = [
-            ("real tokens/s", _num(m.get("real_tokens_per_s"), 0), spread("real_tokens_per_s")),
+            (
+                "real tokens/s",
+                _num(throughput.headline(report), 0),
+                throughput.spread_text(tp) or spread("real_tokens_per_s"),
+            ),
             ("loss tokens/s", _num(m.get("loss_tokens_per_s"), 0), spread("loss_tokens_per_s")),
             ("pad fraction", _pct(m.get("pad_fraction")), ""),
             (
@@ -649,9 +682,11 @@ def profile_html(report: dict[str, Any]) -> str:
                 _num(m.get("step_ms")),
                 f"p10 {_num(m.get('step_ms_p10'))} / p90 {_num(m.get('step_ms_p90'))}",
             ),
-            ("MFU", _pct(m.get("mfu"), 2), ""),
+            ("MFU", _pct(m.get("mfu"), 2), "" if m.get("mfu") is not None else str(m.get("mfu_reason") or "")),
             ("model TFLOP/s", _num(m.get("model_tflops_per_s"), 2), ""),
         ]
+        if fps:
+            rows.append(("FLOPs/step", f"{fps / 1e9:,.2f} GFLOP", "counted on a real step"))
         if m.get("peak_mem_gb") is not None:
             rows.append(
                 (
@@ -681,6 +716,7 @@ def profile_html(report: dict[str, Any]) -> str:
                 numeric=(1, 2),
             )
         )
+    body.extend(_measurement_notes(report))
     tr = report.get("trace")
     if tr:
         traced = sorted(tr.get("traced_step_ms") or [0])[len(tr.get("traced_step_ms") or [0]) // 2]

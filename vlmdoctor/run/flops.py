@@ -244,7 +244,7 @@ class Mode:
 
 def flop_model(model: str, cfg: dict[str, Any] | None = None) -> FlopModel:
     """The FLOP model of a preset (composite with the config's overrides, or native); UsageError if unknown."""
-    from vlmdoctor.run.native import is_native, resolve_native
+    from vlmdoctor.run.native_spec import is_native, resolve_native
     from vlmdoctor.run.zoo import resolve
 
     if is_native(model):
@@ -264,7 +264,8 @@ def describe() -> dict[str, Any]:
         "projector": "4*P_proj*T per image",
         "native_classes": "LLaVA: N=T=patches, MLP projector; Qwen2-VL: N=patches, merger MLP on T=N/4; "
         "Idefics3: N=patches, linear on T=N/scale^2 (FlopModel.from_native)",
-        "lora": "frozen base: 2 * 2*P_llm*L + 3 * 2*n*d_att*L*(L+1) (no weight-grad GEMMs); adapters: 6 * r*(d_in+d_out) "
+        "lora": "frozen base: 2 * 2*P_llm*L + 3 * 2*n*d_att*L*(L+1) (no weight-grad GEMMs); "
+        "adapters: 6 * r*(d_in+d_out) "
         "per adapted layer per token (forward + input grad + weight grad)",
         "dpo": "policy on the chosen and the rejected row of each pair; reference forward on both: "
         "2*P_llm*L + 2*n*d_att*L*(L+1) + vision + 2*P_proj*T per row (0 when precomputed)",

@@ -20,9 +20,7 @@ Parts are found with parts.find_parts and marked with parts.mark_parts, so trace
 
 from __future__ import annotations
 
-import json
 import warnings
-from dataclasses import dataclass
 from types import MethodType
 from typing import Any
 
@@ -30,146 +28,11 @@ import torch
 from torch import nn
 
 from vlmdoctor.errors import UsageError
+from vlmdoctor.run.native_spec import NativeSpec, is_native, resolve_native  # noqa: F401 (this module's API)
 from vlmdoctor.run.parts import find_parts, mark_parts
-from vlmdoctor.run.zoo import (
-    llm_specs,
-    loading_checkpoints,
-    native_presets,
-    refuse_composite_only,
-    vision_specs,
-)
+from vlmdoctor.run.zoo import loading_checkpoints, native_presets, refuse_composite_only
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def is_native(model: str) -> bool:
-    return model in native_presets()
-
-
-@dataclass(frozen=True)
-class NativeSpec:
-    """A native VLM class, its full config and what the data builder needs (tokens, image size)."""
-
-    preset: str
-    cls_name: str
-    hub_id: str | None
-    config: dict[str, Any]  # the class's config kwargs, sub-configs as dicts
-    llm: dict[str, Any]  # {"name", "special_tokens", "text_token_range", "config"}: what data.SyntheticVQA reads
-    vision: dict[str, Any]  # {"name", "input_size", "config"}
-    image_tokens: int
-    about: str
-
-    @property
-    def text_config(self) -> dict[str, Any]:
-        return self.config["text_config"]
-
-    @property
-    def vision_config(self) -> dict[str, Any]:
-        return self.config["vision_config"]
-
-    @property
-    def patch_size(self) -> int:
-        return self.vision_config["patch_size"]
-
-    @property
-    def patches(self) -> int:
-        """Patch tokens the tower runs on per image."""
-        return (self.vision["input_size"] // self.patch_size) ** 2
-
-    @property
-    def vision_hidden(self) -> int:
-        c = self.vision_config
-        return c["embed_dim"] if self.cls_name.startswith("Qwen2VL") else c["hidden_size"]
-
-    @property
-    def vision_heads(self) -> int:
-        c = self.vision_config
-        return c.get("num_heads") or c["num_attention_heads"]
-
-    @property
-    def vision_layers(self) -> int:
-        c = self.vision_config
-        return c.get("depth") or c["num_hidden_layers"]
-
-    @property
-    def vision_head_dim(self) -> int:
-        return self.vision_hidden // self.vision_heads
-
-    @property
-    def llm_head_dim(self) -> int:
-        c = self.text_config
-        return c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-
-    @property
-    def merge(self) -> int:
-        """Patch features folded into one LLM token (per side)."""
-        if self.cls_name.startswith("Qwen2VL"):
-            return self.vision_config["spatial_merge_size"]
-        if self.cls_name.startswith("Idefics3"):
-            return self.config["scale_factor"]
-        return 1
-
-    @property
-    def projector(self) -> str:
-        if self.cls_name.startswith("Qwen2VL"):
-            return f"patch merger {self.merge}x{self.merge} (LayerNorm + 2-layer GELU MLP)"
-        if self.cls_name.startswith("Idefics3"):
-            return f"pixel shuffle x{self.merge} then linear"
-        return f"2-layer {self.config.get('projector_hidden_act', 'gelu').upper()} MLP"
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "preset": self.preset,
-            "class": self.cls_name,
-            "native": True,
-            "vision": self.vision["name"],
-            "llm": self.llm["name"],
-            "projector": self.projector,
-            "image_tokens": self.image_tokens,
-            "vision_patches": self.patches,
-            "vision_head_dim": self.vision_head_dim,
-            "llm_head_dim": self.llm_head_dim,
-        }
-
-
-def resolve_native(model: str) -> NativeSpec:
-    """A native preset -> its spec; the LLaVA presets reuse the shipped tower and LLM configs."""
-    entry = native_presets()[model]
-    cls_name = entry["class"]
-    config = json.loads(json.dumps(entry["config"]))  # a deep copy: the cached entry stays as shipped
-    if cls_name == "LlavaForConditionalGeneration":
-        v, lspec = vision_specs()[entry["vision"]], llm_specs()[entry["llm"]]
-        if v["family"] != "siglip":
-            raise UsageError(f"{model}: the native LLaVA presets are built for SigLIP towers, not {v['family']}")
-        config["vision_config"] = {**v["config"], "model_type": "siglip_vision_model"}
-        config["text_config"] = {**lspec["config"], "model_type": lspec["family"]}
-        config["image_token_index"] = lspec["special_tokens"]["image_pad"]
-        image_tokens = (v["input_size"] // v["config"]["patch_size"]) ** 2
-        config["image_seq_length"] = image_tokens
-        llm = {
-            "name": lspec["name"],
-            "special_tokens": lspec["special_tokens"],
-            "text_token_range": lspec["text_token_range"],
-            "config": lspec["config"],
-        }
-        vision = {"name": v["name"], "input_size": v["input_size"], "config": v["config"]}
-        return NativeSpec(model, cls_name, entry.get("hub_id"), config, llm, vision, image_tokens, entry["about"])
-    size = entry["input_size"]
-    vc = config["vision_config"]
-    grid = size // vc["patch_size"]
-    merge = vc["spatial_merge_size"] if cls_name.startswith("Qwen2VL") else config["scale_factor"]
-    if size % vc["patch_size"] or grid % merge:
-        raise UsageError(
-            f"{model}: {size}px is not a whole number of {merge}x{merge} groups of {vc['patch_size']}px patches"
-        )
-    llm = {
-        "name": f"{model} text model",
-        "special_tokens": entry["special_tokens"],
-        "text_token_range": entry["text_token_range"],
-        "config": config["text_config"],
-    }
-    vision = {"name": f"{model} vision tower", "input_size": size, "config": vc}
-    return NativeSpec(model, cls_name, entry.get("hub_id"), config, llm, vision, (grid // merge) ** 2, entry["about"])
 
 
 def _classes(cls_name: str) -> tuple[type, type]:
@@ -225,7 +88,9 @@ class NativeVLM(nn.Module):
         return next(self.parts["projector"].parameters()).dtype
 
     def set_vision_no_grad(self, on: bool) -> None:
-        """Run the tower under torch.no_grad() through hooks; a projector nested in it (Qwen2-VL's merger) keeps grad."""
+        """Run the tower under torch.no_grad() through hooks.
+
+        A projector nested in it (Qwen2-VL's merger) keeps grad."""
         for h in self._no_grad_hooks:
             h.remove()
         self._no_grad_hooks = []

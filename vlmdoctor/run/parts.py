@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
-from torch.profiler import record_function
+if TYPE_CHECKING:  # torch is imported where a model is handled: matching class names in a trace needs none
+    from torch import nn
 
 PARTS = ("vision", "projector", "llm")
 
@@ -85,6 +85,8 @@ def part_of_class(class_name: str) -> str | None:
 
 
 def _get(model: nn.Module, path: str) -> nn.Module | None:
+    from torch import nn
+
     obj: Any = model
     for name in path.split("."):
         obj = getattr(obj, name, None)
@@ -121,6 +123,8 @@ def mark_parts(model: nn.Module) -> Callable[[], None]:
     The ranges are what vlmdoctor's trace analysis reads to attribute GPU time to parts, for
     forward kernels directly and for backward kernels through the autograd sequence numbers.
     """
+    from torch.profiler import record_function
+
     handles = []
     for part, module in find_parts(model).items():
         ranges: list[Any] = []

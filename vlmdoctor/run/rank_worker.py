@@ -3,8 +3,9 @@
 `python -m torch.distributed.run ... -m vlmdoctor.run.rank_worker --config C --out DIR [--trace JSON]`
 runs `run_profile` (which joins the process group torchrun prepared). Every rank ends with the
 job's numbers (they are all-gathered); local rank 0 of each node writes the job's report to
-DIR/report.json, for the `vlmdoctor profile` process that launched that node's ranks. A rank whose run fails writes DIR/report_rank<R>.json and exits with
-the run's exit code, so that torchrun stops the other ranks (they would wait for it forever).
+DIR/report.json, for the `vlmdoctor profile` process that launched that node's ranks. A rank whose run
+fails writes DIR/report_rank<R>.json and exits with the run's exit code, so that torchrun stops the other
+ranks (they would wait for it forever).
 """
 
 from __future__ import annotations

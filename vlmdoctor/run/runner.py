@@ -32,7 +32,7 @@ import torch
 
 from vlmdoctor import SCHEMA_VERSION, __version__
 from vlmdoctor.errors import EXIT_FAILED_RUN, EXIT_NAN, EXIT_OK, EXIT_OOM, UsageError
-from vlmdoctor.run import distributed, envinfo, flops, fp8, modes, native
+from vlmdoctor.run import distributed, envinfo, flops, fp8, modes, native, throughput
 from vlmdoctor.run.capture import TraceOptions, capture, trace_path
 from vlmdoctor.run.compile import compile_vlm, compiled, graphs_compiled, mark_lengths_dynamic
 from vlmdoctor.run.config import RunConfig
@@ -102,7 +102,7 @@ def preflight(cfg: RunConfig, spec: ModelSpec | native.NativeSpec, device: torch
         except Exception as e:
             raise UsageError(
                 f"Liger asked for but liger-kernel cannot be imported ({type(e).__name__}: {e}); "
-                "install it with: pip install liger-kernel"
+                "install it with: pip install 'vlmdoctor[liger]'"
             ) from None
     if cfg.unsloth:
         check_unsloth(cfg, spec, device)
@@ -646,7 +646,7 @@ def _window(p: Patient, steps: int, peak: float | None, progress: Progress, labe
     """Timed steps; every step ends with a device synchronize."""
     if p.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(p.device)
-    step_s, step_tokens, losses, real, loss_tok, padded, model_flops = [], [], [], 0, 0, 0, 0.0
+    step_s, step_tokens, step_loss, step_flops, losses, real, padded = [], [], [], [], [], 0, 0
     step_cpu: list[float] = []
     for i in range(steps):
         t0, c0 = time.perf_counter(), time.process_time()
@@ -657,25 +657,29 @@ def _window(p: Patient, steps: int, peak: float | None, progress: Progress, labe
         losses.append(loss)
         real += c["real_tokens"]
         step_tokens.append(c["real_tokens"])
-        loss_tok += c["loss_tokens"]
+        step_loss.append(c["loss_tokens"])
         padded += c["padded_tokens"]
-        model_flops += p.step_flops(c)
+        step_flops.append(p.step_flops(c))
         progress(label, i + 1, steps)
     wall = sum(step_s)
     loss_values = torch.stack(losses).float().cpu().tolist()
+    step_ms = [s * 1e3 for s in step_s]
+    est = throughput.window_stats(step_ms, step_tokens, step_loss, step_flops, peak)
     w = {
         "steps": steps,
         "wall_s": wall,
-        "real_tokens_per_s": real / wall,
-        "loss_tokens_per_s": loss_tok / wall,
+        "real_tokens_per_s": est["real_tokens_per_s"],
+        "loss_tokens_per_s": est["loss_tokens_per_s"],
         "pad_fraction": 1.0 - real / padded,
-        "step_ms": [s * 1e3 for s in step_s],
-        "step_real_tokens": step_tokens,  # with step_ms: a throughput sample per step, for significance tests
+        "step_ms": step_ms,
+        "step_real_tokens": step_tokens,  # with step_ms: a throughput sample per step (the estimator, the gate)
+        "step_loss_tokens": step_loss,
+        "step_flops": step_flops,
         # CPU time of the process per step: on a shared CPU host the work of a single-threaded step,
         # which a neighbour's load does not stretch the way it stretches the wall time (the CPU gate)
         "step_cpu_ms": [s * 1e3 for s in step_cpu],
-        "model_tflops_per_s": model_flops / wall / 1e12,
-        "mfu": (model_flops / wall / peak) if peak else None,
+        "model_tflops_per_s": est["model_tflops_per_s"],
+        "mfu": est["mfu"],
         "losses": loss_values,
     }
     if p.device.type == "cuda":
@@ -688,32 +692,44 @@ def _spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-def _percentile(values: list[float], q: float) -> float:
-    s = sorted(values)
-    k = (len(s) - 1) * q
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+_percentile = throughput.percentile
 
 
-def summarize(windows: list[dict[str, Any]], device_total_gb: float | None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Per-window numbers -> metrics (medians over repeats) and their spread."""
+def pooled(windows: list[dict[str, Any]], peak: float | None = None) -> dict[str, Any]:
+    """The estimator over every timed step of the windows (the report's headline, `report.throughput`)."""
+    cat = lambda key: [x for w in windows for x in (w.get(key) or [])]  # noqa: E731
+    ms = cat("step_ms")
+    same = lambda xs: xs if len(xs) == len(ms) else None  # noqa: E731
+    return throughput.window_stats(
+        ms, same(cat("step_real_tokens")), same(cat("step_loss_tokens")), same(cat("step_flops")), peak
+    )
+
+
+def summarize(
+    windows: list[dict[str, Any]], device_total_gb: float | None, peak: float | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Per-window numbers -> metrics (the estimator over all timed steps) and the spread over windows."""
     keys = ["real_tokens_per_s", "loss_tokens_per_s", "pad_fraction", "model_tflops_per_s"]
     if windows[0]["mfu"] is not None:
         keys.append("mfu")
-    stats = {k: _spread([w[k] for w in windows]) for k in keys}
+    stats = {k: _spread([w[k] for w in windows]) for k in keys if all(w[k] is not None for w in windows)}
+    est = pooled(windows, peak)
     all_steps = [s for w in windows for s in w["step_ms"]]
     stats["step_ms"] = {
         **_spread(all_steps),
-        "p10": _percentile(all_steps, 0.1),
-        "p90": _percentile(all_steps, 0.9),
+        "p10": est["step_ms_p10"],
+        "p90": est["step_ms_p90"],
         "n_repeats": len(windows),
     }
     final_losses = [w["losses"][-1] for w in windows]
-    metrics: dict[str, Any] = {k: stats[k]["median"] for k in keys}
-    metrics.setdefault("mfu", None)
-    metrics["step_ms"] = stats["step_ms"]["median"]
-    metrics["step_ms_p10"] = stats["step_ms"]["p10"]
-    metrics["step_ms_p90"] = stats["step_ms"]["p90"]
+    metrics: dict[str, Any] = {k: est[k] for k in ("real_tokens_per_s", "loss_tokens_per_s", "model_tflops_per_s")}
+    metrics["pad_fraction"] = stats["pad_fraction"]["median"]
+    metrics["mfu"] = est["mfu"]
+    flops_steps = [x for w in windows for x in w.get("step_flops") or []]
+    metrics["flops_per_step"] = sum(flops_steps) / len(flops_steps) if flops_steps else None
+    metrics["step_ms"] = est["step_ms"]
+    metrics["step_ms_p10"] = est["step_ms_p10"]
+    metrics["step_ms_p90"] = est["step_ms_p90"]
     if "peak_mem_gb" in windows[0]:
         metrics["peak_mem_gb"] = max(w["peak_mem_gb"] for w in windows)
         metrics["peak_mem_reserved_gb"] = max(w["peak_mem_reserved_gb"] for w in windows)
@@ -763,7 +779,7 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
         report["mode"] = patient.mode_info
         warm_s: list[float] = []
         per_token: list[float] = []
-        settle = SETTLE_MAX_STEPS if compiled(cfg) and cfg.warmup > 0 else 0
+        settle = settle_budget(cfg)
         while len(warm_s) < cfg.warmup or (settle and _unsettled(per_token)):
             if len(warm_s) >= cfg.warmup:
                 settle -= 1
@@ -778,8 +794,9 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
             _window(patient, cfg.steps, peak, progress, f"timed {r + 1}/{cfg.repeats}") for r in range(cfg.repeats)
         ]
         report["warmup"] = _warmup_times(warm_s)
+        report["warmup"]["settle_steps"] = len(warm_s) - cfg.warmup
+        report["warmup"]["settled"] = None if not settle_budget(cfg) else not _unsettled(per_token)
         if compiled(cfg):
-            report["warmup"]["settle_steps"] = len(warm_s) - cfg.warmup
             report["warmup"]["graphs_compiled"] = graphs
             new = graphs_compiled() - graphs
             report["warmup"]["graphs_compiled_in_timed_windows"] = new
@@ -836,11 +853,16 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
         )
         return report
     total = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
-    metrics, stats = summarize(windows, total)
+    metrics, stats = summarize(windows, total, peak)
     metrics["warmup_s"] = report.get("warmup", {}).get("warmup_s")
     metrics["compile_s"] = report.get("warmup", {}).get("compile_s") if compiled(cfg) else None
+    if metrics["mfu"] is None:
+        from vlmdoctor.run.flopcount import device_name
+
+        metrics["mfu_reason"] = f"no peak known for {device_name(env)}"
     report["metrics"] = metrics
     report["stats"] = stats
+    report["throughput"] = pooled(windows, peak)
     if "trace" in report:  # profiler overhead, visible next to the untraced numbers it stayed out of
         report["trace"]["untraced_step_ms_median"] = metrics["step_ms"]
     report["repeats"] = [
@@ -861,16 +883,22 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
 
 #: a compiled run warms up past --warmup, by at most this many steps, until its steps settle
 SETTLE_MAX_STEPS = 20
-#: settled: the last three warm-up steps' time per token within this factor of each other
-SETTLE_RATIO = 1.3
+SETTLE_RATIO = throughput.SETTLE_RATIO
+_unsettled = throughput.unsettled
 
 
-def _unsettled(per_token: list[float]) -> bool:
-    """Still warming up: compiled runs kept getting faster after the warm-up on the H100 (a run that found its
-    graph in the compile cache timed windows of 9.8K, 19K and 50K tokens/s), which is not the config's speed.
-    Time per token, not per step, so that batches of different lengths do not look unsettled."""
-    last = per_token[-3:]
-    return len(last) < 3 or max(last) > SETTLE_RATIO * min(last)
+def settle_budget(cfg: RunConfig) -> int:
+    """How many steps the warm-up may grow by until its last steps agree (throughput.unsettled).
+
+    Compiled runs: up to SETTLE_MAX_STEPS (compilation and autotuning take a while to settle); others, with
+    a warm-up of at least throughput.SETTLE_STEPS steps asked for, up to as many again as were asked
+    (allocator growth, cuDNN/cuBLAS autotuning, a first-epoch cache); none when the warm-up asked is shorter.
+    """
+    if cfg.warmup <= 0:
+        return 0
+    if compiled(cfg):
+        return SETTLE_MAX_STEPS
+    return min(SETTLE_MAX_STEPS, cfg.warmup) if cfg.warmup >= throughput.SETTLE_STEPS else 0
 
 
 def _merge_ranks(
@@ -922,12 +950,22 @@ def _merge_ranks(
             {
                 "steps": windows[w]["steps"],
                 "wall_s": wall,
-                "real_tokens_per_s": sum(step_tok) / wall,
+                "real_tokens_per_s": throughput.rate(step_tok, step_ms),
                 "step_ms": step_ms,
                 "step_real_tokens": step_tok,
                 "final_loss": windows[w]["losses"][-1],
             }
         )
+    # the job's headline by the one estimator, over the global per-step samples; FLOPs scale with the tokens
+    est = throughput.window_stats(
+        [x for r in report["repeats"] for x in r["step_ms"]],
+        [x for r in report["repeats"] for x in r["step_real_tokens"]],
+    )
+    scale = est["real_tokens_per_s"] / whole["real_tokens_per_s"] if whole["real_tokens_per_s"] else 1.0
+    for key in ("real_tokens_per_s", "loss_tokens_per_s", "model_tflops_per_s", "mfu"):
+        m[key] = m[key] * scale if m.get(key) is not None else None
+    est.update(model_tflops_per_s=m["model_tflops_per_s"], mfu=m["mfu"], loss_tokens_per_s=m["loss_tokens_per_s"])
+    report["throughput"] = est
     stats = report.get("stats") or {}
     for key in ("real_tokens_per_s", "loss_tokens_per_s", "model_tflops_per_s", "mfu", "pad_fraction"):
         stats.pop(key, None)  # rank 0's spread would pass for the job's

@@ -85,7 +85,9 @@ class ModelSpec:
             "preset": self.preset,
             "vision": self.vision["name"],
             "llm": self.llm["name"],
-            "projector": f"pixel shuffle x{self.pixel_shuffle} then {self.projector} {self.projector_in}->{self.projector_out}",
+            "projector": (
+                f"pixel shuffle x{self.pixel_shuffle} then {self.projector} {self.projector_in}->{self.projector_out}"
+            ),
             "image_tokens": self.image_tokens,
             "vision_head_dim": self.vision_head_dim,
             "llm_head_dim": self.llm_head_dim,

@@ -420,6 +420,8 @@ FACTS: list[Fact] = [
             ("cpu.bf16_cost.share", "fraction", "share of the step in low-precision matmuls and casts"),
             ("cpu.lm_head.ms", "ms/step", "time in the LM head matmul"),
             ("cpu.data_loader.ms", "ms/step", "time in DataLoader ops"),
+            ("cpu.loss.ms", "ms/step", "time in the loss ops, forward and backward"),
+            ("cpu.optimizer.ms", "ms/step", "time in Optimizer.step"),
             ("cpu.data_loader.share", "fraction", "share of the step in DataLoader ops"),
             ("cpu.part.<part>.forward_ms", "ms/step", "a part's forward time"),
             ("cpu.part.<part>.backward_ms", "ms/step", "a part's backward time"),

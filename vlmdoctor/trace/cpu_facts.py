@@ -11,6 +11,7 @@ Times are ms per step; overlapping ops (a cast nested in a cast, two threads) ar
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -45,6 +46,8 @@ SCALAR_TYPE_CODES = {
 }  # c10::ScalarType, as 'Concrete Inputs'
 LOW = ("bf16", "fp16")
 PARTS = {"vlmdoctor::vision": "vision", "vlmdoctor::projector": "projector", "vlmdoctor::llm": "llm"}
+#: the loss's backward nodes (its forward ops: trace/facts.py's LOSS_OPS)
+LOSS_BACKWARD = re.compile(r"NllLoss\w*Backward|LogSoftmaxBackward|CrossEntropy\w*Backward")
 
 
 def union_ms(spans: list[tuple[float, float]]) -> float:
@@ -87,6 +90,8 @@ def _matmul_flop(name: str, dims: list[Any]) -> float:
 
 def cpu_facts(t: Any, windows: list[tuple[float, float]], facts: dict[str, Any]) -> dict[str, Any]:
     """Facts of a CPU-only trace (`t` is facts.Tables; `facts` the ones computed so far, for the vocabulary)."""
+    from vlmdoctor.trace.context import LOSS_OPS
+
     n = max(len(windows), 1)
     lo, hi = min(s for s, _ in windows), max(e for _, e in windows)
     step_ms = facts.get("step.ms") or sum(e - s for s, e in windows) / 1e3 / n
@@ -100,6 +105,11 @@ def cpu_facts(t: Any, windows: list[tuple[float, float]], facts: dict[str, Any])
     fwd_ops: list[tuple[float, Any, Any]] = []  # (start, thread, sequence number) of ops that made autograd nodes
     bwd_nodes: list[tuple[Any, float]] = []  # (sequence number, duration) of the backward nodes run
     loader: list[tuple[float, float]] = []
+    optimizer: list[
+        tuple[float, float]
+    ] = []  # the optimizer's steps and the loss: the split of the step (trace/split.py)
+    loss_spans: list[tuple[float, float]] = []
+    loss_bwd = 0.0
     for ev in iter_events(t.path):
         if ev.get("ph") != "X" or ev.get("cat") not in ("cpu_op", "user_annotation"):
             continue
@@ -127,6 +137,12 @@ def cpu_facts(t: Any, windows: list[tuple[float, float]], facts: dict[str, Any])
             ranges.append((ts, end, PARTS[name], ev.get("tid")))
         elif "DataLoader" in name:
             loader.append((ts, end))
+        elif name.startswith("Optimizer.step"):
+            optimizer.append((ts, end))
+        elif LOSS_OPS.search(name):
+            loss_spans.append((ts, end))
+        elif name.startswith("autograd::engine::evaluate_function") and LOSS_BACKWARD.search(name):
+            loss_bwd += end - ts
         seq = args.get("Sequence number")
         if seq is not None:
             if name.startswith("autograd::engine::evaluate_function"):
@@ -162,6 +178,8 @@ def cpu_facts(t: Any, windows: list[tuple[float, float]], facts: dict[str, Any])
         out["cpu.lm_head.ms"] = union_ms(head) / n
     out.update(_part_facts(ranges, fwd_ops, bwd_nodes, n, step_ms))
     out["cpu.data_loader.ms"] = union_ms(loader) / n
+    out["cpu.optimizer.ms"] = union_ms(optimizer) / n
+    out["cpu.loss.ms"] = union_ms(loss_spans) / n + loss_bwd / 1e3 / n
     out["cpu.data_loader.share"] = out["cpu.data_loader.ms"] / step_ms
     return out
 

@@ -1,4 +1,6 @@
-"""Exporting traces for other tools: Perfetto's UI (gzipped Chrome JSON) and Holistic Trace Analysis (a folder, one file per rank).
+"""Exporting traces for other tools: Perfetto's UI (gzipped Chrome JSON) and Holistic Trace Analysis.
+
+HTA gets a folder, one file per rank.
 
 Both exports re-encode the trace event by event (streamed, never loaded whole, as in `tracefile`), so
 the output is strict JSON whatever the input was: NaN and Infinity (which Python's decoder accepts
@@ -120,7 +122,8 @@ def export_hta_folder(traces: list[Path], out_dir: Path, force: bool = False) ->
     `traces` are trace files, or folders of them (each file one rank). A trace that already says its
     rank keeps its distributedInfo as recorded; the others get {"rank": i, "world_size": n, "backend":
     "nccl"} (keeping any other keys they have), with i the lowest free rank, in the order given. Two
-    traces claiming the same rank are refused: they are not ranks of one run. HTA reads every .json and .gz file in the folder, so a folder that already holds trace
+    traces claiming the same rank are refused: they are not ranks of one run. HTA reads every .json and .gz file
+    in the folder, so a folder that already holds trace
     files is refused unless `force`, which removes those files first. Returns `out_dir`.
     """
     files: list[Path] = []

@@ -65,12 +65,14 @@ from vlmdoctor.trace.tables import (  # noqa: F401  (re-exported: the tables are
     LOGITS_OPS,
     MODULE_PREFIX,
     OPERAND_OPS,
+    PARALLEL_MIN_BYTES,
     SDPA_OP,
     SHAPE_OPS,
     Tables,
     _Column,
     load_tables,
 )
+from vlmdoctor.trace.worker import cpus, run_all
 
 PRODUCES = by_producer(__name__)
 HTA_MAX_MB = 200  # the traceinsight cross-check runs on rank folders up to this size on disk (docs/analysis.md)
@@ -137,39 +139,52 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
     return facts
 
 
-def analyze(path: str | Path, stage: int | None = None, model: str | None = None) -> dict[str, Any]:
+def analyze(
+    path: str | Path, stage: int | None = None, model: str | None = None, workers: int | None = None
+) -> dict[str, Any]:
     """Facts of every trace file a path names (one per rank in a folder), and the ranks joined.
 
     A trace with collectives gets `comm.*` facts (trace/comms.py); a folder of two or more rank
-    traces gets a `cross_rank` section (trace/ranks.py).
+    traces gets a `cross_rank` section (trace/ranks.py). Up to `workers` processes (default: one
+    per core) read a rank folder, one file each, or one large plain JSON file, a part each.
     """
     files = trace_files(path)
-    results, per = [], []
-    for f in files:
-        t = load_tables(f)
-        if t.ops.empty and t.gpu.empty:
-            raise TraceError(
-                f"{f}: the trace holds no CPU ops and no GPU events (did the profiled code run inside the "
-                "profiler's active steps?); nothing to analyze"
-            )
-        facts = compute_facts(t, stage, model)
-        rc = rank_comms(t)
-        facts.update(rc.facts)
-        entry = {
-            "file": str(f),
-            "facts": facts,
-            "meta": {k: t.meta[k] for k in ("vlmdoctor", "deviceProperties", "distributedInfo") if k in t.meta},
-        }
-        if rc.rank is not None and (len(files) > 1 or rc.facts):
-            entry["rank"] = rc.rank
-        results.append(entry)
-        rc.work = rc.work.copy()
-        per.append(rc)
-        del t
+    workers = min(cpus(), workers or cpus())
+    size = sum(f.stat().st_size for f in files)
+    if len(files) > 1 and workers > 1 and size >= PARALLEL_MIN_BYTES:
+        calls = [(_analyze_file, (f, stage, model, len(files), 1)) for f in files]
+        done = []
+        for i in range(0, len(calls), workers):  # at most `workers` processes at a time
+            done += run_all(calls[i : i + workers], here=1)
+    else:
+        done = [_analyze_file(f, stage, model, len(files), workers) for f in files]
+    results, per = [entry for entry, _ in done], [rc for _, rc in done]
     out = {"path": str(path), "files": results}
     if len(files) > 1:
         out["cross_rank"] = _cross_rank(path, files, per, results)
     return out
+
+
+def _analyze_file(f: Path, stage: int | None, model: str | None, n_files: int, workers: int) -> tuple[dict, Any]:
+    """One file's report entry and its collectives (for the cross-rank join)."""
+    t = load_tables(f, workers)
+    if t.ops.empty and t.gpu.empty:
+        raise TraceError(
+            f"{f}: the trace holds no CPU ops and no GPU events (did the profiled code run inside the "
+            "profiler's active steps?); nothing to analyze"
+        )
+    facts = compute_facts(t, stage, model)
+    rc = rank_comms(t)
+    facts.update(rc.facts)
+    entry = {
+        "file": str(f),
+        "facts": facts,
+        "meta": {k: t.meta[k] for k in ("vlmdoctor", "deviceProperties", "distributedInfo") if k in t.meta},
+    }
+    if rc.rank is not None and (n_files > 1 or rc.facts):
+        entry["rank"] = rc.rank
+    rc.work = rc.work.copy()
+    return entry, rc
 
 
 def _cross_rank(path: str | Path, files: list[Path], per: list[Any], results: list[dict[str, Any]]) -> dict[str, Any]:

@@ -1,28 +1,41 @@
 """Reading torch.profiler Chrome traces: a file (.json, .json.gz) or a folder of per-rank traces.
 
-Events are streamed one at a time through the C JSON decoder, never loaded whole, so memory stays bounded on traces of many GB.
+Events are read in chunks of a few MB, each decoded whole by msgspec, never the file at once, so
+memory stays bounded on traces of many GB.
 The small top-level metadata (device properties, the `vlmdoctor` block a profile embeds) is read
 from the part of the file before `traceEvents`, where Kineto writes it.
 """
 
 from __future__ import annotations
 
+import codecs
 import gzip
-import io
 import json
+import re
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
+
+import msgspec
 
 from vlmdoctor.errors import UsageError
 
 TRACE_SUFFIXES = (".json", ".json.gz")
 HEAD_LIMIT = 8 * 2**20  # metadata before traceEvents is small; never read more than this looking for it
+BLOCK = 1 << 21  # bytes read at a time; a chunk of events is about this size (decoded: about 10x)
+SLOW_AFTER = 8  # blocks without a place to cut: the rest is read event by event
+CUT_TRIES = 4  # cuts tried, the last first, before a chunk is read event by event
+_BETWEEN = re.compile(rb"\}[ \t\r\n]*,[ \t\r\n]*\{")  # where one event ends and the next starts, or inside one
+_ANY = msgspec.json.Decoder()
 
 
 class TraceError(UsageError):
     """Not a readable torch.profiler trace: the message says what is wrong and what was expected."""
+
+
+class SplitError(Exception):
+    """A part of a trace (split_points) is not whole events: read the file whole instead."""
 
 
 def trace_files(path: str | Path) -> list[Path]:
@@ -85,50 +98,85 @@ def read_metadata(path: Path, strict: bool = False) -> dict[str, Any]:
     return {}
 
 
-def iter_events(path: Path, block: int = 1 << 24, tail: dict[str, Any] | None = None) -> Iterator[dict[str, Any]]:
-    """Every element of traceEvents, streamed through the C JSON decoder one event at a time.
+def iter_events(path: Path, block: int | None = None, tail: dict[str, Any] | None = None) -> Iterator[dict[str, Any]]:
+    """Every element of traceEvents, as the `json` module decodes it, in order.
 
-    A rolling buffer of `block` characters keeps memory bounded whatever the trace size;
-    truncation and bad JSON become TraceErrors. With `tail`, the top-level keys written after
-    traceEvents (Kineto's traceName) are read into it once the events are spent.
+    Chunks of events are decoded whole by msgspec (C, about twice json's speed), each checked
+    against json where msgspec refuses it; memory stays bounded by the chunk whatever the trace
+    size. Truncation and bad JSON become TraceErrors. With `tail`, the top-level keys written
+    after traceEvents (Kineto's traceName) are read into it once the events are spent.
     """
-    dec = json.JSONDecoder()
+    for _, events, _ in iter_batches(path, None, block, tail):
+        yield from events
+
+
+def iter_batches(
+    path: Path,
+    decode: Callable[[bytes], list[Any]] | None = None,
+    block: int | None = None,
+    tail: dict[str, Any] | None = None,
+    span: tuple[int, int | None] | None = None,
+) -> Iterator[tuple[bool, list[Any], bytes]]:
+    """traceEvents in chunks of whole events: (fast, events, the chunk's JSON text).
+
+    fast: `events` is `decode(text)` (typed structs a caller declares); else they are what `json`
+    decodes (dicts), for the chunks `decode` refuses: a value of an unexpected type, NaN, a lone
+    surrogate. The text is cut only between two events, where a `}` is followed by `,` and `{`;
+    a cut that falls inside an event makes the chunk invalid JSON, so it is never taken: an earlier
+    cut is tried, and past that the rest of the file is read event by event as JSON text, which
+    also names where a malformed trace breaks.
+
+    span: only the events from byte `start` (an event's `{`) to `end` (just past an event's `}`;
+    None: the list's end) of a plain JSON file, for one of several processes reading parts of one
+    file (split_points). Anything but whole events there raises SplitError.
+    """
+    fast = decode or _decode_any
+    block = block or BLOCK
     count = 0
     try:
-        with _open(path) as raw:
-            f = io.TextIOWrapper(raw, encoding="utf-8", errors="replace")
-            buf = ""
-            while True:  # find the start of the events list
-                more = f.read(block)
-                if not more:
-                    raise TraceError(f"{path}: no 'traceEvents' list (expected a torch.profiler Chrome trace)")
-                buf += more
-                k = buf.find('"traceEvents"')
-                if k >= 0:
-                    k = buf.find("[", k)
-                    if k >= 0:
+        with _open(path) as f:
+            if span is None:
+                buf, pos = _events_start(path, f, block)
+                left = None
+            else:
+                f.seek(span[0])
+                buf, pos = b"", 0
+                left = None if span[1] is None else span[1] - span[0]
+            eof = False
+            while not eof:
+                more = f.read(block if left is None else min(block, left))
+                if left is not None:
+                    left -= len(more)
+                eof = not more
+                buf, pos = buf[pos:] + more, 0
+                cuts = _cuts(buf)
+                if not cuts:
+                    if len(buf) > SLOW_AFTER * block:  # no cut in many blocks: not a layout this reader knows
                         break
-                buf = buf[-64:]
-            i, eof = k + 1, False
-            while True:
-                n = len(buf)
-                while i < n and buf[i] in " \t\r\n,":
-                    i += 1
-                if not eof and n - i < (1 << 20):  # keep at least 1 MB ahead of the decoder
-                    more = f.read(block)
-                    eof = not more
-                    buf, i = buf[i:] + more, 0
                     continue
-                if i >= n:
-                    raise json.JSONDecodeError("the events list is not closed", buf, i)
-                if buf[i] == "]":
-                    break
-                ev, i = dec.raw_decode(buf, i)
+                for cut, nxt in cuts:  # the last cut first; an earlier one when a cut falls inside an event
+                    got = _decode_chunk(buf[pos:cut], fast)
+                    if got is not None:
+                        count += len(got[1])
+                        yield got
+                        pos = nxt
+                        break
+                else:
+                    break  # no cut decodes: the rest is read event by event (it says where the JSON breaks)
+            rest = buf[pos:]
+            del buf
+            if left is not None:  # a part of the file: it must end with whole events
+                got = _decode_chunk(rest, fast) if eof else None
+                if got is None:
+                    raise SplitError(f"{path}: bytes {span} are not whole events")
+                yield got
+                return
+            for ev in _stream(path, rest, f, block, count, tail):
                 count += 1
-                yield ev
-            if tail is not None and count:
-                tail.update(_trailing_keys(path, buf[i + 1 :] + f.read()))
+                yield False, [ev], b""
     except json.JSONDecodeError as e:
+        if span is not None:
+            raise SplitError(f"{path}: bytes {span}: {e.msg}") from None
         where = f"after {count} events" if count else "before any event"
         raise TraceError(
             f"{path}: the JSON is malformed or truncated {where} ({e.msg}); expected a complete "
@@ -138,6 +186,109 @@ def iter_events(path: Path, block: int = 1 << 24, tail: dict[str, Any] | None = 
         raise TraceError(f"{path}: cannot read ({type(e).__name__}: {e}); a truncated .gz file?") from None
     if count == 0:
         raise TraceError(f"{path}: no trace events (expected a top-level 'traceEvents' list, as torch.profiler writes)")
+
+
+def split_points(path: Path, parts: int) -> list[tuple[int, int | None]]:
+    """Byte spans of about equal size, each of whole events, that together hold every event of a
+    plain JSON trace (for iter_batches' span); one span where the file cannot be cut.
+
+    A cut is placed where one event seems to end and the next begin; a wrong one (inside a string)
+    shows when a span does not decode as whole events (SplitError), and the file is read whole.
+    """
+    if path.name.endswith(".gz") or parts < 2:
+        return [(-1, None)]
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        try:
+            buf, start = _events_start(path, f, 1 << 16)
+        except TraceError:
+            return [(-1, None)]
+        start += f.tell() - len(buf)
+        spans, a = [], start
+        for k in range(1, parts):
+            f.seek(max(a, start + (size - start) * k // parts))
+            window = f.read(1 << 20)
+            m = _BETWEEN.search(window)
+            if m is None:
+                continue
+            here = f.tell() - len(window)
+            spans.append((a, here + m.start() + 1))
+            a = here + m.end() - 1
+    if len(spans) == 0:
+        return [(-1, None)]
+    return [*spans, (a, None)]
+
+
+def _decode_any(text: bytes) -> list[Any]:
+    return _ANY.decode(text)
+
+
+def _events_start(path: Path, f: IO[bytes], block: int) -> tuple[bytes, int]:
+    """The text read so far and where the first event starts (just past `"traceEvents": [`)."""
+    buf = b""
+    while True:
+        more = f.read(block)
+        if not more:
+            raise TraceError(f"{path}: no 'traceEvents' list (expected a torch.profiler Chrome trace)")
+        buf += more
+        k = buf.find(b'"traceEvents"')
+        if k >= 0:
+            k = buf.find(b"[", k)
+            if k >= 0:
+                return buf, k + 1
+        buf = buf[-64:]
+
+
+def _cuts(buf: bytes) -> list[tuple[int, int]]:
+    """Places to cut between two events, the last first: (end of one event, start of the next)."""
+    width = 1 << 16
+    while True:
+        lo = max(0, len(buf) - width)
+        found = [(m.start() + 1, m.end() - 1) for m in _BETWEEN.finditer(buf, lo)]
+        if found or lo == 0:
+            return found[::-1][:CUT_TRIES]
+        width *= 16
+
+
+def _decode_chunk(text: bytes, fast: Callable[[bytes], list[Any]]) -> tuple[bool, list[Any], bytes] | None:
+    """The events of one chunk: by `fast`, else by json; None when the text is not a list of whole values."""
+    whole = b"[" + text + b"]"
+    try:
+        return True, fast(whole), text
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        pass
+    try:
+        return False, json.loads(whole.decode("utf-8", "replace")), text
+    except (json.JSONDecodeError, RecursionError):
+        return None
+
+
+def _stream(path: Path, first: bytes, f: IO[bytes], block: int, count: int, tail: dict[str, Any] | None):
+    """The rest of traceEvents from `first` and the file, one event at a time through json's decoder.
+
+    Reads the list's end and the keys after it; a rolling buffer keeps memory bounded whatever the size.
+    """
+    dec = json.JSONDecoder()
+    text = codecs.getincrementaldecoder("utf-8")("replace")
+    buf, i, eof = text.decode(first), 0, False
+    while True:
+        n = len(buf)
+        while i < n and buf[i] in " \t\r\n,":
+            i += 1
+        if not eof and n - i < (1 << 20):  # keep at least 1 MB ahead of the decoder
+            more = f.read(block)
+            eof = not more
+            buf, i = buf[i:] + text.decode(more, final=eof), 0
+            continue
+        if i >= n:
+            raise json.JSONDecodeError("the events list is not closed", buf, i)
+        if buf[i] == "]":
+            break
+        ev, i = dec.raw_decode(buf, i)
+        count += 1
+        yield ev
+    if tail is not None and count:
+        tail.update(_trailing_keys(path, buf[i + 1 :] + text.decode(f.read(), final=True)))
 
 
 def _trailing_keys(path: Path, rest: str) -> dict[str, Any]:

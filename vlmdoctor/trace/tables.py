@@ -1,17 +1,23 @@
-"""Trace -> tables: one streaming pass over the events into compact typed columns the facts read."""
+"""The trace reduced to tables in one streaming pass: GPU events, host ops, runtime calls, steps."""
 
 from __future__ import annotations
 
+import json
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import attrgetter, itemgetter
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pandas as pd
 
 from vlmdoctor.trace.kernels import classify
-from vlmdoctor.trace.read import TraceError, iter_events, read_metadata
+from vlmdoctor.trace.read import TraceError, iter_batches, read_metadata, split_points
+from vlmdoctor.trace.worker import run_all
 
 LOGITS_OPS = ("aten::cross_entropy_loss", "aten::log_softmax", "aten::_log_softmax")
 SDPA_OP = "aten::scaled_dot_product_attention"  # inputs (batch, heads, length, head_dim)
@@ -26,6 +32,7 @@ COMM_OPS = (
     "c10d::",
 )  # host ops of collectives whose args trace/comms.py reads
 COMM_KERNELS = ("ncclDevKernel", "ncclKernel")
+PARALLEL_MIN_BYTES = 64 * 2**20  # a plain JSON trace this large is read by several processes (load_tables)
 
 
 @dataclass
@@ -74,68 +81,72 @@ class _Column:
         return df
 
 
-def load_tables(path: Path) -> Tables:
+def load_tables(path: Path, workers: int = 1) -> Tables:
+    """The tables of one trace file; a plain JSON file of PARALLEL_MIN_BYTES or more is read by up to
+    `workers` processes, each a part of whole events, and the parts joined in order: the same tables."""
     meta = read_metadata(path)  # first: it rejects files that are not JSON objects with a clear message
-    names: dict[str, int] = {}
-    gpu = _Column(("ts", "dur", "corr", "bytes", "cat"))
-    ops = _Column(("tid", "ts", "dur", "seq", "fwd_tid"))
-    rt = _Column(("tid", "ts", "dur", "corr"))
-    tids: dict[Any, int] = {}
-    steps: list[tuple[str, float, float]] = []
-    shapes: list[tuple[float, str, Any]] = []
-    types: dict[str, Any] = {}
-    gpu_cats = {"kernel": 0.0, "gpu_memcpy": 1.0, "gpu_memset": 2.0}
-    memory: dict[int, list[float]] = {}
-    recorded = {"shapes": False, "memory": False, "stack": False}
-    comm: list[tuple[str, str, int, float, float, dict[str, Any]]] = []
-    operands: list[tuple[str, float, float, int, Any, Any]] = []
+    b = _read_parts(path, workers) if workers > 1 else None
+    return (b or _read(path)).tables(path, meta)
+
+
+def _read(path: Path, span: tuple[int, int | None] | None = None) -> _Builder:
+    """One pass over the events (or a span of them); chunks are decoded into _Event structs that hold
+    only what the tables keep. Chunks the structs refuse (unexpected types) go event by event through _take."""
+    b = _Builder()
     count = 0
     try:
-        for count, ev in enumerate(iter_events(path), 1):
-            if not isinstance(ev, dict):
-                raise TraceError(
-                    f"{path}: traceEvents item {count} is a JSON {type(ev).__name__}, not an event object; "
-                    "expected a torch.profiler Chrome trace"
+        for typed, events, text in iter_batches(path, _EVENTS.decode, span=span):
+            if typed:
+                b.take(events, text)
+                count += len(events)
+                continue
+            before = count
+            for count, ev in enumerate(events, before + 1):
+                if not isinstance(ev, dict):
+                    raise TraceError(
+                        f"{path}: traceEvents item {count} is a JSON {type(ev).__name__}, not an event object; "
+                        "expected a torch.profiler Chrome trace"
+                    )
+                _take(
+                    ev,
+                    b.names,
+                    b.gpu,
+                    b.ops,
+                    b.rt,
+                    b.tids,
+                    b.steps,
+                    b.shapes,
+                    b.types,
+                    b.gpu_cats,
+                    b.memory,
+                    b.recorded,
+                    b.comm,
+                    b.operands,
                 )
-            _take(
-                ev,
-                names,
-                gpu,
-                ops,
-                rt,
-                tids,
-                steps,
-                shapes,
-                types,
-                gpu_cats,
-                memory,
-                recorded,
-                comm,
-                operands,
-            )
     except (AttributeError, TypeError, ValueError, KeyError) as e:
         raise TraceError(
             f"{path}: event {count} is not a torch.profiler event ({type(e).__name__}: {e}); expected "
             "objects with a name, a category and numeric ts/dur"
         ) from None
-    categories = list(names)
-    steps_df = pd.DataFrame(steps, columns=["name", "ts", "end"]).sort_values("ts").reset_index(drop=True)
-    gpu_df = gpu.frame(categories)
-    gpu_df["cat"] = np.array(["kernel", "gpu_memcpy", "gpu_memset"])[gpu_df["cat"].to_numpy().astype(int)]
-    gpu_df["end"] = gpu_df["ts"] + gpu_df["dur"]
-    gpu_df["corr"] = gpu_df["corr"].astype(np.int64)
-    pairs = list(zip(gpu_df["name"].cat.codes.to_numpy(), gpu_df["cat"]))
-    cls_of = {(c, k): classify(categories[c], k) for c, k in set(pairs)}
-    gpu_df["cls"] = [cls_of[pk] for pk in pairs]
-    ops_df = ops.frame(categories)
-    ops_df["end"] = ops_df["ts"] + ops_df["dur"]
-    for col in ("tid", "seq", "fwd_tid"):
-        ops_df[col] = ops_df[col].astype(np.int64)
-    rt_df = rt.frame(categories)
-    rt_df["end"] = rt_df["ts"] + rt_df["dur"]
-    for col in ("tid", "corr"):
-        rt_df[col] = rt_df[col].astype(np.int64)
-    return Tables(path, meta, steps_df, gpu_df, ops_df, rt_df, shapes, types, memory, recorded, comm, operands)
+    return b
+
+
+def _read_parts(path: Path, workers: int) -> _Builder | None:
+    """The file read in parts by `workers` processes (this one among them); None where it is not
+    split (gzip, small, no place to cut) or any part fails: the caller reads it whole, and that
+    read says what is wrong with the file."""
+    if path.name.endswith(".gz") or path.stat().st_size < PARALLEL_MIN_BYTES:
+        return None
+    spans = split_points(path, workers)
+    if len(spans) < 2:
+        return None
+    try:
+        parts = run_all([(_read, (path, span)) for span in spans], here=1)
+    except Exception:  # SplitError, a malformed part, a worker that died: read it whole
+        return None
+    for later in parts[1:]:
+        parts[0].merge(later)
+    return parts[0]
 
 
 def _take(
@@ -234,3 +245,317 @@ def _op_row(ops: _Column, code: int, tid: int, ts: float, dur: float, seq: int, 
     n["dur"].append(dur)
     n["seq"].append(seq)
     n["fwd_tid"].append(fwd_tid)
+
+
+# --- the fast path: chunks of events decoded into structs, taken column by column -----------------
+
+_ABSENT = msgspec.Raw(b"")  # a key the event does not have (JSON null is b"null")
+
+
+class _Args(msgspec.Struct, gc=False):
+    """The args keys the tables read, typed as _take reads them; a value of another type sends its
+    chunk to _take, which says what is wrong with it."""
+
+    correlation: float = -1.0
+    bytes: float | None = 0.0
+    seq: int = msgspec.field(default=-1, name="Sequence number")
+    fwd_tid: int = msgspec.field(default=-1, name="Fwd thread id")
+    dims: msgspec.Raw = msgspec.field(default=_ABSENT, name="Input Dims")
+    types: msgspec.Raw = msgspec.field(default=_ABSENT, name="Input type")
+    device: int = msgspec.field(default=-1, name="Device Type")
+    allocated: float | None = msgspec.field(default=0.0, name="Total Allocated")
+    reserved: float | None = msgspec.field(default=0.0, name="Total Reserved")
+
+
+class _Event(msgspec.Struct, gc=False):
+    ph: str | None = None
+    cat: str | None = None
+    name: str = ""
+    ts: float = 0.0
+    dur: float = 0.0
+    tid: int | float | str | None = None
+    args: _Args = msgspec.field(default_factory=_Args)  # JSON null: _take's chunk
+
+
+class _RawArgs(msgspec.Struct, gc=False):
+    args: msgspec.Raw = _ABSENT
+
+
+_EVENTS = msgspec.json.Decoder(list[_Event])
+_RAW_ARGS = msgspec.json.Decoder(list[_RawArgs])
+_ANY = msgspec.json.Decoder()
+_OP, _RUNTIME, _GPU, _MODULE = 1, 2, 3, 4
+_KIND = {
+    "cpu_op": _OP,
+    "user_annotation": _OP,
+    "cuda_runtime": _RUNTIME,
+    "cuda_driver": _RUNTIME,
+    "kernel": _GPU,
+    "gpu_memcpy": _GPU,
+    "gpu_memset": _GPU,
+    "python_function": _MODULE,
+}
+# what a name is, once per distinct name: bits of _Fast's flag table
+_STEP, _MODULE_RANGE, _COMM_OP, _COMM_KERNEL, _SHAPE, _OPERAND = 1, 2, 4, 8, 16, 32
+_SHAPE_NAMES = frozenset((*SHAPE_OPS, *LOGITS_OPS, SDPA_OP))
+_cat, _ph, _name, _ts, _dur, _tid = (attrgetter(k) for k in ("cat", "ph", "name", "ts", "dur", "tid"))
+_seq, _fwd_tid, _corr, _bytes, _dims = (
+    attrgetter(f"args.{k}") for k in ("seq", "fwd_tid", "correlation", "bytes", "dims")
+)
+
+
+class _Codes(dict):
+    """Interning: a new key gets the next code."""
+
+    def __missing__(self, key: Any) -> int:
+        code = self[key] = len(self)
+        return code
+
+
+def _flags(name: str) -> int:
+    return (
+        _STEP * name.startswith("ProfilerStep#")
+        | _MODULE_RANGE * name.startswith(MODULE_PREFIX)
+        | _COMM_OP * name.startswith(COMM_OPS)
+        | _COMM_KERNEL * name.startswith(COMM_KERNELS)
+        | _SHAPE * (name in _SHAPE_NAMES)
+        | _OPERAND * (name in OPERAND_OPS)
+    )
+
+
+def _value(raw: msgspec.Raw) -> Any:
+    """A kept args value, as json decodes it."""
+    try:
+        return _ANY.decode(raw)
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        return json.loads(bytes(raw).decode("utf-8", "replace"))
+
+
+def _pick(items: list[Any], idx: np.ndarray) -> list[Any]:
+    if len(idx) > 1:
+        return list(itemgetter(*idx.tolist())(items))
+    return [items[int(i)] for i in idx]
+
+
+def _floats(col: array, getter: Callable[[Any], Any], evs: list[Any]) -> np.ndarray:
+    values = np.fromiter(map(getter, evs), dtype=np.float64, count=len(evs))
+    col.frombytes(values.tobytes())
+    return values
+
+
+class _Builder:
+    """The tables as they are read: _take's state, filled a chunk at a time by `take`.
+
+    `take` does what _take does, for a whole chunk of _Event structs: the same rows in the same
+    order, built column by column at C speed (map, itemgetter, numpy) instead of one Python call
+    per event. Every distinct name gets a private code and its flags (a step, a module range, a
+    collective, an op whose shapes are kept) once; public codes (the categories) are given in
+    event order to the names of kept rows, exactly as _take interns them.
+    """
+
+    def __init__(self) -> None:
+        self.names: dict[str, int] = _Codes()
+        self.gpu = _Column(("ts", "dur", "corr", "bytes", "cat"))
+        self.ops = _Column(("tid", "ts", "dur", "seq", "fwd_tid"))
+        self.rt = _Column(("tid", "ts", "dur", "corr"))
+        self.tids: dict[Any, int] = _Codes()
+        self.steps: list[tuple[str, float, float]] = []
+        self.shapes: list[tuple[float, str, Any]] = []
+        self.types: dict[str, Any] = {}
+        self.gpu_cats = {"kernel": 0.0, "gpu_memcpy": 1.0, "gpu_memset": 2.0}
+        self.memory: dict[int, list[float]] = {}
+        self.recorded = {"shapes": False, "memory": False, "stack": False}
+        self.comm: list[tuple[str, str, int, float, float, dict[str, Any]]] = []
+        self.operands: list[tuple[str, float, float, int, Any, Any]] = []
+        self.private: dict[str, int] = _Codes()
+        self.flag = np.zeros(0, dtype=np.int8)  # private code -> flags
+        self.public = np.zeros(0, dtype=np.int32)  # private code -> public code, -1 before its first kept row
+
+    def tables(self, path: Path, meta: dict[str, Any]) -> Tables:
+        categories = list(self.names)
+        steps_df = pd.DataFrame(self.steps, columns=["name", "ts", "end"]).sort_values("ts").reset_index(drop=True)
+        gpu_df = self.gpu.frame(categories)
+        gpu_df["cat"] = np.array(["kernel", "gpu_memcpy", "gpu_memset"])[gpu_df["cat"].to_numpy().astype(int)]
+        gpu_df["end"] = gpu_df["ts"] + gpu_df["dur"]
+        gpu_df["corr"] = gpu_df["corr"].astype(np.int64)
+        pairs = list(zip(gpu_df["name"].cat.codes.to_numpy(), gpu_df["cat"]))
+        cls_of = {(c, k): classify(categories[c], k) for c, k in set(pairs)}
+        gpu_df["cls"] = [cls_of[pk] for pk in pairs]
+        ops_df = self.ops.frame(categories)
+        ops_df["end"] = ops_df["ts"] + ops_df["dur"]
+        for col in ("tid", "seq", "fwd_tid"):
+            ops_df[col] = ops_df[col].astype(np.int64)
+        rt_df = self.rt.frame(categories)
+        rt_df["end"] = rt_df["ts"] + rt_df["dur"]
+        for col in ("tid", "corr"):
+            rt_df[col] = rt_df[col].astype(np.int64)
+        return Tables(
+            path,
+            meta,
+            steps_df,
+            gpu_df,
+            ops_df,
+            rt_df,
+            self.shapes,
+            self.types,
+            self.memory,
+            self.recorded,
+            self.comm,
+            self.operands,
+        )
+
+    def merge(self, later: _Builder) -> None:
+        """Append the rows of the part of the file after this one, its names and threads interned
+        after this part's, as one pass over both would have."""
+        name = np.array([self.names[k] for k in later.names], dtype=np.int32)
+        tid = np.array([self.tids[k] for k in later.tids], dtype=np.float64)
+        for mine, theirs in ((self.gpu, later.gpu), (self.ops, later.ops), (self.rt, later.rt)):
+            if len(theirs.codes):
+                mine.codes.frombytes(name[np.frombuffer(theirs.codes, dtype=np.int32)].tobytes())
+            for k, v in theirs.num.items():
+                if k == "tid" and len(v):
+                    mine.num[k].frombytes(tid[np.frombuffer(v, dtype=np.float64).astype(np.int64)].tobytes())
+                else:
+                    mine.num[k].extend(v)
+        t = tid.astype(np.int64).tolist()
+        self.steps += later.steps
+        self.shapes += later.shapes
+        self.types.update(later.types)
+        for device, (alloc, reserved) in later.memory.items():
+            m = self.memory.setdefault(device, [0.0, 0.0])
+            m[0], m[1] = max(m[0], alloc), max(m[1], reserved)
+        for k, v in later.recorded.items():
+            self.recorded[k] = self.recorded[k] or v
+        self.comm += [(kind, n, t[i] if i >= 0 else i, *rest) for kind, n, i, *rest in later.comm]
+        self.operands += [(n, ts, dur, t[i], *rest) for n, ts, dur, i, *rest in later.operands]
+
+    def take(self, evs: list[_Event], text: bytes) -> None:
+        n = len(evs)
+        kinds = np.fromiter(map(_KIND.get, map(_cat, evs), repeat(0, n)), dtype=np.int8, count=n)
+        kinds[np.array(list(map(_ph, evs)), dtype=object) != "X"] = 0
+        other = np.flatnonzero(kinds == 0)
+        if len(other):
+            self._memory([e for e in _pick(evs, other) if e.name == "[memory]" and (e.cat is None or e.ph != "X")])
+        at = np.flatnonzero(kinds)
+        sel = _pick(evs, at)
+        kind = kinds[at]
+        pc = np.fromiter(map(self.private.__getitem__, map(_name, sel)), dtype=np.int64, count=len(sel))
+        self._grow()
+        flag = self.flag[pc]
+        module = kind == _MODULE
+        if module.any():  # with_stack / with_modules: the module ranges only, never every frame
+            self.recorded["stack"] = True
+            kind[module & (flag & _MODULE_RANGE == 0)] = 0
+        step = (kind == _OP) & (flag & _STEP != 0)
+        for e in _pick(sel, np.flatnonzero(step)):
+            self.steps.append((e.name, e.ts, e.ts + e.dur))
+        kind[step] = 0
+        keep = np.flatnonzero(kind)
+        kind, pc, flag, sel = kind[keep], pc[keep], flag[keep], _pick(sel, keep)
+        codes = self._public(pc)
+        host = kind != _GPU
+        hsel = _pick(sel, np.flatnonzero(host))
+        tids = self.tids
+        tid = np.fromiter(map(tids.__getitem__, map(_tid, hsel)), dtype=np.float64, count=len(hsel))
+        hkind = kind[host]
+        is_op = (kind == _OP) | (kind == _MODULE)
+        self._ops(sel, np.flatnonzero(is_op), codes, tid[hkind != _RUNTIME], kind[is_op], flag[is_op])
+        rt = np.flatnonzero(kind == _RUNTIME)
+        self._runtime(_pick(sel, rt), codes[rt], tid[hkind == _RUNTIME])
+        gpu = np.flatnonzero(kind == _GPU)
+        self._gpu(_pick(sel, gpu), codes[gpu])
+        comm = np.flatnonzero(((kind == _OP) & (flag & _COMM_OP != 0)) | ((kind == _GPU) & (flag & _COMM_KERNEL != 0)))
+        if len(comm):
+            self._comm(sel, comm, kind, tid, host, at[keep], text)
+
+    def _grow(self) -> None:
+        """Flags and an unset public code for the names first seen in this chunk."""
+        new = list(self.private)[len(self.flag) :]
+        if new:
+            self.flag = np.concatenate([self.flag, np.array([_flags(s) for s in new], dtype=np.int8)])
+            self.public = np.concatenate([self.public, np.full(len(new), -1, dtype=np.int32)])
+
+    def _public(self, pc: np.ndarray) -> np.ndarray:
+        """Public codes of kept rows; names new to the categories are added in the order they first occur."""
+        unset = self.public[pc] < 0
+        if unset.any():
+            first, where = np.unique(pc[unset], return_index=True)
+            names, private = self.names, list(self.private)
+            for p in first[np.argsort(where)].tolist():
+                self.public[p] = names[private[p]]  # a name _take interned first keeps its code
+        return self.public[pc]
+
+    def _memory(self, evs: list[_Event]) -> None:
+        memory = self.memory
+        for e in evs:  # recorded with profile_memory: running totals per device type
+            a = e.args
+            m = memory.setdefault(a.device, [0.0, 0.0])
+            m[0] = max(m[0], float(a.allocated or 0))
+            m[1] = max(m[1], float(a.reserved or 0))
+            self.recorded["memory"] = True
+
+    def _ops(self, sel, at: np.ndarray, codes, tid: np.ndarray, kind: np.ndarray, flag: np.ndarray) -> None:
+        evs = _pick(sel, at)
+        col = self.ops
+        col.codes.frombytes(codes[at].tobytes())
+        n = col.num
+        n["tid"].frombytes(tid.tobytes())
+        ts = _floats(n["ts"], _ts, evs)
+        dur = _floats(n["dur"], _dur, evs)
+        module = kind == _MODULE
+        seq = np.fromiter(map(_seq, evs), dtype=np.float64, count=len(evs))
+        fwd = np.fromiter(map(_fwd_tid, evs), dtype=np.float64, count=len(evs))
+        seq[module], fwd[module] = -1, -1
+        n["seq"].frombytes(seq.tobytes())
+        n["fwd_tid"].frombytes(fwd.tobytes())
+        op = np.flatnonzero(~module)
+        if not self.recorded["shapes"] and any(map(len, map(_dims, _pick(evs, op)))):
+            self.recorded["shapes"] = True
+        kept = op[flag[op] & (_SHAPE | _OPERAND) != 0]
+        for i in kept.tolist():
+            e = evs[i]
+            a = e.args
+            if not len(a.dims):
+                continue
+            types = _value(a.types) if len(a.types) else None
+            if flag[i] & _SHAPE:
+                self.shapes.append((e.ts, e.name, _value(a.dims)))
+                self.types[e.name] = types
+            else:
+                self.operands.append((e.name, e.ts, e.dur, int(tid[i]), _value(a.dims), types))
+        del ts, dur
+
+    def _runtime(self, evs: list[_Event], codes: np.ndarray, tid: np.ndarray) -> None:
+        col = self.rt
+        col.codes.frombytes(codes.tobytes())
+        n = col.num
+        n["tid"].frombytes(tid.tobytes())
+        _floats(n["ts"], _ts, evs)
+        _floats(n["dur"], _dur, evs)
+        _floats(n["corr"], _corr, evs)
+
+    def _gpu(self, evs: list[_Event], codes: np.ndarray) -> None:
+        col = self.gpu
+        col.codes.frombytes(codes.tobytes())
+        n = col.num
+        _floats(n["ts"], _ts, evs)
+        _floats(n["dur"], _dur, evs)
+        _floats(n["corr"], _corr, evs)
+        _floats(n["bytes"], lambda e: e.args.bytes or 0, evs)
+        _floats(n["cat"], self.gpu_cats.__getitem__, list(map(_cat, evs)))
+
+    def _comm(self, sel, at: np.ndarray, kind, tid, host, where: np.ndarray, text: bytes) -> None:
+        """Collectives keep their whole args (trace/comms.py reads many keys): read again for these events."""
+        raw = _RAW_ARGS.decode(b"[" + text + b"]")
+        tid_of = np.full(len(sel), -1, dtype=np.int64)
+        tid_of[host] = tid
+        for i in at.tolist():
+            e = sel[i]
+            if kind[i] == _GPU and e.cat != "kernel":
+                continue
+            r = raw[int(where[i])].args
+            args = (_value(r) if len(r) else None) or {}
+            if kind[i] == _OP:
+                self.comm.append(("op", e.name, int(tid_of[i]), e.ts, e.dur, args))
+            else:
+                self.comm.append(("kernel", e.name, -1, e.ts, e.dur, args))

@@ -1,0 +1,174 @@
+"""The trace reader: chunks decoded by msgspec give the tables the one-event-at-a-time reader gave,
+on every layout of the JSON, in one process or several; and the analysis commands need no GPU stack.
+
+The reference here is the reader the fast path replaced: `json` decodes the events and `_take`
+turns each into table rows (tables.py keeps `_take` for the chunks msgspec's structs refuse).
+The traces are real fixtures, written back in other JSON layouts.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from vlmdoctor.trace import facts as facts_mod
+from vlmdoctor.trace import read, tables
+from vlmdoctor.trace.read import SplitError, iter_batches, iter_events, split_points
+from vlmdoctor.trace.tables import _Builder, _take, load_tables
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACES = ROOT / "fixtures" / "traces"
+SOURCE = TRACES / "compile_s2.pt.trace.json.gz"  # a small real H100 trace: kernels, runtime, ops, steps
+FIELDS = ("meta", "steps", "gpu", "ops", "runtime", "shapes", "types", "memory", "recorded", "comm", "operands")
+
+
+def _doc(thin: bool = True) -> dict:
+    """The source trace; thin: every third timed event (all categories, a third of the time to test)."""
+    with gzip.open(SOURCE, "rt") as f:
+        doc = json.load(f)
+    if thin:
+        doc["traceEvents"] = [e for i, e in enumerate(doc["traceEvents"]) if i % 3 == 0 or e.get("ph") != "X"]
+    return doc
+
+
+def _reference(path: Path) -> tables.Tables:
+    """The tables as the event-by-event reader made them: json's events through _take, in order."""
+    b = _Builder()
+    for ev in json.loads(path.read_bytes().decode("utf-8", "replace"))["traceEvents"]:
+        _take(
+            ev, b.names, b.gpu, b.ops, b.rt, b.tids, b.steps, b.shapes, b.types, b.gpu_cats, b.memory, b.recorded,
+            b.comm, b.operands,
+        )  # fmt: skip
+    return b.tables(path, read.read_metadata(path))
+
+
+def _same(a, b, where: str = "") -> None:
+    """Exactly equal: frames with their dtypes and category order, numbers bit for bit."""
+    assert type(a) is type(b), where
+    if isinstance(a, pd.DataFrame):
+        pd.testing.assert_frame_equal(a, b, check_exact=True)
+        for c in a.columns:
+            if isinstance(a[c].dtype, pd.CategoricalDtype):
+                assert list(a[c].cat.categories) == list(b[c].cat.categories), f"{where}.{c}"
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for k in a:
+            _same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}[{i}]")
+    elif isinstance(a, float) and np.isnan(a):
+        assert np.isnan(b), where
+    else:
+        assert a == b, where
+
+
+def _same_tables(a: tables.Tables, b: tables.Tables) -> None:
+    for k in FIELDS:
+        _same(getattr(a, k), getattr(b, k), k)
+
+
+def _write(path: Path, doc: dict, layout: str) -> Path:
+    """The trace in one of the JSON layouts writers use; "tail" moves some top-level keys after traceEvents."""
+    if layout == "tail":
+        events = doc["traceEvents"]
+        head = {k: v for k, v in doc.items() if k not in ("traceEvents", "traceName", "displayTimeUnit")}
+        after = {k: doc[k] for k in ("traceName", "displayTimeUnit") if k in doc}
+        text = json.dumps(head)[:-1] + ', "traceEvents": ' + json.dumps(events) + ", " + json.dumps(after)[1:]
+    else:
+        kw = {"indented": {"indent": 2}, "compact": {"separators": (",", ":")}, "one_line": {}}[layout]
+        text = json.dumps(doc, **kw)
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("layout", ["indented", "compact", "one_line", "tail"])
+def test_every_layout_reads_as_the_event_by_event_reader_read_it(tmp_path, layout, monkeypatch):
+    doc = _doc()
+    p = _write(tmp_path / "t.json", doc, layout)
+    monkeypatch.setattr(read, "BLOCK", 1 << 12)  # 4 KB reads: many events straddle a refill
+    tail: dict = {}
+    events = list(iter_events(p, block=1 << 12, tail=tail))
+    assert events == doc["traceEvents"]
+    keys = list(json.loads(p.read_text()))  # in the order written
+    assert tail == {k: doc[k] for k in keys[keys.index("traceEvents") + 1 :]} and (layout != "tail" or tail)
+    _same_tables(load_tables(p), _reference(p))
+
+
+def test_gzip_and_plain_give_the_same_tables(tmp_path):
+    plain = _write(tmp_path / "t.json", _doc(thin=False), "indented")
+    a, b = load_tables(SOURCE), load_tables(plain)
+    a.path = b.path
+    _same_tables(a, b)
+    _same_tables(b, _reference(plain))
+
+
+def test_odd_values_take_the_json_path_and_give_what_it_gave(tmp_path):
+    """Values msgspec's typed structs refuse (numeric strings, NaN, null args, a bool thread) and names
+    holding the text that separates events: every chunk still reads as the json reader read it."""
+    doc = _doc()
+    evs = doc["traceEvents"]
+    ops = [i for i, e in enumerate(evs) if e.get("cat") == "cpu_op"]
+    evs[ops[10]]["ts"] = str(evs[ops[10]]["ts"])  # float("123.5") is what the reader did
+    evs[ops[20]]["dur"] = float("nan")
+    evs[ops[30]]["args"] = None
+    evs[ops[40]]["tid"] = True
+    evs[ops[50]]["name"] = 'aten::odd},{"ph": "X", "cat": "cpu_op"}, {'
+    evs[ops[60]]["args"] = {**(evs[ops[60]].get("args") or {}), "Input Dims": [[4, 8], [[1, 2], [3]]]}
+    p = tmp_path / "odd.json"
+    p.write_text(json.dumps(doc, indent=1, allow_nan=True))
+    _same_tables(load_tables(p), _reference(p))
+
+
+def test_an_event_larger_than_a_read_is_read_whole(tmp_path, monkeypatch):
+    doc = _doc()
+    doc["traceEvents"][100]["args"] = {**doc["traceEvents"][100].get("args", {}), "big": "x" * 300_000}
+    p = tmp_path / "big_event.json"
+    p.write_text(json.dumps(doc))
+    monkeypatch.setattr(read, "BLOCK", 1 << 14)
+    assert list(iter_events(p, block=1 << 14)) == doc["traceEvents"]
+    _same_tables(load_tables(p), _reference(p))
+
+
+def test_parts_read_by_several_processes_join_into_the_whole(tmp_path, monkeypatch):
+    p = _write(tmp_path / "t.json", _doc(), "indented")
+    spans = split_points(p, 3)
+    assert len(spans) == 3 and spans[-1][1] is None
+    n = sum(len(ev) for span in spans for _, ev, _ in iter_batches(p, span=span))
+    assert n == sum(1 for _ in iter_events(p))
+    monkeypatch.setattr(tables, "PARALLEL_MIN_BYTES", 0)
+    _same_tables(load_tables(p, workers=3), _reference(p))
+
+
+def test_a_cut_inside_a_string_is_caught_and_the_file_read_whole(tmp_path, monkeypatch):
+    """A name full of `},{` at the middle of the file: the split lands inside it, that part does not
+    decode as whole events, and the file is read in one pass instead, to the same tables."""
+    doc = _doc()
+    evs = doc["traceEvents"]
+    evs[len(evs) // 2]["name"] = "},{" * 400_000  # a third of the file, from its middle on
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps(doc))
+    spans = split_points(p, 2)
+    text = p.read_bytes()
+    start = text.index(b"},{},{")
+    assert start < spans[0][1] < start + 1_200_000  # the cut falls inside the name
+    with pytest.raises(SplitError):
+        for span in spans:
+            for _ in iter_batches(p, span=span):
+                pass
+    monkeypatch.setattr(tables, "PARALLEL_MIN_BYTES", 0)
+    _same_tables(load_tables(p, workers=2), _reference(p))
+
+
+def test_a_rank_folder_analyzed_in_parallel_equals_the_serial_analysis(monkeypatch):
+    folder = ROOT / "fixtures" / "dist_cpu" / "ddp"
+    serial = facts_mod.analyze(folder, workers=1)
+    monkeypatch.setattr(facts_mod, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(facts_mod, "cpus", lambda: 2)
+    _same(facts_mod.analyze(folder, workers=2), serial)
