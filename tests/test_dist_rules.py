@@ -138,7 +138,7 @@ def test_fsdp2_on_a_small_model_goes_to_ddp_and_supersedes_prefetching():
 
 def test_ddp_near_the_memory_limit_goes_to_fsdp2():
     near = with_memory("ddp", "bucketed_b32_s2")  # 71.8 of 79.2 GiB reserved on the H100
-    assert near["memory.peak_reserved_frac"] > 0.85
+    assert near["measured.memory.peak_reserved_frac"] > 0.85
     f = fired(near)["system-ddp-near-memory"]
     assert f["config_patch"] == {"parallel": "fsdp2"}
     assert 1.0 <= f["expected_gain"]["throughput_x"] <= 2.0
@@ -151,7 +151,7 @@ def test_sharding_that_frees_memory_gets_a_larger_batch_from_the_measurement():
     got = fired(f)["batching-sharded-batch"]
     b = facts("fsdp2")["dist.batch_size"]
     assert b == 2  # the recorder's batch, read from the embedded token batch
-    frac = f["memory.peak_reserved_frac"]
+    frac = f["measured.memory.peak_reserved_frac"]
     assert got["config_patch"]["batch_size"] == min(b * 8, max(b * 2, int(b * 0.7 / frac)))
     assert got["expected_gain"]["throughput_x"] > 1.0
     assert "batching-sharded-batch" not in fired(with_memory("fsdp2", "bucketed_b32_s2"))

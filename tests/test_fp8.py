@@ -233,9 +233,12 @@ def test_capability_falls_back_to_the_runs_environment():
         if k != "device.compute_capability"
     }
     assert report["env"]["compute_capability"] == "9.0"
-    assert merge_measured(facts, report)["device.compute_capability"] == 9.0
+    assert merge_measured(facts, report)["measured.device.compute_capability"] == 9.0
+    # the rule reads the run's capability where the trace has none
+    merged = merge_measured({k: v for k, v in wide().items() if k != "device.compute_capability"}, report)
+    assert "device.compute_capability" not in merged and RULE in _ids(merged)
     cpu = {"trace.cpu_only": True}  # a CPU trace gets no GPU capability, whatever the report says
-    assert "device.compute_capability" not in merge_measured(cpu, report)
+    assert "measured.device.compute_capability" not in merge_measured(cpu, report)
 
 
 def test_fp8_share_counts_fp8_kernel_time(tmp_path):
@@ -275,7 +278,9 @@ def test_rule_stays_quiet_at_1_5b_where_fp8_was_measured_to_lose():
     tokens/s. The 1.5b fixture's GEMMs are as narrow (0.125 ms each), so the rule does not fire there."""
     f = measured("healthy_1.5b_s2")
     assert f["gemm.bf16_mean_ms"] == pytest.approx(f["gemm.bf16_ms"] / f["kernels.gemm_tensor_core.count"])
-    assert 0.1 < f["gemm.bf16_mean_ms"] < 0.5 and f["gpu.busy_frac"] > 0.7 and f["gemm.bf16_share_of_gpu"] > 0.4
+    assert (
+        0.1 < f["gemm.bf16_mean_ms"] < 0.5 and f["measured.gpu.busy_frac"] > 0.7 and f["gemm.bf16_share_of_gpu"] > 0.4
+    )
     assert RULE not in _ids(f)
 
 
@@ -315,7 +320,7 @@ def test_rule_stays_quiet_on_the_host_bound_0_5b_steps(name):
     0.08 ms, narrower than the 1.5b GEMMs where FP8 lost 19%. No kernel of these bf16 runs may be classed
     FP8 either."""
     f = measured(name)
-    assert f["gpu.busy_frac"] < 0.76 and f["gemm.bf16_mean_ms"] < 0.08 and RULE not in _ids(f)
+    assert f["measured.gpu.busy_frac"] < 0.76 and f["gemm.bf16_mean_ms"] < 0.08 and RULE not in _ids(f)
     assert f["gemm.fp8_share"] == 0.0 and "kernels.gemm_fp8.count" not in f and f["gemm.bf16_ms"] > 0
 
 
@@ -324,7 +329,7 @@ def test_rule_stays_quiet_on_the_host_bound_0_5b_steps(name):
     [
         {"gemm.fp8_share": 0.8},  # FP8 already on
         {"device.compute_capability": 8.0},  # an A100
-        {"gpu.busy_frac": 0.5},  # host-bound
+        {"measured.gpu.busy_frac": 0.5},  # host-bound (the untraced run's share, which the rule reads)
         {"gemm.bf16_share_of_gpu": 0.3},  # not GEMM-bound
         {"config.fp8": "rowwise"},
         {"config.train": "lora"},

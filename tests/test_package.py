@@ -64,6 +64,57 @@ def test_imports_run_one_way_down_the_flow():
     assert not bad, "imports that reach back up the flow:\n" + "\n".join(bad)
 
 
+def _module_imports(path: Path) -> set[str]:
+    """Every vlmdoctor module a file imports, at the top or inside a function (`from pkg import mod` included)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("vlmdoctor"):
+            found.add(node.module)
+            for a in node.names:
+                sub = ROOT.joinpath(*f"{node.module}.{a.name}".split("."))
+                if sub.with_suffix(".py").is_file() or sub.is_dir():
+                    found.add(f"{node.module}.{a.name}")
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("vlmdoctor")}
+    return found
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of a graph, each as the path that closes it."""
+    out, state = [], {}
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = "open"
+        for n in sorted(graph.get(m, ())):
+            if state.get(n) == "open":
+                out.append([*path[path.index(n) :], n])
+            elif n not in state:
+                visit(n, [*path, n])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    return out
+
+
+def test_trace_modules_import_one_way():
+    """No cycle among trace/'s modules, counting imports inside functions: the reading spine, the catalogue
+    and the fact families each import only what comes before them."""
+    trace = PKG / "trace"
+    graph = {}
+    for path in trace.rglob("*.py"):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        graph[module] = {m for m in _module_imports(path) if m.startswith("vlmdoctor.trace.") and m != module}
+    assert "vlmdoctor.trace.catalog" in graph["vlmdoctor.trace.families.idle"]  # the graph is read
+    assert not _cycles(graph), "import cycles in trace/:\n" + "\n".join(" -> ".join(c) for c in _cycles(graph))
+
+
+def test_cycle_checker_sees_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
 def test_import_checker_sees_a_backward_import(tmp_path):
     p = tmp_path / "m.py"
     p.write_text("from vlmdoctor.report.console import render\n")

@@ -370,7 +370,7 @@ def test_batching_gain_is_a_throughput_factor():
     f = fired("default_s2")["batching-gpu-underfed"]
     g, b = f["expected_gain"], f["config_patch"]["batch_size"]
     assert g["saves_ms_per_step"] is None
-    busy = measured("default_s2")["gpu.busy_frac"]
+    busy = measured("default_s2")["measured.gpu.busy_frac"]
     assert g["throughput_x"] == pytest.approx(min(b / 4, 1 / busy))  # the formula written in the rule file
 
 
@@ -408,23 +408,23 @@ def test_busy_share_is_taken_over_the_untraced_step():
     traced = analyze(TRACES / "sync_compile_s2.pt.trace.json.gz")["files"][0]["facts"]
     f = measured("sync_compile_s2")
     step = json.loads((TRACES / "sync_compile_s2.report.json").read_text())["metrics"]["step_ms"]
-    assert f["gpu.busy_frac_traced"] == pytest.approx(traced["gpu.busy_frac"])
-    assert f["gpu.busy_frac"] == pytest.approx(traced["gpu.busy_ms"] / step)
-    assert f["gpu.busy_frac"] > 1.5 * f["gpu.busy_frac_traced"]  # 177 ms untraced, 337 ms traced
+    assert f["gpu.busy_frac"] == pytest.approx(traced["gpu.busy_frac"])  # the trace's fact is left as it was
+    assert f["measured.gpu.busy_frac"] == pytest.approx(traced["gpu.busy_ms"] / step)
+    assert f["measured.gpu.busy_frac"] > 1.5 * f["gpu.busy_frac"]  # 177 ms untraced, 337 ms traced
 
 
 def test_batch_is_sized_from_live_tensors_not_the_allocator_pool():
     f = measured("sync_compile_s2")
-    assert f["memory.peak_reserved_gb"] > f["memory.peak_allocated_gb"]
+    assert f["measured.memory.peak_reserved_gb"] > f["measured.memory.peak_allocated_gb"]
     b = fired_on(f)["batching-gpu-underfed"]["config_patch"]["batch_size"]
-    assert b == min(8 * 8, max(16, math.floor(8 * 0.7 / f["memory.peak_allocated_frac"])))
+    assert b == min(8 * 8, max(16, math.floor(8 * 0.7 / f["measured.memory.peak_allocated_frac"])))
     pool = {
         **f,
-        "memory.peak_allocated_frac": f["memory.peak_reserved_frac"],
-        "memory.peak_allocated_gb": f["memory.peak_reserved_gb"],
+        "measured.memory.peak_allocated_frac": f["measured.memory.peak_reserved_frac"],
+        "measured.memory.peak_allocated_gb": f["measured.memory.peak_reserved_gb"],
     }
     assert fired_on(pool)["batching-gpu-underfed"]["config_patch"]["batch_size"] < b
-    busy = {**f, "gpu.busy_frac": 0.9}
+    busy = {**f, "measured.gpu.busy_frac": 0.9}
     assert "batching-gpu-underfed" not in fired_on(busy)
 
 
@@ -436,7 +436,7 @@ def test_the_final_configs_of_the_h100_ladders_are_diagnosed_healthy(name):
     """What `treat` ended on (docs/treat.md): the GPU saturated, memory under the batch rule's headroom, and
     no rule fires, so a treatment that re-diagnoses it stops there."""
     f = measured(name)
-    assert f["gpu.busy_frac"] >= 0.85 and f["memory.peak_allocated_frac"] < 0.7
+    assert f["measured.gpu.busy_frac"] >= 0.85 and f["measured.memory.peak_allocated_frac"] < 0.7
     d = diagnose(f, RULES)
     assert d["findings"] == [], [x["id"] for x in d["findings"]]
 

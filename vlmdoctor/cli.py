@@ -653,6 +653,50 @@ def rules_show(
             render_rule_page(page, out)
 
 
+@app.command()
+def facts(
+    name: str | None = typer.Argument(None, help="a fact (gpu.busy_frac, kernels.cast.ms); none: every fact"),
+    markdown: bool = typer.Option(False, "--markdown", help="print the table of docs/analysis.md instead"),
+    json_path: str | None = _json_opt("fact catalogue"),
+    force: bool = typer.Option(False, "--force", help="overwrite an existing --json file"),
+) -> None:
+    """What a fact is, where it is computed and what records it (the catalogue: trace/catalog.py)."""
+    from vlmdoctor.doctor.rules import load_rules
+    from vlmdoctor.errors import UsageError
+    from vlmdoctor.files import check_writable, write_json
+    from vlmdoctor.trace import catalog
+
+    with _user_errors():
+        check_writable(json_path, force)
+        found = [catalog.lookup(name)] if name else catalog.FACTS
+        if found == [None]:
+            near = catalog.suggest(name)
+            raise UsageError(f"no fact {name!r}" + (f"; did you mean {', '.join(near)}?" if near else ""))
+        rules, _ = load_rules()
+        docs = [
+            {
+                **catalog.describe(f),
+                "read_by": sorted(r.id for r in rules if any(map(f.pattern.fullmatch, r.facts_used()))),
+            }
+            for f in found
+        ]
+        if json_path:
+            write_json(docs[0] if name else docs, json_path)
+    if markdown and json_path != "-":
+        print(catalog.markdown_facts(), end="")
+    elif json_path != "-":
+        for d in docs:
+            out.print(
+                f"[bold]{escape(d['name'])}[/bold] ({escape(d['unit'])}): {escape(d['meaning'])}", highlight=False
+            )
+            if name:
+                out.print(f"  computed in {d['computed_in']}", highlight=False)
+                out.print(f"  recorded by {escape('; '.join(d['recorded_by']))}", highlight=False)
+                for k, v in {**d.get("values", {}), "ranks": d.get("ranks"), "rules": ", ".join(d["read_by"])}.items():
+                    if v:
+                        out.print(f"  {k}: {escape(v)}", highlight=False)
+
+
 @app.command(context_settings={"allow_interspersed_args": False})
 def run(
     command: list[str] = typer.Argument(..., help="the training command, after --: python train.py ARGS"),

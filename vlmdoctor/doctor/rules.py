@@ -29,6 +29,7 @@ import yaml
 
 from vlmdoctor.errors import UsageError
 from vlmdoctor.run.config import LAYER_NAMES, RunConfig
+from vlmdoctor.trace import catalog
 
 
 def _builtin_rules_dir() -> Path:
@@ -53,114 +54,19 @@ GAIN_SEVERITY = (("high", 1.25), ("medium", 1.05))
 FUNCTIONS = {"min": min, "max": max, "floor": math.floor, "ceil": math.ceil, "round": round, "abs": abs}
 HAS = "has"  # has(fact.name): whether the trace measured it; never "not evaluated" (see rules/README.md)
 
-#: a fact a user's trace lacks, by name: the profiler option (or input) that would let a rule measure it.
-#: (pattern, hint, test on the facts: true when that option was on already, so the hint would not help)
-FACT_OPTIONS: list[tuple[re.Pattern[str], str, Any]] = [
-    (
-        re.compile(
-            r"(gpu|kernels|gemm|launch|idle|cudnn_plan|recompute|phase|liger|triton_compiled|optimizer|memcpy|memory|part)\."
-            r"|attention\.(fp32_kernels|backend|kernel_share)"
-        ),
-        "a GPU trace (ProfilerActivity.CUDA)",
-        lambda f: f.get("trace.gpu_kernels", True),
-    ),
-    (re.compile(r"memory\."), "profile_memory=True", lambda f: f.get("trace.recorded.memory", True)),
-    (
-        re.compile(
-            r"shapes\.|lora\.|dpo\.reference_fp32|loss\.(logits|head_rows)|flops\.|attention\.[a-z_]+\.(head_dim|fwd_tflop|dense_mask)"
-        ),
-        "record_shapes=True",
-        lambda f: f.get("trace.recorded.shapes", True),
-    ),
-    (
-        re.compile(r"(part|attention)\.(vision|projector|llm)\."),
-        "with_stack=True (records the nn.Module hierarchy)",
-        lambda f: f.get("part.source", "none") != "none",
-    ),
-]
-
 
 def missing_hint(name: str, facts: dict[str, Any]) -> str | None:
-    """The profiler option that would have recorded a missing fact, when the trace shows it was off."""
-    for rx, hint, done in FACT_OPTIONS:
-        if rx.match(name) and not done(facts):
-            return hint
-    return None
+    """The profiler option that would have recorded a missing fact, when the trace shows it was off (what each
+    fact needs is declared in trace/catalog.py)."""
+    return catalog.missing_hint(name, facts)
 
 
 REQUIRED = ("id", "layer", "title", "severity", "when", "evidence", "fix", "patch")
 
-#: fact names a rule may use, as patterns (the facts of vlmdoctor/analysis.py and of a profile report)
-KNOWN_FACTS = [
-    re.compile(p)
-    for p in (
-        r"trace\.(steps|partial|written_by_vlmdoctor|windows_from|gpu_kernels)",
-        r"trace\.recorded\.(shapes|memory|stack)",
-        r"step\.ms",
-        r"run\.(stage|model)",
-        r"run\.(stage|model)_source",
-        r"run\.stage_estimate",
-        r"part\.source",
-        r"shapes\.micro_batches_per_step\.source",
-        r"gpu\.(busy_ms|idle_ms|busy_frac)",
-        r"idle\.[a-z_]+\.(ms|share)",
-        r"idle\.op\.[a-z_]+\.ms",
-        r"cudnn_plan\.(calls|long_calls|idle_ms|step_share)",
-        r"kernels\.[a-z0-9_]+\.(ms|count|share)",
-        r"gemm\.(ms|count|fp32_share|tf32_share|fp32_share_of_gpu|fp32_top_kernels)",
-        r"gemm\.(fp8_share|fp8_ms|bf16_ms|bf16_share_of_gpu|bf16_llm_ms|bf16_mean_ms)",
-        r"device\.(name|compute_capability)",
-        r"part\.fp32_gemm_parts",
-        r"attention\.(fp32_kernels|backend\.[a-z_]+\.calls)",
-        r"liger\.[a-z_]+\.launches",
-        r"triton_compiled\.launches",
-        r"optimizer\.fused",
-        r"launch\.(kernels|tiny_kernel_frac|api_ms|delay_us_median|delay_us_p90)",
-        r"part\.[a-z_]+\.(ms|share)",
-        r"phase\.[a-z_]+\.ms",
-        r"recompute\.(ms|share|kind)",
-        r"memcpy\.[A-Za-z]+\.(bytes|ms)",
-        r"memcpy\.pageable_count",
-        r"shapes\.(distinct_token_batches|token_batches|micro_batches_per_step)",
-        r"idle\.top_host_ops",
-        r"loss\.(logits_elements|logits_gb|logits_dtype|head_rows_per_step|head_rows_frac)",
-        r"ops\.(fused_linear_cross_entropy|checkpoint_reentrant)",
-        r"host\.(sync_calls|sync_ops)",
-        r"part\.[a-z_]+\.(forward|backward|recompute|optimizer)_ms",
-        r"attention\.[a-z_]+\.(forward|backward|recompute)_ms",
-        r"attention\.(eager_softmax_calls|sdpa_calls|backends)",
-        r"attention\.[a-z_]+\.(head_dims|head_dim_pow2|fwd_tflop_per_step|fwd_tflops|dense_mask_share)",
-        r"attention\.kernel_share",
-        # causes, weighed by time (trace/attention_cause.py, trace/casts.py)
-        r"attention\.(eager|math|mha)\.(blocks|ms|model_ms|head_blocks|head_ms|parts)",
-        r"attention\.written_out\.source",
-        r"casts\.(weight|input|island)\.(count|ms|share)",
-        r"casts\.classified_by",
-        r"shapes\.rows_per_micro_batch",
-        r"flops\.(vision_tflop_per_step|lm_head_tflop_per_step)",
-        r"gpu\.(busy_tflops|busy_frac_traced)",
-        r"data\.loss_token_frac",
-        r"memory\.(device_total_gb|peak_(allocated|reserved)_(gb|frac))",
-        r"flops\.model_tflop_per_step_upper",
-        r"mfu(\.upper_bound)?",
-        r"data\.(pad_fraction|real_tokens_per_s)",
-        r"trace\.cpu_only",
-        r"cpu\.(capability|probe\.(fp32|bf16)_gflops|cast\.(ms|count|share)|bf16_cost\.(ms|share)|lm_head\.ms)",
-        r"cpu\.matmul\.(ms|share|dtypes|(fp32|bf16|fp16)_(ms|gflop|gflops))",
-        r"cpu\.part\.[a-z_]+\.forward_ms",
-        r"cpu\.data_loader\.(ms|share)",
-        r"comm\.[a-z_]+(\.[a-z_]+)*",
-        r"dist\.[a-z_]+(\.[a-z_]+)*",  # collectives (trace/comms.py), ranks joined (trace/ranks.py)
-        # training modes (vlmdoctor/trace/modes.py)
-        r"lora\.(lowrank_gemm_count|lowrank_gemm_ms|lowrank_gemm_share|lowrank_flop_share|gemm_count|rank)",
-        r"qlora\.(dequant_count|dequant_ms|dequant_share|bf16_extra_gb)",
-        r"memory\.headroom_gb",
-        r"dpo\.reference_(count|ms|share|backward_nodes|backward_ms|backward_share|weight_casts|cast_ms|cast_share|fp32_gemm_share)",
-        r"config\.(" + "|".join(RunConfig.__dataclass_fields__) + r")",
-        r"patch\.("
-        + "|".join(RunConfig.__dataclass_fields__)
-        + r")",  # the rule's own patch values, in gain expressions
-    )
+#: fact names a rule may use, as patterns: every fact of the catalogue (trace/catalog.py), and the rule's own
+#: patch values (`patch.<knob>`, in gain expressions)
+KNOWN_FACTS = [f.pattern for f in catalog.FACTS] + [
+    re.compile(r"patch\.(" + "|".join(RunConfig.__dataclass_fields__) + r")")
 ]
 
 
@@ -569,7 +475,9 @@ def _evidence(rule: Rule, env: dict[str, Any]) -> list[str]:
     how to measure it, so the finding is read as resting on the facts that were.
     """
     lines = [_render(e, env) for e in rule.evidence if all(m.group(1) in env for m in _PLACEHOLDER.finditer(e))]
-    unmeasured = sorted(n for n in _names(_tree(rule.when)) if not n.isupper() and n not in env)
+    unmeasured = sorted(
+        n for n in _names(_tree(rule.when)) if not n.isupper() and n not in env and not catalog.is_measured(n)
+    )
     for name in unmeasured:
         hint = missing_hint(name, env)
         lines.append(

@@ -50,6 +50,7 @@ from vlmdoctor.run.config import RunConfig
 Runner = Callable[[RunConfig, bool, "float | None"], dict[str, Any]]
 PROFILE_FACTS = (
     "gpu.busy_frac",
+    "measured.gpu.busy_frac",
     "gpu.busy_tflops",
     "launch.kernels",
     "idle.other_host.ms",

@@ -626,7 +626,8 @@ def _facts_sections(facts: dict[str, Any]) -> list[str]:
 
 
 def _facts_metrics(facts: dict[str, Any]) -> list[tuple[str, Any]]:
-    busy = facts.get("gpu.busy_frac")
+    busy = facts.get("measured.gpu.busy_frac", facts.get("gpu.busy_frac"))  # the untraced run's, where measured
+    reserved = facts.get("measured.memory.peak_reserved_gb", facts.get("memory.peak_reserved_gb"))
     return [
         ("steps traced", facts.get("trace.steps")),
         ("step (median)", _num(facts.get("step.ms"), 1, " ms") if "step.ms" in facts else None),
@@ -641,9 +642,7 @@ def _facts_metrics(facts: dict[str, Any]) -> list[tuple[str, Any]]:
         ("MFU (measured)", _pct(facts["mfu"], 2) if isinstance(facts.get("mfu"), (int, float)) else None),
         (
             "peak memory reserved",
-            _num(facts.get("memory.peak_reserved_gb"), 2, " GiB")
-            if facts.get("memory.peak_reserved_gb") is not None
-            else None,
+            _num(reserved, 2, " GiB") if reserved is not None else None,
         ),
     ]
 
@@ -812,11 +811,12 @@ def analyze_html(result: dict[str, Any]) -> str:
         body.append(findings_section(findings if findings is not None else [], diagnosis))
         props = (meta.get("deviceProperties") or [{}])[0] if isinstance(meta.get("deviceProperties"), list) else {}
         env = entry.get("env") or result.get("env") or {}
+        card = facts.get("memory.device_total_gb") or facts.get("measured.memory.device_total_gb")
         pairs = [
             ("GPU", facts.get("device.name") or props.get("name") or env.get("gpu")),
             (
                 "GPU memory",
-                _num(facts["memory.device_total_gb"], 1, " GiB") if facts.get("memory.device_total_gb") else None,
+                _num(card, 1, " GiB") if card else None,
             ),
             (
                 "compute capability",

@@ -20,8 +20,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from vlmdoctor.trace.facts import MODULE_PREFIX, Tables
+from vlmdoctor.trace.catalog import by_producer
 from vlmdoctor.trace.optime import OpTree, backward_nodes
+from vlmdoctor.trace.tables import MODULE_PREFIX, Tables
+
+PRODUCES = by_producer(__name__)
 
 SOFTMAX = "aten::_softmax"
 SOFTMAX_WRAPPERS = ("aten::softmax", "aten::_safe_softmax", "aten::_softmax")
@@ -37,6 +40,31 @@ BETWEEN = re.compile(
 )
 HEAD_MODULES = re.compile(r"PoolingHead|MultiheadAttention|AttentionPool", re.IGNORECASE)
 KINDS = ("eager", "math", "mha")
+#: each kind's facts, spelled out so that a search for a fact finds where it is computed:
+#: (blocks, ms, parts, head blocks, head ms)
+KIND_FACTS = {
+    "eager": (
+        "attention.eager.blocks",
+        "attention.eager.ms",
+        "attention.eager.parts",
+        "attention.eager.head_blocks",
+        "attention.eager.head_ms",
+    ),
+    "math": (
+        "attention.math.blocks",
+        "attention.math.ms",
+        "attention.math.parts",
+        "attention.math.head_blocks",
+        "attention.math.head_ms",
+    ),
+    "mha": (
+        "attention.mha.blocks",
+        "attention.mha.ms",
+        "attention.mha.parts",
+        "attention.mha.head_blocks",
+        "attention.mha.head_ms",
+    ),
+}
 
 
 def attention_cause_facts(t: Tables, ctx: pd.DataFrame, tree: OpTree, n: int) -> dict[str, Any]:
@@ -44,7 +72,7 @@ def attention_cause_facts(t: Tables, ctx: pd.DataFrame, tree: OpTree, n: int) ->
     source = "GPU kernels" if tree.gpu else "host ops (CPU trace)"
     soft = np.flatnonzero(tree.names == SOFTMAX)
     if not len(soft):  # measured: no softmax, so nothing written out
-        none = {f"attention.{k}.{w}": 0.0 for k in KINDS for w in ("blocks", "ms")}
+        none = {name: 0.0 for k in KINDS for name in KIND_FACTS[k][:2]}
         return {**none, "attention.eager.model_ms": 0.0, "attention.written_out.source": source}
     qlen = _query_lengths(t)
     children = _children(tree)
@@ -71,12 +99,13 @@ def attention_cause_facts(t: Tables, ctx: pd.DataFrame, tree: OpTree, n: int) ->
             a["head_us"] += us
     facts: dict[str, Any] = {}
     for kind, a in acc.items():
-        facts[f"attention.{kind}.blocks"] = a["blocks"] / n
-        facts[f"attention.{kind}.ms"] = a["us"] / 1e3 / n
+        blocks, ms, parts, head_blocks, head_ms = KIND_FACTS[kind]
+        facts[blocks] = a["blocks"] / n
+        facts[ms] = a["us"] / 1e3 / n
         if a["blocks"]:
-            facts[f"attention.{kind}.parts"] = sorted(a["parts"])
-            facts[f"attention.{kind}.head_blocks"] = a["heads"] / n
-            facts[f"attention.{kind}.head_ms"] = a["head_us"] / 1e3 / n
+            facts[parts] = sorted(a["parts"])
+            facts[head_blocks] = a["heads"] / n
+            facts[head_ms] = a["head_us"] / 1e3 / n
     # what attn_implementation="sdpa" would fuse: the model's eager attention, pooling heads left out
     facts["attention.eager.model_ms"] = facts["attention.eager.ms"] - facts.get("attention.eager.head_ms", 0.0)
     facts["attention.written_out.source"] = source

@@ -6,7 +6,7 @@ from typing import Any
 
 import pandas as pd
 
-from vlmdoctor.trace.facts import Tables
+from vlmdoctor.trace.tables import Tables
 
 
 def cause_facts(t: Tables, ctx: pd.DataFrame, facts: dict[str, Any], n: int) -> dict[str, Any]:

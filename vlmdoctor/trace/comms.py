@@ -27,7 +27,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from vlmdoctor.trace.facts import Intervals, Tables, _measure, intersect, subtract, total, union
+from vlmdoctor.trace.catalog import by_producer
+from vlmdoctor.trace.intervals import Intervals, _measure, intersect, subtract, total, union
+from vlmdoctor.trace.tables import Tables
+
+PRODUCES = by_producer(__name__)
 
 #: normalized collective name (lower case, no underscores) -> the name facts use
 KINDS = (
@@ -195,7 +199,7 @@ def _nccl_work(t: Tables, world: int | None) -> list[dict[str, Any]]:
                     if o[0] <= issue <= o[1]:
                         cands.append(o)
                     i -= 1
-                for o_ts, o_end, o_name, o_args in cands:
+                for _o_ts, _o_end, o_name, o_args in cands:
                     k2, s2, g2 = _size_from_args(o_args)
                     kind = kind or k2 or (kind_of(o_name) if o_name.startswith("nccl:") else None)
                     group = group or g2

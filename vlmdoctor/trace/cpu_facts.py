@@ -16,7 +16,17 @@ from typing import Any
 
 import numpy as np
 
+from vlmdoctor.trace.catalog import by_producer
 from vlmdoctor.trace.read import iter_events
+
+PRODUCES = by_producer(__name__)
+#: the dtypes' facts, spelled out so that a search for a fact finds where it is computed
+PROBE_FACTS = {"fp32": "cpu.probe.fp32_gflops", "bf16": "cpu.probe.bf16_gflops", "fp16": "cpu.probe.fp16_gflops"}
+MATMUL_FACTS = {  # (ms, GFLOP, GFLOP/s) of the matmuls in each dtype
+    "fp32": ("cpu.matmul.fp32_ms", "cpu.matmul.fp32_gflop", "cpu.matmul.fp32_gflops"),
+    "bf16": ("cpu.matmul.bf16_ms", "cpu.matmul.bf16_gflop", "cpu.matmul.bf16_gflops"),
+    "fp16": ("cpu.matmul.fp16_ms", "cpu.matmul.fp16_gflop", "cpu.matmul.fp16_gflops"),
+}
 
 CAST_OPS = ("aten::to", "aten::_to_copy", "aten::copy_")
 #: matmul ops and the positions of their two matrix inputs
@@ -80,7 +90,7 @@ def _matmul_flop(name: str, dims: list[Any]) -> float:
 
 def cpu_facts(t: Any, windows: list[tuple[float, float]], facts: dict[str, Any]) -> dict[str, Any]:
     """Facts of a CPU-only trace (`t` is facts.Tables; `facts` the ones computed so far, for the vocabulary)."""
-    from vlmdoctor.trace.facts import LOSS_OPS
+    from vlmdoctor.trace.context import LOSS_OPS
 
     n = max(len(windows), 1)
     lo, hi = min(s for s, _ in windows), max(e for _, e in windows)
@@ -145,19 +155,20 @@ def cpu_facts(t: Any, windows: list[tuple[float, float]], facts: dict[str, Any])
     if env.get("cpu_capability"):
         out["cpu.capability"] = env["cpu_capability"]
     for dtype, rate in (env.get("cpu_matmul_gflops") or {}).items():
-        out[f"cpu.probe.{dtype}_gflops"] = float(rate)
+        if dtype in PROBE_FACTS:
+            out[PROBE_FACTS[dtype]] = float(rate)
     out["cpu.cast.count"] = cast_count / n
     out["cpu.cast.ms"] = union_ms(casts) / n
     out["cpu.cast.share"] = out["cpu.cast.ms"] / step_ms
     all_mm = [s for spans in mm_spans.values() for s in spans]
     out["cpu.matmul.ms"] = union_ms(all_mm) / n
     out["cpu.matmul.share"] = out["cpu.matmul.ms"] / step_ms
-    for dtype in ("fp32", "bf16", "fp16"):
+    for dtype, (ms_name, gflop_name, gflops_name) in MATMUL_FACTS.items():
         ms = union_ms(mm_spans.get(dtype, [])) / n
-        out[f"cpu.matmul.{dtype}_ms"] = ms
-        out[f"cpu.matmul.{dtype}_gflop"] = mm_flop.get(dtype, 0.0) / 1e9 / n
+        out[ms_name] = ms
+        out[gflop_name] = mm_flop.get(dtype, 0.0) / 1e9 / n
         if ms > 0 and mm_flop.get(dtype):
-            out[f"cpu.matmul.{dtype}_gflops"] = mm_flop[dtype] / 1e9 / n / (ms / 1e3)
+            out[gflops_name] = mm_flop[dtype] / 1e9 / n / (ms / 1e3)
     out["cpu.matmul.dtypes"] = sorted(d for d in mm_spans if d != "other")
     # what bf16 / fp16 costs here: the casts plus the low-precision matmuls (union: casts never run inside a matmul)
     low = casts + mm_spans.get("bf16", []) + mm_spans.get("fp16", [])

@@ -13,7 +13,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-Intervals = tuple[np.ndarray, np.ndarray]  # sorted, disjoint [start, end) spans (trace/facts.py)
+from vlmdoctor.trace.catalog import by_producer
+from vlmdoctor.trace.intervals import Intervals, intersect, total, union
+
+PRODUCES = by_producer(__name__)
 
 #: host ops and calls of cuDNN attention: SDPA's cuDNN ops (forward, backward and their wrappers) and,
 #: where a trace shows them, the cuDNN frontend's graph-build and plan calls
@@ -41,8 +44,6 @@ def _outermost(ts: np.ndarray, end: np.ndarray, tid: np.ndarray) -> np.ndarray:
 
 def cudnn_plan_facts(ops: pd.DataFrame, runtime: pd.DataFrame, idle: Intervals, n: int, step_ms: float) -> dict:
     """cuDNN attention calls per step, the long ones (plan builds), and the GPU idle time spent inside them."""
-    from vlmdoctor.trace.facts import intersect, total, union  # the driver imports this module
-
     rows = pd.concat([ops[["name", "tid", "ts", "end"]], runtime[["name", "tid", "ts", "end"]]], ignore_index=True)
     hit = rows[rows["name"].astype(str).str.contains(CUDNN_ATTENTION)]
     if hit.empty:

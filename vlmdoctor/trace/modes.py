@@ -31,7 +31,10 @@ from typing import Any
 
 import numpy as np
 
+from vlmdoctor.trace.catalog import by_producer
 from vlmdoctor.trace.cpu_facts import union_ms
+
+PRODUCES = by_producer(__name__)
 
 REFERENCE_RANGE = "vlmdoctor::reference"
 OP_NAMESPACES = ("aten::", "autograd::", "c10d::", "prim::", "cudnn", "nccl", "Optimizer.", "ProfilerStep")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from vlmdoctor.trace.facts import Tables
+from vlmdoctor.trace.tables import Tables
 
 
 @dataclass

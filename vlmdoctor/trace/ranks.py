@@ -22,7 +22,120 @@ from typing import Any
 
 import numpy as np
 
+from vlmdoctor.trace.catalog import by_producer
 from vlmdoctor.trace.comms import GRAD_SYNC, RankComms
+
+PRODUCES = by_producer(__name__)
+#: each collective's joined facts, spelled out so that a search for a fact finds where it is computed:
+#: (ms, exposed_ms, bytes, busbw_gbps, count, exposed_own_ms), the ranks' mean of comm.<kind>.* but the last
+KIND_FACTS = {
+    "all_reduce": (
+        "dist.comm.all_reduce.ms",
+        "dist.comm.all_reduce.exposed_ms",
+        "dist.comm.all_reduce.bytes",
+        "dist.comm.all_reduce.busbw_gbps",
+        "dist.comm.all_reduce.count",
+        "dist.comm.all_reduce.exposed_own_ms",
+    ),
+    "reduce_scatter": (
+        "dist.comm.reduce_scatter.ms",
+        "dist.comm.reduce_scatter.exposed_ms",
+        "dist.comm.reduce_scatter.bytes",
+        "dist.comm.reduce_scatter.busbw_gbps",
+        "dist.comm.reduce_scatter.count",
+        "dist.comm.reduce_scatter.exposed_own_ms",
+    ),
+    "all_gather": (
+        "dist.comm.all_gather.ms",
+        "dist.comm.all_gather.exposed_ms",
+        "dist.comm.all_gather.bytes",
+        "dist.comm.all_gather.busbw_gbps",
+        "dist.comm.all_gather.count",
+        "dist.comm.all_gather.exposed_own_ms",
+    ),
+    "all_to_all": (
+        "dist.comm.all_to_all.ms",
+        "dist.comm.all_to_all.exposed_ms",
+        "dist.comm.all_to_all.bytes",
+        "dist.comm.all_to_all.busbw_gbps",
+        "dist.comm.all_to_all.count",
+        "dist.comm.all_to_all.exposed_own_ms",
+    ),
+    "broadcast": (
+        "dist.comm.broadcast.ms",
+        "dist.comm.broadcast.exposed_ms",
+        "dist.comm.broadcast.bytes",
+        "dist.comm.broadcast.busbw_gbps",
+        "dist.comm.broadcast.count",
+        "dist.comm.broadcast.exposed_own_ms",
+    ),
+    "send_recv": (
+        "dist.comm.send_recv.ms",
+        "dist.comm.send_recv.exposed_ms",
+        "dist.comm.send_recv.bytes",
+        "dist.comm.send_recv.busbw_gbps",
+        "dist.comm.send_recv.count",
+        "dist.comm.send_recv.exposed_own_ms",
+    ),
+    "barrier": (
+        "dist.comm.barrier.ms",
+        "dist.comm.barrier.exposed_ms",
+        "dist.comm.barrier.bytes",
+        "dist.comm.barrier.busbw_gbps",
+        "dist.comm.barrier.count",
+        "dist.comm.barrier.exposed_own_ms",
+    ),
+    "reduce": (
+        "dist.comm.reduce.ms",
+        "dist.comm.reduce.exposed_ms",
+        "dist.comm.reduce.bytes",
+        "dist.comm.reduce.busbw_gbps",
+        "dist.comm.reduce.count",
+        "dist.comm.reduce.exposed_own_ms",
+    ),
+    "gather": (
+        "dist.comm.gather.ms",
+        "dist.comm.gather.exposed_ms",
+        "dist.comm.gather.bytes",
+        "dist.comm.gather.busbw_gbps",
+        "dist.comm.gather.count",
+        "dist.comm.gather.exposed_own_ms",
+    ),
+    "scatter": (
+        "dist.comm.scatter.ms",
+        "dist.comm.scatter.exposed_ms",
+        "dist.comm.scatter.bytes",
+        "dist.comm.scatter.busbw_gbps",
+        "dist.comm.scatter.count",
+        "dist.comm.scatter.exposed_own_ms",
+    ),
+    "other": (
+        "dist.comm.other.ms",
+        "dist.comm.other.exposed_ms",
+        "dist.comm.other.bytes",
+        "dist.comm.other.busbw_gbps",
+        "dist.comm.other.count",
+        "dist.comm.other.exposed_own_ms",
+    ),
+}
+
+
+def _kind_facts(kind: str) -> tuple[str, ...]:
+    """A collective's joined facts (a kind the table lacks: tests/test_catalog.py checks it has them all)."""
+    whats = ("ms", "exposed_ms", "bytes", "busbw_gbps", "count", "exposed_own_ms")
+    return KIND_FACTS.get(kind) or tuple(f"dist.comm.{kind}.{w}" for w in whats)
+
+
+#: the ranks' mean of a per-rank fact: (comm fact, joined fact)
+MEAN_FACTS = (
+    ("comm.fsdp.prefetched_frac", "dist.fsdp.prefetched_frac"),
+    ("comm.fsdp.forward_prefetched_frac", "dist.fsdp.forward_prefetched_frac"),
+    ("comm.fsdp.backward_prefetched_frac", "dist.fsdp.backward_prefetched_frac"),
+    ("comm.micro_batches_per_step", "dist.micro_batches_per_step"),
+    ("comm.synced_micro_batches_per_step", "dist.synced_micro_batches_per_step"),
+    ("comm.grad_sync.extra_ms", "dist.grad_sync.extra_ms"),
+    ("comm.grad_sync.extra_bytes", "dist.grad_sync.extra_bytes"),
+)
 
 CAUSE_MIN_SHARE = 0.3  # a cause explains the skew when it accounts for at least this share of it
 BALANCED_SKEW = 0.05  # under 5% of the step the ranks count as balanced: no cause is named
@@ -176,26 +289,18 @@ def cross_rank(per: list[RankComms], rank_facts: list[dict[str, Any]]) -> dict[s
                 for r in per:
                     w = r.work[(r.work["kind"] == kind) & (r.work["step"] >= 0)]
                     own.append(float((w["exposed"] - w["wait"]).clip(lower=0).sum()) / 1e3 / max(len(r.steps), 1))
-                facts[f"dist.comm.{kind}.exposed_own_ms"] = float(np.mean(own))
+                facts[_kind_facts(kind)[5]] = float(np.mean(own))
         for kind in kinds:
-            for what in ("ms", "exposed_ms", "bytes", "busbw_gbps", "count"):
+            for what, name in zip(("ms", "exposed_ms", "bytes", "busbw_gbps", "count"), _kind_facts(kind)):
                 v = mean(f"comm.{kind}.{what}")
                 if v is not None:
-                    facts[f"dist.comm.{kind}.{what}"] = v
-        for key in (
-            "comm.fsdp.prefetched_frac",
-            "comm.fsdp.forward_prefetched_frac",
-            "comm.fsdp.backward_prefetched_frac",
-            "comm.micro_batches_per_step",
-            "comm.synced_micro_batches_per_step",
-            "comm.grad_sync.extra_ms",
-            "comm.grad_sync.extra_bytes",
-        ):
+                    facts[name] = v
+        for key, name in MEAN_FACTS:
             v = mean(key)
             if v is not None:
-                facts["dist." + key.removeprefix("comm.")] = v
+                facts[name] = v
         synced = facts.get("dist.synced_micro_batches_per_step")
-        sync_bytes = sum(facts.get(f"dist.comm.{k}.bytes", 0.0) for k in GRAD_SYNC)
+        sync_bytes = sum(facts.get(_kind_facts(k)[2], 0.0) for k in GRAD_SYNC)
         if synced and sync_bytes:
             # one synchronization moves every trained gradient once: its size is the trained parameters' bytes
             facts["dist.grad_gb"] = sync_bytes / synced / 2**30
