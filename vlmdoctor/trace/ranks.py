@@ -175,6 +175,58 @@ def _wait_per_step(per: list[RankComms]) -> dict[int, dict[str, float]] | None:
     return out
 
 
+def _straggler(rows: list[dict[str, Any]], busy: list[float], steps: list[float], facts: dict[str, Any]) -> None:
+    """The slowest rank by busy time (step less its wait for late ranks) and which cause explains its excess."""
+    i = int(np.argmax(busy))
+    slow = rows[i]
+    others = [x for j, x in enumerate(rows) if j != i] or rows
+    mean_busy = float(np.mean(busy))
+    facts["dist.straggler.rank"] = slow["rank"]
+    facts["dist.step_skew_ms"] = max(busy) - min(busy)
+    facts["dist.straggler.excess_ms"] = slow["busy_ms"] - mean_busy
+    if steps:
+        facts["dist.step_skew_frac"] = facts["dist.step_skew_ms"] / facts["dist.step.ms"]
+    causes = {}
+    o_tokens = [x["tokens"] for x in others if x["tokens"]]
+    if slow["tokens"] and o_tokens:
+        facts["dist.straggler.tokens_excess_frac"] = slow["tokens"] / float(np.mean(o_tokens)) - 1
+        o_busy = float(np.mean([x["busy_ms"] for x in others]))
+        causes["tokens"] = facts["dist.straggler.tokens_excess_frac"] * o_busy  # compute grows with tokens
+    facts["dist.straggler.loader_excess_ms"] = slow["loader_ms"] - float(np.mean([x["loader_ms"] for x in others]))
+    facts["dist.straggler.gap_excess_ms"] = slow["gap_ms"] - float(np.mean([x["gap_ms"] for x in others]))
+    causes["data_loader"] = facts["dist.straggler.loader_excess_ms"]
+    causes["host_gaps"] = facts["dist.straggler.gap_excess_ms"] - max(causes["data_loader"], 0)
+    best = max(causes, key=causes.get)
+    skew = facts["dist.step_skew_ms"]
+    if facts.get("dist.step_skew_frac", 1.0) < BALANCED_SKEW:
+        facts["dist.straggler.cause"] = "balanced"
+    else:
+        facts["dist.straggler.cause"] = best if causes[best] >= CAUSE_MIN_SHARE * skew else "unexplained"
+
+
+def _coverage_notes(per: list[RankComms], facts: dict[str, Any], waits: dict | None) -> list[str]:
+    """What the ranks' traces leave unmeasured, said once in the report."""
+    notes: list[str] = []
+    if facts["dist.ranks"] < facts["dist.world_size"]:
+        notes.append(f"{len(per)} of {facts['dist.world_size']} ranks' traces: the facts cover those ranks only")
+    if not any(len(r.work) for r in per):
+        notes.append(
+            "no collectives in the traces: the wait for late ranks is not measured (separate runs, "
+            "or a trace window without communication?)"
+        )
+    elif waits is None and len({r.host for r in per if r.host}) > 1:
+        notes.append(
+            "the ranks ran on different hosts: their clocks are not comparable, so the wait for late ranks "
+            "is not measured"
+        )
+    elif waits is None:
+        notes.append(
+            "the ranks recorded no common ProfilerStep: collectives cannot be matched, so the wait for late "
+            "ranks is not measured"
+        )
+    return notes
+
+
 def cross_rank(per: list[RankComms], rank_facts: list[dict[str, Any]]) -> dict[str, Any]:
     """Cross-rank facts and a per-rank table, from the ranks' own comm facts and step tables."""
     per_rank = sorted(zip(per, rank_facts), key=lambda x: x[0].rank)
@@ -192,25 +244,8 @@ def cross_rank(per: list[RankComms], rank_facts: list[dict[str, Any]]) -> dict[s
     facts["dist.world_size"] = max(worlds) if worlds else len(per)
     facts["dist.backend"] = Counter(r.backend for r in per).most_common(1)[0][0]
     facts["dist.parallel"] = Counter(f.get("comm.parallel", "none") for f in rank_facts).most_common(1)[0][0]
-    notes: list[str] = []
-    if facts["dist.ranks"] < facts["dist.world_size"]:
-        notes.append(f"{len(per)} of {facts['dist.world_size']} ranks' traces: the facts cover those ranks only")
     waits = _wait_per_step(per) if any(len(r.work) for r in per) else None
-    if not any(len(r.work) for r in per):
-        notes.append(
-            "no collectives in the traces: the wait for late ranks is not measured (separate runs, "
-            "or a trace window without communication?)"
-        )
-    elif waits is None and len({r.host for r in per if r.host}) > 1:
-        notes.append(
-            "the ranks ran on different hosts: their clocks are not comparable, so the wait for late ranks "
-            "is not measured"
-        )
-    elif waits is None:
-        notes.append(
-            "the ranks recorded no common ProfilerStep: collectives cannot be matched, so the wait for late "
-            "ranks is not measured"
-        )
+    notes = _coverage_notes(per, facts, waits)
     rows = []
     for r, f in zip(per, rank_facts):
         ps = r.per_step
@@ -237,31 +272,7 @@ def cross_rank(per: list[RankComms], rank_facts: list[dict[str, Any]]) -> dict[s
         facts["dist.step_ms_spread"] = max(steps) - min(steps)
     busy = [x["busy_ms"] for x in rows]
     if all(b is not None for b in busy) and busy:
-        i = int(np.argmax(busy))
-        slow = rows[i]
-        others = [x for j, x in enumerate(rows) if j != i] or rows
-        mean_busy = float(np.mean(busy))
-        facts["dist.straggler.rank"] = slow["rank"]
-        facts["dist.step_skew_ms"] = max(busy) - min(busy)
-        facts["dist.straggler.excess_ms"] = slow["busy_ms"] - mean_busy
-        if steps:
-            facts["dist.step_skew_frac"] = facts["dist.step_skew_ms"] / facts["dist.step.ms"]
-        causes = {}
-        o_tokens = [x["tokens"] for x in others if x["tokens"]]
-        if slow["tokens"] and o_tokens:
-            facts["dist.straggler.tokens_excess_frac"] = slow["tokens"] / float(np.mean(o_tokens)) - 1
-            o_busy = float(np.mean([x["busy_ms"] for x in others]))
-            causes["tokens"] = facts["dist.straggler.tokens_excess_frac"] * o_busy  # compute grows with tokens
-        facts["dist.straggler.loader_excess_ms"] = slow["loader_ms"] - float(np.mean([x["loader_ms"] for x in others]))
-        facts["dist.straggler.gap_excess_ms"] = slow["gap_ms"] - float(np.mean([x["gap_ms"] for x in others]))
-        causes["data_loader"] = facts["dist.straggler.loader_excess_ms"]
-        causes["host_gaps"] = facts["dist.straggler.gap_excess_ms"] - max(causes["data_loader"], 0)
-        best = max(causes, key=causes.get)
-        skew = facts["dist.step_skew_ms"]
-        if facts.get("dist.step_skew_frac", 1.0) < BALANCED_SKEW:
-            facts["dist.straggler.cause"] = "balanced"
-        else:
-            facts["dist.straggler.cause"] = best if causes[best] >= CAUSE_MIN_SHARE * skew else "unexplained"
+        _straggler(rows, busy, steps, facts)
     if waits is not None:
         w = [x["wait_ms"] for x in rows]
         facts["dist.late_wait_ms"] = float(np.mean(w))
