@@ -87,8 +87,8 @@ def rule_choice(
     from pathlib import Path
 
     from vlmdoctor.doctor.select import build_selection, split_tokens
-    from vlmdoctor.inputs import check_rules_dirs
     from vlmdoctor.doctor.settings import project_settings
+    from vlmdoctor.inputs import check_rules_dirs
 
     settings = project_settings()
     check_rules_dirs(list(rules_dirs or []))
