@@ -763,21 +763,6 @@ class Doctor:
         if self.report is None and self.rec.window_done:
             self.finish()
 
-    def _still_warming(self) -> bool:
-        """The warm-up's last steps do not agree yet (time per real token): warm up one more step, while allowed."""
-        if self.warmup < throughput.SETTLE_STEPS or not self.warmup_asked:
-            return False
-        per_token = []
-        for k in range(max(0, self.warmup - throughput.SETTLE_STEPS), self.warmup):
-            prev = self.records[k - 1]["t"] if k >= 1 else self.t_start
-            tokens = sum(int(c["real"]) for c in self.records[k]["counts"]) or 1
-            per_token.append((self.records[k]["t"] - prev) / tokens)
-        self.settled = not throughput.unsettled(per_token)
-        if self.settled or self.settle_left <= 0:
-            return False
-        self.settle_left -= 1
-        return True
-
     @property
     def window_done(self) -> bool:
         return self.rec.window_done
