@@ -217,3 +217,24 @@ def test_a_recorded_profile_report_prints_the_estimator_everywhere():
     console = Console(record=True, width=120)
     render(r, console)
     assert f"{est:,.0f}" in console.export_text()
+
+
+def test_flops_are_skipped_for_a_compiled_model_only_not_for_a_compile_elsewhere():
+    """A graph compiled elsewhere in the process (an earlier test, the user's loss) must not stop the count;
+    a model compiled whole or by block must (counting would recompile its graphs)."""
+    from vlmdoctor.run.flopcount import StepFlops
+
+    torch.compile(lambda x: x * 2, backend="eager")(torch.ones(3))  # some other graph in this process
+    model = TinyLM()
+    counter = StepFlops()
+    assert counter.start(model)
+    ids = torch.randint(1, V, (B, L))
+    model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss.backward()
+    assert counter.stop() == pytest.approx(6 * B * L * D * V)
+
+    whole = torch.compile(TinyLM(), backend="eager")
+    assert not StepFlops().start(whole)
+    by_block = TinyLM()
+    next(m for m in by_block.modules() if isinstance(m, torch.nn.Linear)).compile(backend="eager")
+    skipped = StepFlops()
+    assert not skipped.start(by_block) and "torch.compile" in skipped.reason

@@ -321,7 +321,7 @@ class Recorder:
             if self.trace_steps:
                 self._start_profiler()
             if self.model is not None and self.prof is not None:
-                self.flops.start()  # the next step is the profiler's wait step: count its FLOPs, untimed
+                self.flops.start(self.model)  # the next step is the profiler's wait step: count its FLOPs, untimed
         elif self.prof is not None:
             if i > self.warmup + self.steps + 2 and self.trace_info is not None:  # an active (recorded) step
                 self.trace_info["traced_step_ms"].append((now - self.records[-2]["t"]) * 1e3)

@@ -20,14 +20,19 @@ HOW = (
 )
 
 
-def compiled_anything() -> bool:
-    """torch.compile ran in this process: a dispatch mode around its graphs would make it recompile."""
-    try:
-        from torch._dynamo.utils import counters
+def compiled(model: Any) -> bool:
+    """The model, or a block of it, runs under torch.compile: a dispatch mode around its graphs would recompile them.
 
-        return bool(counters["stats"].get("unique_graphs"))
-    except Exception:
-        return False
+    Asked of the model itself (`torch.compile(model)` wraps it; `block.compile()` sets the block's compiled
+    call), not of the process: a graph compiled elsewhere in the process (a loss, another model) does not
+    stop this model's step from being counted.
+    """
+    import torch
+
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        return True
+    modules = model.modules() if isinstance(model, torch.nn.Module) else ()
+    return any(getattr(m, "_compiled_call_impl", None) is not None for m in modules)
 
 
 class StepFlops:
@@ -39,8 +44,8 @@ class StepFlops:
         self.reason: str | None = None
         self.padded_tokens: int | None = None
 
-    def start(self) -> bool:
-        if compiled_anything():
+    def start(self, model: Any) -> bool:
+        if compiled(model):
             self.reason = "not counted: the model runs under torch.compile (counting would recompile it)"
             return False
         from torch.utils.flop_counter import FlopCounterMode
