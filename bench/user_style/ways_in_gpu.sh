@@ -3,7 +3,8 @@
 #   1. `vlmdoctor run --` on bench/user_style/train_native.py (LLaVA: SigLIP base/16 + Qwen2.5-0.5B, bf16,
 #      batch 8, no profiler of its own), no code change;
 #   2. `vlmdoctor.Doctor` in a plain loop (examples/train_llava_loop.py --api, a tiny LLaVA);
-#   3. `vlmdoctor.DoctorCallback` in a transformers Trainer (examples/train_llava_trainer.py, a tiny LLaVA).
+#   3. `vlmdoctor.DoctorCallback` in a transformers Trainer (examples/train_llava_trainer.py, a tiny LLaVA;
+#      that example trains on the CPU, so its report has no GPU numbers and a null MFU with the reason).
 #     bash bench/user_style/ways_in_gpu.sh OUTDIR
 # Each way's console goes to OUTDIR/<way>.txt and its report to OUTDIR/<way>_report.json.
 set -u
