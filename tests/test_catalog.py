@@ -17,27 +17,12 @@ from vlmdoctor.cli import app
 from vlmdoctor.doctor.rules import load_rules
 from vlmdoctor.trace import attention_cause, casts, catalog, cpu_facts, cudnn_plan, modes
 from vlmdoctor.trace import facts as driver
-from vlmdoctor.trace.families import (
-    attention,
-    batches,
-    busy,
-    device,
-    flops,
-    host,
-    identity,
-    idle,
-    kernels,
-    launch,
-    loss,
-    memcpy,
-    memory,
-    parts,
-)
+from vlmdoctor.trace.families import attention, kernels, memcpy, parts
 from vlmdoctor.trace.measured import merge_measured
 
 ROOT = Path(__file__).resolve().parents[1]
 FIX = ROOT / "fixtures"
-FAMILIES = (attention, batches, busy, device, flops, host, identity, idle, kernels, launch, loss, memcpy, memory, parts)
+FAMILIES = driver.FAMILIES
 #: committed traces that together make every declared fact: a zoo run and its report (GPU, memory, shapes, DPO),
 #: a CPU QLoRA run, FSDP2 and DDP ranks on gloo, a user's H100 trace with the module hierarchy
 TRACES = [

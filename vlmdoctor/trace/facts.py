@@ -78,6 +78,9 @@ PRODUCES = by_producer(__name__)
 HTA_MAX_MB = 200  # the traceinsight cross-check runs on rank folders up to this size on disk (docs/analysis.md)
 RECORDED = {"shapes": "trace.recorded.shapes", "memory": "trace.recorded.memory", "stack": "trace.recorded.stack"}
 
+#: the fact families the driver runs (the catalogue test checks each against its PRODUCES)
+FAMILIES = (attention, batches, busy, device, flops, host, identity, idle, kernels, launch, loss, memcpy, memory, parts)
+
 
 def compute_facts(t: Tables, stage: int | None = None, model: str | None = None) -> dict[str, Any]:
     """One flat dict of named facts (times in ms per step unless the name says otherwise)."""
