@@ -18,6 +18,7 @@ switches vlmdoctor off; errors from the user's code pass through unchanged. The 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import resource
@@ -40,8 +41,11 @@ from vlmdoctor.run.flopcount import StepFlops, describe_counted, peak_of, per_st
 IGNORE_INDEX = -100
 
 
-def _log(msg: str) -> None:
-    print(f"vlmdoctor: {msg}", file=sys.stderr, flush=True)
+def _log(msg: str, file: Any = None) -> None:
+    """One line on stderr; names and paths in it as text (report/console.py `plain`: no control characters)."""
+    from vlmdoctor.report.console import plain
+
+    print(f"vlmdoctor: {plain(msg)}", file=file or sys.stderr, flush=True)
 
 
 # --- tokens -------------------------------------------------------------------------------------
@@ -414,10 +418,11 @@ class Recorder:
     def _start_profiler(self) -> None:
         from torch.profiler import ProfilerActivity, profile, schedule
 
+        from vlmdoctor.run.capture import trace_writer
         from vlmdoctor.run.parts import mark_parts
 
-        (self.out / "trace").mkdir(parents=True, exist_ok=True)
-        path = self.out / "trace" / f"vlmdoctor_{self.source}_{time.strftime('%Y%m%d-%H%M%S')}.pt.trace.json.gz"
+        folder = self.out / "trace"
+        path = folder / f"vlmdoctor_{self.source}_{time.strftime('%Y%m%d-%H%M%S')}.pt.trace.json.gz"
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         self.trace_info = {
             "path": str(path),
@@ -429,12 +434,19 @@ class Recorder:
             "profile_memory": False,
             "traced_step_ms": [],
         }
+        try:  # a folder for the trace, never through a link: without one the trace is lost, not the measurement
+            if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+                raise OSError(f"{folder} exists and is not a folder")
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            self.trace_info |= {"path": None, "lost": f"cannot create {folder}: {e.strerror or e}"}
+            return
         self.unmark = mark_parts(self.model) if self.model is not None else None
         plan = schedule(wait=1, warmup=1, active=self.trace_steps, repeat=1)
         self.prof = profile(
             activities=activities,
             schedule=plan,
-            on_trace_ready=lambda p: p.export_chrome_trace(str(path)),
+            on_trace_ready=trace_writer(path, self.trace_info),
             record_shapes=True,
         )
         self.prof.__enter__()
@@ -469,10 +481,11 @@ class Recorder:
         if self.unmark is not None:
             self.unmark()
             self.unmark = None
-        if self.trace_info is not None:
+        if self.trace_info is not None and self.trace_info.get("path"):
             p = Path(self.trace_info["path"])
-            self.trace_info["bytes"] = p.stat().st_size if p.exists() else None
-            if not p.exists():
+            written = "lost" not in self.trace_info and p.is_file()
+            self.trace_info["bytes"] = p.stat().st_size if written else None
+            if not written:
                 self.trace_info["path"] = None
 
     # -- the report -------------------------------------------------------------------------------
@@ -570,6 +583,10 @@ class Recorder:
             notes.append("not traced (trace steps 0): timed only, no facts and no diagnosis")
         elif window is not None and self.trace_info is None:
             notes.append("no traced window: the loop ended first, so there are no facts and no diagnosis")
+        elif self.trace_info is not None and self.trace_info.get("lost"):
+            from vlmdoctor.run.capture import lost_note
+
+            notes.append(lost_note(self.trace_info["lost"]))
         elif self.trace_info is not None and self.n < self.warmup + self.steps + 2 + self.trace_steps:
             notes.append("the loop ended inside the traced window: the trace holds fewer steps than asked")
         report["config"] = self.rule_config()
@@ -717,13 +734,25 @@ def write_outputs(report: dict[str, Any], out: Path, json_path: str | None = Non
     return path
 
 
+def report_path(out: str | Path, force: bool = False) -> Path:
+    """Where a `Doctor` writes its report: OUT/report.json, or, when an earlier run's report is there and
+    `force` is not given, the first free OUT/report-N.json. A report is never overwritten unasked, and a
+    training run is never stopped for it (the CLI, whose user is at the terminal, refuses instead)."""
+    out = Path(out)
+    first = out / "report.json"
+    if force or not (first.exists() or first.is_symlink()):
+        return first
+    k = 2
+    while (out / f"report-{k}.json").exists() or (out / f"report-{k}.json").is_symlink():
+        k += 1
+    return out / f"report-{k}.json"
+
+
 def show(report: dict[str, Any], file: Any = None) -> None:
     """The metrics and the prescriptions, 80 columns wide."""
-    from rich.console import Console
+    from vlmdoctor.report.console import SafeConsole, render_own
 
-    from vlmdoctor.report.console import render_own
-
-    render_own(report, Console(file=file or sys.stdout, width=80))
+    render_own(report, SafeConsole(file=file or sys.stdout, width=80))
 
 
 class Doctor:
@@ -742,11 +771,18 @@ class Doctor:
         quiet: bool = False,
         rules_dirs: Sequence[str] = (),
         source: str = "api",
+        force: bool = False,
     ) -> None:
         self.rec = Recorder(model, out, warmup, steps, trace_steps, stage, source, config, audience)
         self.quiet = quiet
         self.rules_dirs = list(rules_dirs)
         self.report: dict[str, Any] | None = None
+        self.path = report_path(out, force)  # decided now, said now: an earlier run's report stays as it is
+        if self.path.name != "report.json":
+            _log(
+                f"{Path(out) / 'report.json'} holds an earlier run's report; this run's goes to {self.path} "
+                "(force=True overwrites)"
+            )
 
     def __enter__(self) -> Doctor:
         self.rec._safe(self.rec.attach)
@@ -778,11 +814,18 @@ class Doctor:
                     "vlmdoctor hit an internal error during the run and stopped measuring; the numbers may be partial"
                 )
             diagnose_report(report, self.rec.audience, self.rules_dirs)
-            path = write_outputs(report, self.rec.out)
+            from vlmdoctor.files import json_text, save
+
+            with contextlib.suppress(OSError):  # a folder that cannot be made: save() keeps the report elsewhere
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            problem = save(self.path, json_text(report), "report")
             self.report = report
+            if problem:
+                _log(problem)
             if not self.quiet:
                 show(report)
-                print(f"vlmdoctor: report written to {path}", flush=True)
+                if not problem:
+                    _log(f"report written to {self.path}", sys.stdout)
         except Exception as e:
             _log(f"could not finish the report: {type(e).__name__}: {e}")
         return self.report

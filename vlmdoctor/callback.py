@@ -35,9 +35,11 @@ class DoctorCallback(TrainerCallback):
         stop_after_window: bool = False,
         quiet: bool = False,
         rules_dirs: Sequence[str] = (),
+        force: bool = False,
     ) -> None:
         self.kw = dict(
             out=out,
+            force=force,
             warmup=warmup,
             steps=steps,
             trace_steps=trace_steps,

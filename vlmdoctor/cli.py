@@ -15,11 +15,11 @@ try:  # typer >= 0.20 carries its own copy of click; its exceptions are those, n
 except ImportError:  # pragma: no cover
     from click import exceptions as click_errors
 
-from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from vlmdoctor.errors import EXIT_FAILED_RUN, EXIT_USAGE, VlmdoctorError
+from vlmdoctor.report.console import SafeConsole, esc
 from vlmdoctor.run.config import RunConfig, _base_type, fields_by_name, flag, override, panel
 
 #: exceptions that end a command on purpose, with their own exit code
@@ -31,8 +31,8 @@ app = typer.Typer(
     no_args_is_help=True,
     help="Profiler-driven diagnosis of vision-language-model training.",
 )
-err = Console(stderr=True, soft_wrap=True)  # soft wrap: an error stays one line
-out = Console()
+err = SafeConsole(stderr=True, soft_wrap=True)  # soft wrap: an error stays one line
+out = SafeConsole()  # text from inputs is shown as text (report/console.py)
 
 
 def _version(value: bool) -> None:
@@ -324,8 +324,53 @@ def _run_config(config: str | None, overrides: dict[str, Any]) -> RunConfig:
     notes: list[str] = []
     cfg = RunConfig.load(config, overrides, notes)
     for note in notes:
-        err.print(f"note: {escape(note)}", highlight=False)
+        err.print(f"note: {esc(note)}", highlight=False)
     return cfg
+
+
+def _check_profile_outputs(
+    cfg: RunConfig,
+    config: str | None,
+    json_path: str | None,
+    save_config: str | None,
+    html_path: str | None,
+    force: bool,
+    trace: Any,
+    rules_dirs: list[str] | None,
+    launch: dict[str, Any] | None,
+) -> None:
+    """Every output of `profile`, checked before any measurement: a bad path must not cost the run, and no
+    output may replace a file the run reads."""
+    from vlmdoctor.files import check_distinct, check_inputs_kept, check_output_dir, check_writable
+
+    check_distinct(json=json_path, save_config=save_config, html=html_path)
+    check_writable(json_path, force, "--json")
+    check_writable(save_config, force, "--save-config")
+    check_writable(html_path, force, "--html")
+    if trace is not None and trace.keep:
+        check_output_dir(trace.trace_dir, "--trace-dir")
+    check_inputs_kept(
+        {
+            "the --config": config,
+            "the --data file": None if cfg.data == "synthetic" else cfg.data,
+            "the --tokenizer folder": cfg.tokenizer,
+            "the --one-gpu-report": (launch or {}).get("one_gpu_report"),
+            "a --rules folder": rules_dirs,
+        },
+        {"--json": json_path, "--html": html_path, "--save-config": save_config},
+    )
+
+
+def _kept_elsewhere(report: dict[str, Any], json_path: str | None) -> str:
+    """Where the report is when the HTML page failed: the --json file, else a rescue file (cwd, then temp)."""
+    from vlmdoctor.files import json_text, rescue
+
+    if json_path and json_path != "-":
+        return f"the report is in {json_path}"
+    try:
+        return f"the report was saved to {rescue('report.json', json_text(report).encode())}"
+    except OSError:
+        return "the report could not be saved anywhere"
 
 
 def _profile(
@@ -342,19 +387,13 @@ def _profile(
     selection: Any = None,
 ) -> None:
     from vlmdoctor.doctor.diagnosis import examine, remove_temporary_trace
-    from vlmdoctor.files import check_distinct, check_output_dir, check_writable, json_text, save, save_json
+    from vlmdoctor.files import save, save_json
     from vlmdoctor.inputs import check_rules_dirs
     from vlmdoctor.report.console import render
     from vlmdoctor.run.runner import check, exit_code, run_distributed, run_profile
 
     cfg = _run_config(config, overrides)
-    # every output is checked before any measurement: a bad path must not cost the run
-    check_distinct(json=json_path, save_config=save_config, html=html_path)
-    check_writable(json_path, force, "--json")
-    check_writable(save_config, force, "--save-config")
-    check_writable(html_path, force, "--html")
-    if trace is not None and trace.keep:
-        check_output_dir(trace.trace_dir, "--trace-dir")
+    _check_profile_outputs(cfg, config, json_path, save_config, html_path, force, trace, rules_dirs, launch)
     check_rules_dirs(rules_dirs or [])
     check(cfg)  # refuse before any progress display opens
     from vlmdoctor.run import distributed
@@ -442,7 +481,7 @@ def _profile(
             message, _ = describe_error(e)
             report["diagnosis_error"] = message
             err.print(
-                f"[yellow]warning:[/yellow] the diagnosis failed, the measurement is kept: {escape(message)}",
+                f"[yellow]warning:[/yellow] the diagnosis failed, the measurement is kept: {esc(message)}",
                 highlight=False,
             )
     finally:
@@ -455,12 +494,8 @@ def _profile(
         try:
             page = profile_html(report)
         except Exception as e:  # a page that cannot be drawn must not cost the measurement
-            from vlmdoctor.files import fallback_path
-
-            spare = json_path if json_path and json_path != "-" else str(fallback_path("report.json"))
-            kept = None if spare == json_path else save(spare, json_text(report), "report")
             failures.append(
-                f"cannot draw the HTML report ({describe_error(e)[0]}); " + (kept or f"the report is in {spare}")
+                f"cannot draw the HTML report ({describe_error(e)[0]}); {_kept_elsewhere(report, json_path)}"
             )
         else:
             failures.append(save(html_path, page, "HTML report"))
@@ -475,11 +510,11 @@ def _profile(
     if code and (quiet or json_path == "-"):  # a failed run always says so, even when nothing else is printed
         why = (report.get("error") or {}).get("message") or report.get("status")
         err.print(
-            f"[bold red]error:[/bold red] the run ended with status {report.get('status')}: {escape(str(why))}",
+            f"[bold red]error:[/bold red] the run ended with status {esc(report.get('status'))}: {esc(why)}",
             highlight=False,
         )
     for f in failures:
-        err.print(f"[bold red]error:[/bold red] {escape(f)}", highlight=False)
+        err.print(f"[bold red]error:[/bold red] {esc(f)}", highlight=False)
     raise typer.Exit(code or (EXIT_FAILED_RUN if failures else 0))
 
 
@@ -498,7 +533,7 @@ def analyze(
     """Read a torch.profiler trace (anyone's), print what the GPU did, why it waited, and what to change."""
     from vlmdoctor import SCHEMA_VERSION
     from vlmdoctor.doctor.rules import diagnose, load_rules
-    from vlmdoctor.files import check_writable, save, save_json
+    from vlmdoctor.files import check_inputs_kept, check_writable, save, save_json
     from vlmdoctor.inputs import check_rules_dirs
     from vlmdoctor.report.console import render_facts, render_findings
     from vlmdoctor.trace.facts import analyze as run_analysis
@@ -518,6 +553,9 @@ def analyze(
         check_writable(html_path, force, "--html")
         check_rules_dirs(rules_dirs or [])
         selection, rules_dirs, _ = rule_choice(select, ignore, rules_dirs)
+        check_inputs_kept(
+            {"the trace": path, "a --rules folder": rules_dirs}, {"--json": json_path, "--html": html_path}
+        )
         with err.status("reading the trace"):
             result = run_analysis(path, stage, model)
         rules, problems = load_rules(*(rules_dirs or []))
@@ -577,12 +615,13 @@ def rules_list(
     from rich.table import Table
 
     from vlmdoctor.doctor.rules import load_rules
-    from vlmdoctor.files import check_writable, write_json
+    from vlmdoctor.files import check_inputs_kept, check_writable, write_json
     from vlmdoctor.inputs import check_rules_dirs
 
     with _user_errors():
         check_writable(json_path, force, "--json")
         check_rules_dirs(rules_dirs or [])
+        check_inputs_kept({"a --rules folder": rules_dirs}, {"--json": json_path})
         rules, problems = load_rules(*(rules_dirs or []))
         rules = sorted(rules, key=lambda r: (r.layer, r.id))
         if json_path:
@@ -610,12 +649,12 @@ def rules_list(
         t.add_column("max", no_wrap=True)
         t.add_column("title", overflow="fold")
         for r in rules:
-            t.add_row(str(r.layer), escape(r.id), escape(r.severity), escape(r.title))
+            t.add_row(esc(r.layer), esc(r.id), esc(r.severity), esc(r.title))
         out.print(t)
         out.print("[dim]max: the highest severity a finding can have; its expected gain sets it[/dim]")
         out.print("[dim]vlmdoctor rules show ID: what a rule detects, its evidence, fix and thresholds[/dim]")
     for p in problems:
-        err.print(f"[yellow]rule problem:[/yellow] {escape(p)}", highlight=False)
+        err.print(f"[yellow]rule problem:[/yellow] {esc(p)}", highlight=False)
     if problems:
         raise typer.Exit(EXIT_USAGE)
 
@@ -629,13 +668,14 @@ def rules_show(
 ) -> None:
     """One rule's page: what it detects, why it matters, its evidence, the fix, where its thresholds come from."""
     from vlmdoctor.doctor.rules import load_rules, rule_page
-    from vlmdoctor.files import check_writable, write_json
+    from vlmdoctor.files import check_inputs_kept, check_writable, write_json
     from vlmdoctor.inputs import check_rules_dirs
     from vlmdoctor.report.console import render_rule_page
 
     with _user_errors():
         check_writable(json_path, force, "--json")
         check_rules_dirs(rules_dirs or [])
+        check_inputs_kept({"a --rules folder": rules_dirs}, {"--json": json_path})
         rules, _ = load_rules(*(rules_dirs or []))
         match = [r for r in rules if r.id == rule_id]
         if not match:
@@ -861,10 +901,10 @@ def treat(
         for source, changes in (("--set", _parse_sets(sets or [])), ("command line", flags)):
             merged, dropped = override(cfg.to_dict(), changes, config or "the start config")  # the later one wins
             if dropped:
-                err.print(f"note: {escape(dropped)}", highlight=False)
+                err.print(f"note: {esc(dropped)}", highlight=False)
             cfg = RunConfig.from_dict(merged, source=source)
         check(cfg)
-        from vlmdoctor.files import check_distinct, check_writable
+        from vlmdoctor.files import check_distinct, check_inputs_kept, check_writable
 
         check_distinct(json=json_path, html=html_path)
         check_writable(html_path, force, "--html")
@@ -883,9 +923,17 @@ def treat(
 
         _, problems = load_rules(*(rules_dirs or []))
         for p in problems:
-            err.print(f"rule problem: {escape(p)}", highlight=False)
+            err.print(f"rule problem: {esc(p)}", highlight=False)
         check_number("--max-pairs", max_pairs, minimum=3, maximum=1000, integer=True)
         check_writable(json_path if json_path != "-" else None, force, "--json")
+        check_inputs_kept(
+            {"the --config": config, "a --rules folder": rules_dirs},
+            {
+                "--out": [folder / n for n in ("treat.json", "final_config.yaml", "ladder.png", "treat.html")],
+                "--html": html_path,
+                "--json": json_path,
+            },
+        )
         opts = TreatOptions(
             max_trials=max_trials,
             time_budget_s=time_budget or None,
@@ -913,8 +961,8 @@ def treat(
                 t0 = time.time()
 
                 def notify(msg: str) -> None:
-                    status.update(f"{escape(msg)}  [dim]({time.time() - t0:.0f} s so far)[/dim]")
-                    err.print(f"[dim]{escape(msg)}[/dim]", highlight=False)
+                    status.update(f"{esc(msg)}  [dim]({time.time() - t0:.0f} s so far)[/dim]")
+                    err.print(f"[dim]{esc(msg)}[/dim]", highlight=False)
 
                 result = run_treat(cfg, run_one, opts, notify)
         paths, failures = write_outputs(result, folder)
@@ -926,8 +974,8 @@ def treat(
         failures = [f for f in failures if f]
         if not quiet and json_path != "-":
             render_ladder(result, out)
-            out.print(f"written: {', '.join(str(p) for p in paths.values())}")
-            out.print(f"run the final config again: vlmdoctor profile --config {paths['config']}")
+            out.print(f"written: {esc(', '.join(str(p) for p in paths.values()))}", highlight=False)
+            out.print(f"run the final config again: vlmdoctor profile --config {esc(paths['config'])}", highlight=False)
         _fail_on(failures)
         if result["interrupted"]:
             raise typer.Exit(130)
@@ -962,12 +1010,13 @@ def sweep(
 
     with _user_errors():
         check_number("--timeout", timeout, above=0)
-        from vlmdoctor.files import check_distinct
+        from vlmdoctor.files import check_distinct, check_inputs_kept
 
         check_distinct(csv=csv_path, json=json_path, jsonl=jsonl_path)
         check_writable(csv_path, force, "--csv")
         check_writable(json_path, force, "--json")
         check_writable(jsonl_path, True, "--jsonl")  # appended to: an existing regular file is fine
+        check_inputs_kept({"the grid": grid}, {"--csv": csv_path, "--json": json_path, "--jsonl": jsonl_path})
         launch = {k: v for k, v in knobs.items() if v is not None}
         if grid:  # every run launched the same way (--set knob=value wins)
             plan = load_grid(grid, {**launch, **_parse_sets(sets or [])}, stages)
@@ -988,24 +1037,33 @@ def sweep(
                 check(c)
             except VlmdoctorError as e:
                 raise VlmdoctorError(f"{name}: {e.message}") from None
-        with err.status("sweep") as status:
+        problems: list[str] = []
+        rows: list[dict[str, Any]] = []  # each finished run's row, at once: Ctrl-C keeps them
+        interrupted = False
+        try:
+            with err.status("sweep") as status:
 
-            def notify(i: int, n: int, name: str) -> None:
-                status.update(f"run {i}/{n}: {name}")
+                def notify(i: int, n: int, name: str) -> None:
+                    status.update(f"run {i}/{n}: {esc(name)}")
 
-            problems: list[str] = []
-            rows = run_sweep(plan, timeout, diagnose_runs, jsonl_path, notify, problems)
+                run_sweep(plan, timeout, diagnose_runs, jsonl_path, notify, problems, rows)
+        except KeyboardInterrupt:
+            interrupted = True
+            err.print(f"interrupted: {len(rows)} of {len(plan)} run(s) finished; their rows are kept", highlight=False)
         failures = []
-        failures.append(save_json({"runs": rows}, json_path, "sweep JSON"))
+        if rows or not interrupted:
+            failures.append(save_json({"runs": rows}, json_path, "sweep JSON"))
         if json_path != "-":
             render_sweep(rows, out)
-        if csv_path:
+        if csv_path and (rows or not interrupted):
             from vlmdoctor.ci.sweep import csv_text
 
             failures.append(save(csv_path, csv_text(rows), "results table"))
-            if json_path != "-":
-                out.print(f"written: {csv_path}")
+            if json_path != "-" and not failures[-1]:
+                out.print(f"written: {esc(csv_path)}", highlight=False)
         _fail_on([*failures, *problems])
+        if interrupted:
+            raise typer.Exit(130)
 
 
 @app.command()
@@ -1115,7 +1173,7 @@ def gate(
 
     from vlmdoctor.ci.gate import check_comparable, load_report, run_current
     from vlmdoctor.ci.gate import gate as judge
-    from vlmdoctor.files import check_writable, json_text, save
+    from vlmdoctor.files import check_inputs_kept, check_writable, json_text, save
     from vlmdoctor.inputs import check_number
 
     with _user_errors():
@@ -1135,13 +1193,16 @@ def gate(
         check_writable(json_path, force, "--json")
         if update_baseline:
             check_writable(baseline, True, "--baseline")
+        inputs = {"the --baseline": baseline, "the --current": current}
+        check_inputs_kept(inputs, {"--junit": junit, "--json": json_path})
         summary = os.environ.get("GITHUB_STEP_SUMMARY")
         if summary:
             try:
+                check_inputs_kept(inputs, {"GITHUB_STEP_SUMMARY": summary})
                 check_writable(summary, True, "GITHUB_STEP_SUMMARY")
             except VlmdoctorError as e:
                 err.print(
-                    f"[yellow]warning:[/yellow] {escape(e.message)}; the step summary is skipped",
+                    f"[yellow]warning:[/yellow] {esc(e.message)}; the step summary is skipped",
                     highlight=False,
                 )
                 summary = None
@@ -1191,7 +1252,7 @@ def gate(
                     max_memory_growth=max_memory_growth,
                     fail_on=fail_on,
                     allow_env_change=allow_env_change,
-                    notify=lambda m: status.update(m),
+                    notify=lambda m: status.update(esc(m)),
                     selection=selection,
                 )
             result.pop("reports", None)
@@ -1213,7 +1274,8 @@ def gate(
                 )
             _fail_on([save(baseline, json_text(cur), "new baseline")])
             (err if json_path == "-" else out).print(
-                f"baseline updated: {baseline} ({cur['metrics']['real_tokens_per_s']:,.0f} real tokens/s)"
+                f"baseline updated: {esc(baseline)} ({cur['metrics']['real_tokens_per_s']:,.0f} real tokens/s)",
+                highlight=False,
             )
             return
         notes = check_comparable(base, cur, allow_env_change)
@@ -1229,24 +1291,24 @@ def _gate_outputs(result: dict[str, Any], junit: str | None, json_path: str | No
     from vlmdoctor.ci.gate import junit_xml, markdown
     from vlmdoctor.files import append_text, save, save_json
 
-    if json_path != "-":  # stdout is the JSON's
-        t = Table(title=f"vlmdoctor gate: {result['summary']}", header_style="bold")
-        for col in ("check", "verdict", "detail"):
-            t.add_column(col)
-        for c in result["checks"]:
-            t.add_row(c["name"], c["verdict"], str(c["detail"]))
-        out.print(t)
-        for n in result.get("notes") or []:
-            out.print(f"note: {n}")
-    failures = []
+    failures = []  # the files first: what the console shows can never cost the verdict's files
     if summary:
         try:
             append_text(summary, markdown(result) + "\n")
         except VlmdoctorError as e:
-            err.print(f"[yellow]warning:[/yellow] {escape(e.message)}; the step summary is skipped", highlight=False)
+            err.print(f"[yellow]warning:[/yellow] {esc(e.message)}; the step summary is skipped", highlight=False)
     if junit:
         failures.append(save(junit, junit_xml(result), "JUnit XML"))
     failures.append(save_json(result, json_path, "verdict JSON"))
+    if json_path != "-":  # stdout is the JSON's
+        t = Table(title=f"vlmdoctor gate: {esc(result['summary'])}", header_style="bold")
+        for col in ("check", "verdict", "detail"):
+            t.add_column(col)
+        for c in result["checks"]:
+            t.add_row(esc(c["name"]), esc(c["verdict"]), esc(c["detail"]))
+        out.print(t)
+        for n in result.get("notes") or []:
+            out.print(f"note: {esc(n)}", highlight=False)
     _fail_on(failures)
 
 
@@ -1262,12 +1324,13 @@ def compare(
     from pathlib import Path
 
     from vlmdoctor.ci.gate import load_report
-    from vlmdoctor.files import check_writable, json_text, save, write_json
+    from vlmdoctor.files import check_inputs_kept, check_writable, json_text, save, write_json
     from vlmdoctor.report.compare import compare as diff
     from vlmdoctor.report.compare import render_compare
 
     with _user_errors():
         check_writable(json_path, force, "--json")
+        check_inputs_kept({"report A": a, "report B": b}, {"--json": json_path})
         result = diff(load_report(a), load_report(b), allow_different, labels=(Path(a).name, Path(b).name))
         if json_path == "-":
             write_json(result, "-")
@@ -1323,9 +1386,12 @@ def export(
                 if not (src.parent / kept).exists() and not Path(kept).exists():
                     raise VlmdoctorError(f"{src}: its trace {kept} is not here (recorded on another machine, or moved)")
                 src = Path(kept) if Path(kept).exists() else src.parent / kept
-        from vlmdoctor.files import check_writable, write_json
+        from vlmdoctor.files import check_inputs_kept, check_writable, write_json
 
         check_writable(json_path, force)
+        check_inputs_kept(
+            {"the source": source, "its trace": src}, {"--chrome": chrome, "--hta-dir": hta_dir, "--json": json_path}
+        )
         files = trace_files(src)
         written: dict[str, str] = {}
         if chrome:
@@ -1338,14 +1404,14 @@ def export(
             write_json({"source": str(src), "traces": [str(f) for f in files], "written": written}, json_path)
         if json_path != "-":
             for path in written.values():
-                out.print(f"written: {path}")
+                out.print(f"written: {esc(path)}", highlight=False)
 
 
 def _fail_on(failures: list[str | None]) -> None:
     """Writes that failed after the work: one line each (naming where the content was kept), exit 1."""
     failures = [f for f in failures if f]
     for f in failures:
-        err.print(f"[bold red]error:[/bold red] {escape(f)}", highlight=False)
+        err.print(f"[bold red]error:[/bold red] {esc(f)}", highlight=False)
     if failures:
         raise typer.Exit(EXIT_FAILED_RUN)
 
@@ -1367,7 +1433,7 @@ class _user_errors:
         if isinstance(exc, click_errors.ClickException):
             return False  # click's own usage errors print themselves and exit 2
         message, code = describe_error(exc)
-        err.print(f"[bold red]error:[/bold red] {escape(message)}" if code != 130 else message, highlight=False)
+        err.print(f"[bold red]error:[/bold red] {esc(message)}" if code != 130 else message, highlight=False)
         raise typer.Exit(code)
 
 

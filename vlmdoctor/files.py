@@ -7,7 +7,10 @@ The promises (docs/files.md):
   (temp file in the same folder, fsync, rename); the temp file is removed on any failure;
 - every output path is checked before the work starts (`check_writable`);
 - when the final write still fails (a full disk), the content is saved to a fallback file in
-  the current folder or the temp folder, and the message names it.
+  the current folder or the temp folder, and the message names it;
+- an output that names one of the command's inputs is refused, even with --force (`check_inputs_kept`);
+- files another library writes by name (torch's chrome trace) go through a temp name too (`export_via`),
+  and a log that grows while a script runs is appended to only as a regular file (`open_log`).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import os
 import stat
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -66,6 +69,59 @@ def check_distinct(**outputs: str | os.PathLike | None) -> None:
         if key in seen:
             raise UsageError(f"{seen[key]} and {name} name the same file ({path}); give each output its own path")
         seen[key] = name
+
+
+def _paths(value: str | os.PathLike | Iterable[str | os.PathLike] | None) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, (str, os.PathLike)):
+        return [] if str(value) in ("", "-") else [os.fspath(value)]
+    return [p for v in value for p in _paths(v)]
+
+
+def _identity(path: str) -> tuple[str, tuple[int, int] | None]:
+    """The resolved path and the (device, inode) of the file it reaches (None where nothing is there)."""
+    try:
+        st = os.stat(path)
+        ino = (st.st_dev, st.st_ino)
+    except (OSError, ValueError):
+        ino = None
+    try:
+        return os.path.realpath(os.path.abspath(path)), ino
+    except (OSError, ValueError):  # a NUL in the name: nothing there to compare, and the write will refuse it
+        return os.path.abspath(path), ino
+
+
+def check_inputs_kept(
+    inputs: Mapping[str, str | os.PathLike | Iterable[str | os.PathLike] | None],
+    outputs: Mapping[str, str | os.PathLike | Iterable[str | os.PathLike] | None],
+) -> None:
+    """Refuse, even with --force, an output that would replace one of the command's inputs (`analyze T --json T`,
+    `--save-config` onto the `--config`): the file the command read would be gone.
+
+    Keys are what the line calls each path (`"--json"`, `"the trace"`); values a path, a list of paths or None.
+    The same file is found by its resolved path and by its inode, so `./x` and `x`, a link and a hard link to
+    an input count too. An input folder counts with the files in it (`export DIR --hta-dir DIR`).
+    """
+    seen: list[tuple[str, str, str, tuple[int, int] | None, bool]] = []
+    for label, value in inputs.items():
+        for path in _paths(value):
+            real, ino = _identity(path)
+            seen.append((label, path, real, ino, os.path.isdir(real)))
+    for flag, value in outputs.items():
+        for path in _paths(value):
+            real, ino = _identity(path)
+            for label, given, in_real, in_ino, is_dir in seen:
+                same = real == in_real or (ino is not None and ino == in_ino)
+                inside = (  # an existing file in an input folder: the command may read it (a rank trace, a rule)
+                    is_dir and os.path.isfile(real) and real.startswith(in_real.rstrip(os.sep) + os.sep)
+                )
+                if same or inside:
+                    what = "is" if same else "is inside"
+                    raise UsageError(
+                        f"{flag} {path} {what} {label} ({given}); vlmdoctor never writes over what it reads, "
+                        "even with --force: give the output another name"
+                    )
 
 
 def _check_names(p: Path, label: str) -> None:
@@ -232,12 +288,36 @@ def write_json(report: Any, path: str) -> None:
     write_text(path, text)
 
 
+def _open_regular_append(target: Path, truncate: bool = False) -> int:
+    """An fd appending to `target`, a regular file or a new one; a link (O_NOFOLLOW), fifo, device or folder is
+    refused without blocking (O_NONBLOCK: opening a fifo for writing would wait for a reader)."""
+    _refuse_special(target)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(target, flags, 0o644)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+            _refuse_special(target)  # the one line naming what is there
+        raise
+    try:
+        kind = _kind(os.fstat(fd).st_mode)
+        if kind:
+            raise UsageError(f"{target} is {kind}; vlmdoctor writes regular files only and never replaces {kind}")
+        if hasattr(os, "O_NONBLOCK"):
+            os.set_blocking(fd, True)
+        if truncate:
+            os.ftruncate(fd, 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def append_text(path: str | os.PathLike, text: str) -> None:
     """Append to a regular file (JSON lines, a CI step summary); a link or device there is refused."""
     target = Path(path)
-    _refuse_special(target)
     try:
-        fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        fd = _open_regular_append(target)
         try:
             _write_all(fd, text.encode("utf-8"))
         finally:
@@ -246,23 +326,109 @@ def append_text(path: str | os.PathLike, text: str) -> None:
         raise WriteError(f"cannot append to {target}: {e.strerror or e}") from None
 
 
-def fallback_path(name: str) -> Path:
-    """Where content goes when its own path failed: the current folder, else the temp folder."""
+def open_log(path: str | os.PathLike) -> IO[bytes]:
+    """A log that grows while a script runs (`vlmdoctor run`'s OUT/script.log), streamed to its final name so
+    that what a crash printed is there: a regular file only (never through a link, into a fifo or device),
+    emptied first; whether an old one may be replaced is `check_writable`'s to say, before the run."""
+    target = Path(path)
+    try:
+        fd = _open_regular_append(target, truncate=True)
+    except OSError as e:
+        raise UsageError(f"cannot write {target}: {e.strerror or e}") from None
+    return os.fdopen(fd, "ab")
+
+
+def export_via(path: str | os.PathLike, export: Callable[[str], None]) -> None:
+    """A file another library writes by name (torch.profiler's `export_chrome_trace`), made atomic: it writes a
+    temp name in the same folder, which is gzipped (for a `.gz` target) or renamed into place once complete.
+
+    A failure or an interruption (a full disk, SIGTERM handled as an exception) leaves no file at `path`
+    and no temp file; an OSError or the library's own error becomes a one-line WriteError.
+    """
+    target = Path(path)
+    tmp: str | None = None
+    try:
+        fd, tmp = _mkstemp(target)  # a name ending .tmp: torch writes it as plain JSON (it gzips only *.gz)
+        os.close(fd)
+        export(tmp)
+        if target.name.endswith(".gz"):
+            import gzip
+            import shutil
+
+            with (
+                open(tmp, "rb") as src,
+                atomic_writer(target) as raw,
+                gzip.GzipFile(filename=target.name[: -len(".gz")], mode="wb", fileobj=raw, compresslevel=6) as gz,
+            ):
+                shutil.copyfileobj(src, gz, 1 << 20)
+        else:
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)
+            _refuse_special(target)
+            os.replace(tmp, target)
+            tmp = None
+    except VlmdoctorError:
+        raise
+    except Exception as e:  # OSError from the disk, RuntimeError from the library's own writer
+        raise WriteError(f"cannot write {target}: {getattr(e, 'strerror', None) or e}") from None
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def _rescue_folders() -> list[Path]:
+    """Where content goes when its own path failed: the current folder, then the temp folder."""
+    return [Path.cwd(), Path(tempfile.gettempdir())]
+
+
+def _reserve(folder: Path, base: str) -> Path:
+    """A fresh `vlmdoctor-rescued-STAMP-NAME` in `folder`, created empty (O_EXCL) so no other rescue takes it."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    base = Path(name).name or "output"
-    for folder in (Path.cwd(), Path(tempfile.gettempdir())):
-        candidate = folder / f"vlmdoctor-rescued-{stamp}-{base}"
-        k = 1
-        while candidate.exists() or candidate.is_symlink():
-            candidate = folder / f"vlmdoctor-rescued-{stamp}-{k}-{base}"
-            k += 1
+    for k in range(1000):
+        candidate = folder / (
+            f"vlmdoctor-rescued-{stamp}-{base}" if k == 0 else f"vlmdoctor-rescued-{stamp}-{k}-{base}"
+        )
         try:
-            fd = os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            os.close(fd)
-            return candidate
+            fd = os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        except FileExistsError:
+            continue
+        os.close(fd)
+        return candidate
+    raise OSError(errno.EEXIST, f"no free rescue name in {folder}")
+
+
+def fallback_path(name: str) -> Path:
+    """A fresh, empty fallback file for `name`: in the current folder, else the temp folder."""
+    base = Path(name).name or "output"
+    for folder in _rescue_folders():
+        try:
+            return _reserve(folder, base)
         except OSError:
             continue
     raise OSError(errno.ENOSPC, "no folder to save a fallback copy in")
+
+
+def rescue(name: str, data: bytes) -> Path:
+    """Save `data` whole to a fallback file: the current folder first, then the temp folder. A folder where the
+    write fails (a full disk holds the current folder too) leaves nothing there and the next is tried."""
+    base = Path(name).name or "output"
+    last: Exception | None = None
+    for folder in _rescue_folders():
+        try:
+            spot = _reserve(folder, base)
+        except OSError as e:
+            last = e
+            continue
+        try:
+            write_bytes(spot, data)
+            return spot
+        except VlmdoctorError as e:
+            last = e
+            with contextlib.suppress(OSError):
+                os.unlink(spot)
+    raise OSError(errno.ENOSPC, f"no folder to save a fallback copy in ({getattr(last, 'message', last)})")
 
 
 def save(path: str | os.PathLike, data: str | bytes, what: str = "output") -> str | None:
@@ -275,11 +441,10 @@ def save(path: str | os.PathLike, data: str | bytes, what: str = "output") -> st
     except VlmdoctorError as e:
         reason = e.message
     try:
-        rescue = fallback_path(str(path))
-        write_bytes(rescue, raw)
-    except (OSError, VlmdoctorError):
+        spot = rescue(str(path), raw)
+    except OSError:
         return f"{reason}; the {what} could not be saved anywhere else either"
-    return f"{reason}; the {what} was saved to {rescue} instead"
+    return f"{reason}; the {what} was saved to {spot} instead"
 
 
 def save_json(data: Any, path: str | None, what: str) -> str | None:

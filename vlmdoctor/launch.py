@@ -22,7 +22,7 @@ import traceback
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from vlmdoctor.errors import EXIT_FAILED_RUN, EXIT_OK, UsageError
 
@@ -153,10 +153,9 @@ class _Child:
             if not self.s.get("quiet"):
                 show(report, sys.stdout)
                 if not self.s.get("stop_after_window"):
-                    print(
-                        f"vlmdoctor: report written to {Path(self.s['out']) / 'report.json'}; "
-                        "the script goes on, unmeasured",
-                        flush=True,
+                    _log(
+                        f"report written to {Path(self.s['out']) / 'report.json'}; the script goes on, unmeasured",
+                        sys.stdout,
                     )
         except Exception as e:  # the analysis must not end the user's training
             self.report = {}
@@ -272,7 +271,9 @@ def child_main() -> None:
     try:
         child.finish(code, error)
     except Exception as e:
-        print(f"vlmdoctor: could not write the report: {type(e).__name__}: {e}", file=sys.stderr)
+        from vlmdoctor.report.console import plain
+
+        print(plain(f"vlmdoctor: could not write the report: {type(e).__name__}: {e}"), file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code or 0)  # the script's exit code; skip atexit work of a script that already finished
@@ -357,8 +358,10 @@ def measure_script(
                 "error": {"type": "ScriptFailed", "message": message + (f"; its output ended: {tail}" if tail else "")},
             }
 
+        from vlmdoctor.files import open_log
+
         try:
-            with log.open("wb") as f:
+            with open_log(log) as f:
                 rc = subprocess.run(
                     [python or sys.executable, "-c", BOOTSTRAP, *argv],
                     stdout=f,
@@ -381,10 +384,11 @@ def measure_script(
         return report
 
 
-def _tee(proc: subprocess.Popen, log: Path, to_stderr: bool) -> None:
-    """The script's output, as it comes, to the terminal (stderr when stdout carries the JSON) and the log."""
+def _tee(proc: subprocess.Popen, log: IO[bytes], to_stderr: bool) -> None:
+    """The script's output, as it comes, to the terminal (stderr when stdout carries the JSON) and the log
+    (opened by the one writer before the script starts: a regular file only, never through a link)."""
     sink = sys.stderr if to_stderr else sys.stdout
-    with log.open("wb") as f:
+    with log as f:
         assert proc.stdout is not None
         while True:
             chunk = proc.stdout.read1(65536) if hasattr(proc.stdout, "read1") else proc.stdout.read(4096)
@@ -423,13 +427,22 @@ def run_script(
             raise UsageError(f"{name} must be at least {0 if name == '--warmup' else 1}")
     folder = Path(out)
     report_path = folder / "report.json"
-    if report_path.exists() and not force:
-        raise UsageError(f"{report_path} exists; pass --force to overwrite it, or --out another folder")
-    from vlmdoctor.files import check_distinct
+    log = folder / "script.log"
+    from vlmdoctor.files import check_distinct, check_inputs_kept, check_output_dir
 
     check_distinct(json=json_path, html=html_path, out=report_path)
+    check_output_dir(folder, "--out")
+    check_output_dir(folder / "trace", "--out")  # where the trace goes: a folder, never a link out of --out
+    for path in (report_path, log):  # the same rule as every output: a regular file, replaced only with --force
+        if folder.is_dir():
+            check_writable(path, force, "--out")
     check_writable(json_path, force, "--json")
     check_writable(html_path, force, "--html")
+    script = None if argv[0] == "-m" else argv[0]
+    check_inputs_kept(
+        {"the script": script, "a --rules folder": list(rules_dirs)},
+        {"--out": [report_path, log], "--json": json_path, "--html": html_path},
+    )
     folder.mkdir(parents=True, exist_ok=True)
     if report_path.exists():
         report_path.unlink()
@@ -446,12 +459,14 @@ def run_script(
             "quiet": quiet,
         }
     )
-    log = folder / "script.log"
+    from vlmdoctor.files import open_log
+
+    log_file = open_log(log)
     proc = subprocess.Popen(
         [sys.executable, "-c", BOOTSTRAP, *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env
     )
     try:
-        _tee(proc, log, to_stderr=json_path == "-")
+        _tee(proc, log_file, to_stderr=json_path == "-")
     except KeyboardInterrupt:
         proc.terminate()
         proc.wait()
@@ -460,7 +475,9 @@ def run_script(
     copy = json_path if json_path != "-" else None  # '-': the caller prints the report, once
 
     def say(m: str) -> None:
-        print(f"vlmdoctor: {m}", file=sys.stderr, flush=True)
+        from vlmdoctor.report.console import plain
+
+        print(plain(f"vlmdoctor: {m}"), file=sys.stderr, flush=True)
 
     if not report_path.exists():
         say(f"the script exited with code {rc} and left no report; its output is in {log}")
@@ -499,5 +516,7 @@ def run_script(
     if not quiet and json_path != "-":
         if not shown:
             show(report)
-        print(f"vlmdoctor: report {report_path}, script output {log}", flush=True)
+        from vlmdoctor.report.console import plain
+
+        print(plain(f"vlmdoctor: report {report_path}, script output {log}"), flush=True)
     return EXIT_OK, report

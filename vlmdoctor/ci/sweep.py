@@ -126,17 +126,19 @@ def run_sweep(
     jsonl: str | None,
     notify: Callable[[int, int, str], None] = lambda *_: None,
     problems: list[str] | None = None,
+    rows: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """Run each config in its own process; each report is appended to jsonl as soon as it exists.
 
     An append that fails (a full disk) does not end the sweep: the report goes to a fallback file
-    and `problems` gets a line saying where.
+    and `problems` gets a line saying where. Each finished run's row is added to `rows` at once, so a
+    caller interrupted (Ctrl-C) mid-sweep still has the rows of the runs that finished.
     """
     from vlmdoctor.errors import VlmdoctorError
     from vlmdoctor.files import append_text, json_text, save
     from vlmdoctor.run.runner import run_isolated
 
-    rows = []
+    rows = [] if rows is None else rows
     for i, (name, cfg) in enumerate(plan, start=1):
         notify(i, len(plan), name)
         report = run_isolated(cfg, timeout=timeout, diagnose=diagnose)
@@ -153,13 +155,25 @@ def run_sweep(
     return rows
 
 
+#: a spreadsheet reads a cell starting with one of these as a formula (CSV injection)
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_cell(value: Any) -> Any:
+    """A text cell a spreadsheet would run as a formula (`=HYPERLINK(...)` as a run name) gets a leading `'`,
+    which spreadsheets show as text; numbers stay numbers. Quoting is the csv module's."""
+    if isinstance(value, str) and value.startswith(FORMULA_START):
+        return "'" + value
+    return value
+
+
 def csv_text(rows: list[dict[str, Any]]) -> str:
     import io
 
     buf = io.StringIO(newline="")
     w = csv.DictWriter(buf, fieldnames=list(rows[0]) if rows else ["name"])
     w.writeheader()
-    w.writerows(rows)
+    w.writerows({k: csv_cell(v) for k, v in r.items()} for r in rows)
     return buf.getvalue()
 
 

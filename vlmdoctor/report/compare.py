@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from vlmdoctor.errors import UsageError
+from vlmdoctor.report.console import esc
 from vlmdoctor.run import throughput
 from vlmdoctor.run.config import knob_table
 
@@ -292,14 +293,15 @@ def _short(text: Any, width: int = 28) -> str:
 
 def render_compare(result: dict[str, Any], console: Console) -> None:
     """Tables sized for a terminal: the headline metrics first, the explanations after."""
-    la, lb = (_short(x, 24) for x in result["labels"])
+    la, lb = (esc(_short(x, 24)) for x in result["labels"])  # file names: shown as text in headers and titles
     for label, side in ((la, result["a"]), (lb, result["b"])):
         console.print(
-            f"[bold]{label}[/bold]: {side['model']} stage {side['stage']} on {side['device']}, "
-            f"torch {side['torch']}" + (f", {side['created_at']}" if side.get("created_at") else "")
+            f"[bold]{label}[/bold]: {esc(side['model'])} stage {esc(side['stage'])} on {esc(side['device'])}, "
+            f"torch {esc(side['torch'])}" + (f", {esc(side['created_at'])}" if side.get("created_at") else ""),
+            highlight=False,
         )
     for n in result["notes"]:
-        console.print(f"[yellow]note:[/yellow] {n}")
+        console.print(f"[yellow]note:[/yellow] {esc(n)}", highlight=False)
 
     t = Table(title=f"{la} -> {lb}", header_style="bold")
     for col, just in (
@@ -314,12 +316,12 @@ def render_compare(result: dict[str, Any], console: Console) -> None:
     for r in result["metrics"]:
         color = _COLOR[r["verdict"]]
         t.add_row(
-            r["label"],
+            esc(r["label"]),
             _num(r["key"], r["a"]),
             _num(r["key"], r["b"]),
             _delta(r["key"], r["delta"]),
             _pct(r["rel"]),
-            f"[{color}]{r['verdict']}[/{color}]",
+            f"[{color}]{esc(r['verdict'])}[/{color}]",
         )
     console.print(t)
 
@@ -348,14 +350,17 @@ def render_compare(result: dict[str, Any], console: Console) -> None:
             console.print(f"findings: the same in both ({len(f['kept'])})")
         for word, rows, color in (("new in " + lb, f["added"], "red"), ("gone in " + lb, f["gone"], "green")):
             for x in rows:
-                console.print(f"[{color}]{word}:[/{color}] {x['id']} ({x['severity']}): {x['title']}")
+                console.print(
+                    f"[{color}]{word}:[/{color}] {esc(x['id'])} ({esc(x['severity'])}): {esc(x['title'])}",
+                    highlight=False,
+                )
 
     if result["config"]:
         t = Table(title="config knobs that differ", header_style="bold")
         for col in ("layer", "knob", la, lb):
             t.add_column(col, justify="right" if col == "layer" else "left")
         for r in result["config"]:
-            t.add_row(str(r["layer"] or ""), r["knob"], _short(r["a"]), _short(r["b"]))
+            t.add_row(esc(r["layer"] or ""), esc(r["knob"]), esc(_short(r["a"])), esc(_short(r["b"])))
         console.print(t)
     else:
         console.print("config: identical")
@@ -373,7 +378,7 @@ def _ms_table(
     for r in shown:
         color = "red" if r["delta_ms"] > 0 else "green" if r["delta_ms"] < 0 else "dim"
         t.add_row(
-            r[name],
+            esc(r[name]),
             f"{r['a_ms']:,.1f}",
             f"{r['b_ms']:,.1f}",
             f"[{color}]{r['delta_ms']:+,.1f}[/{color}]",

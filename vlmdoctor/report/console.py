@@ -1,19 +1,72 @@
-"""The console report: rich tables of metrics, facts, findings, ladders and sweeps."""
+"""The console report: rich tables of metrics, facts, findings, ladders and sweeps.
+
+Text is text. Names, paths and messages come from traces, reports, rule files and the command line, so
+whatever they hold is shown, never acted on: every console vlmdoctor prints through is a `SafeConsole`
+(control characters become visible escapes, no hyperlinks, markup that does not parse is shown as it is),
+and data placed inside a markup string goes through `esc` (its `[` shown, not read as a style).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from rich import box
 from rich.console import Console
+from rich.errors import MarkupError
 from rich.markup import escape
 from rich.padding import Padding
+from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
 from vlmdoctor.run import throughput
 from vlmdoctor.run.config import RunConfig, knob_table
+
+#: what a terminal acts on instead of showing: C0 controls but the newline (ESC starts clear-screen, window
+#: title and OSC 8 hyperlink sequences), DEL, C1 controls (CSI and OSC as one byte), and the Unicode bidi
+#: controls that reorder what is shown
+CONTROL = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def plain(value: Any) -> str:
+    """Any value as text a terminal only shows: each control character as its visible escape (\\x1b, \\u202e)."""
+    return CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), str(value))
+
+
+def esc(value: Any) -> str:
+    """A value from a trace, report, rule or path, for a markup string: `plain`, and its `[` shown as text."""
+    return escape(plain(value))
+
+
+def _shown(segments: Iterable[Segment]) -> Iterator[Segment]:
+    for seg in segments:
+        if seg.control:  # rich's own cursor moves (progress bars), never text from an input
+            yield seg
+            continue
+        style = seg.style.update_link(None) if seg.style is not None and seg.style.link else seg.style
+        yield Segment(plain(seg.text) if CONTROL.search(seg.text) else seg.text, style)
+
+
+class SafeConsole(Console):
+    """The console every vlmdoctor command, `Doctor` and `vlmdoctor run` print through: the boundary where text
+    from inputs meets the terminal. Control characters in any text become visible escapes, hyperlinks are
+    dropped (vlmdoctor prints none), emoji codes stay text, and markup that does not parse is printed as it
+    is, so that printing never fails after the work is done."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("emoji", False)
+        super().__init__(*args, **kwargs)
+
+    def render_str(self, text: str, **kwargs: Any) -> Text:
+        try:
+            return super().render_str(text, **kwargs)
+        except MarkupError:
+            return super().render_str(text, **{**kwargs, "markup": False})
+
+    def _render_buffer(self, buffer: Iterable[Segment]) -> str:
+        return super()._render_buffer(_shown(buffer))
 
 
 def _fmt(v: Any, unit: str = "", digits: int = 1) -> str:
@@ -21,7 +74,7 @@ def _fmt(v: Any, unit: str = "", digits: int = 1) -> str:
         return "n/a"
     if isinstance(v, float):
         return f"{v:,.{digits}f}{unit}"
-    return f"{v}{unit}"
+    return f"{esc(v)}{unit}"
 
 
 def _changed_knobs(config: dict[str, Any]) -> list[str]:
@@ -35,26 +88,28 @@ def _changed_knobs(config: dict[str, Any]) -> list[str]:
 def render(report: dict[str, Any], console: Console) -> None:
     cfg, env, model = report["config"], report.get("env", {}), report.get("model", {})
     where = env.get("gpu") or f"CPU ({env.get('cpu_count')} cores)"
-    title = f"vlmdoctor profile: {cfg['model']} stage {cfg['stage']} on {where}"
+    title = f"vlmdoctor profile: {esc(cfg['model'])} stage {esc(cfg['stage'])} on {esc(where)}"
     changed = _changed_knobs(cfg)
     console.print(f"[bold]{title}[/bold]")
     console.print(
-        f"model: {model.get('vision')} + {model.get('projector')} + {model.get('llm')}; "
-        f"{model.get('image_tokens')} image tokens"
+        f"model: {esc(model.get('vision'))} + {esc(model.get('projector'))} + {esc(model.get('llm'))}; "
+        f"{esc(model.get('image_tokens'))} image tokens"
     )
-    console.print("knobs changed from the default: " + (", ".join(changed) if changed else "none (the default config)"))
+    console.print(
+        "knobs changed from the default: " + (esc(", ".join(changed)) if changed else "none (the default config)")
+    )
     data = report.get("data") or {}
     if data.get("skipped"):
         console.print(
-            f"[yellow]data: {data['skipped']} of {data.get('records')} records skipped[/yellow] "
-            f"(--bad-records skip; the first: {escape(str((data.get('problems') or ['?'])[0]))})",
+            f"[yellow]data: {esc(data['skipped'])} of {esc(data.get('records'))} records skipped[/yellow] "
+            f"(--bad-records skip; the first: {esc((data.get('problems') or ['?'])[0])})",
             highlight=False,
         )
     for w in report.get("warnings") or []:
-        console.print(f"[yellow]warning:[/yellow] {escape(str(w))}", highlight=False)
+        console.print(f"[yellow]warning:[/yellow] {esc(w)}", highlight=False)
     if report["status"] not in ("ok", "nan_loss"):
         err = report.get("error", {})
-        console.print(f"[bold red]{report['status']}[/bold red]: {err.get('message')}")
+        console.print(f"[bold red]{esc(report['status'])}[/bold red]: {esc(err.get('message'))}", highlight=False)
         if err.get("requested_gb") is not None:
             console.print(
                 f"asked for {err['requested_gb']:.2f} GiB more; peak before failure "
@@ -66,7 +121,7 @@ def render(report: dict[str, Any], console: Console) -> None:
     t = Table(show_header=True, header_style="bold")
     t.add_column("metric")
     t.add_column("value", justify="right")
-    t.add_column(f"spread over {m['repeats']} repeat(s) x {m['steps_per_repeat']} steps", justify="right")
+    t.add_column(f"spread over {esc(m['repeats'])} repeat(s) x {esc(m['steps_per_repeat'])} steps", justify="right")
 
     def spread(key: str, unit: str = "", digits: int = 1) -> str:
         s = stats.get(key)
@@ -86,12 +141,12 @@ def render(report: dict[str, Any], console: Console) -> None:
     t.add_row(
         "ms/step (median)",
         _fmt(m["step_ms"], " ms"),
-        f"p10 {_fmt(m['step_ms_p10'])} / p90 {_fmt(m['step_ms_p90'])} (n={step.get('n')})",
+        f"p10 {_fmt(m['step_ms_p10'])} / p90 {_fmt(m['step_ms_p90'])} (n={esc(step.get('n'))})",
     )
     t.add_row(
         "MFU",
         _fmt(m["mfu"] * 100 if m["mfu"] is not None else None, " %"),
-        spread("mfu", "", 3) if m["mfu"] is not None else escape(str(m.get("mfu_reason") or "")),
+        spread("mfu", "", 3) if m["mfu"] is not None else esc(m.get("mfu_reason") or ""),
     )
     t.add_row("model TFLOP/s", _fmt(m["model_tflops_per_s"], "", 2), "")
     if m.get("peak_mem_gb") is not None:
@@ -103,20 +158,23 @@ def render(report: dict[str, Any], console: Console) -> None:
     else:
         t.add_row("host peak RSS", _fmt(m["host_peak_rss_gb"], " GiB", 2), "")
     loss = m["final_loss"]
-    t.add_row("final loss", _fmt(loss, "", 4) if m["loss_finite"] else f"[red]{loss} (not finite)[/red]", "")
+    t.add_row("final loss", _fmt(loss, "", 4) if m["loss_finite"] else f"[red]{esc(loss)} (not finite)[/red]", "")
     console.print(t)
     render_measurement_notes(report, console)
     if report.get("distributed"):
         render_ranks(report["distributed"], console)
     versions = ", ".join(f"{k} {env.get(k)}" for k in ("torch", "transformers", "liger_kernel") if env.get(k))
-    console.print(f"[dim]{versions}; driver {env.get('driver') or 'n/a'}[/dim]")
+    console.print(f"[dim]{esc(versions)}; driver {esc(env.get('driver') or 'n/a')}[/dim]", highlight=False)
     tr = report.get("trace")
-    if tr:
-        traced = sorted(tr["traced_step_ms"])[len(tr["traced_step_ms"]) // 2]
+    if tr and tr.get("lost"):  # the measurement above stands; the warning line says why the trace is gone
+        console.print(f"trace: lost ({esc(tr['lost'])})", highlight=False)
+    elif tr:
+        traced = _ms(sorted(tr["traced_step_ms"])[len(tr["traced_step_ms"]) // 2] if tr["traced_step_ms"] else None)
         where = tr["path"] or "analyzed, not kept (--trace-dir DIR keeps it)"
         console.print(
-            f"trace: {where} ({tr['steps']} steps; traced step {traced:.1f} ms vs untraced median "
-            f"{m['step_ms']:.1f} ms)"
+            f"trace: {esc(where)} ({esc(tr['steps'])} steps; traced step {traced} ms vs untraced median "
+            f"{_ms(m['step_ms'])} ms)",
+            highlight=False,
         )
     if report["status"] == "nan_loss":
         console.print("[bold red]the loss was NaN or inf in a timed step[/bold red]")
@@ -131,18 +189,18 @@ def render_ranks(d: dict[str, Any], console: Console) -> None:
     for r in d.get("ranks") or []:
         mark = " *" if r.get("rank") == g.get("slowest_rank") else ""
         t.add_row(
-            f"{r.get('rank')}{mark}",
+            f"{esc(r.get('rank'))}{mark}",
             _fmt(r.get("step_ms")),
             _fmt(r.get("real_tokens_per_s"), "", 0),
-            str(r.get("real_tokens")),
+            esc(r.get("real_tokens")),
             _fmt(r.get("peak_mem_gb"), "", 2),
-            escape(str(r.get("host", ""))[:20]),
+            esc(str(r.get("host", ""))[:20]),
         )
     console.print(t)
     line = (
-        f"{d.get('world_size')} ranks ({d.get('parallel')}, {d.get('backend')}): global "
+        f"{esc(d.get('world_size'))} ranks ({esc(d.get('parallel'))}, {esc(d.get('backend'))}): global "
         f"{_fmt(g.get('real_tokens_per_s'), '', 0)} real tokens/s over the slowest rank's time (* rank "
-        f"{g.get('slowest_rank')}"
+        f"{esc(g.get('slowest_rank'))}"
     )
     if g.get("step_imbalance") is not None:
         line += f", {g['step_imbalance'] * 100:.1f}% slower than the fastest"
@@ -151,7 +209,7 @@ def render_ranks(d: dict[str, Any], console: Console) -> None:
     if sc:
         console.print(
             f"scaling efficiency {sc['efficiency'] * 100:.0f}% ({sc['speedup']:.2f}x one GPU's "
-            f"{_fmt(sc['one_gpu_real_tokens_per_s'], '', 0)} tokens/s, {sc['source']})"
+            f"{_fmt(sc['one_gpu_real_tokens_per_s'], '', 0)} tokens/s, {esc(sc['source'])})"
         )
     if d.get("params_identical") is False:
         console.print("[bold red]the ranks' weights differ after the steps: gradients were not synchronised[/bold red]")
@@ -171,15 +229,15 @@ def render_models(rows: list[dict[str, Any]], console: Console) -> None:
             min_width=26 if col == "name" else None,
         )
     for r in rows:
-        notes = f"{r['kind']}" + (f": {r['notes']}" if r.get("notes") else "")
+        notes = esc(r["kind"]) + (f": {esc(r['notes'])}" if r.get("notes") else "")
         p = r["params"] / 1e6
         t.add_row(
-            f"[bold]{r['name']}[/bold]\n[dim]{notes}[/dim]",
+            f"[bold]{esc(r['name'])}[/bold]\n[dim]{notes}[/dim]",
             f"{p:,.0f}M" if p >= 1000 else f"{p:,.1f}M",
-            str(r.get("layers", "")),
-            str(r.get("hidden", "")),
-            str(r.get("heads", "")),
-            str(r.get("head_dim", "")),
+            esc(r.get("layers", "")),
+            esc(r.get("hidden", "")),
+            esc(r.get("heads", "")),
+            esc(r.get("head_dim", "")),
         )
     console.print(t)
 
@@ -193,26 +251,26 @@ def render_facts(result: dict[str, Any], console: Console) -> None:
     for entry in result["files"]:
         f = entry["facts"]
         known = (
-            ", ".join(f"{k.split('.')[1]} {f[k]}" for k in ("run.model", "run.stage") if k in f)
+            ", ".join(f"{k.split('.')[1]} {esc(f[k])}" for k in ("run.model", "run.stage") if k in f)
             or "model and stage unknown"
         )
         console.print(
-            f"[bold]{entry['file']}[/bold]: {f['trace.steps']} step(s), {known}"
+            f"[bold]{esc(entry['file'])}[/bold]: {esc(f['trace.steps'])} step(s), {known}"
             + ("" if f["trace.written_by_vlmdoctor"] else " (not written by vlmdoctor)")
         )
         notes = f.get("run.notes") or []
         for w in f.get("trace.warnings", []):
-            console.print(f"[yellow]{'warning' if w in notes else 'partial'}:[/yellow] {w}")
+            console.print(f"[yellow]{'warning' if w in notes else 'partial'}:[/yellow] {esc(w)}", highlight=False)
         if not f["trace.written_by_vlmdoctor"]:  # a user's trace: say where each number's frame came from
             console.print(
-                f"steps from {f.get('trace.windows_from', 'n/a')}; stage: "
-                f"{f.get('run.stage_source') or f.get('run.stage_estimate_why') or 'unknown'}; "
-                f"model parts from: {f.get('part.source', 'none')}"
+                f"steps from {esc(f.get('trace.windows_from', 'n/a'))}; stage: "
+                f"{esc(f.get('run.stage_source') or f.get('run.stage_estimate_why') or 'unknown')}; "
+                f"model parts from: {esc(f.get('part.source', 'none'))}"
             )
             if "shapes.micro_batches_per_step.source" in f:
                 console.print(
                     f"micro-batches per step: {f['shapes.micro_batches_per_step']:g} "
-                    f"({f['shapes.micro_batches_per_step.source']})"
+                    f"({esc(f['shapes.micro_batches_per_step.source'])})"
                 )
         line = f"step {_ms(f['step.ms'])} ms"
         if "gpu.busy_frac" in f:
@@ -227,14 +285,14 @@ def render_facts(result: dict[str, Any], console: Console) -> None:
             continue
         causes = [(k.split(".")[1], f[k]) for k in f if k.startswith("idle.") and k.endswith(".ms")]
         console.print(
-            "GPU idle while the host was in: " + ", ".join(f"{c} {_ms(v)} ms" for c, v in causes if v >= 0.05)
+            "GPU idle while the host was in: " + ", ".join(f"{esc(c)} {_ms(v)} ms" for c, v in causes if v >= 0.05)
         )
         t = Table(title="host work while the GPU waited (per step)", show_header=True, header_style="bold")
         t.add_column("innermost host op / runtime call")
         t.add_column("ms", justify="right")
         t.add_column("share of idle", justify="right")
         for row in f["idle.top_host_ops"][:6]:
-            t.add_row(row["op"][:70], _ms(row["ms"]), f"{row['share'] * 100:.0f}%")
+            t.add_row(esc(str(row["op"])[:70]), _ms(row["ms"]), f"{row['share'] * 100:.0f}%")
         console.print(t)
         t = Table(title="kernel classes (per step)", show_header=True, header_style="bold")
         for col in ("class", "ms", "count", "share of GPU time"):
@@ -242,7 +300,7 @@ def render_facts(result: dict[str, Any], console: Console) -> None:
         classes = sorted({k.split(".")[1] for k in f if k.startswith("kernels.")}, key=lambda c: -f[f"kernels.{c}.ms"])
         for c in classes[:12]:
             t.add_row(
-                c,
+                esc(c),
                 _ms(f[f"kernels.{c}.ms"]),
                 f"{f[f'kernels.{c}.count']:,.0f}",
                 f"{f[f'kernels.{c}.share'] * 100:.1f}%",
@@ -251,7 +309,7 @@ def render_facts(result: dict[str, Any], console: Console) -> None:
         console.print(
             f"GEMMs: {_ms(f['gemm.ms'])} ms; FP32 (no tensor cores) {f['gemm.fp32_share'] * 100:.1f}% of GEMM time"
             + (
-                f" in {', '.join(f['part.fp32_gemm_parts'])}: {f['gemm.fp32_top_kernels'][0][:60]}"
+                f" in {esc(', '.join(f['part.fp32_gemm_parts']))}: {esc(str(f['gemm.fp32_top_kernels'][0])[:60])}"
                 if f["gemm.fp32_share"] > 0
                 else ""
             )
@@ -260,12 +318,12 @@ def render_facts(result: dict[str, Any], console: Console) -> None:
             {k.split(".")[1] for k in f if k.startswith("part.") and k.endswith(".ms")},
             key=lambda p: -f[f"part.{p}.ms"],
         )
-        console.print("GPU time by part: " + ", ".join(f"{p} {_ms(f[f'part.{p}.ms'])} ms" for p in parts))
+        console.print("GPU time by part: " + ", ".join(f"{esc(p)} {_ms(f[f'part.{p}.ms'])} ms" for p in parts))
         phases = [k.split(".")[1] for k in f if k.startswith("phase.") and k.endswith(".ms")]
         console.print(
             "by phase: "
-            + ", ".join(f"{p} {_ms(f[f'phase.{p}.ms'])} ms" for p in phases)
-            + f"; recompute: {f['recompute.kind']} ({f['recompute.share'] * 100:.1f}% of GPU time)"
+            + ", ".join(f"{esc(p)} {_ms(f[f'phase.{p}.ms'])} ms" for p in phases)
+            + f"; recompute: {esc(f['recompute.kind'])} ({f['recompute.share'] * 100:.1f}% of GPU time)"
         )
         console.print(
             f"launches: {f['launch.kernels']:,.0f} kernels/step, {f['launch.tiny_kernel_frac'] * 100:.0f}% under "
@@ -274,15 +332,15 @@ def render_facts(result: dict[str, Any], console: Console) -> None:
         )
         extra = []
         if "shapes.distinct_token_batches" in f:
-            extra.append(f"token batch shapes: {', '.join(f['shapes.token_batches'])}")
+            extra.append(f"token batch shapes: {esc(', '.join(map(str, f['shapes.token_batches'])))}")
         if "loss.logits_gb" in f:
-            extra.append(f"logits {f['loss.logits_gb']:.2f} GiB ({f['loss.logits_dtype']})")
+            extra.append(f"logits {f['loss.logits_gb']:.2f} GiB ({esc(f['loss.logits_dtype'])})")
         elif f.get("ops.fused_linear_cross_entropy"):
             extra.append("logits not materialized (fused linear cross entropy)")
-        liger = [f"{k.split('.')[1]} {f[k]:.0f}" for k in f if k.startswith("liger.") and f[k]]
+        liger = [f"{esc(k.split('.')[1])} {f[k]:.0f}" for k in f if k.startswith("liger.") and f[k]]
         if liger:
             extra.append("Liger launches/step: " + ", ".join(liger))
-        backends = [k.split(".")[2] for k in f if k.startswith("attention.backend.")]
+        backends = [esc(k.split(".")[2]) for k in f if k.startswith("attention.backend.")]
         if backends:
             extra.append("SDPA backend: " + ", ".join(backends))
         if extra:
@@ -305,7 +363,7 @@ def _gain_text(gain: dict[str, Any]) -> str:
 def _apply_text(f: dict[str, Any]) -> str:
     """The order of application: the fix's place in layer order, then its layer."""
     order = f.get("apply_order")
-    return (f"{order}. " if order is not None else "") + f"layer {f['layer']}\n{f['layer_name']}"
+    return (f"{esc(order)}. " if order is not None else "") + f"layer {esc(f['layer'])}\n{esc(f['layer_name'])}"
 
 
 def _gain_short(gain: dict[str, Any] | None) -> str:
@@ -323,7 +381,8 @@ def _gain_cell(f: dict[str, Any]) -> str:
     """The expected gain, then the throughput ratio and the severity it earns."""
     text = _gain_text(f["expected_gain"])
     ratio = _gain_short(f["expected_gain"])
-    tail = f"{ratio}, {f.get('severity', '')}" if ratio.startswith("x") and ratio not in text else f.get("severity", "")
+    severity = esc(f.get("severity", ""))
+    tail = f"{ratio}, {severity}" if ratio.startswith("x") and ratio not in text else severity
     return f"{text}\n{tail}"
 
 
@@ -371,8 +430,8 @@ def render_findings(
             t.add_row(
                 str(i),
                 _apply_text(f),
-                f"[bold]{escape(str(f['title']))}[/bold]\n" + "\n".join(escape(str(e)) for e in f["evidence"]),
-                escape(str(f["fix"])),
+                f"[bold]{esc(f['title'])}[/bold]\n" + "\n".join(esc(e) for e in f["evidence"]),
+                esc(f["fix"]),
                 _gain_cell(f),
             )
         console.print(t)
@@ -397,32 +456,32 @@ def render_findings(
             console.print(f"  {line}", style="cyan", highlight=False, markup=False, soft_wrap=True)
     render_muted(diagnosis, console)
     for s in diagnosis["superseded"]:
-        console.print(f"[dim]superseded: {escape(s['id'])} (covered by {escape(s['superseded_by'])})[/dim]")
+        console.print(f"[dim]superseded: {esc(s['id'])} (covered by {esc(s['superseded_by'])})[/dim]")
     for n in diagnosis.get("not_applicable", []):
         if n.get("measured"):  # fired on the measurement, but the preset cannot take the fix
-            console.print(f"[dim]seen, fix not applicable: {n['id']} ({n['why']})[/dim]")
+            console.print(f"[dim]seen, fix not applicable: {esc(n['id'])} ({esc(n['why'])})[/dim]", highlight=False)
     for n in diagnosis["not_evaluated"]:
         hint = f"; record with {n['hint']}" if n.get("hint") else ""
         console.print(
-            f"[dim]not evaluated: {escape(n['id'])} "
-            f"(needs {escape(', '.join(n.get('missing') or []))}{escape(hint)})[/dim]"
+            f"[dim]not evaluated: {esc(n['id'])} (needs {esc(', '.join(n.get('missing') or []))}{esc(hint)})[/dim]",
+            highlight=False,
         )
     gpu_only = [n["id"] for n in diagnosis.get("not_applicable", []) if "fact of GPU runs" in n["why"]]
     if gpu_only:
         console.print(
             f"[dim]not applicable to a CPU run ({len(gpu_only)} rules need GPU kernel facts): "
-            f"{', '.join(gpu_only)}[/dim]"
+            f"{esc(', '.join(gpu_only))}[/dim]"
         )
     for p in diagnosis.get("problems", []):
-        console.print(f"[yellow]rule problem:[/yellow] {escape(str(p))}")
+        console.print(f"[yellow]rule problem:[/yellow] {esc(p)}", highlight=False)
 
 
 def render_rule_page(page: dict[str, Any], console: Console) -> None:
     """`vlmdoctor rules show`: one rule as a readable page (in the manner of ruff's rule pages)."""
-    console.print(f"[bold]{escape(page['id'])}[/bold]: {escape(page['title'])}", soft_wrap=False)
+    console.print(f"[bold]{esc(page['id'])}[/bold]: {esc(page['title'])}", soft_wrap=False)
     console.print(
-        f"layer {page['layer']} ({page['layer_name']}), severity {page['severity']}, "
-        f"stages {', '.join(map(str, page['stages']))}; file {page['file']}",
+        f"layer {esc(page['layer'])} ({esc(page['layer_name'])}), severity {esc(page['severity'])}, "
+        f"stages {esc(', '.join(map(str, page['stages'])))}; file {esc(page['file'])}",
         highlight=False,
     )
 
@@ -465,13 +524,15 @@ def render_ladder(result: dict[str, Any], console: Console) -> None:
     """The treat ladder: kept steps with their numbers, then the trials that were not kept."""
     cfg = result["start_config"]
     console.print(
-        f"[bold]vlmdoctor treat: {cfg['model']} stage {cfg['stage']}[/bold] "
-        f"({len(result['trials'])} trial(s); stopped: {result.get('stopped_because')})"
+        f"[bold]vlmdoctor treat: {esc(cfg['model'])} stage {esc(cfg['stage'])}[/bold] "
+        f"({len(result['trials'])} trial(s); stopped: {esc(result.get('stopped_because'))})"
     )
     if not result["ladder"]:
         start = result.get("start") or {}
         console.print(
-            f"[bold red]the start config did not run[/bold red]: {start.get('status')} {start.get('error') or ''}"
+            f"[bold red]the start config did not run[/bold red]: {esc(start.get('status'))} "
+            f"{esc(start.get('error') or '')}",
+            highlight=False,
         )
         return
     t = Table(title="ladder (adopted rounds)", header_style="bold")
@@ -488,8 +549,8 @@ def render_ladder(result: dict[str, Any], console: Console) -> None:
         t.add_column(col, justify=just, overflow="fold")
     for r in result["ladder"]:
         t.add_row(
-            str(r["step"]),
-            r["change"],
+            esc(r["step"]),
+            esc(r["change"]),
             _fmt(r.get("real_tokens_per_s"), "", 0),
             f"{r['speedup']:.2f}",
             _fmt(r.get("step_ms")),
@@ -505,7 +566,9 @@ def render_ladder(result: dict[str, Any], console: Console) -> None:
             t.add_column(col)
         for step, c in own:
             k = c["contribution"]
-            t.add_row(str(step), c["rule"], _ci(k) or k.get("why", ""), str(k.get("pairs") or ""), k["outcome"])
+            t.add_row(
+                esc(step), esc(c["rule"]), _ci(k) or esc(k.get("why", "")), esc(k.get("pairs") or ""), esc(k["outcome"])
+            )
         console.print(t)
     rejected = [x for x in result["trials"] if x.get("outcome") not in ("kept", "adopted")]
     if rejected:
@@ -521,20 +584,20 @@ def render_ladder(result: dict[str, Any], console: Console) -> None:
             elif "margin" in x:  # a treat.json of the first treat: gain against the spread-based margin
                 measured = f"{x['gain'] * 100:+.1f}% vs +/-{x['margin'] * 100:.1f}%"
             else:
-                measured = (x.get("error") or x.get("why") or "")[:40]
+                measured = esc(str(x.get("error") or x.get("why") or "")[:40])
             what = x.get("name") or x["rule"]
             if x.get("kind") == "composition" and x.get("config_patch"):  # which knobs, not just "composition"
                 what = ", ".join(f"{k}={v}" for k, v in x["config_patch"].items())
             t.add_row(
-                str(x["trial"]),
-                what,
-                x["outcome"],
+                esc(x["trial"]),
+                esc(what),
+                esc(x["outcome"]),
                 measured,
                 _fmt(x["real_tokens_per_s"], "", 0) if x.get("real_tokens_per_s") else "",
             )
         console.print(t)
     for s in result.get("skipped") or []:
-        console.print(f"skipped {s['rule']}: {s['why']}")
+        console.print(f"skipped {esc(s['rule'])}: {esc(s['why'])}", highlight=False)
     if result.get("wall_s"):
         console.print(f"treatment took {result['wall_s']:.0f} s")
 
@@ -564,14 +627,14 @@ def render_sweep(rows: list[dict[str, Any]], console: Console) -> None:
     for r in rows:
         ok = r["status"] == "ok"
         t.add_row(
-            str(r["stage"]),
-            r["name"],
+            esc(r["stage"]),
+            esc(r["name"]),
             _fmt(r["real_tokens_per_s"], "", 0) if ok else "",
             _fmt(r["pad_fraction"] * 100 if ok else None),
             f"{_fmt(r['step_ms'])} ({_fmt(r['step_ms_p10'])}-{_fmt(r['step_ms_p90'])})" if ok else "",
             _fmt(r["mfu"] * 100 if r.get("mfu") else None, " %"),
             _fmt(r.get("peak_mem_gb"), "", 1),
-            r["status"] if ok else f"{r['status']}: {(r.get('error') or '')[:50]}",
+            esc(r["status"]) if ok else f"{esc(r['status'])}: {esc(str(r.get('error') or '')[:50])}",
         )
     console.print(t)
 
@@ -581,19 +644,21 @@ def render_own(report: dict[str, Any], console: Console) -> None:
     cfg, env, model = report.get("config") or {}, report.get("env") or {}, report.get("model") or {}
     where = env.get("gpu") or f"CPU ({env.get('cpu_count')} cores)"
     stage = cfg.get("stage")
-    stage_text = f"stage {stage} ({cfg.get('stage_source')})" if stage else "stage unknown"
+    stage_text = f"stage {esc(stage)} ({esc(cfg.get('stage_source'))})" if stage else "stage unknown"
     console.print(
-        f"[bold]vlmdoctor: {model.get('class') or 'your model'} ({cfg.get('source')}), {stage_text}, on {where}[/bold]",
+        f"[bold]vlmdoctor: {esc(model.get('class') or 'your model')} ({esc(cfg.get('source'))}), {stage_text}, "
+        f"on {esc(where)}[/bold]",
         highlight=False,
     )
     parts = model.get("parts") or {}
     if parts:
-        console.print("parts: " + ", ".join(f"{k} {v}" for k, v in parts.items()), highlight=False)
+        console.print("parts: " + ", ".join(f"{esc(k)} {esc(v)}" for k, v in parts.items()), highlight=False)
     for n in report.get("notes") or []:
-        console.print(f"[yellow]note:[/yellow] {escape(n)}", highlight=False)
+        console.print(f"[yellow]note:[/yellow] {esc(n)}", highlight=False)
     if report.get("status") not in ("ok", "nan_loss"):
         console.print(
-            f"[bold red]{report.get('status')}[/bold red]: {escape(str((report.get('error') or {}).get('message')))}"
+            f"[bold red]{esc(report.get('status'))}[/bold red]: {esc((report.get('error') or {}).get('message'))}",
+            highlight=False,
         )
         return
     m = report["metrics"]
@@ -609,7 +674,7 @@ def render_own(report: dict[str, Any], console: Console) -> None:
     t.add_row(
         "ms/step (median)",
         f"{_fmt(m['step_ms'], ' ms')} (p10 {_fmt(m['step_ms_p10'])}, "
-        f"p90 {_fmt(m['step_ms_p90'])}, n={m['steps_per_repeat']})",
+        f"p90 {_fmt(m['step_ms_p90'])}, n={esc(m['steps_per_repeat'])})",
     )
     _flop_rows(t, m, report.get("flops") or {})
     if m.get("peak_mem_gb") is not None:
@@ -620,10 +685,10 @@ def render_own(report: dict[str, Any], console: Console) -> None:
     console.print(t)
     render_measurement_notes(report, console)
     if "trace.error" in facts:
-        console.print(f"[yellow]the trace could not be analyzed:[/yellow] {escape(str(facts['trace.error']))}")
+        console.print(f"[yellow]the trace could not be analyzed:[/yellow] {esc(facts['trace.error'])}", highlight=False)
     tr = report.get("trace") or {}
     if tr.get("path"):
-        console.print(f"trace: {tr['path']}", highlight=False)
+        console.print(f"trace: {esc(tr['path'])}", highlight=False)
     if "diagnosis" in report:
         render_own_findings(report["diagnosis"], console)
 
@@ -631,9 +696,11 @@ def render_own(report: dict[str, Any], console: Console) -> None:
 def _flop_rows(t: Table, m: dict[str, Any], flops: dict[str, Any]) -> None:
     """FLOPs per step and MFU of a user's model: counted from a real step; MFU null says why."""
     fps = m.get("flops_per_step")
-    t.add_row("FLOPs/step", f"{fps / 1e9:,.2f} GFLOP (counted)" if fps else str(flops.get("formula") or "n/a"))
+    t.add_row("FLOPs/step", f"{fps / 1e9:,.2f} GFLOP (counted)" if fps else esc(flops.get("formula") or "n/a"))
     mfu = m.get("mfu")
-    t.add_row("MFU", _fmt(mfu * 100, " %", 2) if mfu is not None else f"n/a: {m.get('mfu_reason') or 'not computed'}")
+    t.add_row(
+        "MFU", _fmt(mfu * 100, " %", 2) if mfu is not None else f"n/a: {esc(m.get('mfu_reason') or 'not computed')}"
+    )
 
 
 def measurement_notes(report: dict[str, Any]) -> list[str]:
@@ -658,22 +725,22 @@ def measurement_notes(report: dict[str, Any]) -> list[str]:
 
 def render_measurement_notes(report: dict[str, Any], console: Console) -> None:
     for line in measurement_notes(report):
-        console.print(f"[yellow]note:[/yellow] {escape(line)}", highlight=False)
+        console.print(f"[yellow]note:[/yellow] {esc(line)}", highlight=False)
     sp = report.get("split")
     if sp:
         timed = (report.get("metrics") or {}).get("step_ms")
         console.print(
-            f"time split of the traced step ({sp['step_ms']:,.1f} ms, {sp['basis']}"
+            f"time split of the traced step ({sp['step_ms']:,.1f} ms, {esc(sp['basis'])}"
             + (f"; the timed median step is {timed:,.1f} ms" if timed else "")
             + "):",
             highlight=False,
         )
         console.print(
-            "  " + ", ".join(f"{r['part']} {r['share'] * 100:.0f}% ({r['ms']:,.1f} ms)" for r in sp["rows"]),
+            "  " + ", ".join(f"{esc(r['part'])} {r['share'] * 100:.0f}% ({r['ms']:,.1f} ms)" for r in sp["rows"]),
             highlight=False,
         )
         if sp.get("note"):
-            console.print(f"  {escape(sp['note'])}", highlight=False)
+            console.print(f"  {esc(sp['note'])}", highlight=False)
 
 
 def _gain_line(gain: dict[str, Any]) -> str:
@@ -690,41 +757,41 @@ def render_own_findings(diagnosis: dict[str, Any], console: Console) -> None:
     else:
         console.print("[bold]prescriptions, biggest expected gain first[/bold]")
     for i, f in enumerate(findings, 1):
-        order = f"apply {f['apply_order']}, " if f.get("apply_order") is not None else ""
+        order = f"apply {esc(f['apply_order'])}, " if f.get("apply_order") is not None else ""
         console.print(
-            f"[bold]{i}. {escape(f['title'])}[/bold] [dim]({order}layer {f['layer']} {f['layer_name']}, "
-            f"{f['severity']}; {_gain_line(f['expected_gain'])})[/dim]",
+            f"[bold]{i}. {esc(f['title'])}[/bold] [dim]({order}layer {esc(f['layer'])} {esc(f['layer_name'])}, "
+            f"{esc(f['severity'])}; {_gain_line(f['expected_gain'])})[/dim]",
             highlight=False,
         )
         for e in f["evidence"]:
-            console.print(f"   seen: {escape(e)}", highlight=False)
-        console.print(f"   fix: {escape(f['fix'])}", highlight=False)
+            console.print(f"   seen: {esc(e)}", highlight=False)
+        console.print(f"   fix: {esc(f['fix'])}", highlight=False)
         advice = f.get("advice") or {}
         lines = advice.get("lines")
         if lines:
             where = "in TrainingArguments / from_pretrained" if advice.get("audience") == "trainer" else "in your loop"
             console.print(f"   change {where}:", highlight=False)
             for line in lines:
-                console.print(f"     [cyan]{escape(line)}[/cyan]", highlight=False, overflow="fold")
+                console.print(f"     [cyan]{esc(line)}[/cyan]", highlight=False, overflow="fold")
         elif f.get("config_patch"):
             console.print(
-                "   knobs: [cyan]" + escape(", ".join(f"{k}={v}" for k, v in f["config_patch"].items())) + "[/cyan]",
+                "   knobs: [cyan]" + esc(", ".join(f"{k}={v}" for k, v in f["config_patch"].items())) + "[/cyan]",
                 highlight=False,
             )
     render_muted(diagnosis, console)
     for s in diagnosis.get("superseded") or []:
-        console.print(f"[dim]superseded: {s['id']} (covered by {s['superseded_by']})[/dim]")
+        console.print(f"[dim]superseded: {esc(s['id'])} (covered by {esc(s['superseded_by'])})[/dim]")
     skipped = [n["id"] for n in diagnosis.get("not_evaluated") or []]
     if skipped:
         console.print(
             f"[dim]not evaluated ({len(skipped)} rules need facts this trace lacks, e.g. GPU kernels): "
-            f"{', '.join(skipped)}[/dim]"
+            f"{esc(', '.join(skipped))}[/dim]"
         )
 
 
 def comm_line(f: dict[str, Any], prefix: str, rank: int | None = None) -> str:
     """Collective time per step, exposed vs hidden, and each collective's size and bus bandwidth."""
-    who = f"rank {rank}: " if rank is not None else ""
+    who = f"rank {esc(rank)}: " if rank is not None else ""
     line = (
         f"{who}collectives {_ms(f[prefix + 'ms'])} ms/step, exposed {_ms(f[prefix + 'exposed_ms'])} ms, hidden "
         f"{_ms(f[prefix + 'hidden_ms'])} ms"
@@ -735,7 +802,7 @@ def comm_line(f: dict[str, Any], prefix: str, rank: int | None = None) -> str:
         bw = f.get(f"{prefix}{k}.busbw_gbps")
         size = f.get(f"{prefix}{k}.bytes")
         parts.append(
-            f"{k} {_ms(f.get(f'{prefix}{k}.ms'))} ms"
+            f"{esc(k)} {_ms(f.get(f'{prefix}{k}.ms'))} ms"
             + (f" {size / 2**20:,.1f} MiB" if size else "")
             + (f" busbw {bw:.2f} GB/s" if bw is not None else "")
         )
@@ -745,21 +812,21 @@ def comm_line(f: dict[str, Any], prefix: str, rank: int | None = None) -> str:
 def render_cross_rank(cross: dict[str, Any], console: Console) -> None:
     """The ranks of one data-parallel job side by side: who was slow, who waited, how much communication showed."""
     if "skipped" in cross:
-        console.print(f"[yellow]cross-rank:[/yellow] {cross['skipped']}")
+        console.print(f"[yellow]cross-rank:[/yellow] {esc(cross['skipped'])}", highlight=False)
         return
     f = cross["facts"]
     console.print(
-        f"[bold]cross-rank[/bold]: {f['dist.ranks']} ranks of {f['dist.world_size']}, "
-        f"{f['dist.parallel']} over {f['dist.backend']}"
+        f"[bold]cross-rank[/bold]: {esc(f['dist.ranks'])} ranks of {esc(f['dist.world_size'])}, "
+        f"{esc(f['dist.parallel'])} over {esc(f['dist.backend'])}"
     )
     for note in cross.get("notes", []):
-        console.print(f"[yellow]note:[/yellow] {note}")
+        console.print(f"[yellow]note:[/yellow] {esc(note)}", highlight=False)
     t = Table(show_header=True, header_style="bold", title="per rank (ms per step)")
     for col in ("rank", "step", "waited", "busy", "tokens", "loader", "gaps", "comm", "exposed"):
         t.add_column(col, justify="right")
     for r in cross["ranks"]:
         t.add_row(
-            str(r["rank"]),
+            esc(r["rank"]),
             *(_ms(r.get(k)) for k in ("step_ms", "wait_ms", "busy_ms")),
             f"{r['tokens']:,.0f}" if r.get("tokens") else "n/a",
             *(_ms(r.get(k)) for k in ("loader_ms", "gap_ms", "comm_ms", "exposed_ms")),
@@ -767,10 +834,10 @@ def render_cross_rank(cross: dict[str, Any], console: Console) -> None:
     console.print(t)
     if "dist.straggler.rank" in f:
         console.print(
-            f"slowest rank {f['dist.straggler.rank']}: busy {_ms(f['dist.step_skew_ms'])} ms/step more than the "
+            f"slowest rank {esc(f['dist.straggler.rank'])}: busy {_ms(f['dist.step_skew_ms'])} ms/step more than the "
             f"fastest ({f.get('dist.step_skew_frac', 0) * 100:.0f}%)"
         )
-        console.print(f"  cause: {f['dist.straggler.cause'].replace('_', ' ')}")
+        console.print(f"  cause: {esc(str(f['dist.straggler.cause']).replace('_', ' '))}", highlight=False)
     if "dist.late_wait_ms" in f:
         console.print(
             f"waiting for late ranks in collectives: {_ms(f['dist.late_wait_ms'])} ms/step mean, "
@@ -799,6 +866,6 @@ def render_cross_rank(cross: dict[str, Any], console: Console) -> None:
         ours = hta.get("ours_overlap_pct") or {}
         console.print("comm overlapped with compute, traceinsight vs vlmdoctor:")
         for r, v in sorted(hta["overlap_pct"].items()):
-            console.print(f"  rank {r}: {v:.1f}% vs {ours.get(r) or 0:.1f}%")
+            console.print(f"  rank {esc(r)}: {v:.1f}% vs {ours.get(r) or 0:.1f}%")
     elif "skipped" in hta:
-        console.print(f"[dim]traceinsight cross-check skipped: {hta['skipped']}[/dim]")
+        console.print(f"[dim]traceinsight cross-check skipped: {esc(hta['skipped'])}[/dim]", highlight=False)

@@ -7,6 +7,11 @@ Analysis read. The run config travels inside the trace as metadata (`vlmdoctor`)
 analysis knows the stage and model without guessing, and so do the timed windows' measurements
 (`metrics`: padding, tokens/s, measured memory, MFU), so `vlmdoctor analyze` of the trace alone
 diagnoses what `profile` diagnosed.
+
+The trace goes through the one writer (`files.export_via`): torch writes a temp name beside it, which is
+gzipped into place once complete, so an interrupted export never leaves a truncated trace under its final
+name. A trace that cannot be written (a full or read-only folder) is lost, never the measurement: the
+capture says why in `lost` and the run goes on to its report.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
+
+from vlmdoctor.errors import VlmdoctorError
 
 
 @dataclass
@@ -47,6 +54,29 @@ def trace_path(opts: TraceOptions, model: str, stage: int) -> Path:
     return Path(opts.trace_dir) / f"vlmdoctor_{model}_s{stage}_{stamp}.pt.trace.json.gz"
 
 
+def trace_writer(path: Path, info: dict[str, Any]) -> Callable[[Any], None]:
+    """torch.profiler's `on_trace_ready`: the trace to `path` through the one writer; a write that fails is
+    recorded in `info["lost"]` instead of raised, so the profiler stops cleanly and the measurement is kept."""
+
+    def ready(prof: Any) -> None:
+        from vlmdoctor.files import export_via
+
+        try:
+            export_via(path, prof.export_chrome_trace)
+        except VlmdoctorError as e:
+            info["lost"] = e.message
+
+    return ready
+
+
+def lost_note(reason: str) -> str:
+    """One line for a report whose trace could not be written."""
+    return (
+        f"the trace could not be written ({reason}): it is lost, so there are no facts and no diagnosis; "
+        "the measurement is kept"
+    )
+
+
 def capture(
     step: Callable[[], None],
     opts: TraceOptions,
@@ -59,12 +89,27 @@ def capture(
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     wait, warmup = 1, 1
     total = wait + warmup + opts.steps
-    path.parent.mkdir(parents=True, exist_ok=True)
+    info: dict[str, Any] = {}
+    described = {
+        "steps": opts.steps,
+        "schedule": {"wait": wait, "warmup": warmup, "active": opts.steps},
+        "record_shapes": opts.shapes,
+        "with_stack": opts.stack,
+        "profile_memory": opts.memory,
+    }
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # no folder for the trace: no traced steps, the measurement stands
+        return (
+            {"path": None, "bytes": None, "lost": f"cannot create {path.parent}: {e.strerror or e}"}
+            | described
+            | {"traced_step_ms": []}
+        )
     active_ms: list[float] = []
     with profile(
         activities=activities,
         schedule=schedule(wait=wait, warmup=warmup, active=opts.steps, repeat=1),
-        on_trace_ready=lambda p: p.export_chrome_trace(str(path)),
+        on_trace_ready=trace_writer(path, info),
         record_shapes=opts.shapes,
         with_stack=opts.stack,
         profile_memory=opts.memory,
@@ -78,13 +123,10 @@ def capture(
                 active_ms.append((time.perf_counter() - t0) * 1e3)
             prof.step()
             progress("traced steps", i + 1, total)
-    return {
-        "path": str(path),
-        "bytes": path.stat().st_size if path.exists() else None,
-        "steps": opts.steps,
-        "schedule": {"wait": wait, "warmup": warmup, "active": opts.steps},
-        "record_shapes": opts.shapes,
-        "with_stack": opts.stack,
-        "profile_memory": opts.memory,
-        "traced_step_ms": active_ms,
-    }
+    written = "lost" not in info and path.is_file()
+    return (
+        {"path": str(path) if written else None, "bytes": path.stat().st_size if written else None}
+        | ({"lost": info["lost"]} if "lost" in info else {})
+        | described
+        | {"traced_step_ms": active_ms}
+    )

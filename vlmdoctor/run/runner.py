@@ -33,7 +33,7 @@ import torch
 from vlmdoctor import SCHEMA_VERSION, __version__
 from vlmdoctor.errors import EXIT_FAILED_RUN, EXIT_NAN, EXIT_OK, EXIT_OOM, UsageError
 from vlmdoctor.run import distributed, envinfo, flops, fp8, modes, native, throughput
-from vlmdoctor.run.capture import TraceOptions, capture, measured_metadata, trace_path
+from vlmdoctor.run.capture import TraceOptions, capture, lost_note, measured_metadata, trace_path
 from vlmdoctor.run.compile import compile_vlm, compiled, graphs_compiled, mark_lengths_dynamic
 from vlmdoctor.run.config import RunConfig
 from vlmdoctor.run.data import (
@@ -749,6 +749,41 @@ def summarize(
     return metrics, stats
 
 
+def _traced_window(
+    step: Callable[[], None],
+    trace: TraceOptions,
+    cfg: RunConfig,
+    dist: Any,
+    device: torch.device,
+    meta: dict[str, Any],
+    progress: Progress,
+) -> dict[str, Any]:
+    """The traced window, into --trace-dir or a temporary folder. A trace that cannot be written (a full or
+    read-only folder, no temp folder) is reported as lost and never costs the measurement."""
+    import shutil
+
+    try:
+        where = trace if trace.keep else replace(trace, trace_dir=tempfile.mkdtemp(prefix="vlmdoctor-trace-"))
+    except OSError as e:
+        info = {"path": None, "lost": f"no temporary folder for it: {e.strerror or e}", "traced_step_ms": []}
+    else:
+        path = (
+            trace_path(where, cfg.model, cfg.stage)
+            if dist is None  # ranks: one folder, rank in the name
+            else Path(where.trace_dir) / f"vlmdoctor_{cfg.model}_s{cfg.stage}_rank{dist.rank}.pt.trace.json.gz"
+        )
+        try:
+            info = capture(step, where, device, path, meta, progress)
+        except BaseException:  # a temporary trace folder never outlives a failed or interrupted capture
+            if not trace.keep:
+                shutil.rmtree(where.trace_dir, ignore_errors=True)
+            raise
+        if info.get("lost") and not trace.keep:
+            shutil.rmtree(where.trace_dir, ignore_errors=True)
+    info["kept"] = trace.keep
+    return info
+
+
 def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions | None = None) -> dict[str, Any]:
     """Build, warm up, time, then (if asked) trace a separate window.
 
@@ -828,21 +863,9 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
                 # the timed windows' measurements: `analyze` of this trace merges them as profile does
                 "metrics": measured_metadata(summarize(windows, _device_total_gb(device), peak)[0]),
             }
-            where = trace if trace.keep else replace(trace, trace_dir=tempfile.mkdtemp(prefix="vlmdoctor-trace-"))
-            path = (
-                trace_path(where, cfg.model, cfg.stage)
-                if dist is None  # ranks: one folder, rank in the name
-                else Path(where.trace_dir) / f"vlmdoctor_{cfg.model}_s{cfg.stage}_rank{dist.rank}.pt.trace.json.gz"
-            )
-            try:
-                report["trace"] = capture(step, where, device, path, meta, progress)
-            except BaseException:  # a temporary trace folder never outlives a failed or interrupted capture
-                if not trace.keep:
-                    import shutil
-
-                    shutil.rmtree(where.trace_dir, ignore_errors=True)
-                raise
-            report["trace"]["kept"] = trace.keep
+            report["trace"] = _traced_window(step, trace, cfg, dist, device, meta, progress)
+            if report["trace"].get("lost"):
+                report.setdefault("warnings", []).append(lost_note(report["trace"]["lost"]))
     except torch.OutOfMemoryError as e:
         _release(device)
         report.update(status="oom", error=_oom_details(e, device))
