@@ -15,7 +15,6 @@ from typing import Any
 from rich import box
 from rich.console import Console
 from rich.errors import MarkupError
-from rich.markup import escape
 from rich.padding import Padding
 from rich.segment import Segment
 from rich.table import Table
@@ -35,9 +34,24 @@ def plain(value: Any) -> str:
     return CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), str(value))
 
 
+#: a `[` with the backslashes before it, and whether Rich would read a tag there (rich.markup.RE_TAGS)
+_BRACKET = re.compile(r"(\\*)\[")
+_TAG_AT = re.compile(r"\[[a-z#/@][^[]*?]")
+
+
+def _bracket(m: re.Match[str]) -> str:
+    slashes = m.group(1)
+    if _TAG_AT.match(m.string, m.end() - 1):  # a tag: each backslash doubled, and one to escape it (as escape())
+        return slashes * 2 + "\\["
+    return slashes + ("\\" if slashes else "") + "["  # Rich turns a plain backslash-bracket into a bracket
+
+
 def esc(value: Any) -> str:
-    """A value from a trace, report, rule or path, for a markup string: `plain`, and its `[` shown as text."""
-    return escape(plain(value))
+    """A value from a trace, report, rule or path, for a markup string: `plain`, and every `[` and backslash
+    shown as written (rich.markup.escape leaves a backslash before a `[` that opens no tag to be eaten)."""
+    text = _BRACKET.sub(_bracket, plain(value))
+    tail = len(text) - len(text.rstrip("\\"))
+    return text + "\\" * tail  # backslashes at the end must not escape the tag that follows
 
 
 def _shown(segments: Iterable[Segment]) -> Iterator[Segment]:
