@@ -499,6 +499,11 @@ def _profile(
             )
         else:
             failures.append(save(html_path, page, "HTML report"))
+    lost = (report.get("trace") or {}).get("lost")
+    if lost and trace is not None and trace.keep:  # the --trace-dir asked for is not there; the measurement is
+        from vlmdoctor.run.capture import lost_note
+
+        failures.append(lost_note(lost))
     failures = [f for f in failures if f]
     if not quiet and json_path != "-":
         render(report, out)

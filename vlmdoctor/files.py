@@ -104,10 +104,19 @@ def check_inputs_kept(
     an input count too. An input folder counts with the files in it (`export DIR --hta-dir DIR`).
     """
     seen: list[tuple[str, str, str, tuple[int, int] | None, bool]] = []
+    held: dict[tuple[int, int], tuple[str, str]] = {}  # the files in an input folder (a hard link elsewhere)
     for label, value in inputs.items():
         for path in _paths(value):
             real, ino = _identity(path)
-            seen.append((label, path, real, ino, os.path.isdir(real)))
+            is_dir = os.path.isdir(real)
+            seen.append((label, path, real, ino, is_dir))
+            if is_dir:
+                with contextlib.suppress(OSError):
+                    with os.scandir(real) as entries:
+                        for entry, _ in zip(entries, range(10_000)):
+                            if entry.is_file():
+                                st = entry.stat()
+                                held[(st.st_dev, st.st_ino)] = (label, path)
     for flag, value in outputs.items():
         for path in _paths(value):
             real, ino = _identity(path)
@@ -116,8 +125,8 @@ def check_inputs_kept(
                 inside = (  # an existing file in an input folder: the command may read it (a rank trace, a rule)
                     is_dir and os.path.isfile(real) and real.startswith(in_real.rstrip(os.sep) + os.sep)
                 )
-                if same or inside:
-                    what = "is" if same else "is inside"
+                if same or inside or (ino is not None and held.get(ino, (None,))[0] == label):
+                    what = "is" if same else "is a file of"
                     raise UsageError(
                         f"{flag} {path} {what} {label} ({given}); vlmdoctor never writes over what it reads, "
                         "even with --force: give the output another name"
