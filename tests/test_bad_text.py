@@ -346,14 +346,20 @@ def test_compare_hostile_reports(hostile_reports):
 
 
 @strict
-def test_gate_on_hostile_reports_says_its_verdict_and_writes_its_files(tmp_path, hostile_reports):
+def test_gate_on_hostile_reports_says_its_verdict_and_writes_its_files(tmp_path, hostile_reports, analysis):
     """The probe's case: a `[/` in a report field crashed the table after PASSED; now the verdict, the
-    JUnit and the JSON all come out, and the console shows the fields as text."""
+    JUnit and the JSON all come out, and the console shows the fields (new findings, versions) as text."""
     a, _ = hostile_reports
+    current = json.loads(a.read_text())
+    current["findings"] = poison(analysis["user"]["files"][0]["findings"])
+    current["env"]["torch"] = "2.99" + EVERY
+    b = a.parent / ("current" + NAME + ".json")
+    b.write_text(json.dumps(current))
     junit, verdict = tmp_path / "g.xml", tmp_path / "g.json"
-    out = run_clean(["gate", "--baseline", a, "--current", a, "--junit", junit, "--json", verdict], [a], (0, 1))
+    args = ["gate", "--baseline", a, "--current", b, "--fail-on", "low", "--junit", junit, "--json", verdict]
+    out = run_clean(args, [a, b], 1)
     result = json.loads(verdict.read_text())
-    assert ("PASSED" in out) == result["passed"]
+    assert not result["passed"] and "FAILED" in out and "KEEP" in out
     ElementTree.fromstring(junit.read_bytes())  # well-formed XML whatever the report held
 
 

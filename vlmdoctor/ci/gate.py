@@ -900,7 +900,12 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def junit_xml(result: dict[str, Any]) -> str:
-    """For CI test-report viewers: each check a test case, so the failed one is named in the PR UI."""
+    """For CI test-report viewers: each check a test case, so the failed one is named in the PR UI.
+
+    Text from the reports (finding ids, versions) goes in as `plain` text: XML 1.0 has no way to hold most
+    control characters, even escaped, so a raw one would make the whole file unreadable."""
+    from vlmdoctor.report.console import plain
+
     checks = result["checks"]
     suite = ET.Element(
         "testsuite",
@@ -913,12 +918,12 @@ def junit_xml(result: dict[str, Any]) -> str:
     for c in checks:
         case = ET.SubElement(suite, "testcase", classname="vlmdoctor.gate", name=c["name"])
         if not c["passed"]:
-            failure = ET.SubElement(case, "failure", message=c["detail"], type=f"{c['name']}-regression")
-            failure.text = c["detail"]
+            failure = ET.SubElement(case, "failure", message=plain(c["detail"]), type=f"{c['name']}-regression")
+            failure.text = plain(c["detail"])
         elif c["verdict"] == "skip":
-            ET.SubElement(case, "skipped", message=c["detail"])
+            ET.SubElement(case, "skipped", message=plain(c["detail"]))
         else:
-            ET.SubElement(case, "system-out").text = c["detail"]
+            ET.SubElement(case, "system-out").text = plain(c["detail"])
     if result.get("notes"):
-        ET.SubElement(suite, "system-out").text = "\n".join(result["notes"])
+        ET.SubElement(suite, "system-out").text = "\n".join(plain(n) for n in result["notes"])
     return ET.tostring(suite, encoding="unicode", xml_declaration=True) + "\n"
