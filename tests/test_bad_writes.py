@@ -43,6 +43,9 @@ def _inputs(d: Path) -> None:
     )
     (d / "train.py").write_text(SCRIPT)
     (d / "sub").mkdir()
+    (d / "train.jsonl").write_text("{}\n")
+    (d / "tok").mkdir()
+    (d / "tok" / "tokenizer.json").write_text("{}\n")
 
 
 #: (id, the input the output names, args with {out} for the output's spelling of it)
@@ -57,6 +60,12 @@ PAIRS = [
     ("profile --save-config", "c.yaml", ["profile", "--config", "c.yaml", "--save-config", "{out}"]),
     ("profile --json", "c.yaml", ["profile", "--config", "c.yaml", "--json", "{out}"]),
     ("profile --html rules", "rules/mine.yaml", ["profile", *FAST, "--rules", "rules", "--html", "{out}"]),
+    ("profile --json data", "train.jsonl", ["profile", *FAST, "--data", "train.jsonl", "--json", "{out}"]),
+    (
+        "profile --html tokenizer",
+        "tok/tokenizer.json",
+        ["profile", *FAST, "--data", "train.jsonl", "--tokenizer", "tok", "--html", "{out}"],
+    ),
     ("treat --json", "c.yaml", ["treat", "--config", "c.yaml", "--out", "tr", "--json", "{out}"]),
     ("treat --html", "c.yaml", ["treat", "--config", "c.yaml", "--out", "tr", "--html", "{out}"]),
     ("sweep --csv", "grid.yaml", ["sweep", "grid.yaml", "--csv", "{out}"]),
