@@ -393,6 +393,16 @@ def test_sweep_with_hostile_run_names_neutralises_its_csv(tmp_path, monkeypatch)
         assert cell.lstrip("'") == name  # the same text, quoted by the csv module where it must be
 
 
+@strict
+def test_run_says_hostile_paths_as_text(tmp_path):
+    """`vlmdoctor run`'s own lines (where the log is, why nothing was measured) name the user's paths."""
+    folder = hostile_dir(tmp_path, "run")
+    script = folder / ("train" + NAME + ".py")
+    script.write_text("print('no optimizer step here')\n")
+    out = run_clean(["run", "--out", folder / "out", "--", "python", script], [script], 1)
+    assert "never called an optimizer step" in out and plain(str(folder / "out" / "script.log")) in out
+
+
 @pytest.mark.slow  # the renderers' test above holds the same class (a profile report, its findings) fast
 @strict
 def test_profile_shows_hostile_rules_and_paths_as_text(tmp_path):
