@@ -408,17 +408,6 @@ def _reserve(folder: Path, base: str) -> Path:
     raise OSError(errno.EEXIST, f"no free rescue name in {folder}")
 
 
-def fallback_path(name: str) -> Path:
-    """A fresh, empty fallback file for `name`: in the current folder, else the temp folder."""
-    base = Path(name).name or "output"
-    for folder in _rescue_folders():
-        try:
-            return _reserve(folder, base)
-        except OSError:
-            continue
-    raise OSError(errno.ENOSPC, "no folder to save a fallback copy in")
-
-
 def rescue(name: str, data: bytes) -> Path:
     """Save `data` whole to a fallback file: the current folder first, then the temp folder. A folder where the
     write fails (a full disk holds the current folder too) leaves nothing there and the next is tried."""
