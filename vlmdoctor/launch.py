@@ -15,16 +15,15 @@ import gc
 import json
 import os
 import runpy
-import subprocess
 import sys
-import tempfile
 import traceback
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vlmdoctor.errors import EXIT_FAILED_RUN, EXIT_OK, UsageError
+from vlmdoctor import supervise
+from vlmdoctor.errors import EXIT_FAILED_RUN, EXIT_OK, EXIT_OOM, UsageError, is_out_of_memory
 
 ENV_KEY = "VLMDOCTOR_RUN"
 BOOTSTRAP = "from vlmdoctor.launch import child_main; child_main()"
@@ -120,8 +119,28 @@ class _Child:
         self.rec: Any = None
         self.report: dict[str, Any] | None = None  # set once written (at the window's end)
         self.steps_of_others = 0
+        self.off = False  # vlmdoctor's own error switched measuring off
+        self.out_of_memory = False  # the script died out of memory (GPU or host): exit 3, as a profile run
 
     def on_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        """The optimizer step hook: nothing of vlmdoctor's own raises out of it into the script (but the stop
+        that --stop-after-window asks for)."""
+        try:
+            self._on_step(optimizer)
+        except _StopAfterWindow:
+            raise
+        except Exception as e:  # said once; the script trains on, unmeasured (what was measured is reported)
+            self.off = True
+            if self.rec is not None:
+                self.rec.fail(e)
+            else:
+                from vlmdoctor.api import _log
+
+                _log(f"internal error, measurement switched off, training goes on: {type(e).__name__}: {e}")
+
+    def _on_step(self, optimizer: Any) -> None:
+        if self.off:
+            return
         if self.optimizer is None:
             self._start(optimizer)
             return
@@ -205,6 +224,7 @@ class _Child:
             self.report["script"] |= {
                 "exit_code": exit_code,
                 "error": error,
+                "out_of_memory": self.out_of_memory,
                 "steps_of_other_optimizers": self.steps_of_others,
             }
             write_outputs(self.report, out)
@@ -231,20 +251,29 @@ class _Child:
             "argv": self.s["argv"],
             "exit_code": exit_code,
             "error": error,
+            "out_of_memory": self.out_of_memory,
             "steps_of_other_optimizers": self.steps_of_others,
         }
         write_outputs(report, out)
 
 
 def child_main() -> None:
-    """The child's bootstrap: hooks in, then the user's script as __main__."""
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
+    """The child's bootstrap: hooks in, then the user's script as __main__ (run unmeasured when the hooks
+    cannot go in)."""
     settings = json.loads(os.environ.pop(ENV_KEY))
     argv = sys.argv[1:]
     settings["argv"] = argv
     child = _Child(settings)
-    handle = register_optimizer_step_post_hook(child.on_step)
+    handle: Any = None
+    try:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        from vlmdoctor.run import one_profiler
+
+        one_profiler.install()  # a Doctor or torch.profiler in the script and this run: one profiler at a time
+        handle = register_optimizer_step_post_hook(child.on_step)
+    except Exception as e:
+        print(f"vlmdoctor: could not hook in, the script runs unmeasured: {type(e).__name__}: {e}", file=sys.stderr)
     code: int | None = 0
     error = None
     try:
@@ -267,8 +296,10 @@ def child_main() -> None:
         traceback.print_exc()
         code = 1
         error = f"{type(e).__name__}: {e}"[:500]
+        child.out_of_memory = is_out_of_memory(e)
     finally:
-        handle.remove()
+        if handle is not None:
+            handle.remove()
     try:
         child.finish(code, error)
     except Exception as e:
@@ -335,9 +366,9 @@ def measure_script(
     from vlmdoctor import SCHEMA_VERSION
 
     argv = parse_command(command, cwd)
-    with tempfile.TemporaryDirectory(prefix="vlmdoctor-gate-") as tmp:
+    with supervise.scratch("vlmdoctor-gate-") as tmp:
         settings = {
-            "out": tmp,
+            "out": str(tmp),
             "warmup": warmup,
             "steps": steps,
             "trace_steps": 0,
@@ -347,7 +378,7 @@ def measure_script(
             "quiet": True,
             "diagnose": False,
         }
-        log = Path(tmp) / "script.log"
+        log = tmp / "script.log"
 
         def failed(status: str, message: str) -> dict[str, Any]:
             tail = log.read_text(errors="replace")[-400:] if log.exists() else ""
@@ -357,19 +388,18 @@ def measure_script(
                 "error": {"type": "ScriptFailed", "message": message + (f"; its output ended: {tail}" if tail else "")},
             }
 
-        try:
-            with log.open("wb") as f:
-                rc = subprocess.run(
-                    [python or sys.executable, "-c", BOOTSTRAP, *argv],
-                    stdout=f,
-                    stderr=subprocess.STDOUT,
-                    env=child_env(settings, env),
-                    cwd=cwd,
-                    timeout=timeout,
-                ).returncode
-        except subprocess.TimeoutExpired:
+        with log.open("wb") as f:  # an owned process group: a timeout or Ctrl-C stops all of it
+            outcome = supervise.run(
+                [python or sys.executable, "-c", BOOTSTRAP, *argv],
+                env=child_env(settings, env),
+                cwd=cwd,
+                timeout=timeout,
+                log=f,
+            )
+        if outcome.timed_out:
             return failed("timeout", f"the script took longer than {timeout:.0f} s")
-        path = Path(tmp) / "report.json"
+        rc = outcome.returncode
+        path = tmp / "report.json"
         if not path.exists():
             return failed("error", f"the script exited with code {rc} and left no report")
         report = json.loads(path.read_text())
@@ -381,19 +411,39 @@ def measure_script(
         return report
 
 
-def _tee(proc: subprocess.Popen, log: Path, to_stderr: bool) -> None:
-    """The script's output, as it comes, to the terminal (stderr when stdout carries the JSON) and the log."""
-    sink = sys.stderr if to_stderr else sys.stdout
-    with log.open("wb") as f:
-        assert proc.stdout is not None
-        while True:
-            chunk = proc.stdout.read1(65536) if hasattr(proc.stdout, "read1") else proc.stdout.read(4096)
-            if not chunk:
-                break
-            f.write(chunk)
-            f.flush()
-            sink.buffer.write(chunk)
-            sink.buffer.flush()
+def _read_report(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text()) if path.exists() else None
+    except (OSError, ValueError):
+        return None
+
+
+def _interrupted(
+    exc: KeyboardInterrupt,
+    report_path: Path,
+    log: Path,
+    command: Sequence[str],
+    warmup: int,
+    steps: int,
+    json_path: str | None,
+) -> int:
+    """The run was interrupted and the script stopped: what it measured is kept (the child writes its report
+    when the window ends, and again as it stops); nothing measured, the interruption goes on up."""
+    from vlmdoctor.api import write_outputs
+
+    report = _read_report(report_path)
+    if report is None:
+        raise exc
+    report.setdefault("script", {}).update(recorded_command(command, warmup, steps))
+    report["interrupted"] = supervise.describe_interruption(exc)
+    write_outputs(report, report_path.parent, json_path if json_path != "-" else None)
+    print(
+        f"vlmdoctor: {report['interrupted']}; the script was stopped. What was measured is kept in "
+        f"{report_path} (script output: {log})",
+        file=sys.stderr,
+        flush=True,
+    )
+    return supervise.interrupted_exit_code(exc)
 
 
 def run_script(
@@ -430,6 +480,10 @@ def run_script(
     check_distinct(json=json_path, html=html_path, out=report_path)
     check_writable(json_path, force, "--json")
     check_writable(html_path, force, "--html")
+    # every folder the run writes in is checked before the script starts: a read-only or full --out is
+    # found now, not after the training ran
+    supervise.check_folder(folder, "--out")
+    supervise.check_file_folders(json=json_path, html=html_path)
     folder.mkdir(parents=True, exist_ok=True)
     if report_path.exists():
         report_path.unlink()
@@ -447,16 +501,21 @@ def run_script(
         }
     )
     log = folder / "script.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", BOOTSTRAP, *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env
-    )
+    sink = sys.stderr if json_path == "-" else sys.stdout  # stdout carries the JSON: the script's output to stderr
     try:
-        _tee(proc, log, to_stderr=json_path == "-")
-    except KeyboardInterrupt:
-        proc.terminate()
-        proc.wait()
-        raise
-    rc = proc.wait()
+        with log.open("wb") as f:  # the script's output, as it comes, to the terminal and the log
+            outcome = supervise.run(
+                [sys.executable, "-c", BOOTSTRAP, *argv], env=env, log=f, echo=sink.buffer, stdin=None
+            )
+    except KeyboardInterrupt as e:  # Ctrl-C / SIGTERM: passed on to the script's group, which is stopped
+        return _interrupted(e, report_path, log, command, warmup, steps, json_path), _read_report(report_path)
+    rc = outcome.returncode
+    if outcome.left_running:
+        print(
+            f"vlmdoctor: the script left {outcome.left_running} process(es) running when it exited; stopped them",
+            file=sys.stderr,
+            flush=True,
+        )
     copy = json_path if json_path != "-" else None  # '-': the caller prints the report, once
 
     def say(m: str) -> None:
@@ -477,14 +536,17 @@ def run_script(
                 if not quiet and json_path != "-" and "diagnosis" in report:
                     show(report)
             report["status"] = "error"
+        oom = bool(script.get("out_of_memory"))
         report["error"] = {
-            "type": "ScriptFailed",
+            "type": "OutOfMemoryError" if oom else "ScriptFailed",
             "message": f"the script exited with code {code}" + (f" ({script['error']})" if script.get("error") else ""),
             "exit_code": code,
         }
+        if oom:
+            report["status"] = "oom"
         write_outputs(report, folder, copy)
-        say(f"the script failed (exit code {code}); its output is in {log}")
-        return EXIT_FAILED_RUN, report
+        say(f"the script {'ran out of memory' if oom else 'failed'} (exit code {code}); its output is in {log}")
+        return (EXIT_OOM if oom else EXIT_FAILED_RUN), report
     if err.get("type") in ("NoSteps", "NotStarted"):
         say(f"{err['message']}: nothing to measure (its output: {log})")
         return EXIT_FAILED_RUN, report
