@@ -228,6 +228,8 @@ class Recorder:
         self.profiled_timed_steps = 0  # timed steps during which another profiler ran (their times include it)
         self.profiled_by: str | None = None
         self.busy_at_start: str | None = None  # another profiler ran where the current step started
+        self.report: dict[str, Any] | None = None  # built once, by finish()
+        self.said: set[str] = set()  # errors of vlmdoctor's own already said (each once)
         one_profiler.install()  # sessions the script starts are seen, so that one profiler runs at a time
 
     # -- hooks ------------------------------------------------------------------------------------
@@ -280,11 +282,18 @@ class Recorder:
         self.broken = True
         frames = traceback.extract_tb(e.__traceback__)
         where = f" ({Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
-        _log(f"internal error, measurement switched off, training goes on: {type(e).__name__}: {e}{where}")
+        self.say("internal error, measurement switched off, training goes on", e, where)
         with contextlib.suppress(Exception):
             self._detach()
         with contextlib.suppress(Exception):
             self._stop_profiler()
+
+    def say(self, what: str, e: BaseException, where: str = "") -> None:
+        """One line per distinct error of vlmdoctor's own, however often it comes back."""
+        key = f"{type(e).__name__}: {e}"
+        if key not in self.said:
+            self.said.add(key)
+            _log(f"{what}: {key}{where}")
 
     # -- steps ------------------------------------------------------------------------------------
     def begin(self) -> None:
@@ -580,8 +589,9 @@ class Recorder:
         self.hooks = []
         self.pending, self.pending_losses = [], []
 
-    def finish(self) -> dict[str, Any]:
-        """Stop measuring and build the report of what was measured (the analysis comes after)."""
+    def finish(self) -> dict[str, Any] | None:
+        """Stop measuring and build the report of what was measured (the analysis comes after); once (None
+        when building it failed)."""
         if self.done:
             return self.report
         self.done = True
@@ -861,6 +871,8 @@ class Doctor:
         except Exception as e:
             self.rec.fail(e)
             return None
+        if report is None:
+            return None
         self.report = report
         if self.rec.broken:
             report.setdefault("notes", []).append(
@@ -870,22 +882,25 @@ class Doctor:
             diagnose_report(report, self.rec.audience, self.rules_dirs)
         except Exception as e:  # the measurement stands without its diagnosis
             report["diagnosis_error"] = f"{type(e).__name__}: {e}"
-            _log(f"the diagnosis failed, the measurement is kept: {type(e).__name__}: {e}")
+            self.rec.say("the diagnosis failed, the measurement is kept", e)
         try:
             path = write_outputs(report, self.rec.out)
         except Exception as e:
             from vlmdoctor.files import fallback_path, json_text, save
 
-            spare = fallback_path("report.json")
-            kept = save(spare, json_text(report), "report") or f"the report was saved to {spare} instead"
-            _log(f"could not write {self.rec.out / 'report.json'} ({type(e).__name__}: {e}); {kept}")
+            try:
+                spare = fallback_path("report.json")
+                kept = save(spare, json_text(report), "report") or f"it was saved to {spare}"
+            except Exception as e2:
+                kept = f"it could not be saved elsewhere either ({type(e2).__name__}: {e2})"
+            self.rec.say(f"could not write {self.rec.out / 'report.json'} ({kept})", e)
             return report
         try:
             if not self.quiet:
                 show(report)
                 print(f"vlmdoctor: report written to {path}", flush=True)
         except Exception as e:
-            _log(f"could not print the report ({type(e).__name__}: {e}); it is in {path}")
+            self.rec.say(f"could not print the report (it is in {path})", e)
         return report
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:

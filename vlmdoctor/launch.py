@@ -117,10 +117,24 @@ class _Child:
         self.s = settings
         self.optimizer: Any = None
         self.rec: Any = None
-        self.report: dict[str, Any] | None = None  # set once written (at the window's end)
+        self.report: dict[str, Any] | None = None  # set once written (at the window's end); {}: that failed
         self.steps_of_others = 0
         self.off = False  # vlmdoctor's own error switched measuring off
         self.out_of_memory = False  # the script died out of memory (GPU or host): exit 3, as a profile run
+        self.said: set[str] = set()
+
+    def say(self, what: str, e: BaseException) -> None:
+        """One line per distinct error of vlmdoctor's own, however often it comes back."""
+        from vlmdoctor.api import _log
+
+        key = f"{type(e).__name__}: {e}"
+        if self.rec is not None:
+            self.said |= self.rec.said
+        if key not in self.said:
+            self.said.add(key)
+            _log(f"{what}: {key}")
+        if self.rec is not None:
+            self.rec.said |= self.said
 
     def on_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
         """The optimizer step hook: nothing of vlmdoctor's own raises out of it into the script (but the stop
@@ -134,9 +148,7 @@ class _Child:
             if self.rec is not None:
                 self.rec.fail(e)
             else:
-                from vlmdoctor.api import _log
-
-                _log(f"internal error, measurement switched off, training goes on: {type(e).__name__}: {e}")
+                self.say("internal error, measurement switched off, training goes on", e)
 
     def _on_step(self, optimizer: Any) -> None:
         if self.off:
@@ -155,34 +167,60 @@ class _Child:
 
     def _report_now(self) -> None:
         """Diagnose and print as soon as the windows are measured, while the script trains on unmeasured."""
-        from vlmdoctor.api import _log, diagnose_report, show, write_outputs
+        from vlmdoctor.api import diagnose_report, show
 
+        self.report = {}  # tried once, whatever happens below
         try:
             report = self.rec.finish()
             report["audience"] = self.rec.audience
             report["script"] = {"argv": self.s["argv"], "exit_code": None, "error": None}
-            if self.s.get("diagnose", True):
+        except Exception as e:  # the analysis must not end the user's training
+            self.say("could not build the report now, training goes on", e)
+            return
+        if self.s.get("diagnose", True):
+            try:
                 from vlmdoctor.doctor.select import Selection
 
                 selection = Selection.from_json(self.s.get("selection"))
                 diagnose_report(report, self.rec.audience, self.s.get("rules_dirs") or [], selection)
-            report["diagnosed_while_running"] = True
+            except Exception as e:  # the measurement stands without its diagnosis
+                report["diagnosis_error"] = f"{type(e).__name__}: {e}"
+                self.say("the diagnosis failed, the measurement is kept", e)
+        report["diagnosed_while_running"] = True
+        self.report = report
+        if not self._write(report) or self.s.get("quiet"):
+            return
+        try:
+            show(report, sys.stdout)
+            if not self.s.get("stop_after_window"):
+                print(
+                    f"vlmdoctor: report written to {Path(self.s['out']) / 'report.json'}; "
+                    "the script goes on, unmeasured",
+                    flush=True,
+                )
+        except Exception as e:
+            self.say("could not print the report (it is written)", e)
+
+    def _write(self, report: dict[str, Any]) -> bool:
+        """OUT/report.json; when that fails, the report is rescued to a file the line names (never lost)."""
+        from vlmdoctor.api import write_outputs
+
+        try:
             write_outputs(report, Path(self.s["out"]))
-            self.report = report
-            if not self.s.get("quiet"):
-                show(report, sys.stdout)
-                if not self.s.get("stop_after_window"):
-                    print(
-                        f"vlmdoctor: report written to {Path(self.s['out']) / 'report.json'}; "
-                        "the script goes on, unmeasured",
-                        flush=True,
-                    )
-        except Exception as e:  # the analysis must not end the user's training
-            self.report = {}
-            _log(f"could not write the report now, training goes on: {type(e).__name__}: {e}")
+            return True
+        except Exception as e:
+            from vlmdoctor.files import fallback_path, json_text, save
+
+            try:
+                spare = fallback_path("report.json")
+                kept = save(spare, json_text(report), "report") or f"it was saved to {spare}"
+            except Exception as e2:
+                kept = f"it could not be saved elsewhere either ({type(e2).__name__}: {e2})"
+            self.say(f"could not write the report ({kept})", e)
+            return False
 
     def _start(self, optimizer: Any) -> None:
-        from vlmdoctor.api import Recorder, _log
+        from vlmdoctor.api import Recorder
 
         self.optimizer = optimizer
         try:
@@ -213,48 +251,58 @@ class _Child:
             self.rec.attach()
             self.rec.begin()  # steps count from the first optimizer step on: its inputs came before the hooks
         except Exception as e:
-            self.rec = None
-            _log(f"could not start measuring, the script goes on: {type(e).__name__}: {e}")
+            rec, self.rec = self.rec, None
+            if rec is not None:  # its hooks and profiler go; what it said is not said again
+                rec.fail(e)
+                self.said |= rec.said
+            self.say("could not start measuring, the script goes on", e)
 
     def finish(self, exit_code: int | None, error: str | None) -> None:
-        from vlmdoctor.api import write_outputs
-
-        out = Path(self.s["out"])
-        if self.report:  # written at the window's end: add how the script ended
-            self.report["script"] |= {
-                "exit_code": exit_code,
-                "error": error,
-                "out_of_memory": self.out_of_memory,
-                "steps_of_other_optimizers": self.steps_of_others,
-            }
-            write_outputs(self.report, out)
-            return
-        if self.rec is None:
-            report: dict[str, Any] = {
-                "status": "error",
-                "error": {
-                    "type": "NoSteps" if self.optimizer is None else "NotStarted",
-                    "message": "the script never called an optimizer step"
-                    if self.optimizer is None
-                    else "vlmdoctor could not start measuring (see the log)",
-                },
-            }
-        else:
-            report = self.rec.finish()
-            report["audience"] = self.rec.audience
-            if (report.get("error") or {}).get("type") == "NoSteps":
-                report["error"]["message"] = (
-                    "the script called the optimizer step only once; a step is timed "
-                    "from one optimizer step to the next, so at least 2 are needed"
-                )
-        report["script"] = {
+        """The report, with how the script ended: the window's (written when it ended), else what was measured."""
+        script = {
             "argv": self.s["argv"],
             "exit_code": exit_code,
             "error": error,
             "out_of_memory": self.out_of_memory,
             "steps_of_other_optimizers": self.steps_of_others,
         }
-        write_outputs(report, out)
+        if self.report:  # written at the window's end: add how the script ended
+            self.report["script"] |= script
+            self._write(self.report)
+            return
+        report = None
+        if self.rec is not None:
+            try:
+                report = self.rec.finish()
+            except Exception as e:
+                self.say("could not build the report", e)
+        if report is None:
+            report = {
+                "status": "error",
+                "error": {
+                    "type": "NoSteps" if self.optimizer is None else "NotStarted",
+                    "message": "the script never called an optimizer step"
+                    if self.optimizer is None
+                    else "vlmdoctor could not measure (see the log)",
+                },
+            }
+        else:
+            report["audience"] = self.rec.audience
+            if (report.get("error") or {}).get("type") == "NoSteps":
+                report["error"]["message"] = (
+                    "the script called the optimizer step only once; a step is timed "
+                    "from one optimizer step to the next, so at least 2 are needed"
+                )
+        report["script"] = script
+        self._write(report)
+
+
+def finish_child(child: _Child, code: int | None, error: str | None) -> None:
+    """The child's last words: its report. An error here is said, never raised (the script's exit code stands)."""
+    try:
+        child.finish(code, error)
+    except Exception as e:
+        child.say("could not write the report", e)
 
 
 def child_main() -> None:
@@ -300,10 +348,7 @@ def child_main() -> None:
     finally:
         if handle is not None:
             handle.remove()
-    try:
-        child.finish(code, error)
-    except Exception as e:
-        print(f"vlmdoctor: could not write the report: {type(e).__name__}: {e}", file=sys.stderr)
+    finish_child(child, code, error)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code or 0)  # the script's exit code; skip atexit work of a script that already finished

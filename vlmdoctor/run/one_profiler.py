@@ -19,6 +19,7 @@ import contextlib
 import gc
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,7 @@ _session: dict[str, Any] = {"by": None}  # who prepared or started the running s
 _ours = threading.local()  # set while a recorder itself calls into torch.profiler
 _lock = threading.RLock()
 _installed: dict[str, Any] = {}
+_early: list[weakref.ref] = []  # profilers already entered when watching started
 
 
 @contextlib.contextmanager
@@ -93,6 +95,7 @@ def install() -> None:
                 _installed[name] = fn
                 setattr(ap, name, wrap(fn))
         _installed.setdefault("done", True)
+        _early.extend(_entered_before())
 
 
 def _give_way_to_script() -> None:
@@ -118,31 +121,30 @@ def _torch_profiling() -> bool:
     return _session["by"] == "user"
 
 
-def _pending_sessions() -> bool:
-    """A profiler the script entered before vlmdoctor watched (prepared, in its warm-up steps): seen only
-    by its object, entered and not yet exited."""
+def _running(o: Any) -> bool:
+    """A torch.autograd.profiler.profile that was entered (prepared) and not yet exited."""
+    return bool(getattr(o, "entered", False)) and getattr(o, "kineto_results", 1) is None
+
+
+def _entered_before() -> list[weakref.ref]:
+    """Profilers the script entered before vlmdoctor watched (prepared, in their warm-up steps, where
+    torch's flags do not show them yet): found once, by their objects, when watching starts."""
     try:
         from torch.autograd.profiler import profile
     except Exception:
-        return False
+        return []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for o in gc.get_objects():
-            if isinstance(o, profile) and getattr(o, "entered", False) and getattr(o, "kineto_results", 1) is None:
-                return True
-    return False
+        return [weakref.ref(o) for o in gc.get_objects() if isinstance(o, profile) and _running(o)]
 
 
-def busy(me: object, thorough: bool = False) -> str | None:
-    """Why `me` must not start a profiler now (another one runs in this process), in words; None when free.
-
-    `thorough` also looks for a script's profiler that was entered before vlmdoctor watched (a scan of
-    the process's objects: once per traced window, not per step)."""
+def busy(me: object) -> str | None:
+    """Why `me` must not start a profiler now (another one runs in this process), in words; None when free."""
     with _lock:
         for key, holder in _holders.items():
             if key != id(me):
                 return holder.what
-    if _torch_profiling() or (thorough and _pending_sessions()):
+    if _torch_profiling() or any((o := r()) is not None and _running(o) for r in _early):
         return "the script's own torch.profiler"
     return None
 
@@ -150,7 +152,7 @@ def busy(me: object, thorough: bool = False) -> str | None:
 def claim(me: object, what: str, give_way: Callable[[str], None]) -> str | None:
     """Take the profiler for `me`; returns why not (and takes nothing) when another one runs."""
     with _lock:
-        why = busy(me, thorough=True)
+        why = busy(me)
         if why is None:
             _holders[id(me)] = _Holder(what, give_way)
         return why
