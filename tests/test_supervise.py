@@ -10,6 +10,7 @@ are checked for their output folders without starting anything.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -134,28 +135,38 @@ def test_nothing_of_the_group_outlives_the_supervisor(scripts, tmp_path, mode, e
         text=True,
         env=env,
     )
-    _wait_for(tmp_path / "pids")
-    pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
-    if isinstance(end, signal.Signals):
-        driver.send_signal(end)
-    out, _ = driver.communicate(timeout=30)
-    took = time.monotonic() - t0
-    assert driver.returncode == code, out
-    assert "child up" in out  # the script's output passed through
-    if end == "timeout":
-        assert '"timed_out": true' in out
-    if end is None:  # the script ended by itself: its helper was stopped, not waited for
-        assert '"left_running": 1' in out and took < GRACE + 10
-    asked_file = tmp_path / "asked"
-    assert (asked_file.read_text() if asked_file.exists() else None) == asked  # the polite signal came first
-    if mode == "ignores":
-        assert took >= GRACE  # it was given its grace period before SIGKILL
-    end_t = time.monotonic() + 5
-    while any(_alive(p) for p in pids) and time.monotonic() < end_t:
-        time.sleep(0.05)
-    assert not [p for p in pids if _alive(p)], out
-    with pytest.raises(ProcessLookupError):  # the group is gone
-        os.killpg(pids[0], 0)
+    pids: list[int] = []
+    passed = False
+    try:
+        _wait_for(tmp_path / "pids")
+        pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
+        if isinstance(end, signal.Signals):
+            driver.send_signal(end)
+        out, _ = driver.communicate(timeout=30)
+        took = time.monotonic() - t0
+        assert driver.returncode == code, out
+        assert "child up" in out  # the script's output passed through
+        if end == "timeout":
+            assert '"timed_out": true' in out
+        if end is None:  # the script ended by itself: its helper was stopped, not waited for
+            assert '"left_running": 1' in out and took < GRACE + 10
+        asked_file = tmp_path / "asked"
+        assert (asked_file.read_text() if asked_file.exists() else None) == asked  # the polite signal came first
+        if mode == "ignores":
+            assert took >= GRACE  # it was given its grace period before SIGKILL
+        end_t = time.monotonic() + 5
+        while any(_alive(p) for p in pids) and time.monotonic() < end_t:
+            time.sleep(0.05)
+        assert not [p for p in pids if _alive(p)], out
+        with pytest.raises(ProcessLookupError):  # the group is gone
+            os.killpg(pids[0], 0)
+        passed = True
+    finally:  # a failing case leaves nothing running either
+        if not passed:
+            for pid in [driver.pid, *pids]:
+                if _alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+        driver.wait()
 
 
 # --- temporary folders ------------------------------------------------------------------------------
@@ -327,3 +338,46 @@ def test_a_real_small_or_read_only_mount_is_refused_before_the_script_runs(tmpfs
     r = invoke(args)
     assert r.exit_code == 2 and "Read-only" in r.output, r.output
     assert not (tmp_path / "ran").exists()
+
+
+# --- `vlmdoctor run`: an interruption after the window keeps the report ---------------------------
+
+TRAINING = """
+import os, pathlib, sys, time, torch
+pathlib.Path(sys.argv[1]).write_text(str(os.getpid()))
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for i in range(100000):  # trains on long after the measured window
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    time.sleep(0.02)
+"""
+
+
+@pytest.mark.parametrize(
+    "sig, code",
+    [
+        pytest.param(signal.SIGTERM, 143, id="SIGTERM"),
+        pytest.param(signal.SIGINT, 130, id="SIGINT", marks=pytest.mark.slow),
+    ],
+)
+def test_an_interrupted_run_keeps_the_measured_report_and_stops_the_script(tmp_path, sig, code):
+    script, out, pid_file = tmp_path / "train.py", tmp_path / "out", tmp_path / "pid"
+    script.write_text(TRAINING)
+    cmd = [sys.executable, "-m", "vlmdoctor", "run", "--out", str(out), "--warmup", "1", "--steps", "2"]
+    cmd += ["--trace-steps", "1", "--quiet", "--", "python", str(script), str(pid_file)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        _wait_for(out / "report.json", 120)  # the window is measured; the script trains on
+        run.send_signal(sig)
+        _, err = run.communicate(timeout=60)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == code, err
+    report = json.loads((out / "report.json").read_text())
+    assert report["metrics"]["steps_per_repeat"] == 2 and report["interrupted"].startswith("interrupted")
+    assert "What was measured is kept" in err and "Traceback" not in err  # (the script's own goes to stdout)
+    assert not _alive(int(pid_file.read_text()))

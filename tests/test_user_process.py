@@ -189,6 +189,7 @@ TARGETS = {
     "vlmdoctor.api.count_tokens": ("doctor", "callback", "run"),
     "vlmdoctor.api.Recorder._step": ("doctor", "callback", "run"),
     "vlmdoctor.api.Recorder._summarize": ("doctor", "callback", "run"),
+    "vlmdoctor.api.Recorder.window_done": ("doctor", "callback", "run"),  # a property, read after every step
     "vlmdoctor.api.Recorder._start_profiler": ("doctor", "callback", "run"),
     "vlmdoctor.api.Recorder._add_metadata": ("doctor", "callback", "run"),
     "vlmdoctor.api.Recorder._build_report": ("doctor", "callback", "run"),
@@ -306,7 +307,7 @@ def test_an_error_of_vlmdoctor_never_reaches_the_loop(
     target, way, reference, fast_reports, monkeypatch, tmp_path, capfd
 ):
     monkeypatch.chdir(tmp_path)  # a rescued report lands here
-    _set(monkeypatch, target, _injected)
+    _set(monkeypatch, target, property(_injected) if target.endswith(".window_done") else _injected)
     losses = WAYS[way](tmp_path / "out")
     assert losses == reference  # every step ran, with the loop's own results
     said = capfd.readouterr().err  # (the report printed on stdout may name it too: it is the report)
