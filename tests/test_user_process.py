@@ -40,8 +40,10 @@ from torch.profiler import profile, schedule
 out = sys.argv[1]
 WINDOW = dict(warmup=1, steps=2, trace_steps=1, quiet=True)
 N = 12
-import vlmdoctor.api
-vlmdoctor.api.diagnose_report = lambda report, *a, **k: report  # the conflict is the subject, not the diagnosis
+import vlmdoctor.api, vlmdoctor.run.envinfo
+# the conflict is the subject, not the diagnosis nor the CPU's matmul probe
+vlmdoctor.api.diagnose_report = lambda report, *a, **k: report
+vlmdoctor.run.envinfo.collect = lambda device: {"device_type": device.type}
 
 def user_profile(name, **plan):
     path = os.path.join(out, name + ".user.json")
@@ -126,7 +128,7 @@ def conflicts(tmp_path_factory) -> dict[str, dict]:
     "scenario, traced, user_trace, why",
     [
         ("prepared_before", [False], True, "the script's own torch.profiler"),
-        ("two_doctors", [True, False], None, "another vlmdoctor recorder"),
+        ("two_doctors", [True, False], None, "vlmdoctor.Doctor (writing to"),
         ("script_recording", [False], True, "the script's own torch.profiler"),
         ("script_starts_inside", [False], True, "stopped for it"),
     ],
@@ -147,9 +149,11 @@ def test_one_profiler_at_a_time_and_the_loop_goes_on(conflicts, scenario, traced
 DOCTOR_SCRIPT = (
     LOOP_IMPORT
     + """
-import sys, vlmdoctor, vlmdoctor.api
+import sys, vlmdoctor, vlmdoctor.api, vlmdoctor.run.envinfo
 vlmdoctor.api.diagnose_report = lambda report, *a, **k: report
-with vlmdoctor.Doctor(Tiny(), out=sys.argv[1], warmup=1, steps=2, trace_steps=1, quiet=True) as doc:
+vlmdoctor.run.envinfo.collect = lambda device: {"device_type": device.type}
+# a shorter window than run's: the Doctor reaches its traced window first, run's recorder is the one refused
+with vlmdoctor.Doctor(Tiny(), out=sys.argv[1], warmup=0, steps=2, trace_steps=1, quiet=True) as doc:
     losses = loop(12, lambda i, m, b: doc.step(b))
 print("LOSSES", losses, flush=True)
 """
@@ -171,7 +175,8 @@ def test_a_doctor_under_vlmdoctor_run_is_one_profiler(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "LOSSES" in proc.stdout
     reports = [json.loads((tmp_path / d / "report.json").read_text()) for d in ("run", "doc")]
-    assert sorted(bool(r.get("trace")) for r in reports) == [False, True]
+    assert [bool(r.get("trace")) for r in reports] == [False, True]
+    assert any("vlmdoctor.Doctor (writing to" in n for n in reports[0]["notes"])
     assert proc.stdout.count("not tracing:") == 1  # (the script's stderr comes through run's stdout)
 
 

@@ -444,7 +444,9 @@ class Recorder:
     def _start_traced_window(self) -> None:
         """Trace the next steps, unless another profiler runs in this process: one at a time (two end the
         process), so this one then stays timed only and says why."""
-        why = one_profiler.claim(self, f"another vlmdoctor recorder (writing to {self.out})", self._give_way)
+        who = {"api": "vlmdoctor.Doctor", "trainer": "vlmdoctor.DoctorCallback", "script": "vlmdoctor run"}
+        what = f"{who.get(self.source, 'another vlmdoctor recorder')} (writing to {self.out})"
+        why = one_profiler.claim(self, what, self._give_way)
         if why is not None:
             self._skip_trace(f"{why} was already profiling this process")
             return

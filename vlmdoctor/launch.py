@@ -122,6 +122,7 @@ class _Child:
         self.off = False  # vlmdoctor's own error switched measuring off
         self.out_of_memory = False  # the script died out of memory (GPU or host): exit 3, as a profile run
         self.said: set[str] = set()
+        self.rescued: Path | None = None  # where the report went when OUT/ could not take it
 
     def say(self, what: str, e: BaseException) -> None:
         """One line per distinct error of vlmdoctor's own, however often it comes back."""
@@ -211,9 +212,9 @@ class _Child:
         except Exception as e:
             from vlmdoctor.files import fallback_path, json_text, save
 
-            try:
-                spare = fallback_path("report.json")
-                kept = save(spare, json_text(report), "report") or f"it was saved to {spare}"
+            try:  # the same rescue file each time: the last write (with how the script ended) is the one kept
+                self.rescued = self.rescued or fallback_path("report.json")
+                kept = save(self.rescued, json_text(report), "report") or f"it was saved to {self.rescued}"
             except Exception as e2:
                 kept = f"it could not be saved elsewhere either ({type(e2).__name__}: {e2})"
             self.say(f"could not write the report ({kept})", e)
