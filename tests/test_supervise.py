@@ -209,6 +209,12 @@ def test_a_timed_out_run_leaves_no_temporary_folder(fake_python, tmp_path, side)
     assert report["status"] == "timeout"
     assert (tmp_path / "child-ran").is_dir()  # the stand-in really ran and made its folder
     assert list(temp.iterdir()) == []
+    if sys.platform.startswith("linux"):  # orphans are this process's own business again once the run is over
+        import ctypes
+
+        flag = ctypes.c_int(-1)
+        ctypes.CDLL(None).prctl(37, ctypes.byref(flag), 0, 0, 0)  # PR_GET_CHILD_SUBREAPER
+        assert flag.value == 0
 
 
 # --- an interrupted sweep keeps its finished rows --------------------------------------------------

@@ -21,7 +21,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.modules.module as module_hooks
 from _user_loop import loop
+from torch.utils import _python_dispatch
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the child processes use the same model and loop as the tests here
@@ -317,7 +319,10 @@ def test_an_error_of_vlmdoctor_never_reaches_the_loop(
     assert losses == reference  # every step ran, with the loop's own results
     said = capfd.readouterr().err  # (the report printed on stdout may name it too: it is the report)
     assert said.count("injected") == 1, said  # said once, not once per step
-    assert not torch.autograd._profiler_enabled()  # no profiler left running in the user's process
+    # nothing of vlmdoctor's left in the user's process: no profiler, no dispatch mode, no global hooks
+    assert not torch.autograd._profiler_enabled()
+    assert _python_dispatch._get_current_dispatch_mode() is None
+    assert not module_hooks._global_forward_hooks and not module_hooks._global_forward_pre_hooks
 
 
 def test_a_failing_flop_formula_stops_the_count_not_the_step(reference, fast_reports, monkeypatch, tmp_path):

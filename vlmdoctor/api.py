@@ -230,7 +230,8 @@ class Recorder:
         self.busy_at_start: str | None = None  # another profiler ran where the current step started
         self.report: dict[str, Any] | None = None  # built once, by finish()
         self.said: set[str] = set()  # errors of vlmdoctor's own already said (each once)
-        one_profiler.install()  # sessions the script starts are seen, so that one profiler runs at a time
+        with contextlib.suppress(Exception):
+            one_profiler.install()  # sessions the script starts are seen, so that one profiler runs at a time
 
     # -- hooks ------------------------------------------------------------------------------------
     def attach(self) -> None:
@@ -529,6 +530,10 @@ class Recorder:
                 self.flops.stop()
             except Exception as e:
                 self.flops.reason = f"not counted: {type(e).__name__}: {e}"
+                mode, self.flops.mode = self.flops.mode, None
+                if mode is not None:  # out of the user's ops whatever the count did
+                    with contextlib.suppress(Exception):
+                        mode.__exit__(None, None, None)
         prof, self.prof = self.prof, None
         if prof is not None:
             try:

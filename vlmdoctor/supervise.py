@@ -44,6 +44,7 @@ MIN_FREE_BYTES = 16 * 2**20
 SCRATCH_ENV = "VLMDOCTOR_SCRATCH"
 
 _PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_CHILD_SUBREAPER = 37
 
 
 class Terminated(KeyboardInterrupt):
@@ -211,13 +212,33 @@ def _descendants(root: int, procs: dict[int, _Proc]) -> set[int]:
     return found
 
 
-def _become_subreaper() -> None:
-    """Orphans of a child's processes are re-parented to vlmdoctor instead of init, so that one that
-    left the child's group (a daemon, a rank in its own session) is still found and stopped."""
-    if not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+_reaping = {"depth": 0, "was": True}
+
+
+@contextlib.contextmanager
+def _subreaper() -> Iterator[None]:
+    """While a child runs, orphans of its processes are re-parented to this process instead of init, so
+    that one that left the child's group (a daemon, a rank in its own session) is still found and
+    stopped. Switched back off afterwards (a program that uses vlmdoctor as a library keeps its
+    own orphans' fate)."""
+    libc = None
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):
+            libc = ctypes.CDLL(None, use_errno=True)
+    if libc is not None and _reaping["depth"] == 0:
+        was = ctypes.c_int(0)
+        with contextlib.suppress(Exception):
+            libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(was), 0, 0, 0)
+            _reaping["was"] = bool(was.value)
+            libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    _reaping["depth"] += 1
+    try:
+        yield
+    finally:
+        _reaping["depth"] -= 1
+        if libc is not None and _reaping["depth"] == 0 and not _reaping["was"]:
+            with contextlib.suppress(Exception):
+                libc.prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
 
 
 class _Group:
@@ -349,7 +370,19 @@ def run(
     is passed on to the group, which gets `GRACE_S` seconds before SIGKILL; then it is raised
     again. A `timeout` stops the group the same way (SIGTERM) and says so in the outcome.
     """
-    _become_subreaper()
+    with _subreaper():
+        return _run(cmd, env, cwd, timeout, log, echo, stdin)
+
+
+def _run(
+    cmd: Sequence[str],
+    env: dict[str, str] | None,
+    cwd: str | os.PathLike | None,
+    timeout: float | None,
+    log: IO[bytes] | None,
+    echo: IO[bytes] | None,
+    stdin: int | None,
+) -> Outcome:
     piped = echo is not None
     stdout: int | IO[bytes] = subprocess.PIPE if piped else (log if log is not None else subprocess.DEVNULL)
     proc = subprocess.Popen(
