@@ -162,6 +162,7 @@ print("LOSSES", losses, flush=True)
 )
 
 
+@pytest.mark.slow  # two fresh torch processes; two recorders in one process stay in the default run (above)
 def test_a_doctor_under_vlmdoctor_run_is_one_profiler(tmp_path):
     """`vlmdoctor run` on a script that uses vlmdoctor.Doctor: the training finishes, one of the two traces."""
     script = tmp_path / "train.py"
