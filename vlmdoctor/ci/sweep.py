@@ -131,8 +131,8 @@ def run_sweep(
     """Run each config in its own process; each report is appended to jsonl as soon as it exists.
 
     An append that fails (a full disk) does not end the sweep: the report goes to a fallback file
-    and `problems` gets a line saying where. Each finished run's row is added to `rows` at once, so a
-    caller interrupted (Ctrl-C) mid-sweep still has the rows of the runs that finished.
+    and `problems` gets a line saying where. `rows` (the caller's list) gets each run's row as it
+    ends, so that an interruption (Ctrl-C, SIGTERM: the run in flight is stopped) keeps the finished ones.
     """
     from vlmdoctor.errors import VlmdoctorError
     from vlmdoctor.files import append_text, json_text, save
