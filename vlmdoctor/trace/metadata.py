@@ -1,0 +1,131 @@
+"""A trace's top-level metadata, type-checked before any fact reads it.
+
+Kineto writes `deviceProperties`, `distributedInfo` and `host_name` before the events; vlmdoctor's own
+runs add a `vlmdoctor` block (the run config, the model, the environment, the timed window's metrics).
+The fact families read these with plain lookups and arithmetic, so a hand-edited or foreign trace with a
+string where an object belongs, or a number no machine holds, is refused here with the field named
+(exit 2), never met later as an internal error. Keys vlmdoctor does not read are not checked.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from vlmdoctor.trace.read import TraceError
+
+Number = int | float
+
+
+class _Device(msgspec.Struct):
+    name: str | None = None
+    totalGlobalMem: Number | None = None  # noqa: N815 (Kineto's spelling)
+    computeMajor: int | None = None  # noqa: N815
+    computeMinor: int | None = None  # noqa: N815
+
+
+class _Distributed(msgspec.Struct):
+    rank: int | None = None
+    world_size: int | None = None
+    backend: str | None = None
+
+
+class _Env(msgspec.Struct):
+    compute_capability: str | Number | None = None
+    cpu_capability: str | None = None
+    cpu_matmul_gflops: dict[str, Number | None] | None = None
+
+
+class _Model(msgspec.Struct):
+    params: dict[str, Any] | None = None
+
+
+class _Vlmdoctor(msgspec.Struct):
+    config: dict[str, Any] | None = None
+    env: _Env | None = None
+    model: _Model | None = None
+    metrics: dict[str, Number | bool | None] | None = None
+
+
+class _Meta(msgspec.Struct):
+    vlmdoctor: _Vlmdoctor | None = None
+    deviceProperties: list[_Device] | None = None  # noqa: N815
+    distributedInfo: _Distributed | None = None  # noqa: N815
+    host_name: str | None = None
+
+
+def check_metadata(meta: dict[str, Any], path: Path) -> None:
+    """Refuse (TraceError, exit 2) metadata whose fields the facts read have another type than Kineto and
+    vlmdoctor write: an object, a list, a string, a finite number of at most 64 bits, a knob of its type."""
+    try:
+        msgspec.convert(meta, _Meta, strict=True)
+    except msgspec.ValidationError as e:
+        raise TraceError(f"{path}: the trace's metadata is not as torch.profiler writes it: {_where(e)}") from None
+    numbers = _numbers(meta)
+    bad = next((k for k, v in numbers if not _sane(v)), None)
+    if bad is not None:
+        raise TraceError(f"{path}: the trace's metadata holds a number out of range at {bad}")
+    config = (meta.get("vlmdoctor") or {}).get("config")
+    if config:
+        _check_knobs(config, path)
+
+
+def _where(e: msgspec.ValidationError) -> str:
+    text = str(e)
+    what, _, at = text.partition(" - at `$")
+    return f"{what} at {at.rstrip('`').lstrip('.')}" if at else text
+
+
+def _numbers(meta: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The numbers the facts compute with: device sizes, ranks, the run's metrics and environment."""
+    out: list[tuple[str, Any]] = []
+    for i, d in enumerate(meta.get("deviceProperties") or []):
+        out += [(f"deviceProperties[{i}].{k}", d.get(k)) for k in ("totalGlobalMem", "computeMajor", "computeMinor")]
+    info = meta.get("distributedInfo") or {}
+    out += [(f"distributedInfo.{k}", info.get(k)) for k in ("rank", "world_size")]
+    v = meta.get("vlmdoctor") or {}
+    out += [(f"vlmdoctor.metrics.{k}", x) for k, x in (v.get("metrics") or {}).items()]
+    gflops = (v.get("env") or {}).get("cpu_matmul_gflops") or {}
+    out += [(f"vlmdoctor.env.cpu_matmul_gflops.{k}", x) for k, x in gflops.items()]
+    params = (v.get("model") or {}).get("params") or {}
+    out += [(f"vlmdoctor.model.params.{k}", x) for k, x in params.items() if isinstance(x, (int, float))]
+    return out
+
+
+def _sane(v: Any) -> bool:
+    if v is None or isinstance(v, bool):
+        return True
+    if isinstance(v, int):
+        return -(2**63) <= v < 2**63
+    return not isinstance(v, float) or math.isfinite(v)
+
+
+def _check_knobs(config: dict[str, Any], path: Path) -> None:
+    """The run config recorded in the trace: each knob vlmdoctor knows has its declared type (knobs of
+    other versions are kept as they are: the rules read them only as `config.*` facts)."""
+    from vlmdoctor.run.config import RunConfig, _base_type
+
+    for name, f in RunConfig.__dataclass_fields__.items():
+        if name not in config:
+            continue
+        value, kind = config[name], _base_type(f.type)
+        if value is None:
+            ok = "None" in str(f.type)
+        elif kind is bool:
+            ok = isinstance(value, bool)
+        elif kind is int:
+            ok = isinstance(value, int) and not isinstance(value, bool) and _sane(value)
+        elif kind is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and _sane(value)
+        elif kind is str:
+            ok = isinstance(value, str)
+        else:
+            ok = True
+        if not ok:
+            raise TraceError(
+                f"{path}: the run config in the trace's metadata has {name}={str(value)[:40]!r}, "
+                f"not {getattr(kind, '__name__', kind)}"
+            )
