@@ -784,8 +784,8 @@ def _parse_sets(sets: list[str], many: bool = False) -> dict[str, Any]:
             )
         kind = _base_type(RunConfig.__dataclass_fields__[k].type)
         # "off" is a string here, not YAML's False
-        parse = (lambda x: x.strip()) if kind is str else (lambda x: parse_yaml(x, f"--set {item}"))
-        out[k] = [parse(x) for x in v.split(",")] if many else parse(v)
+        parse = (lambda x, _: x.strip()) if kind is str else parse_yaml
+        out[k] = [parse(x, f"--set {item}") for x in v.split(",")] if many else parse(v, f"--set {item}")
     return out
 
 
