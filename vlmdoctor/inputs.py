@@ -225,7 +225,7 @@ def _yaml_loader():
                         raise _YamlRefusal(
                             key_node.start_mark,
                             f"the key {str(key)[:60]!r} is written twice in one mapping (first at line "
-                            f"{first.line + 1}); YAML would keep only the last: keep one",
+                            f"{first.line + 1}, column {first.column + 1}); YAML would keep only the last: keep one",
                         )
             return super().construct_mapping(node, deep=deep)
 
@@ -235,7 +235,7 @@ def _yaml_loader():
 class _YamlRefusal(Exception):
     def __init__(self, mark: Any, why: str) -> None:
         super().__init__(why)
-        self.line = mark.line + 1 if mark is not None else None
+        self.at = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
         self.why = why
 
 
@@ -254,8 +254,7 @@ def parse_yaml(text: str, where: str) -> Any:
     try:
         return loader.get_single_data()
     except _YamlRefusal as e:
-        at = f"line {e.line}: " if e.line else ""
-        raise UsageError(f"{where}: {at}{e.why}") from None
+        raise UsageError(f"{where}: {e.at}{e.why}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]

@@ -32,6 +32,7 @@ HEAD_LIMIT = 8 * 2**20  # metadata before traceEvents is small; never read more 
 BLOCK = 1 << 21  # bytes read at a time; a chunk of events is about this size (decoded: about 10x)
 SLOW_AFTER = 8  # blocks without a place to cut: the rest is read event by event
 CUT_TRIES = 4  # cuts tried, the last first, before a chunk is read event by event
+STREAM_AHEAD = 1 << 20  # read event by event: at least this much text stays buffered ahead of the decoder
 MAX_EVENT_BYTES = 64 * 2**20  # one event's JSON text; torch.profiler's largest are a few KB
 #: a .gz trace may inflate to this many times its size on disk (recorded traces: 14x to 19x); more is a
 #: gzip bomb, refused before it fills the memory
@@ -347,7 +348,7 @@ def _stream(path: Path, first: bytes, f: IO[bytes], block: int, count: int, tail
     dec = json.JSONDecoder()
     text = codecs.getincrementaldecoder("utf-8")("replace")
     buf, i, eof = text.decode(first), 0, False
-    ahead = 1 << 20  # keep at least this much ahead of the decoder
+    ahead = STREAM_AHEAD
     while True:
         n = len(buf)
         while i < n and buf[i] in " \t\r\n,":
@@ -374,7 +375,7 @@ def _stream(path: Path, first: bytes, f: IO[bytes], block: int, count: int, tail
             # the event may be longer than the buffer: read more (doubling) and decode it again
             ahead = min(2 * (n - i), MAX_EVENT_BYTES + 1)
             continue
-        ahead = 1 << 20
+        ahead = STREAM_AHEAD
         count += 1
         yield ev
     if tail is not None and count:
