@@ -55,15 +55,16 @@ def trace_of_report(src: Path) -> Path:
     if "\x00" in kept or len(kept) > 4096:
         raise UsageError(f"{src}: its trace.path is not a path")
     home = src.parent.resolve()
+    outside = False
     for candidate in (src.parent / kept, src.parent / Path(kept).name):
         try:
             where = candidate.resolve()
         except (OSError, RuntimeError):
             continue
-        if where.is_relative_to(home) and where.exists():
+        if where.exists() and where.is_relative_to(home):
             return where
-    outside = Path(kept).is_absolute() or ".." in Path(kept).parts
-    if outside and Path(kept).exists():
+        outside = outside or (where.exists() and candidate == src.parent / kept)
+    if outside:
         raise UsageError(
             f"{src}: its trace {kept} lies outside the report's folder; export reads a report's trace only "
             "next to the report: pass the trace itself"

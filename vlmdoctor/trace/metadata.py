@@ -36,7 +36,7 @@ class _Distributed(msgspec.Struct):
 class _Env(msgspec.Struct):
     compute_capability: str | Number | None = None
     cpu_capability: str | None = None
-    cpu_matmul_gflops: dict[str, Number | None] | None = None
+    cpu_matmul_gflops: dict[str, Any] | None = None  # each value checked by _numbers, by name
 
 
 class _Model(msgspec.Struct):
@@ -47,7 +47,7 @@ class _Vlmdoctor(msgspec.Struct):
     config: dict[str, Any] | None = None
     env: _Env | None = None
     model: _Model | None = None
-    metrics: dict[str, Number | bool | None] | None = None
+    metrics: dict[str, Any] | None = None  # each value checked by _numbers, by name
 
 
 class _Meta(msgspec.Struct):
@@ -64,10 +64,11 @@ def check_metadata(meta: dict[str, Any], path: Path) -> None:
         msgspec.convert(meta, _Meta, strict=True)
     except msgspec.ValidationError as e:
         raise TraceError(f"{path}: the trace's metadata is not as torch.profiler writes it: {_where(e)}") from None
-    numbers = _numbers(meta)
-    bad = next((k for k, v in numbers if not _sane(v)), None)
-    if bad is not None:
-        raise TraceError(f"{path}: the trace's metadata holds a number out of range at {bad}")
+    for where, v in _numbers(meta):
+        if not (v is None or isinstance(v, (bool, int, float))):
+            raise TraceError(f"{path}: the trace's metadata has a {type(v).__name__} at {where}, not a number")
+        if not _sane(v):
+            raise TraceError(f"{path}: the trace's metadata holds a number out of range at {where}")
     config = (meta.get("vlmdoctor") or {}).get("config")
     if config:
         _check_knobs(config, path)

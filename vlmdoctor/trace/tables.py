@@ -46,10 +46,15 @@ MAX_EVENT_US = 86_400e6  # no event of a profiled trace lasts a day: a longer du
 #: memory the analysis takes per event it keeps (tables, frames, the facts' intermediates): about 360 bytes
 #: measured on a 0.26 GiB H100 trace (627k kept events, 324 MB peak RSS with the imports)
 ROW_BYTES = 400
+ENTRY_BYTES = 200  # a distinct name or thread: its dict entry, its key, its category
 #: what the tables keep may take at most this many times the file's size on disk (a recorded trace: about
 #: 12x its gzip size, under 2x its plain size), or MEMORY_FLOOR for small files
 MEMORY_PER_FILE_BYTE = 100
 MEMORY_FLOOR = 512 * 2**20
+#: host threads and ProfilerStep markers a trace may hold: the facts walk each (a recorded trace has a few
+#: threads and steps; a trace of 50,000 steps took minutes)
+MAX_THREADS = 4096
+MAX_STEPS = 10_000
 #: how an event's time can be unusable, as the warning names it
 INVALID_WHY = {
     "missing": "no ts or dur",
@@ -160,6 +165,12 @@ def _read(path: Path, span: tuple[int, int | None] | None = None) -> _Builder:
                             "expected a torch.profiler Chrome trace"
                         )
                     _take(ev, b)
+            if len(b.tids) > MAX_THREADS or len(b.steps) > MAX_STEPS:
+                what = f"{len(b.tids):,} host threads" if len(b.tids) > MAX_THREADS else f"{len(b.steps):,} steps"
+                raise TraceError(
+                    f"{path}: more than {what} (at most {MAX_THREADS:,} threads and {MAX_STEPS:,} ProfilerStep "
+                    "markers are read; a recorded trace has a few of each): profile fewer steps"
+                )
             if b.weight() > limit:
                 raise TraceError(
                     f"{path}: after {count:,} events the analysis would need more than "
@@ -451,8 +462,11 @@ class _Builder:
         self.extra = 0  # bytes of the kept names and Python objects (args, shapes), for weight()
 
     def weight(self) -> int:
-        """About the memory the analysis of what is kept so far takes (bytes)."""
-        return ROW_BYTES * (len(self.gpu.codes) + len(self.ops.codes) + len(self.rt.codes)) + self.extra
+        """About the memory the analysis of what is kept so far takes (bytes): rows, distinct names and threads,
+        and the Python objects kept (`extra`)."""
+        rows = len(self.gpu.codes) + len(self.ops.codes) + len(self.rt.codes)
+        entries = len(self.names) + len(self.tids) + len(self.private)
+        return ROW_BYTES * rows + ENTRY_BYTES * entries + self.extra
 
     def invalid_one(self, kind: str, why: str, n: int = 1) -> None:
         whys = self.invalid.setdefault(kind, {})
@@ -612,6 +626,7 @@ class _Builder:
         """Flags and an unset public code for the names first seen in this chunk."""
         new = list(self.private)[len(self.flag) :]
         if new:
+            self.extra += sum(map(len, new))
             self.flag = np.concatenate([self.flag, np.array([_flags(s) for s in new], dtype=np.int8)])
             self.public = np.concatenate([self.public, np.full(len(new), -1, dtype=np.int32)])
 
@@ -622,9 +637,7 @@ class _Builder:
             first, where = np.unique(pc[unset], return_index=True)
             names, private = self.names, list(self.private)
             for p in first[np.argsort(where)].tolist():
-                name = private[p]
-                self.extra += len(name) if name not in names else 0
-                self.public[p] = names[name]  # a name _take interned first keeps its code
+                self.public[p] = names[private[p]]  # a name _take interned first keeps its code
         return self.public[pc]
 
     def _memory(self, evs: list[_Event]) -> None:
