@@ -138,7 +138,7 @@ def test_a_key_written_twice_is_refused_at_any_depth(depth, flow):
         ("grid", "runs:\n  - name: a\n    set: {lr: 1.0e-5, lr: 2.0e-5}\n", "lr", 3),
         ("grid", "runs:\n  - name: a\nruns:\n  - name: b\n", "runs", 3),
         ("grid", "defaults:\n  batch_size: 2\n  batch_size: 4\nruns:\n  - name: a\n", "batch_size", 3),
-        ("rules", RULE + "when: \"gpu.busy_frac > 2\"\n", "when", 10),
+        ("rules", RULE + 'when: "gpu.busy_frac > 2"\n', "when", 10),
         ("rules", RULE.replace("why: test}", "why: test, value: 0.1}"), "value", 6),
     ],
     ids=["config-top", "grid-set", "grid-top", "grid-defaults", "rule-top", "rule-constant"],
