@@ -29,7 +29,12 @@ from vlmdoctor.trace.read import TraceError, iter_batches, read_metadata, split_
 from vlmdoctor.trace.worker import run_all
 
 LOGITS_OPS = ("aten::cross_entropy_loss", "aten::log_softmax", "aten::_log_softmax")
-SDPA_OP = "aten::scaled_dot_product_attention"  # inputs (batch, heads, length, head_dim)
+#: Liger's fused linear cross entropy: inputs (hidden [rows, h], LM head weight [vocab, h], targets), no logits
+FCE_OP = "LigerFusedLinearCrossEntropyFunction"
+SDPA_OP = "aten::scaled_dot_product_attention"
+CUDA_DEVICE = (
+    1  # the profiler's [memory] events: Device Type 0 is the CPU, 1 CUDA  # inputs (batch, heads, length, head_dim)
+)
 #: ops whose operand shapes and dtypes the LoRA and DPO facts read (trace/modes.py): GEMMs and casts
 OPERAND_OPS = frozenset(("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_to_copy"))
 SHAPE_OPS = ("aten::embedding",)  # its first input is the token-id batch: (batch, length)
@@ -88,6 +93,9 @@ class Tables:
     operands: list[tuple[str, float, float, int, Any, Any]] = field(
         default_factory=list
     )  # (name, ts, dur, tid, input dims, input types) of GEMMs and casts (trace/modes.py)
+    cuda_memory: list[tuple[float, int, int, float, float]] = field(
+        default_factory=list
+    )  # (ts, tid, addr, bytes, total allocated) of each CUDA [memory] event (trace/families/memory_live.py)
     invalid: dict[str, dict[str, int]] = field(
         default_factory=dict
     )  # events left out for an unusable time: kind (gpu, host, step) -> why (INVALID_WHY) -> count
@@ -234,6 +242,16 @@ def _take(ev: dict[str, Any], b: _Builder) -> None:
             m[0] = max(m[0], float(a.get("Total Allocated", 0) or 0))
             m[1] = max(m[1], float(a.get("Total Reserved", 0) or 0))
             b.recorded["memory"] = True
+            if int(a.get("Device Type", -1)) == CUDA_DEVICE:
+                b.cuda_memory.append(
+                    (
+                        float(ev.get("ts", 0.0)),
+                        tids.setdefault(ev.get("tid"), len(tids)),
+                        int(a.get("Addr", 0) or 0),
+                        float(a.get("Bytes", 0) or 0),
+                        float(a.get("Total Allocated", 0) or 0),
+                    )
+                )
         return
     if cat == "python_function":  # with_stack / with_modules: keep the module ranges only, never every frame
         b.recorded["stack"] = True
@@ -273,7 +291,7 @@ def _take(ev: dict[str, Any], b: _Builder) -> None:
             b.extra += _weight(args)
         if "Input Dims" in args:
             b.recorded["shapes"] = True
-            if name in SHAPE_OPS or name in LOGITS_OPS or name == SDPA_OP:
+            if name in SHAPE_OPS or name in LOGITS_OPS or name == SDPA_OP or name == FCE_OP:
                 b.shapes.append((ts, name, args["Input Dims"]))
                 b.types[name] = args.get("Input type")
                 b.extra += _weight(args["Input Dims"])
@@ -350,6 +368,8 @@ class _Args(msgspec.Struct, gc=False):
     device: int = msgspec.field(default=-1, name="Device Type")
     allocated: float | None = msgspec.field(default=0.0, name="Total Allocated")
     reserved: float | None = msgspec.field(default=0.0, name="Total Reserved")
+    addr: int = msgspec.field(default=0, name="Addr")
+    block: float | None = msgspec.field(default=0.0, name="Bytes")
 
 
 _NO_TIME = -math.inf  # the default of a missing ts or dur: JSON cannot write it, so it means "missing"
@@ -385,7 +405,7 @@ _KIND = {
 }
 # what a name is, once per distinct name: bits of _Fast's flag table
 _STEP, _MODULE_RANGE, _COMM_OP, _COMM_KERNEL, _SHAPE, _OPERAND = 1, 2, 4, 8, 16, 32
-_SHAPE_NAMES = frozenset((*SHAPE_OPS, *LOGITS_OPS, SDPA_OP))
+_SHAPE_NAMES = frozenset((*SHAPE_OPS, *LOGITS_OPS, SDPA_OP, FCE_OP))
 _cat, _ph, _name, _ts, _dur, _tid = (attrgetter(k) for k in ("cat", "ph", "name", "ts", "dur", "tid"))
 _seq, _fwd_tid, _corr, _bytes, _dims = (
     attrgetter(f"args.{k}") for k in ("seq", "fwd_tid", "correlation", "bytes", "dims")
@@ -455,6 +475,7 @@ class _Builder:
         self.recorded = {"shapes": False, "memory": False, "stack": False}
         self.comm: list[tuple[str, str, int, float, float, dict[str, Any]]] = []
         self.operands: list[tuple[str, float, float, int, Any, Any]] = []
+        self.cuda_memory: list[tuple[float, int, int, float, float]] = []
         self.private: dict[str, int] = _Codes()
         self.flag = np.zeros(0, dtype=np.int8)  # private code -> flags
         self.public = np.zeros(0, dtype=np.int32)  # private code -> public code, -1 before its first kept row
@@ -465,7 +486,7 @@ class _Builder:
         """About the memory the analysis of what is kept so far takes (bytes): rows, distinct names and threads,
         and the Python objects kept (`extra`)."""
         rows = len(self.gpu.codes) + len(self.ops.codes) + len(self.rt.codes)
-        entries = len(self.names) + len(self.tids) + len(self.private)
+        entries = len(self.names) + len(self.tids) + len(self.private) + len(self.cuda_memory)
         return ROW_BYTES * rows + ENTRY_BYTES * entries + self.extra
 
     def invalid_one(self, kind: str, why: str, n: int = 1) -> None:
@@ -504,6 +525,7 @@ class _Builder:
             self.recorded,
             self.comm,
             self.operands,
+            self.cuda_memory,
             self.invalid,
         )
 
@@ -552,6 +574,7 @@ class _Builder:
             self.recorded[k] = self.recorded[k] or v
         self.comm += [(kind, n, t[i] if i >= 0 else i, *rest) for kind, n, i, *rest in later.comm]
         self.operands += [(n, ts, dur, t[i], *rest) for n, ts, dur, i, *rest in later.operands]
+        self.cuda_memory += [(ts, t[i], *rest) for ts, i, *rest in later.cuda_memory]
         for kind, whys in later.invalid.items():
             for why, count in whys.items():
                 self.invalid_one(kind, why, count)
@@ -648,6 +671,11 @@ class _Builder:
             m[0] = max(m[0], float(a.allocated or 0))
             m[1] = max(m[1], float(a.reserved or 0))
             self.recorded["memory"] = True
+            if a.device == CUDA_DEVICE:
+                ts = e.ts if e.ts != _NO_TIME else 0.0  # an instant: no duration to check
+                self.cuda_memory.append(
+                    (ts, self.tids[_tid(e)], int(a.addr or 0), float(a.block or 0), float(a.allocated or 0))
+                )
 
     def _ops(self, sel, at, codes, tid, kind: np.ndarray, flag: np.ndarray, ts: np.ndarray, dur: np.ndarray) -> None:
         evs = _pick(sel, at)
