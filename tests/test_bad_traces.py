@@ -346,21 +346,22 @@ def _retyped(src: Path, dst: Path, **info) -> None:
     with gzip.open(src, "rt") as f:
         doc = json.load(f)
     doc["distributedInfo"] = {**doc["distributedInfo"], **info}
-    with gzip.open(dst, "wt") as f:
+    with gzip.open(dst, "wt", compresslevel=1) as f:
         json.dump(doc, f)
 
 
-MIXES = [
-    ("two recordings", ("ddp", 0), ("ddp_tokens", 1), {}, "not recorded at the same time"),
-    ("two recordings, other order", ("ddp_loader", 0), ("ddp", 1), {}, "not recorded at the same time"),
-    ("ddp and fsdp2", ("ddp", 0), ("fsdp2", 1), {}, "not recorded at the same time"),
-    ("world sizes differ", ("ddp", 0), ("ddp", 1), {"world_size": 4}, "jobs of 2 and 4 ranks"),
-    ("a rank outside the job", ("ddp", 0), ("ddp", 1), {"rank": 5}, "rank 5, outside a job of 2"),
+_SLOW = (pytest.mark.slow,)
+MIXES = [  # (first trace, second trace, its distributedInfo changed, what the refusal says); slow: more of a kind
+    pytest.param(("ddp", 0), ("ddp_tokens", 1), {}, "not recorded at the same time", id="two recordings"),
+    pytest.param(("ddp_loader", 0), ("ddp", 1), {}, "not recorded", marks=_SLOW, id="two recordings, other order"),
+    pytest.param(("ddp", 0), ("fsdp2", 1), {}, "not recorded", marks=_SLOW, id="ddp and fsdp2"),
+    pytest.param(("ddp", 0), ("ddp", 1), {"world_size": 4}, "jobs of 2 and 4 ranks", id="world sizes differ"),
+    pytest.param(("ddp", 0), ("ddp", 1), {"rank": 5}, "rank 5, outside a job of 2", id="a rank outside the job"),
 ]
 
 
-@pytest.mark.parametrize("name, a, b, info, needle", MIXES, ids=[m[0] for m in MIXES])
-def test_a_folder_of_two_jobs_is_reported_and_not_joined(tmp_path, name, a, b, info, needle):
+@pytest.mark.parametrize("a, b, info, needle", MIXES)
+def test_a_folder_of_two_jobs_is_reported_and_not_joined(tmp_path, a, b, info, needle):
     folder = tmp_path / "ranks"
     folder.mkdir()
     shutil.copy(DIST / a[0] / f"trace_rank{a[1]}.json.gz", folder / f"trace_rank{a[1]}.json.gz")
@@ -382,7 +383,7 @@ def test_different_run_configs_are_not_one_job(tmp_path):
         with gzip.open(DIST / "ddp" / f"trace_rank{rank}.json.gz", "rt") as f:
             doc = json.load(f)
         doc = {"vlmdoctor": {"config": {"model": "tiny", "batch_size": batch}}, **doc}  # before the events
-        with gzip.open(folder / f"trace_rank{rank}.json.gz", "wt") as f:
+        with gzip.open(folder / f"trace_rank{rank}.json.gz", "wt", compresslevel=1) as f:
             json.dump(doc, f)
     out = analyze(folder)
     assert "record different run configs" in out["cross_rank"]["skipped"]
