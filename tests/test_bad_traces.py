@@ -282,8 +282,8 @@ FIELDS = [
     ("vlmdoctor.config", lambda m, v: m.setdefault("vlmdoctor", {}).update(config=v)),
     ("vlmdoctor.config.stage", lambda m, v: m.setdefault("vlmdoctor", {}).setdefault("config", {}).update(stage=v)),
     (
-        "vlmdoctor.config.batch_size",
-        lambda m, v: m.setdefault("vlmdoctor", {}).setdefault("config", {}).update(batch_size=v),
+        "vlmdoctor.config.model",
+        lambda m, v: m.setdefault("vlmdoctor", {}).setdefault("config", {}).update(model=v),
     ),
     ("vlmdoctor.env", lambda m, v: m.setdefault("vlmdoctor", {}).update(env=v)),
     (
@@ -322,7 +322,7 @@ def _with_meta(recorded: dict, change, value) -> str:
 @pytest.mark.parametrize("field, change", FIELDS, ids=[f[0] for f in FIELDS])
 def test_wrong_typed_metadata_is_a_clear_refusal(tmp_path, recorded, field, change):
     for value in WRONG:
-        if value == "text" and field.endswith((".name", "host_name")):
+        if value == "text" and (field.endswith((".name", "host_name")) or field == "vlmdoctor.config.model"):
             continue  # a string is what these hold
         if isinstance(value, dict) and field in OBJECTS:
             continue  # an object of unknown keys is an object with none of the keys read
@@ -336,6 +336,17 @@ def test_wrong_typed_metadata_is_a_clear_refusal(tmp_path, recorded, field, chan
             assert leaf in line, (field, value, line)
         else:
             assert "does not convert" in line or "out of range" in line, line
+
+
+def test_a_user_loops_own_config_of_any_types_is_still_read(tmp_path, recorded):
+    """Knobs the facts do not compute with, and unknown stages, are kept as they are (a false refusal of a
+    user's trace would be as bad as a crash)."""
+    config = {"stage": None, "batch_size": "32", "lr": [1], "sampler": {"a": 1}, "trainer_args": {"x": None}}
+    p = tmp_path / "t.json"
+    p.write_text(_with_meta(recorded, lambda m, v: m.update(vlmdoctor={"config": v}), config))
+    r = invoke(["analyze", p, "--json", tmp_path / "a.json"])
+    assert r.exit_code == 0 and "Traceback" not in r.output, r.output
+    assert json.loads((tmp_path / "a.json").read_text())["files"][0]["facts"]["config.batch_size"] == "32"
 
 
 # --- rank folders of two jobs: reported, not joined ----------------------------------------------------

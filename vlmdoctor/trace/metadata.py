@@ -59,7 +59,7 @@ class _Meta(msgspec.Struct):
 
 def check_metadata(meta: dict[str, Any], path: Path) -> None:
     """Refuse (TraceError, exit 2) metadata whose fields the facts read have another type than Kineto and
-    vlmdoctor write: an object, a list, a string, a finite number of at most 64 bits, a knob of its type."""
+    vlmdoctor write: an object, a list, a string, a finite number of at most 64 bits, a computed knob's type."""
     try:
         msgspec.convert(meta, _Meta, strict=True)
     except msgspec.ValidationError as e:
@@ -104,29 +104,28 @@ def _sane(v: Any) -> bool:
     return not isinstance(v, float) or math.isfinite(v)
 
 
-def _check_knobs(config: dict[str, Any], path: Path) -> None:
-    """The run config recorded in the trace: each knob vlmdoctor knows has its declared type (knobs of
-    other versions are kept as they are: the rules read them only as `config.*` facts)."""
-    from vlmdoctor.run.config import RunConfig, _base_type
+#: the recorded knobs the facts compute with (trace/families/identity.py, flops.py), and the types they need
+COMPUTED_KNOBS = {
+    "stage": int,
+    "model": str,
+    "vision": str,
+    "llm": str,
+    "projector": str,
+    "pixel_shuffle": int,
+    "train": str,
+}
 
-    for name, f in RunConfig.__dataclass_fields__.items():
-        if name not in config:
-            continue
-        value, kind = config[name], _base_type(f.type)
+
+def _check_knobs(config: dict[str, Any], path: Path) -> None:
+    """The run config recorded in the trace: the knobs the facts compute with have their types (or are
+    null: not known). The others are kept as they are, as `config.*` facts: a rule that compares one of
+    another type is a rule problem, never a crash, and a user's own loop may record what it likes."""
+    for name, kind in COMPUTED_KNOBS.items():
+        value = config.get(name)
         if value is None:
-            ok = "None" in str(f.type)
-        elif kind is bool:
-            ok = isinstance(value, bool)
-        elif kind is int:
-            ok = isinstance(value, int) and not isinstance(value, bool) and _sane(value)
-        elif kind is float:
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and _sane(value)
-        elif kind is str:
-            ok = isinstance(value, str)
-        else:
-            ok = True
+            continue
+        ok = isinstance(value, kind) and not isinstance(value, bool) and _sane(value)
         if not ok:
             raise TraceError(
-                f"{path}: the run config in the trace's metadata has {name}={str(value)[:40]!r}, "
-                f"not {getattr(kind, '__name__', kind)}"
+                f"{path}: the run config in the trace's metadata has {name}={str(value)[:40]!r}, not {kind.__name__}"
             )
