@@ -18,6 +18,7 @@ switches vlmdoctor off; errors from the user's code pass through unchanged. The 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import resource
@@ -34,7 +35,7 @@ import torch
 from torch import nn
 
 from vlmdoctor import SCHEMA_VERSION, __version__
-from vlmdoctor.run import throughput
+from vlmdoctor.run import one_profiler, throughput
 from vlmdoctor.run.flopcount import StepFlops, describe_counted, peak_of, per_step
 
 IGNORE_INDEX = -100
@@ -223,6 +224,14 @@ class Recorder:
         self.settled: bool | None = None
         self.flops = StepFlops()
         self.flops_padded: int | None = None
+        self.trace_skipped: str | None = None  # why the traced window was not traced (another profiler ran)
+        self.profiled_timed_steps = 0  # timed steps during which another profiler ran (their times include it)
+        self.profiled_by: str | None = None
+        self.busy_at_start: str | None = None  # another profiler ran where the current step started
+        self.report: dict[str, Any] | None = None  # built once, by finish()
+        self.said: set[str] = set()  # errors of vlmdoctor's own already said (each once)
+        with contextlib.suppress(Exception):
+            one_profiler.install()  # sessions the script starts are seen, so that one profiler runs at a time
 
     # -- hooks ------------------------------------------------------------------------------------
     def attach(self) -> None:
@@ -263,14 +272,29 @@ class Recorder:
         try:
             return fn(*a)
         except Exception as e:  # never the user's training: log once, switch off
-            self.broken = True
-            frame = traceback.extract_tb(e.__traceback__)[-1]
-            _log(
-                f"internal error, measurement switched off, training goes on: {type(e).__name__}: {e} "
-                f"({Path(frame.filename).name}:{frame.lineno})"
-            )
-            self._stop_profiler()
+            self.fail(e)
             return None
+
+    def fail(self, e: BaseException) -> None:
+        """An error of vlmdoctor's own: said once, measurement switched off, hooks and profiler removed; the
+        training goes on."""
+        if self.broken:
+            return
+        self.broken = True
+        frames = traceback.extract_tb(e.__traceback__)
+        where = f" ({Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+        self.say("internal error, measurement switched off, training goes on", e, where)
+        with contextlib.suppress(Exception):
+            self._detach()
+        with contextlib.suppress(Exception):
+            self._stop_profiler()
+
+    def say(self, what: str, e: BaseException, where: str = "") -> None:
+        """One line per distinct error of vlmdoctor's own, however often it comes back."""
+        key = f"{type(e).__name__}: {e}"
+        if key not in self.said:
+            self.said.add(key)
+            _log(f"{what}: {key}{where}")
 
     # -- steps ------------------------------------------------------------------------------------
     def begin(self) -> None:
@@ -311,6 +335,11 @@ class Recorder:
             _sync(self.device)
             now = time.perf_counter()
         self.records.append({"t": now, "cpu": time.process_time(), "counts": counts, "losses": losses[-1:]})
+        if self.warmup < i <= self.warmup + self.steps and self.busy_at_start:  # another profiler ran over it
+            self.profiled_timed_steps += 1
+            self.profiled_by = self.busy_at_start
+        if self.warmup <= i < self.warmup + self.steps:  # where the next timed step starts
+            self.busy_at_start = one_profiler.busy(self)
         if i == self.warmup and self._still_warming():
             self.warmup += 1  # one more warm-up step; the window starts once the steps agree
             return
@@ -319,13 +348,14 @@ class Recorder:
         if i == self.warmup + self.steps:
             self.window = self._summarize(self.warmup, i)
             if self.trace_steps:
-                self._start_profiler()
+                self._start_traced_window()
             if self.model is not None and self.prof is not None:
                 self.flops.start(self.model)  # the next step is the profiler's wait step: count its FLOPs, untimed
         elif self.prof is not None:
             if i > self.warmup + self.steps + 2 and self.trace_info is not None:  # an active (recorded) step
                 self.trace_info["traced_step_ms"].append((now - self.records[-2]["t"]) * 1e3)
-            self.prof.step()
+            with one_profiler.ours(self):
+                self.prof.step()
             if i == self.warmup + self.steps + 2:  # recording starts now; metadata before it is dropped
                 self._add_metadata()
             if i >= self.warmup + self.steps + 2 + self.trace_steps:
@@ -350,7 +380,8 @@ class Recorder:
     @property
     def window_done(self) -> bool:
         """The timed and traced windows are over: the rest of the run is not measured."""
-        return self.window is not None and self.prof is None and (self.trace_info is not None or not self.trace_steps)
+        traced = self.trace_info is not None or not self.trace_steps or self.trace_skipped is not None
+        return self.window is not None and self.prof is None and traced
 
     # -- the timed window -------------------------------------------------------------------------
     def _summarize(self, first: int, last: int) -> dict[str, Any]:
@@ -411,6 +442,43 @@ class Recorder:
         return w
 
     # -- the traced window ------------------------------------------------------------------------
+    def _start_traced_window(self) -> None:
+        """Trace the next steps, unless another profiler runs in this process: one at a time (two end the
+        process), so this one then stays timed only and says why."""
+        who = {"api": "vlmdoctor.Doctor", "trainer": "vlmdoctor.DoctorCallback", "script": "vlmdoctor run"}
+        what = f"{who.get(self.source, 'another vlmdoctor recorder')} (writing to {self.out})"
+        why = one_profiler.claim(self, what, self._give_way)
+        if why is not None:
+            self._skip_trace(f"{why} was already profiling this process")
+            return
+        try:
+            self._start_profiler()
+        except Exception as e:  # a profiler that did not start is dropped, never stopped (that would end another)
+            self.prof = None
+            self.trace_info = None
+            if self.unmark is not None:
+                with contextlib.suppress(Exception):
+                    self.unmark()
+                self.unmark = None
+            one_profiler.release(self)
+            self._skip_trace(f"torch.profiler did not start ({type(e).__name__}: {e})")
+
+    def _skip_trace(self, why: str) -> None:
+        self.trace_skipped = why
+        _log(f"not tracing: {why}; one profiler at a time. The timed window stands, the training goes on")
+
+    def _give_way(self, why: str) -> None:
+        """The script starts its own profiler while this one holds the session: stop ours first, drop its trace."""
+        if self.prof is None:
+            one_profiler.release(self)
+            return
+        self._stop_profiler()
+        if self.trace_info is not None:
+            with contextlib.suppress(OSError):
+                Path(self.trace_info["path"]).unlink(missing_ok=True)
+        self.trace_info = None
+        self._skip_trace(f"{why} during vlmdoctor's traced window, which was stopped for it")
+
     def _start_profiler(self) -> None:
         from torch.profiler import ProfilerActivity, profile, schedule
 
@@ -429,15 +497,17 @@ class Recorder:
             "profile_memory": False,
             "traced_step_ms": [],
         }
-        self.unmark = mark_parts(self.model) if self.model is not None else None
+        self.unmark = mark_parts(self.model, on_error=self.fail) if self.model is not None else None
         plan = schedule(wait=1, warmup=1, active=self.trace_steps, repeat=1)
-        self.prof = profile(
+        prof = profile(
             activities=activities,
             schedule=plan,
             on_trace_ready=lambda p: p.export_chrome_trace(str(path)),
             record_shapes=True,
         )
-        self.prof.__enter__()
+        with one_profiler.ours(self):
+            prof.__enter__()
+        self.prof = prof  # only once it started: a profiler that failed to start is never stopped
 
     def _add_metadata(self) -> None:
         """What is known of the run travels in the trace (as vlmdoctor's own runs do), so the rules see it."""
@@ -460,15 +530,21 @@ class Recorder:
                 self.flops.stop()
             except Exception as e:
                 self.flops.reason = f"not counted: {type(e).__name__}: {e}"
+                mode, self.flops.mode = self.flops.mode, None
+                if mode is not None:  # out of the user's ops whatever the count did
+                    with contextlib.suppress(Exception):
+                        mode.__exit__(None, None, None)
         prof, self.prof = self.prof, None
         if prof is not None:
             try:
-                prof.__exit__(None, None, None)
+                with one_profiler.ours(self):
+                    prof.__exit__(None, None, None)
             except Exception as e:
                 _log(f"the profiler did not stop cleanly: {type(e).__name__}: {e}")
+        one_profiler.release(self)
         if self.unmark is not None:
-            self.unmark()
-            self.unmark = None
+            unmark, self.unmark = self.unmark, None
+            unmark()
         if self.trace_info is not None:
             p = Path(self.trace_info["path"])
             self.trace_info["bytes"] = p.stat().st_size if p.exists() else None
@@ -520,8 +596,9 @@ class Recorder:
         self.hooks = []
         self.pending, self.pending_losses = [], []
 
-    def finish(self) -> dict[str, Any]:
-        """Stop measuring and build the report of what was measured (the analysis comes after)."""
+    def finish(self) -> dict[str, Any] | None:
+        """Stop measuring and build the report of what was measured (the analysis comes after); once (None
+        when building it failed)."""
         if self.done:
             return self.report
         self.done = True
@@ -550,7 +627,9 @@ class Recorder:
         }
         if self.flops.total is None and self.flops.reason is None:
             report["flops"]["formula"] = (
-                "not counted: the loop ended before the traced window's first step"
+                "not counted: no traced window (another profiler ran), whose first step is the one counted"
+                if self.trace_skipped is not None
+                else "not counted: the loop ended before the traced window's first step"
                 if self.trace_steps
                 else "not counted: no traced window (trace_steps=0), whose first step is the one counted"
             )
@@ -566,7 +645,14 @@ class Recorder:
                 f"asked for: the numbers are over steps {first + 1}..{n}"
                 + (" (warm-up steps included)" if first < self.warmup else "")
             )
-        if window is not None and self.trace_info is None and not self.trace_steps:
+        if self.profiled_timed_steps:
+            notes.append(
+                f"{self.profiled_by} ran during {self.profiled_timed_steps} of the timed steps: their times "
+                "include its overhead"
+            )
+        if window is not None and self.trace_skipped is not None:
+            notes.append(f"not traced: {self.trace_skipped} (one profiler at a time); timed only, no diagnosis")
+        elif window is not None and self.trace_info is None and not self.trace_steps:
             notes.append("not traced (trace steps 0): timed only, no facts and no diagnosis")
         elif window is not None and self.trace_info is None:
             notes.append("no traced window: the loop ended first, so there are no facts and no diagnosis")
@@ -743,14 +829,19 @@ class Doctor:
         rules_dirs: Sequence[str] = (),
         source: str = "api",
     ) -> None:
-        self.rec = Recorder(model, out, warmup, steps, trace_steps, stage, source, config, audience)
+        try:
+            self.rec = Recorder(model, out, warmup, steps, trace_steps, stage, source, config, audience)
+        except Exception as e:  # a model vlmdoctor cannot read: the loop runs, unmeasured
+            self.rec = Recorder(None, out, warmup, steps, trace_steps, stage, source, config, audience)
+            self.rec.fail(e)
         self.quiet = quiet
         self.rules_dirs = list(rules_dirs)
         self.report: dict[str, Any] | None = None
+        self.finished = False
 
     def __enter__(self) -> Doctor:
         self.rec._safe(self.rec.attach)
-        self.rec.begin()
+        self.rec._safe(self.rec.begin)
         return self
 
     def step(self, batch: Any = None, *, loss: Any = None, **inputs: Any) -> None:
@@ -759,33 +850,65 @@ class Doctor:
         Once the traced window is over, the report is written and printed at once (the loop
         goes on, unmeasured), so a long training does not hold it back until its end.
         """
-        self.rec.step(batch, loss, **inputs)
-        if self.report is None and self.rec.window_done:
-            self.finish()
+        try:
+            self.rec.step(batch, loss, **inputs)
+            if not self.finished and self.rec.window_done:
+                self.finish()
+        except Exception as e:  # vlmdoctor's own error: said once, the loop goes on
+            self.rec.fail(e)
 
     @property
     def window_done(self) -> bool:
-        return self.rec.window_done
+        try:
+            return self.rec.window_done
+        except Exception as e:
+            self.rec.fail(e)
+            return True
 
     def finish(self) -> dict[str, Any] | None:
-        """Stop, analyze, write out/report.json and print the prescriptions; returns the report."""
-        if self.report is not None:
+        """Stop, analyze, write out/report.json and print the prescriptions; returns the report.
+
+        Runs once. Whatever fails in here is said in one line and the loop goes on; a report that was
+        measured is kept (in `self.report`, and in a rescue file when out/ cannot be written)."""
+        if self.finished:
             return self.report
+        self.finished = True
         try:
             report = self.rec.finish()
-            if self.rec.broken:
-                report.setdefault("notes", []).append(
-                    "vlmdoctor hit an internal error during the run and stopped measuring; the numbers may be partial"
-                )
+        except Exception as e:
+            self.rec.fail(e)
+            return None
+        if report is None:
+            return None
+        self.report = report
+        if self.rec.broken:
+            report.setdefault("notes", []).append(
+                "vlmdoctor hit an internal error during the run and stopped measuring; the numbers may be partial"
+            )
+        try:
             diagnose_report(report, self.rec.audience, self.rules_dirs)
+        except Exception as e:  # the measurement stands without its diagnosis
+            report["diagnosis_error"] = f"{type(e).__name__}: {e}"
+            self.rec.say("the diagnosis failed, the measurement is kept", e)
+        try:
             path = write_outputs(report, self.rec.out)
-            self.report = report
+        except Exception as e:
+            from vlmdoctor.files import fallback_path, json_text, save
+
+            try:
+                spare = fallback_path("report.json")
+                kept = save(spare, json_text(report), "report") or f"it was saved to {spare}"
+            except Exception as e2:
+                kept = f"it could not be saved elsewhere either ({type(e2).__name__}: {e2})"
+            self.rec.say(f"could not write {self.rec.out / 'report.json'} ({kept})", e)
+            return report
+        try:
             if not self.quiet:
                 show(report)
                 print(f"vlmdoctor: report written to {path}", flush=True)
         except Exception as e:
-            _log(f"could not finish the report: {type(e).__name__}: {e}")
-        return self.report
+            self.rec.say(f"could not print the report (it is in {path})", e)
+        return report
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         self.finish()
