@@ -41,10 +41,10 @@ def parse_command(command: Sequence[str], cwd: str | None = None) -> list[str]:
     cmd = list(command)
     if not cmd:
         raise UsageError("give the training command after --, e.g.: vlmdoctor run -- python train.py --epochs 1")
-    if Path(cmd[0]).name in MULTI_PROCESS_LAUNCHERS:
+    if Path(cmd[0]).name in MULTI_PROCESS_LAUNCHERS:  # vlmdoctor run follows torchrun and accelerate (launchers.py)
         raise UsageError(
-            f"{Path(cmd[0]).name} starts several processes, which vlmdoctor run does not follow yet; "
-            "doctor one process: vlmdoctor run -- python train.py ARGS"
+            f"{Path(cmd[0]).name} starts several processes, which this command does not follow; "
+            "give one process: python train.py ARGS"
         )
     if Path(cmd[0]).name.startswith("python") and not cmd[0].endswith(".py"):
         cmd = cmd[1:]
@@ -75,7 +75,7 @@ class _StopAfterWindow(BaseException):
 
 
 def find_model(optimizer: Any) -> Any:
-    """The module whose parameters the optimizer holds: the root module covering most of them, unwrapped."""
+    """The module whose parameters the optimizer holds: the root module covering most of them."""
     from torch import nn
 
     wanted = {id(p) for g in optimizer.param_groups for p in g["params"]}
@@ -91,12 +91,7 @@ def find_model(optimizer: Any) -> Any:
         key = (sum(i in wanted for i in ids), len(ids))
         if key[0] and key > best_key:
             best, best_key = m, key
-    while best is not None:  # DDP / FSDP (.module) and torch.compile (._orig_mod) wrappers
-        inner = getattr(best, "module", None) or getattr(best, "_orig_mod", None)
-        if not isinstance(inner, nn.Module):
-            break
-        best = inner
-    return best
+    return best  # DDP / FSDP / torch.compile wrappers included: the Recorder unwraps them (api.unwrap)
 
 
 def _trainer_args() -> Any:
@@ -135,29 +130,27 @@ class _Child:
                 raise _StopAfterWindow()
 
     def _report_now(self) -> None:
-        """Diagnose and print as soon as the windows are measured, while the script trains on unmeasured."""
-        from vlmdoctor.api import _log, diagnose_report, show, write_outputs
+        """Diagnose and print as soon as the windows are measured, while the script trains on unmeasured.
+
+        Under a launcher every rank gets here at the same step: rank 0 joins the others' numbers."""
+        from vlmdoctor.api import _log, complete, show
 
         try:
             report = self.rec.finish()
             report["audience"] = self.rec.audience
             report["script"] = {"argv": self.s["argv"], "exit_code": None, "error": None}
-            if self.s.get("diagnose", True):
-                from vlmdoctor.doctor.select import Selection
+            from vlmdoctor.doctor.select import Selection
 
-                selection = Selection.from_json(self.s.get("selection"))
-                diagnose_report(report, self.rec.audience, self.s.get("rules_dirs") or [], selection)
+            selection = Selection.from_json(self.s.get("selection"))
             report["diagnosed_while_running"] = True
-            write_outputs(report, Path(self.s["out"]))
-            self.report = report
-            if not self.s.get("quiet"):
-                show(report, sys.stdout)
-                if not self.s.get("stop_after_window"):
-                    print(
-                        f"vlmdoctor: report written to {Path(self.s['out']) / 'report.json'}; "
-                        "the script goes on, unmeasured",
-                        flush=True,
-                    )
+            rules = self.s.get("rules_dirs") or []
+            diagnose, html = self.s.get("diagnose", True), self.s.get("html", True)
+            done = complete(report, self.rec, rules, selection, diagnose=diagnose, html=html)
+            self.report = done or {}  # {}: a rank other than 0, whose numbers went to rank 0
+            if done is not None and self.rec.say is not None:
+                show(done, sys.stdout)
+                goes_on = "" if self.s.get("stop_after_window") else "; the script goes on, unmeasured"
+                self.rec.say(f"report written to {Path(self.s['out']) / 'report.json'}{goes_on}")
         except Exception as e:  # the analysis must not end the user's training
             self.report = {}
             _log(f"could not write the report now, training goes on: {type(e).__name__}: {e}")
@@ -190,7 +183,12 @@ class _Child:
                 "script",
                 config,
                 audience,
+                step_offset=1,  # the first optimizer step only finds the model
             )
+            if not self.s.get("quiet") and self.rec.rank == 0:
+                from vlmdoctor.report.progress import say
+
+                self.rec.say = say
             self.rec.attach()
             self.rec.begin()  # steps count from the first optimizer step on: its inputs came before the hooks
         except Exception as e:
@@ -198,16 +196,19 @@ class _Child:
             _log(f"could not start measuring, the script goes on: {type(e).__name__}: {e}")
 
     def finish(self, exit_code: int | None, error: str | None) -> None:
-        from vlmdoctor.api import write_outputs
+        from vlmdoctor.api import complete, write_outputs
+        from vlmdoctor.rank_join import rank_and_world
 
         out = Path(self.s["out"])
+        if self.report is not None and not self.report:
+            return  # a rank other than 0: rank 0 holds its numbers
         if self.report:  # written at the window's end: add how the script ended
             self.report["script"] |= {
                 "exit_code": exit_code,
                 "error": error,
                 "steps_of_other_optimizers": self.steps_of_others,
             }
-            write_outputs(self.report, out)
+            write_outputs(self.report, out, html=self.s.get("html", True))
             return
         if self.rec is None:
             report: dict[str, Any] = {
@@ -233,7 +234,10 @@ class _Child:
             "error": error,
             "steps_of_other_optimizers": self.steps_of_others,
         }
-        write_outputs(report, out)
+        if self.rec is not None:  # the steps that ran: rank 0 joins the ranks, the parent diagnoses
+            complete(report, self.rec, diagnose=False, html=False)
+        elif rank_and_world()[0] == 0:
+            write_outputs(report, out, html=False)
 
 
 def child_main() -> None:
@@ -257,7 +261,8 @@ def child_main() -> None:
             sys.path[0] = str(Path(argv[0]).resolve().parent)
             runpy.run_path(argv[0], run_name="__main__")
     except _StopAfterWindow:
-        print("vlmdoctor: stopped the script after the measured window (--stop-after-window)", file=sys.stderr)
+        if child.rec is None or child.rec.rank == 0:
+            print("vlmdoctor: stopped the script after the measured window (--stop-after-window)", file=sys.stderr)
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -346,6 +351,7 @@ def measure_script(
             "rules_dirs": [],
             "quiet": True,
             "diagnose": False,
+            "html": False,
         }
         log = Path(tmp) / "script.log"
 
@@ -411,28 +417,38 @@ def run_script(
     html_path: str | None = None,
     selection: Any = None,
 ) -> tuple[int, dict[str, Any] | None]:
-    """Run the script under the bootstrap, then diagnose; returns (exit code, report)."""
-    from vlmdoctor.api import diagnose_report, show, write_outputs
-    from vlmdoctor.files import check_writable
+    """Run the script under the bootstrap, then diagnose; returns (exit code, report).
 
-    argv = parse_command(command)
+    Under torchrun or accelerate launch every rank starts in the bootstrap (vlmdoctor/launchers.py);
+    rank 0 prints and writes the job's report."""
+    from vlmdoctor.api import HTML, REPORT, diagnose_report, output_paths, show, show_summary, write_outputs
+    from vlmdoctor.files import check_writable
+    from vlmdoctor.launchers import rank_command
+
+    cmd = rank_command(command)
+    if cmd is None:
+        cmd = [sys.executable, "-c", BOOTSTRAP, *parse_command(command)]
     if stage is not None and stage not in (1, 2):
         raise UsageError("--stage must be 1 or 2")
     for name, v in (("--warmup", warmup), ("--steps", steps), ("--trace-steps", trace_steps)):
         if v < (0 if name == "--warmup" else 1):
             raise UsageError(f"{name} must be at least {0 if name == '--warmup' else 1}")
     folder = Path(out)
-    report_path = folder / "report.json"
-    if report_path.exists() and not force:
-        raise UsageError(f"{report_path} exists; pass --force to overwrite it, or --out another folder")
+    report_path, page_path = folder / REPORT, folder / HTML
+    for p in (report_path, page_path):
+        if p.exists() and not force:
+            raise UsageError(f"{p} exists; pass --force to overwrite it, or --out another folder")
     from vlmdoctor.files import check_distinct
 
     check_distinct(json=json_path, html=html_path, out=report_path)
     check_writable(json_path, force, "--json")
     check_writable(html_path, force, "--html")
     folder.mkdir(parents=True, exist_ok=True)
-    if report_path.exists():
-        report_path.unlink()
+    for p in (report_path, page_path):
+        if p.exists():  # --force: an earlier run's report must not pass for this one's
+            p.unlink()
+    import time
+
     env = child_env(
         {
             "out": str(folder),
@@ -444,12 +460,11 @@ def run_script(
             "rules_dirs": [str(Path(d).resolve()) for d in rules_dirs],
             "selection": selection.to_json() if selection else None,
             "quiet": quiet,
-        }
+        },
+        {"VLMDOCTOR_JOB": time.strftime("%Y%m%d-%H%M%S")},  # the ranks' one name for their trace folder
     )
     log = folder / "script.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", BOOTSTRAP, *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env
-    )
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     try:
         _tee(proc, log, to_stderr=json_path == "-")
     except KeyboardInterrupt:
@@ -458,9 +473,16 @@ def run_script(
         raise
     rc = proc.wait()
     copy = json_path if json_path != "-" else None  # '-': the caller prints the report, once
+    console = sys.stderr if json_path == "-" else sys.stdout
 
     def say(m: str) -> None:
-        print(f"vlmdoctor: {m}", file=sys.stderr, flush=True)
+        from vlmdoctor.report.progress import say as line
+
+        line(m)
+
+    def summary() -> None:
+        if not quiet:
+            show_summary(report, output_paths(report, folder) | {"log": str(log)}, console)
 
     if not report_path.exists():
         say(f"the script exited with code {rc} and left no report; its output is in {log}")
@@ -483,6 +505,7 @@ def run_script(
             "exit_code": code,
         }
         write_outputs(report, folder, copy)
+        summary()
         say(f"the script failed (exit code {code}); its output is in {log}")
         return EXIT_FAILED_RUN, report
     if err.get("type") in ("NoSteps", "NotStarted"):
@@ -496,8 +519,7 @@ def run_script(
         from vlmdoctor.report.html import profile_html, write_html
 
         write_html(profile_html(report), Path(html_path), force=True)  # refused up front unless --force
-    if not quiet and json_path != "-":
-        if not shown:
-            show(report)
-        print(f"vlmdoctor: report {report_path}, script output {log}", flush=True)
+    if not quiet and json_path != "-" and not shown:
+        show(report)
+    summary()
     return EXIT_OK, report

@@ -618,6 +618,10 @@ def render_own(report: dict[str, Any], console: Console) -> None:
         t.add_row("last loss", _fmt(m["final_loss"], "", 4))
     facts = report.get("facts") or {}
     console.print(t)
+    if (report.get("distributed") or {}).get("global"):  # several ranks: the table above is the job's
+        render_ranks(report["distributed"], console)
+        if "dist.comm.ms" in facts:
+            console.print(comm_line(facts, "dist.comm.", None).replace("collectives", "rank mean: collectives", 1))
     render_measurement_notes(report, console)
     if "trace.error" in facts:
         console.print(f"[yellow]the trace could not be analyzed:[/yellow] {escape(str(facts['trace.error']))}")
