@@ -128,19 +128,34 @@ class Samples(Dataset):
         return self.items[i]
 
 
-def collate(items: list[dict]) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest sample of the batch."""
-    n = max(len(x["input_ids"]) for x in items)
+def processor(
+    input_ids: list[list[int]],
+    labels: list[list[int]],
+    images: list[torch.Tensor],
+    padding: bool = True,
+    pad_to_multiple_of: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """The model's inputs, as a transformers processor returns them: rows right-padded to the longest (or
+    to a multiple of `pad_to_multiple_of`), the attention mask, the labels, the images' pixels."""
+    n = max(len(r) for r in input_ids)
+    if pad_to_multiple_of:
+        n = -(-n // pad_to_multiple_of) * pad_to_multiple_of
 
     def pad(row: list[int], value: int) -> list[int]:
         return list(row) + [value] * (n - len(row))
 
     return {
-        "input_ids": torch.tensor([pad(x["input_ids"], PAD) for x in items]),
-        "attention_mask": torch.tensor([pad([1] * len(x["input_ids"]), 0) for x in items]),
-        "labels": torch.tensor([pad(x["labels"], -100) for x in items]),
-        "pixel_values": torch.stack([x["pixel_values"] for x in items]),
+        "input_ids": torch.tensor([pad(r, PAD) for r in input_ids]),
+        "attention_mask": torch.tensor([pad([1] * len(r), 0) for r in input_ids]),
+        "labels": torch.tensor([pad(r, -100) for r in labels]),
+        "pixel_values": torch.stack(images),
     }
+
+
+def collate(items: list[dict]) -> dict[str, torch.Tensor]:
+    """A batch of tokenized samples, padded by the processor."""
+    ids, labels = [x["input_ids"] for x in items], [x["labels"] for x in items]
+    return processor(ids, labels, [x["pixel_values"] for x in items], padding=True)
 
 
 def batches(batch_size: int, seed: int = 0, size: str = "tiny"):

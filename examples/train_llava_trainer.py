@@ -21,7 +21,7 @@ from torch.utils.data import Dataset
 from transformers import LlavaForConditionalGeneration, Trainer, TrainingArguments
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_llava_loop import IMAGE_TOKEN, PAD, SIZES, checkpoint, image_tokens  # noqa: E402
+from train_llava_loop import IMAGE_TOKEN, SIZES, checkpoint, image_tokens, processor  # noqa: E402
 
 from vlmdoctor import DoctorCallback  # noqa: E402
 
@@ -58,13 +58,7 @@ class Collator:
     def __call__(self, items: list[dict]) -> dict[str, torch.Tensor]:
         rows = [[1] + self.image + x["question"] + x["answer"] for x in items]
         labels = [[-100] * (len(r) - len(x["answer"])) + x["answer"] for r, x in zip(rows, items)]
-        n = max(len(r) for r in rows)
-        return {
-            "input_ids": torch.tensor([r + [PAD] * (n - len(r)) for r in rows]),
-            "attention_mask": torch.tensor([[1] * len(r) + [0] * (n - len(r)) for r in rows]),
-            "labels": torch.tensor([lab + [-100] * (n - len(lab)) for lab in labels]),
-            "pixel_values": torch.stack([x["image"] for x in items]),
-        }
+        return processor(rows, labels, [x["image"] for x in items], padding=True)
 
 
 def main() -> None:

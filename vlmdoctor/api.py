@@ -136,6 +136,8 @@ def describe_model(model: nn.Module | None) -> dict[str, Any]:
         },
         "param_dtypes": dtypes,
     }
+    names = {id(m): name for name, m in model.named_modules()}
+    out["paths"] = {k: names[id(m)] for k, m in parts.items() if names.get(id(m))}  # model.<path>, for the advice
     for k in ("vision", "projector", "llm"):
         out[k] = out["parts"].get(k)
     return out

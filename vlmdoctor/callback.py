@@ -22,7 +22,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from vlmdoctor.api import Doctor, _log
-from vlmdoctor.run.trainer_args import training_args_config
+from vlmdoctor.run.trainer_args import sample_lengths, training_args_config
 
 __all__ = ["DoctorCallback", "trainer_metrics", "training_args_config"]
 
@@ -103,6 +103,8 @@ class DoctorCallback(TrainerCallback):
             self.trainer = calling_trainer()
             cfg = training_args_config(args)
             cfg["trainer"] = type(self.trainer).__name__ if self.trainer is not None else "Trainer"
+            if self.trainer is not None:
+                cfg["sample_lengths"] = sample_lengths(self.trainer)  # what group_by_length advice needs
             if int(getattr(args, "world_size", 1) or 1) > 1:
                 cfg["parallel"] = "fsdp" if getattr(args, "fsdp", None) else "ddp"
             offset = int(getattr(state, "global_step", 0) or 0)

@@ -94,8 +94,8 @@ def find_model(optimizer: Any) -> Any:
     return best  # DDP / FSDP / torch.compile wrappers included: the Recorder unwraps them (api.unwrap)
 
 
-def _trainer_args() -> Any:
-    """The TrainingArguments of a transformers Trainer the script built, if any."""
+def _trainer() -> Any:
+    """The transformers Trainer the script built, if any."""
     mod = sys.modules.get("transformers.trainer")
     cls = getattr(mod, "Trainer", None) if mod else None
     if cls is None:
@@ -104,7 +104,7 @@ def _trainer_args() -> Any:
         warnings.simplefilter("ignore")
         for o in gc.get_objects():
             if isinstance(o, cls):
-                return getattr(o, "args", None)
+                return o
     return None
 
 
@@ -162,12 +162,13 @@ class _Child:
         try:
             model = find_model(optimizer)
             config: dict[str, Any] = {"script": self.s["argv"]}
-            targs = _trainer_args()
+            trainer = _trainer()
             audience = "loop"
-            if targs is not None:
-                from vlmdoctor.callback import training_args_config
+            if getattr(trainer, "args", None) is not None:
+                from vlmdoctor.run.trainer_args import sample_lengths, training_args_config
 
-                config.update(training_args_config(targs))
+                config.update(training_args_config(trainer.args))
+                config["sample_lengths"] = sample_lengths(trainer)
                 audience = "trainer"
             config["optimizer"] = type(optimizer).__name__
             defaults = getattr(optimizer, "defaults", {}) or {}

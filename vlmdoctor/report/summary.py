@@ -70,11 +70,25 @@ def _finding_lines(findings: list[dict[str, Any]]) -> list[str]:
     for i, f in enumerate(by_gain(findings)[:TOP], 1):
         out.append(f"  {i}. {f['title']} ({_gain_short(f.get('expected_gain'))})")
         lines = ((f.get("advice") or {}).get("lines")) or []
-        for line in lines[:LINES]:
-            out.append(f"     {line}")
-        if len(lines) > LINES:
-            out.append(f"     ... and {len(lines) - LINES} more line(s): see the report")
+        shown = _first_lines(lines)
+        out += [f"     {line}" for line in shown]
+        if len(lines) > len(shown):
+            out.append(f"     ... and {len(lines) - len(shown)} more line(s): the report has them all")
     return out
+
+
+def _first_lines(lines: list[str]) -> list[str]:
+    """Up to LINES lines of a fix, its imports left out; a class or a loop shows its first line, not its body."""
+    shown: list[str] = []
+    for line in lines:
+        if len(shown) == LINES or line.startswith((" ", "\t")):
+            break
+        if line.startswith(("import ", "from ")):
+            continue
+        shown.append(line)
+        if line.split("#")[0].rstrip().endswith(":"):
+            break
+    return shown
 
 
 def render_summary(report: dict[str, Any], console: Console, paths: dict[str, str | None]) -> None:
@@ -99,7 +113,7 @@ def render_summary(report: dict[str, Any], console: Console, paths: dict[str, st
         lines.append("no prescriptions: no rule fired on the measured facts")
     for line in lines:
         console.print(escape(line), overflow="fold")
-    labels = {"report": "report", "html": "HTML", "trace": "trace", "log": "script output"}
+    labels = {"report": "report", "html": "HTML", "log": "script output", "trace": "trace"}  # the trace last
     for key, label in labels.items():
         if paths.get(key):
             console.print(escape(wrap(f"{label + ':':<15}{paths[key]}", " " * 15)), **WHOLE)  # a path stays whole
