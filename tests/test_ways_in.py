@@ -496,7 +496,7 @@ def test_the_html_page_speaks_of_the_users_run(api_llava, trainer_llava):
         assert page.index('<div class="top">') < first and html_lib.escape(top["advice"]["lines"][0]) in page[:first]
         for f in report["findings"]:
             assert html_lib.escape("\n".join(f["advice"]["lines"])) in page
-        want = "in TrainingArguments / your Trainer:" if audience == "trainer" else "in your loop:"
+        want = "in your Trainer script:" if audience == "trainer" else "in your loop:"
         assert want in page
 
 

@@ -60,7 +60,7 @@ def _fix_lines(f: dict[str, Any]) -> str:
     if not lines:
         patch = f.get("config_patch") or {}
         return esc(", ".join(f"{k}={v}" for k, v in patch.items())) or "n/a"
-    where = "TrainingArguments / your Trainer" if advice.get("audience") == "trainer" else "your loop"
+    where = "your Trainer script" if advice.get("audience") == "trainer" else "your loop"
     return f'<div class="how">in {esc(where)}:</div><pre class="fix"><code>{esc(chr(10).join(lines))}</code></pre>'
 
 
