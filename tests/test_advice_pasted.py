@@ -54,8 +54,8 @@ NOT_HERE = {
 GPU_ONLY = {("precision-no-tf32", TRAINER): "TrainingArguments(tf32=True) is refused without an Ampere GPU"}
 #: torch.compile on a CPU takes minutes on 2 cores: these run in the slow suite
 COMPILES = {"batching-host-bound", "fusion-compile-launch-bound", "fusion-lora-tiny-gemms"}
-#: the fixes the tiny examples get on a CPU, and the known failure: in the default run
-FAST = {"data-padding-waste", "fusion-lm-head-unlabeled", "precision-frozen-tower-graph"}
+#: in the default run: the fixes the tiny examples get on a CPU (the Trainer's length grouping has its own test)
+FAST = {("data-padding-waste", LOOP), ("fusion-lm-head-unlabeled", LOOP), ("fusion-lm-head-unlabeled", TRAINER)}
 #: fixes that must leave the loss as it was (same data, same seed)
 SAME_LOSS = {"fusion-lm-head-unlabeled", "precision-frozen-tower-graph", "system-non-fused-optimizer"}
 
@@ -128,8 +128,8 @@ def test_every_rule_is_pasted_or_said_why_not():
 
 def _cases():
     for rid in sorted(set(_rules()) - set(NOT_HERE)):
-        marks = [pytest.mark.slow] if rid not in FAST else []
         for script in (LOOP, TRAINER):
+            marks = [pytest.mark.slow] if (rid, script) not in FAST else []
             yield pytest.param(rid, script, marks=marks, id=f"{rid}-{AUDIENCE[script]}")
 
 

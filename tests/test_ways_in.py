@@ -731,7 +731,7 @@ def test_advice_trainer_and_loop():
         "_checkpointing_disable()",
         "fused=True",
         "num_workers=4",
-        "with torch.no_grad():",
+        "torch.no_grad()",
     ):
         assert any(line in x for x in lp), line
     liger = advise({"liger_rms_norm": True, "liger_swiglu": True}, "trainer")
