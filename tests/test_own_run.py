@@ -231,3 +231,19 @@ def test_lines_go_around_a_live_tqdm_bar():
     plain = io.StringIO()
     with tqdm(total=2, file=plain, disable=True):
         assert not live_bars()  # a disabled bar is not drawn: lines are printed as they are
+
+
+def test_metrics_go_with_the_next_log_when_no_trainer_is_at_hand():
+    """Without the calling Trainer, on_log adds the metrics to the next log entry and its log_history row."""
+    from vlmdoctor.callback import DoctorCallback, trainer_metrics
+
+    report = {"metrics": {"real_tokens_per_s": 1234.5, "mfu": None, "step_ms": 80.0}, "findings": [{}, {}]}
+    metrics = trainer_metrics(report)
+    assert metrics == {"vlmdoctor/real_tokens_per_s": 1234.5, "vlmdoctor/step_ms": 80.0, "vlmdoctor/findings": 2.0}
+    cb = DoctorCallback()
+    cb.pending = metrics
+    state = type("S", (), {"global_step": 9, "log_history": [{"loss": 6.2, "step": 9}]})()
+    logs = {"loss": 6.2}
+    cb.on_log(None, state, None, logs=logs)
+    assert logs["vlmdoctor/real_tokens_per_s"] == 1234.5 and state.log_history[-1]["vlmdoctor/findings"] == 2.0
+    assert cb.pending is None
