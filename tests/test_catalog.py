@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FIX = ROOT / "fixtures"
 FAMILIES = driver.FAMILIES
 #: committed traces that together make every declared fact: a zoo run and its report (GPU, memory, shapes, DPO),
-#: a CPU QLoRA run, FSDP2 and DDP ranks on gloo, a user's H100 trace with the module hierarchy
+#: a CPU QLoRA run, FSDP2 and DDP ranks on gloo, a user's H100 trace with the module hierarchy, FusedCE
 TRACES = [
     (FIX / "mode_traces" / "h100_dpo_fixed_s2.pt.trace.json.gz", FIX / "mode_traces" / "h100_dpo_fixed_s2.report.json"),
     (FIX / "traces" / "treated_s1.pt.trace.json.gz", FIX / "traces" / "treated_s1.report.json"),
@@ -32,6 +32,7 @@ TRACES = [
     (FIX / "dist_cpu" / "fsdp2", None),
     (FIX / "dist_cpu" / "ddp_loader", None),
     (FIX / "user_h100" / "llava_s2_modules.pt.trace.json.gz", None),
+    (FIX / "traces" / "liger_fce_s2.pt.trace.json.gz", None),  # Liger's FusedCE with shapes
 ]
 
 

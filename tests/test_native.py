@@ -132,7 +132,6 @@ def test_qwen2vl_patches_match_the_image_processor_layout():
     "knob",
     [
         {"packing": True},
-        {"lm_head_labeled_only": True},
         {"cache_vision_features": True},
         {"vision": "siglip-tiny"},
         {"pixel_shuffle": 2},
@@ -230,8 +229,8 @@ def test_flop_model_counts_each_classes_parts(model):
 def test_a_prescription_of_a_composite_only_knob_is_refused_when_the_config_is_made():
     """treat builds each trial with RunConfig.replace: the refusal comes there, before any process starts."""
     cfg = RunConfig.from_dict({"model": "tiny-qwen2-vl", "device": "cpu"})
-    with pytest.raises(UsageError, match="lm-head-labeled-only is not supported for the native preset"):
-        cfg.replace(lm_head_labeled_only=True)
+    with pytest.raises(UsageError, match="packing is not supported for the native preset"):
+        cfg.replace(packing=True)
     assert cfg.replace(pad_to_multiple_of=64).pad_to_multiple_of == 64  # shared knobs stay open
 
 
@@ -266,8 +265,8 @@ def test_findings_with_refused_knobs_are_set_aside_for_native_presets():
     from vlmdoctor.doctor.diagnosis import _set_aside_refused
 
     finding = {
-        "id": "fusion-lm-head-labeled-only",
-        "config_patch": {"lm_head_labeled_only": True},
+        "id": "data-packing",
+        "config_patch": {"packing": True},
         "evidence": ["x"],
     }
     other = {"id": "system-non-fused-optimizer", "config_patch": {"fused_optimizer": True}, "evidence": ["y"]}
@@ -275,4 +274,24 @@ def test_findings_with_refused_knobs_are_set_aside_for_native_presets():
         d = {"findings": [finding, other], "not_applicable": []}
         _set_aside_refused(d, model)
         assert d["findings"] == kept
-        assert [n["id"] for n in d["not_applicable"]] == ([] if model == "tiny" else ["fusion-lm-head-labeled-only"])
+        assert [n["id"] for n in d["not_applicable"]] == ([] if model == "tiny" else ["data-packing"])
+
+
+@pytest.mark.parametrize("model", ["tiny-llava", "tiny-qwen2-vl", "tiny-smolvlm"])
+def test_the_labeled_only_head_of_a_native_class_is_the_same_loss_and_head_gradient(model):
+    """lm_head_labeled_only on a native class: its base model, then the head and loss on the labeled rows only."""
+    from vlmdoctor.run.runner import _to_device, build_patient
+
+    out = []
+    for labeled in (False, True):
+        p = build_patient(_cfg(model, stage=2, batch_size=3, lm_head_labeled_only=labeled), torch.device("cpu"))
+        batch = _to_device(next(p.batches), torch.device("cpu"), torch.float32)
+        counts = batch.pop("counts")
+        assert ("loss_index" in batch) == labeled
+        if labeled:
+            assert len(batch["loss_index"]) == counts["loss_tokens"] < counts["padded_tokens"]
+        loss = p.model(**batch).loss
+        loss.backward()
+        out.append((float(loss.detach()), p.vlm.hf.get_output_embeddings().weight.grad.clone()))
+    assert out[1][0] == pytest.approx(out[0][0], rel=1e-5)
+    assert torch.allclose(out[0][1], out[1][1], atol=1e-5)

@@ -41,6 +41,8 @@ SUBSET = [
     "traces/compile_s2",
     "mode_traces/qlora_tiny_cpu",
     "dist_cpu/ddp_accum",
+    "mem_h100/wall_plain_ce_b40",
+    "mem_h100/spare_fce_b16",
 ]
 #: layer-1 rules whose fix is a dtype: none may fire on a run whose weights are all bf16
 DTYPE_KNOBS = {"weight_dtype", "autocast", "allow_tf32", "dpo_reference_dtype"}

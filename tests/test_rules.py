@@ -123,10 +123,14 @@ MODE_CASES = {
 }
 
 
+# rules of the memory wall: tested both ways on the H100 traces with allocations (tests/test_memory_wall.py)
+MEMORY_CASES = {"batching-memory-wall-logits"}
+
+
 def test_every_rule_has_a_case():
-    assert set(CASES) | set(SUPERSEDED_CASES) | set(VARIATION_CASES) | CPU_CASES | DIST_CASES | MODE_CASES == {
-        r.id for r in RULES
-    }
+    assert set(CASES) | set(SUPERSEDED_CASES) | set(VARIATION_CASES) | CPU_CASES | DIST_CASES | MODE_CASES | (
+        MEMORY_CASES
+    ) == {r.id for r in RULES}
 
 
 @pytest.mark.parametrize("name", ["default_s2", "healthy_s2", "ckpt_s2", "bf16_s1", "compile_s2"])

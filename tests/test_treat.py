@@ -694,12 +694,12 @@ def test_no_prescription_but_memory_to_spare_probes_a_larger_batch():
     first = result["trials"][0]
     assert first["rule"] == "treat-batch-probe" and first["config_patch"] == {"batch_size": 32}  # 8x, the cap
     assert first["outcome"] in ("kept", "adopted")
-    # the second probe is sized from two measured batches: (0.7 x 80 - 2 GiB fixed) / 0.5 GiB a sample
+    # the second probe is sized from two measured batches: (0.9 x 80 - 2 GiB fixed) / 0.5 GiB a sample
     second = result["trials"][1]
-    assert second["rule"] == "treat-batch-probe" and second["config_patch"] == {"batch_size": 108}
-    assert result["final_config"]["batch_size"] == 108
+    assert second["rule"] == "treat-batch-probe" and second["config_patch"] == {"batch_size": 140}
+    assert result["final_config"]["batch_size"] == 140
     # re-diagnosed before stopping; the memory model's ceiling named in the reason
-    assert result["rediagnosed"] and "memory model ceiling 108" in result["stopped_because"]
+    assert result["rediagnosed"] and "memory model ceiling 140" in result["stopped_because"]
 
 
 def test_the_issue_case_does_not_stop_at_batch_22_with_14_gib_of_79():
@@ -712,7 +712,7 @@ def test_the_issue_case_does_not_stop_at_batch_22_with_14_gib_of_79():
     assert result["final_config"]["batch_size"] > 80
     assert not result["stopped_because"].startswith("no prescription left") or "ceiling" in result["stopped_because"]
     batches = [t["config_patch"].get("batch_size") for t in result["trials"] if t["kind"] == "composition"]
-    assert batches[0] == 82  # 70% of 79 GiB over the 0.67 GiB a sample measured at batch 22 (fixed taken as 0)
+    assert batches[0] == 106  # 90% of 79 GiB over the 0.67 GiB a sample measured at batch 22 (fixed taken as 0)
 
 
 def test_a_probe_that_runs_out_of_memory_is_bisected():

@@ -266,7 +266,13 @@ def profile(
     trace_stack: bool = typer.Option(
         False, "--trace-stack", help="record Python stacks (much bigger)", rich_help_panel="trace"
     ),
-    trace_memory: bool = typer.Option(False, "--trace-memory", help="record allocations", rich_help_panel="trace"),
+    trace_memory: bool | None = typer.Option(
+        None,
+        "--trace-memory/--no-trace-memory",
+        help="record allocations (default: on a GPU, where the memory wall's facts need them)",
+        rich_help_panel="trace",
+        show_default=False,
+    ),
     config: str | None = typer.Option(
         None, "--config", help="run config YAML/JSON (or a report JSON); flags override it"
     ),

@@ -215,9 +215,11 @@ def compose(
 
 #: the rule id a batch probe is recorded under (not a rule file: treat's own search, from measured memory)
 PROBE_RULE = "treat-batch-probe"
-#: share of the card the probe sizes the batch for, in allocated (live) memory: the batch rule's HEADROOM
-#: (rules/batching-gpu-underfed.yaml says why allocated, not reserved)
-PROBE_HEADROOM = 0.7
+#: share of the card the probe sizes the batch for, in allocated (live) memory. Higher than the batch rule's
+#: HEADROOM (0.7, the rule's one guess): the probe is a first guess that an out-of-memory run bisects. On the H100
+#: (2026-11-26) llava-siglip2-0.5b ran batch 112 at 76.2 of 79.2 GiB allocated (96%) and ran out at 144; sized for
+#: 70%, treat's 0.5b stage-2 batch would stop a quarter short of what fits
+PROBE_HEADROOM = 0.9
 #: the probe runs only when the memory model leaves room for this much more batch: a smaller step is not worth
 #: a round of paired runs
 PROBE_MIN_STEP = 1.25

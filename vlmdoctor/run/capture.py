@@ -31,7 +31,7 @@ class TraceOptions:
     steps: int = 2
     shapes: bool = True
     stack: bool = False
-    memory: bool = False
+    memory: bool | None = None  # None: on a GPU (the memory wall's facts need the allocations), off on a CPU
     keep: bool = True
 
 
@@ -57,6 +57,7 @@ def capture(
 ) -> dict[str, Any]:
     """Run wait + warm-up + active steps under the profiler; returns where the trace went and its step times."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    memory = opts.memory if opts.memory is not None else device.type == "cuda"
     wait, warmup = 1, 1
     total = wait + warmup + opts.steps
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -67,7 +68,7 @@ def capture(
         on_trace_ready=lambda p: p.export_chrome_trace(str(path)),
         record_shapes=opts.shapes,
         with_stack=opts.stack,
-        profile_memory=opts.memory,
+        profile_memory=memory,
     ) as prof:
         for i in range(total):
             if i == wait + warmup:  # the first recorded step: metadata lands in this trace
@@ -85,6 +86,6 @@ def capture(
         "schedule": {"wait": wait, "warmup": warmup, "active": opts.steps},
         "record_shapes": opts.shapes,
         "with_stack": opts.stack,
-        "profile_memory": opts.memory,
+        "profile_memory": memory,
         "traced_step_ms": active_ms,
     }

@@ -115,17 +115,25 @@ class VLM(nn.Module):
         hidden = self.llm.model(
             inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
-        h = hidden[:, :-1].reshape(-1, hidden.shape[-1]).index_select(0, loss_index)
-        head = self.llm.get_output_embeddings()
-        if self.fused_ce:
-            if self._fused_loss is None:  # built once, not on every step
-                from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+        return labeled_head_loss(self, hidden, loss_index, loss_targets, self.llm.get_output_embeddings())
 
-                self._fused_loss = LigerFusedLinearCrossEntropyLoss()
-            loss = self._fused_loss(head.weight, h, loss_targets, head.bias)
-        else:
-            loss = self.head_loss(h, head.weight, head.bias, loss_targets)
-        return _Output(loss)
+
+def labeled_head_loss(
+    owner: nn.Module, hidden: torch.Tensor, loss_index: torch.Tensor, loss_targets: torch.Tensor, head: nn.Module
+) -> Any:
+    """The LM head and the loss on the rows of `loss_index` (flat over batch x (length - 1)), for the composite
+    model and the native classes alike: Liger's FusedCE when `owner.fused_ce`, else `owner.head_loss` (which
+    regional compilation swaps for a compiled copy)."""
+    h = hidden[:, :-1].reshape(-1, hidden.shape[-1]).index_select(0, loss_index)
+    if owner.fused_ce:
+        if owner._fused_loss is None:  # built once, not on every step
+            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+            owner._fused_loss = LigerFusedLinearCrossEntropyLoss()
+        loss = owner._fused_loss(head.weight, h, loss_targets, head.bias)
+    else:
+        loss = owner.head_loss(h, head.weight, head.bias, loss_targets)
+    return _Output(loss)
 
 
 def head_loss(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor) -> torch.Tensor:

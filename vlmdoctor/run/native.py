@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from vlmdoctor.errors import UsageError
+from vlmdoctor.run.model import head_loss, labeled_head_loss
 from vlmdoctor.run.native_spec import NativeSpec, is_native, resolve_native  # noqa: F401 (this module's API)
 from vlmdoctor.run.parts import find_parts, mark_parts
 from vlmdoctor.run.zoo import loading_checkpoints, native_presets, refuse_composite_only
@@ -81,6 +82,9 @@ class NativeVLM(nn.Module):
             raise RuntimeError(f"{spec.cls_name}: parts not found: {', '.join(missing)}")
         self._unmark = mark_parts(hf)
         self._no_grad_hooks: list[Any] = []
+        self.fused_ce = False  # Liger FusedCE on the labeled rows (lm_head_labeled_only), as the composite model does
+        self._fused_loss: nn.Module | None = None
+        self.head_loss = head_loss  # regional compilation swaps in a compiled copy
 
     @property
     def input_dtype(self) -> torch.dtype:
@@ -107,13 +111,19 @@ class NativeVLM(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         pixel_values: torch.Tensor | None = None,
+        loss_index: torch.Tensor | None = None,
+        loss_targets: torch.Tensor | None = None,
     ) -> Any:
+        """The class's own forward and loss; with `loss_index` (lm_head_labeled_only) the class's base model
+        (`.model`, every class here has one) for the hidden states, then the LM head and the loss on the
+        labeled rows only, as the composite model does: the same loss, without the unlabeled rows' logits."""
         kwargs: dict[str, Any] = {
             "input_ids": input_ids,
-            "labels": labels,
             "attention_mask": attention_mask,
             "use_cache": False,
         }
+        if loss_index is None:
+            kwargs["labels"] = labels
         name = self.spec.cls_name
         if name.startswith("Qwen2VL"):
             vc = self.spec.vision_config
@@ -131,7 +141,10 @@ class NativeVLM(nn.Module):
         else:
             kwargs["pixel_values"] = pixel_values
             kwargs["position_ids"] = position_ids
-        return self.hf(**kwargs)
+        if loss_index is None:
+            return self.hf(**kwargs)
+        hidden = self.hf.model(**kwargs).last_hidden_state
+        return labeled_head_loss(self, hidden, loss_index, loss_targets, self.hf.get_output_embeddings())
 
 
 def _contains(outer: nn.Module, inner: nn.Module) -> bool:
@@ -237,6 +250,8 @@ def apply_native_liger(model: NativeVLM, cfg: Any) -> None:
     hf, name = model.hf, model.spec.cls_name
     flags = {"rope": cfg.liger_rope, "rms_norm": cfg.liger_rms_norm, "swiglu": cfg.liger_swiglu}
     fce = cfg.liger_fused_linear_cross_entropy
+    if cfg.lm_head_labeled_only:  # the head and loss run on the labeled rows, through Liger's FusedCE loss there
+        model.fused_ce, fce = fce, False
     if name.startswith("Llava"):
         lk.apply_liger_kernel_to_llava(cross_entropy=False, fused_linear_cross_entropy=fce, model=hf, **flags)
     elif name.startswith("Qwen2VL"):

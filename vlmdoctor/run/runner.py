@@ -527,7 +527,9 @@ def _native_patient(
     data_info = {"source": "synthetic", "length_model": dataset.lm["name"], "samples": len(dataset)}
     if len(dataset) < cfg.batch_size:
         raise UsageError(f"the data holds {len(dataset)} usable samples, fewer than one batch of {cfg.batch_size}")
-    collator = Collator(spec.llm["special_tokens"]["pad"], cfg.pad_to_multiple_of)
+    collator = Collator(
+        spec.llm["special_tokens"]["pad"], cfg.pad_to_multiple_of, labeled_only=cfg.lm_head_labeled_only
+    )
     # preflight refused --compile-vision on native classes, so compile_vlm compiles the whole model here
     return _assemble(
         cfg,

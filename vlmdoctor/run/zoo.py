@@ -133,7 +133,6 @@ COMPOSITE_ONLY = (
     ("llm", "the LLM is part of the native class's config"),
     ("projector", "the projector is part of the native class's config"),
     ("pixel_shuffle", "the projector is part of the native class's config"),
-    ("lm_head_labeled_only", "the native class computes its own loss over every position"),
     ("cache_vision_features", "the native class runs its tower inside its own forward"),
     ("packing", "the native classes' position ids (Qwen2-VL's 3-D RoPE) are built per padded row"),
 )

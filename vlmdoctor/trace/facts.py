@@ -45,6 +45,7 @@ from vlmdoctor.trace.families import (
     loss,
     memcpy,
     memory,
+    memory_live,
     parts,
 )
 from vlmdoctor.trace.families.identity import estimate_stage  # noqa: F401  (re-exported)
@@ -79,7 +80,23 @@ HTA_MAX_MB = 200  # the traceinsight cross-check runs on rank folders up to this
 RECORDED = {"shapes": "trace.recorded.shapes", "memory": "trace.recorded.memory", "stack": "trace.recorded.stack"}
 
 #: the fact families the driver runs (the catalogue test checks each against its PRODUCES)
-FAMILIES = (attention, batches, busy, device, flops, host, identity, idle, kernels, launch, loss, memcpy, memory, parts)
+FAMILIES = (
+    attention,
+    batches,
+    busy,
+    device,
+    flops,
+    host,
+    identity,
+    idle,
+    kernels,
+    launch,
+    loss,
+    memcpy,
+    memory,
+    parts,
+    memory_live,
+)
 
 
 def compute_facts(t: Tables, stage: int | None = None, model: str | None = None) -> dict[str, Any]:
@@ -134,7 +151,7 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
     busy.produce(r, facts)
     idle.produce(r, facts)
     facts.update(cudnn_plan.cudnn_plan_facts(t.ops, t.runtime, r.idle, r.n, facts["step.ms"]))
-    for family in (kernels, launch, parts, memcpy, host, batches, loss, attention, memory, device, flops):
+    for family in (kernels, launch, parts, memcpy, host, batches, loss, attention, memory, memory_live, device, flops):
         family.produce(r, facts)
     facts.update(modes.mode_facts(t, windows, facts))
     facts.update(causes.cause_facts(t, r.ctx, facts, r.n))  # casts and written-out attention, by kind

@@ -20,7 +20,12 @@ from vlmdoctor.trace.read import TraceError, iter_batches, read_metadata, split_
 from vlmdoctor.trace.worker import run_all
 
 LOGITS_OPS = ("aten::cross_entropy_loss", "aten::log_softmax", "aten::_log_softmax")
-SDPA_OP = "aten::scaled_dot_product_attention"  # inputs (batch, heads, length, head_dim)
+#: Liger's fused linear cross entropy: inputs (hidden [rows, h], LM head weight [vocab, h], targets), no logits
+FCE_OP = "LigerFusedLinearCrossEntropyFunction"
+SDPA_OP = "aten::scaled_dot_product_attention"
+CUDA_DEVICE = (
+    1  # the profiler's [memory] events: Device Type 0 is the CPU, 1 CUDA  # inputs (batch, heads, length, head_dim)
+)
 #: ops whose operand shapes and dtypes the LoRA and DPO facts read (trace/modes.py): GEMMs and casts
 OPERAND_OPS = frozenset(("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_to_copy"))
 SHAPE_OPS = ("aten::embedding",)  # its first input is the token-id batch: (batch, length)
@@ -57,6 +62,9 @@ class Tables:
     operands: list[tuple[str, float, float, int, Any, Any]] = field(
         default_factory=list
     )  # (name, ts, dur, tid, input dims, input types) of GEMMs and casts (trace/modes.py)
+    cuda_memory: list[tuple[float, int, int, float, float]] = field(
+        default_factory=list
+    )  # (ts, tid, addr, bytes, total allocated) of each CUDA [memory] event (trace/families/memory_live.py)
 
 
 class _Column:
@@ -122,6 +130,7 @@ def _read(path: Path, span: tuple[int, int | None] | None = None) -> _Builder:
                     b.recorded,
                     b.comm,
                     b.operands,
+                    b.cuda_memory,
                 )
     except (AttributeError, TypeError, ValueError, KeyError) as e:
         raise TraceError(
@@ -164,6 +173,7 @@ def _take(
     recorded: dict[str, bool],
     comm: list[tuple[str, str, int, float, float, dict[str, Any]]],
     operands: list[tuple[str, float, float, int, Any, Any]],
+    cuda_memory: list[tuple[float, int, int, float, float]] | None = None,
 ) -> None:
     """One trace event into the tables (a non-object or a non-numeric time raises, and the caller says where)."""
     intern = names.setdefault
@@ -175,6 +185,16 @@ def _take(
             m[0] = max(m[0], float(a.get("Total Allocated", 0) or 0))
             m[1] = max(m[1], float(a.get("Total Reserved", 0) or 0))
             recorded["memory"] = True
+            if cuda_memory is not None and int(a.get("Device Type", -1)) == CUDA_DEVICE:
+                cuda_memory.append(
+                    (
+                        float(ev.get("ts", 0.0)),
+                        tids.setdefault(ev.get("tid"), len(tids)),
+                        int(a.get("Addr", 0) or 0),
+                        float(a.get("Bytes", 0) or 0),
+                        float(a.get("Total Allocated", 0) or 0),
+                    )
+                )
         return
     if cat == "python_function":  # with_stack / with_modules: keep the module ranges only, never every frame
         recorded["stack"] = True
@@ -211,7 +231,7 @@ def _take(
             comm.append(("op", name, tid, ts, dur, args))
         if "Input Dims" in args:
             recorded["shapes"] = True
-            if name in SHAPE_OPS or name in LOGITS_OPS or name == SDPA_OP:
+            if name in SHAPE_OPS or name in LOGITS_OPS or name == SDPA_OP or name == FCE_OP:
                 shapes.append((ts, name, args["Input Dims"]))
                 types[name] = args.get("Input type")
             elif name in OPERAND_OPS:
@@ -265,6 +285,8 @@ class _Args(msgspec.Struct, gc=False):
     device: int = msgspec.field(default=-1, name="Device Type")
     allocated: float | None = msgspec.field(default=0.0, name="Total Allocated")
     reserved: float | None = msgspec.field(default=0.0, name="Total Reserved")
+    addr: int = msgspec.field(default=0, name="Addr")
+    block: float | None = msgspec.field(default=0.0, name="Bytes")
 
 
 class _Event(msgspec.Struct, gc=False):
@@ -297,7 +319,7 @@ _KIND = {
 }
 # what a name is, once per distinct name: bits of _Fast's flag table
 _STEP, _MODULE_RANGE, _COMM_OP, _COMM_KERNEL, _SHAPE, _OPERAND = 1, 2, 4, 8, 16, 32
-_SHAPE_NAMES = frozenset((*SHAPE_OPS, *LOGITS_OPS, SDPA_OP))
+_SHAPE_NAMES = frozenset((*SHAPE_OPS, *LOGITS_OPS, SDPA_OP, FCE_OP))
 _cat, _ph, _name, _ts, _dur, _tid = (attrgetter(k) for k in ("cat", "ph", "name", "ts", "dur", "tid"))
 _seq, _fwd_tid, _corr, _bytes, _dims = (
     attrgetter(f"args.{k}") for k in ("seq", "fwd_tid", "correlation", "bytes", "dims")
@@ -367,6 +389,7 @@ class _Builder:
         self.recorded = {"shapes": False, "memory": False, "stack": False}
         self.comm: list[tuple[str, str, int, float, float, dict[str, Any]]] = []
         self.operands: list[tuple[str, float, float, int, Any, Any]] = []
+        self.cuda_memory: list[tuple[float, int, int, float, float]] = []
         self.private: dict[str, int] = _Codes()
         self.flag = np.zeros(0, dtype=np.int8)  # private code -> flags
         self.public = np.zeros(0, dtype=np.int32)  # private code -> public code, -1 before its first kept row
@@ -402,6 +425,7 @@ class _Builder:
             self.recorded,
             self.comm,
             self.operands,
+            self.cuda_memory,
         )
 
     def merge(self, later: _Builder) -> None:
@@ -428,6 +452,7 @@ class _Builder:
             self.recorded[k] = self.recorded[k] or v
         self.comm += [(kind, n, t[i] if i >= 0 else i, *rest) for kind, n, i, *rest in later.comm]
         self.operands += [(n, ts, dur, t[i], *rest) for n, ts, dur, i, *rest in later.operands]
+        self.cuda_memory += [(ts, t[i], *rest) for ts, i, *rest in later.cuda_memory]
 
     def take(self, evs: list[_Event], text: bytes) -> None:
         n = len(evs)
@@ -493,6 +518,10 @@ class _Builder:
             m[0] = max(m[0], float(a.allocated or 0))
             m[1] = max(m[1], float(a.reserved or 0))
             self.recorded["memory"] = True
+            if a.device == CUDA_DEVICE:
+                self.cuda_memory.append(
+                    (e.ts, self.tids[_tid(e)], int(a.addr or 0), float(a.block or 0), float(a.allocated or 0))
+                )
 
     def _ops(self, sel, at: np.ndarray, codes, tid: np.ndarray, kind: np.ndarray, flag: np.ndarray) -> None:
         evs = _pick(sel, at)

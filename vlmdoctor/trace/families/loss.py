@@ -1,4 +1,5 @@
-"""The loss: the logits tensor's size and dtype, and the rows the LM head and loss ran on."""
+"""The loss: the logits tensor's size and dtype, and the rows the LM head and loss ran on (or, under Liger's
+fused linear cross entropy, the logits it never materializes)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 
 from vlmdoctor.trace.catalog import by_producer
 from vlmdoctor.trace.context import Reading, token_batches
-from vlmdoctor.trace.tables import LOGITS_OPS
+from vlmdoctor.trace.tables import FCE_OP, LOGITS_OPS
 
 PRODUCES = by_producer(__name__)
 DTYPE_BYTES = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8}
@@ -29,3 +30,6 @@ def produce(r: Reading, facts: dict[str, Any]) -> None:
         if ce and tokens:  # rows the LM head and loss ran on, against the positions of the token batches
             facts["loss.head_rows_per_step"] = sum(d[0] for d in ce) / n
             facts["loss.head_rows_frac"] = sum(d[0] for d in ce) / tokens
+    fce = [d for _, name, d in t.shapes if name == FCE_OP and d and len(d) >= 2 and len(d[0]) == 2 and len(d[1]) == 2]
+    if fce:  # the rows x vocabulary that plain cross entropy would hold as logits: what turning FusedCE off costs
+        facts["loss.fce_logits_elements"] = max(int(d[0][0]) * int(d[1][0]) for d in fce)

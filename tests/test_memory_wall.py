@@ -1,0 +1,111 @@
+"""The memory wall: what holds the peak, the saver that buys the batch, and the one FusedCE trade.
+
+On real H100 traces with allocations recorded (fixtures/mem_h100/): llava-siglip2-0.5b stage 2 with
+plain cross entropy at batch 40 (65.4 of 79.2 GiB, the logits the largest holder) and with FusedCE at
+batch 16 (11.6 GiB).
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+
+import pytest
+import yaml
+
+from vlmdoctor.doctor.rules import RULES_DIR, diagnose, load_rules
+from vlmdoctor.trace.facts import analyze, merge_measured
+from vlmdoctor.trace.families.memory_live import HOLDER_FACTS, live_at_peak
+
+MEM = Path(__file__).resolve().parents[1] / "fixtures" / "mem_h100"
+RULES, _ = load_rules()
+WALL, SPARE = "wall_plain_ce_b40", "spare_fce_b16"
+
+
+@cache
+def facts(name: str) -> dict:
+    f = analyze(MEM / f"{name}.pt.trace.json.gz")["files"][0]["facts"]
+    return merge_measured(f, json.loads((MEM / f"{name}.report.json").read_text()))
+
+
+def findings(f: dict) -> dict[str, dict]:
+    d = diagnose(f, RULES)
+    return {x["id"]: x for x in d["findings"] + d["superseded"]}
+
+
+def test_the_live_blocks_at_the_peak_add_up_to_the_peak_and_name_the_logits():
+    f = facts(WALL)
+    held = sum(f[name] for name in HOLDER_FACTS.values())
+    assert held == pytest.approx(f["memory.live.peak_gb"]) == pytest.approx(f["memory.peak_allocated_gb"])
+    assert f["memory.live.largest"] == "the LM head's logits and the loss"
+    assert 38 < f["memory.live.logits_gb"] < 41 and 0.55 < f["memory.live.logits_frac"] < 0.65
+    assert 3 < f["memory.live.persistent_gb"] < 5  # bf16 weights, grads and AdamW state of ~0.9B parameters
+    spare = facts(SPARE)
+    assert spare["memory.live.logits_gb"] < 0.1 and spare["memory.live.largest"] == "the LLM's activations"
+
+
+def test_replaying_the_events_keeps_what_is_alive_at_the_largest_total():
+    # (ts, tid, addr, bytes, total): a block freed before the peak is not alive at it; one allocated after is not
+    ev = [(0, 0, 1, 10.0, 110.0), (1, 0, 2, 30.0, 140.0), (2, 0, 1, -10.0, 130.0), (3, 0, 3, 5.0, 135.0)]
+    ev += [(4, 0, 4, 20.0, 155.0), (5, 0, 99, -50.0, 105.0), (6, 0, 5, 60.0, 150.0)]
+    peak, rows = live_at_peak(ev)
+    assert peak == 155.0 and rows == [1, 3, 4]  # addr 2, 3, 4; addr 99 was allocated before the window
+    assert live_at_peak([]) == (0.0, [])
+
+
+def test_at_the_wall_the_logits_are_named_and_fusedce_buys_the_batch():
+    found = findings(facts(WALL))
+    f = found["batching-memory-wall-logits"]
+    assert f["config_patch"]["liger_fused_linear_cross_entropy"] is True
+    # 0.9 x 79.2 GiB less 3.8 persistent, over (65.4 - 3.8 - 0.97 x 39.2) / 40 GiB a sample: batch 114; on the
+    # H100 batch 112 ran with FusedCE and 144 ran out of memory (docs/benchmarks.md)
+    assert 100 <= f["config_patch"]["batch_size"] <= 120
+    text = " ".join(f["evidence"])
+    assert "logits" in text and "GiB" in text and "batch 40" in text
+    assert f["expected_gain"]["throughput_x"] > 1.1
+    assert "fusion-fusedce-stage2" not in found
+
+
+def test_with_memory_to_spare_fusedce_off_is_prescribed_and_the_wall_rule_is_silent():
+    found = findings(facts(SPARE))
+    assert "fusion-fusedce-stage2" in found and "batching-memory-wall-logits" not in found
+
+
+@pytest.mark.parametrize("peak_gb", [12.0, 30.0, 45.0, 55.0, 62.0, 70.0])
+@pytest.mark.parametrize("logits_gb", [1.0, 10.0, 30.0])
+def test_the_fusedce_trade_is_decided_once_by_memory(peak_gb, logits_gb):
+    """Across peaks and logits sizes: with FusedCE on, fusedce-stage2 fires exactly where the logits it avoids
+    would still leave room (the wall rule would not fire on the plain-CE config); never both ways at once."""
+    spare = dict(facts(SPARE))
+    wall = dict(facts(WALL))
+    rules = {r.id: r for r in RULES}
+    bpe = rules["fusion-fusedce-stage2"].constants["LOGIT_BYTES"]["value"]
+    elements = logits_gb * 2**30 / bpe
+    on = {**spare, "memory.live.peak_gb": peak_gb, "loss.fce_logits_elements": elements}
+    # the same run with FusedCE off: its logits live at the peak
+    off = {
+        **wall,
+        "memory.live.peak_gb": peak_gb + logits_gb,
+        "memory.live.logits_gb": logits_gb,
+        "memory.live.logits_frac": logits_gb / (peak_gb + logits_gb),
+        "memory.live.persistent_gb": spare["memory.live.persistent_gb"],
+    }
+    turn_off = "fusion-fusedce-stage2" in findings(on)
+    at_wall = "batching-memory-wall-logits" in findings(off)
+    big_logits = (
+        off["memory.live.logits_frac"] > rules["batching-memory-wall-logits"].constants["MIN_LOGITS_FRAC"]["value"]
+    )
+    if big_logits:
+        assert turn_off != at_wall, (peak_gb, logits_gb)
+    else:
+        assert not at_wall
+
+
+def test_both_sides_of_the_trade_read_the_same_memory_model():
+    def constants(rid: str) -> dict:
+        return yaml.safe_load((RULES_DIR / f"{rid}.yaml").read_text())["constants"]
+
+    wall, off = constants("batching-memory-wall-logits"), constants("fusion-fusedce-stage2")
+    for k in ("HEADROOM", "MIN_GROWTH"):
+        assert wall[k]["value"] == off[k]["value"], k
