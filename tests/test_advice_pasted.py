@@ -38,6 +38,7 @@ NOT_HERE = {
     "fusion-fusedce-stage2": "Liger: Triton kernels, a GPU",
     "fusion-liger-with-compile": "Liger: Triton kernels, a GPU",
     "fusion-unfused-norm-activation": "Liger: Triton kernels, a GPU",
+    "batching-memory-wall-logits": "Liger's FusedCE: Triton kernels, a GPU",
     "precision-dpo-reference-fp32": "a DPO run",
     "precision-dpo-reference-grad": "a DPO run",
     "system-dpo-reference-every-step": "a DPO run",
