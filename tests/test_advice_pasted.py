@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import io
 import re
 import runpy
@@ -65,10 +66,12 @@ def _patch(rule) -> dict:
     return {k: COMPUTED.get(k, v) if isinstance(v, str) and v.startswith("=") else v for k, v in rule.patch.items()}
 
 
+@functools.cache
 def _rules() -> dict:
     return {r.id: r for r in load_rules()[0]}
 
 
+@functools.cache
 def _context(script: str) -> dict:
     """What a run of the example showed (api.describe_model, trainer_args.sample_lengths): its context."""
     sys.path.insert(0, str(EXAMPLES))
@@ -85,6 +88,7 @@ def _context(script: str) -> dict:
     return ctx
 
 
+@functools.cache
 def _fields() -> set[str]:
     from transformers import TrainingArguments
 
