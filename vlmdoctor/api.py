@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from vlmdoctor import SCHEMA_VERSION, __version__
+from vlmdoctor.report import progress
 from vlmdoctor.run import throughput
 from vlmdoctor.run.flopcount import StepFlops, describe_counted, peak_of, per_step
 
@@ -42,9 +43,7 @@ IGNORE_INDEX = -100
 
 def _log(msg: str) -> None:
     """One line on stderr, around any live tqdm bar (report/progress.py)."""
-    from vlmdoctor.report.progress import say
-
-    say(msg)
+    progress.say(msg)
 
 
 # --- tokens -------------------------------------------------------------------------------------
@@ -320,8 +319,6 @@ class Recorder:
             self._announce()
 
     def _announce(self) -> None:
-        from vlmdoctor.report import progress
-
         what = self.desc.get("class") or "your training"
         if self.world > 1:
             what += f" (rank {self.rank} of {self.world}; every rank measures)"
@@ -367,14 +364,10 @@ class Recorder:
             self.warmup += 1  # one more warm-up step; the window starts once the steps agree
             return
         if i == self.warmup:
-            from vlmdoctor.report import progress
-
             self._say(progress.timed_start_line(self.warmup, self.warmup_asked, self.step_offset, self.steps))
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
         if i == self.warmup + self.steps:
-            from vlmdoctor.report import progress
-
             self.window = self._summarize(self.warmup, i)
             self._say(progress.timed_done_line(self.window, i, self.step_offset, self.trace_steps))
             if self.trace_steps:
@@ -388,8 +381,6 @@ class Recorder:
             if i == self.warmup + self.steps + 2:  # recording starts now; metadata before it is dropped
                 self._add_metadata()
             if i >= self.warmup + self.steps + 2 + self.trace_steps:
-                from vlmdoctor.report import progress
-
                 self._stop_profiler()
                 self._detach()
                 path = (self.trace_info or {}).get("path")
@@ -641,10 +632,8 @@ class Recorder:
                 + (" (warm-up steps included)" if first < self.warmup else "")
             )
         if n < self.warmup + self.steps + (2 + self.trace_steps if self.trace_steps else 0):
-            from vlmdoctor.report.progress import fit_hint
-
             script = self.source == "script"  # `vlmdoctor run`: flags, and the first optimizer step is not counted
-            notes.append(fit_hint(n, self.warmup_asked, self.steps, self.trace_steps, script, int(script)))
+            notes.append(progress.fit_hint(n, self.warmup_asked, self.steps, self.trace_steps, script, int(script)))
         if window is not None and self.trace_info is None and not self.trace_steps:
             notes.append("not traced (trace steps 0): timed only, no facts and no diagnosis")
         elif window is not None and self.trace_info is None:
@@ -829,7 +818,7 @@ def complete(
     if rec.world > 1 and rec.rank != 0:
         rank_join.write_part(report, rec.out, rec.rank)
         return None
-    if rec.world > 1:
+    if rec.world > 1 and "distributed" not in report:  # joined once, also when asked again after a failure
         rank_join.join(report, rec.out, rec.world)
     if diagnose:
         diagnose_report(report, rec.audience, rules_dirs, selection)
@@ -852,17 +841,15 @@ def output_paths(report: dict[str, Any], out: Path) -> dict[str, str | None]:
 def show(report: dict[str, Any], file: Any = None) -> None:
     """The metrics and the prescriptions, 80 columns wide, around any live tqdm bar."""
     from vlmdoctor.report.console import render_own
-    from vlmdoctor.report.progress import emit
 
-    emit(lambda c: render_own(report, c), file or sys.stdout)
+    progress.emit(lambda c: render_own(report, c), file or sys.stdout)
 
 
 def show_summary(report: dict[str, Any], paths: dict[str, str | None], file: Any = None) -> None:
     """The short summary that ends the training's output (report/summary.py)."""
-    from vlmdoctor.report.progress import emit
     from vlmdoctor.report.summary import render_summary
 
-    emit(lambda c: render_summary(report, c, paths), file or sys.stdout)
+    progress.emit(lambda c: render_summary(report, c, paths), file or sys.stdout)
 
 
 class Doctor:
@@ -892,9 +879,7 @@ class Doctor:
         self.lead = self.rec.rank == 0
         self.quiet = quiet or not self.lead
         if not self.quiet:
-            from vlmdoctor.report.progress import say
-
-            self.rec.say = say
+            self.rec.say = progress.say
         self.rules_dirs = list(rules_dirs)
         self.report: dict[str, Any] | None = None
         self.reported = False

@@ -114,6 +114,7 @@ class _Child:
         self.optimizer: Any = None
         self.rec: Any = None
         self.report: dict[str, Any] | None = None  # set once written (at the window's end)
+        self.handed_over = False
         self.steps_of_others = 0
 
     def on_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
@@ -146,7 +147,8 @@ class _Child:
             rules = self.s.get("rules_dirs") or []
             diagnose, html = self.s.get("diagnose", True), self.s.get("html", True)
             done = complete(report, self.rec, rules, selection, diagnose=diagnose, html=html)
-            self.report = done or {}  # {}: a rank other than 0, whose numbers went to rank 0
+            self.handed_over = done is None  # a rank other than 0: its numbers went to rank 0
+            self.report = done or {}
             if done is not None and self.rec.say is not None:
                 show(done, sys.stdout)
                 goes_on = "" if self.s.get("stop_after_window") else "; the script goes on, unmeasured"
@@ -201,7 +203,7 @@ class _Child:
         from vlmdoctor.rank_join import rank_and_world
 
         out = Path(self.s["out"])
-        if self.report is not None and not self.report:
+        if self.handed_over:
             return  # a rank other than 0: rank 0 holds its numbers
         if self.report:  # written at the window's end: add how the script ended
             self.report["script"] |= {
