@@ -69,9 +69,10 @@ class HFCollator:
         name = self.spec.cls_name
         if name.startswith("Qwen2VL"):
             vc = self.spec.vision_config
-            out["pixel_values"], out["image_grid_thw"] = native.qwen2vl_patches(
+            px, grid = native.qwen2vl_patches(
                 b["pixel_values"], vc["patch_size"], vc["temporal_patch_size"], vc["spatial_merge_size"]
             )
+            out["pixel_values"], out["image_grid_thw"] = px.contiguous(), grid.contiguous()  # pinned: no expanded views
             out["mm_token_type_ids"] = (b["input_ids"] == self.spec.config["image_token_id"]).int()
         elif name.startswith("Idefics3"):
             px = b["pixel_values"]

@@ -53,15 +53,14 @@ def test_recompilation_inside_the_timed_window_is_warned():
 def test_ctrl_c_during_treats_start_measurement_says_interrupted(monkeypatch):
     """Ctrl-C reaches the child run too; its exit 130 must end the treatment as interrupted, not as
     'the start config did not run: None'."""
-    import subprocess
-
     import vlmdoctor.run.runner as runner
+    from vlmdoctor import supervise
     from vlmdoctor.doctor.treat import TreatOptions, treat
 
     def child_interrupted(cmd, **kw):
-        return subprocess.CompletedProcess(cmd, 130, "", "interrupted\n")
+        return supervise.Outcome(130)
 
-    monkeypatch.setattr(runner.subprocess, "run", child_interrupted)
+    monkeypatch.setattr(supervise, "run", child_interrupted)
     cfg = RunConfig(model="tiny", device="cpu", steps=1, warmup=0)
     result = treat(cfg, lambda c, d, t: runner.run_isolated(c, timeout=60, diagnose=d), TreatOptions())
     assert result["interrupted"] and result["stopped_because"] == "interrupted (Ctrl-C)"

@@ -216,12 +216,26 @@ def test_oom_is_recorded(tiny_cfg, monkeypatch):
     assert "metrics" not in r
 
 
-def test_oom_in_mib(tiny_cfg, monkeypatch):
+@pytest.mark.parametrize(
+    "error, gb, where",
+    [
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB."), 0.5, "gpu"),
+        (MemoryError(), None, "host"),  # the host's memory, on a CPU run: exit 3 as on the GPU, not 1
+        (
+            RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1073741824 bytes."),
+            1,
+            "host",
+        ),
+    ],
+)
+def test_out_of_memory_on_the_gpu_or_the_host_is_recorded_and_exits_3(tiny_cfg, monkeypatch, error, gb, where):
     def oom(_p):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB.")
+        raise error
 
     monkeypatch.setattr(runner, "train_step", oom)
-    assert run_profile(tiny_cfg())["error"]["requested_gb"] == pytest.approx(0.5)
+    r = run_profile(tiny_cfg())
+    assert r["status"] == "oom" and exit_code(r) == EXIT_OOM
+    assert r["error"]["requested_gb"] == (pytest.approx(gb) if gb else None) and r["error"]["where"] == where
 
 
 def test_crash_in_a_step_is_a_failed_run(tiny_cfg, monkeypatch):

@@ -18,6 +18,7 @@ switches vlmdoctor off; errors from the user's code pass through unchanged. The 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import resource
@@ -35,7 +36,7 @@ from torch import nn
 
 from vlmdoctor import SCHEMA_VERSION, __version__
 from vlmdoctor.report import progress
-from vlmdoctor.run import throughput
+from vlmdoctor.run import one_profiler, throughput
 from vlmdoctor.run.flopcount import StepFlops, describe_counted, peak_of, per_step
 
 IGNORE_INDEX = -100
@@ -225,7 +226,7 @@ class Recorder:
         self.out = Path(out)
         self.rank, self.world = rank_and_world()
         self.step_offset = step_offset  # the user's number of the step before the first one counted here
-        self.say: Any = None  # the progress lines' printer (Doctor sets it on rank 0 unless quiet)
+        self.tell: Any = None  # the progress lines' printer (Doctor sets it on rank 0 unless quiet)
         self.warmup, self.steps, self.trace_steps = (
             max(0, int(warmup)),
             max(1, int(steps)),
@@ -261,6 +262,14 @@ class Recorder:
         self.settled: bool | None = None
         self.flops = StepFlops()
         self.flops_padded: int | None = None
+        self.trace_skipped: str | None = None  # why the traced window was not traced (another profiler ran)
+        self.profiled_timed_steps = 0  # timed steps during which another profiler ran (their times include it)
+        self.profiled_by: str | None = None
+        self.busy_at_start: str | None = None  # another profiler ran where the current step started
+        self.report: dict[str, Any] | None = None  # built once, by finish()
+        self.said: set[str] = set()  # errors of vlmdoctor's own already said (each once)
+        with contextlib.suppress(Exception):
+            one_profiler.install()  # sessions the script starts are seen, so that one profiler runs at a time
 
     # -- hooks ------------------------------------------------------------------------------------
     def attach(self) -> None:
@@ -301,14 +310,29 @@ class Recorder:
         try:
             return fn(*a)
         except Exception as e:  # never the user's training: log once, switch off
-            self.broken = True
-            frame = traceback.extract_tb(e.__traceback__)[-1]
-            _log(
-                f"internal error, measurement switched off, training goes on: {type(e).__name__}: {e} "
-                f"({Path(frame.filename).name}:{frame.lineno})"
-            )
-            self._stop_profiler()
+            self.fail(e)
             return None
+
+    def fail(self, e: BaseException) -> None:
+        """An error of vlmdoctor's own: said once, measurement switched off, hooks and profiler removed; the
+        training goes on."""
+        if self.broken:
+            return
+        self.broken = True
+        frames = traceback.extract_tb(e.__traceback__)
+        where = f" ({Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+        self.say("internal error, measurement switched off, training goes on", e, where)
+        with contextlib.suppress(Exception):
+            self._detach()
+        with contextlib.suppress(Exception):
+            self._stop_profiler()
+
+    def say(self, what: str, e: BaseException, where: str = "") -> None:
+        """One line per distinct error of vlmdoctor's own, however often it comes back."""
+        key = f"{type(e).__name__}: {e}"
+        if key not in self.said:
+            self.said.add(key)
+            _log(f"{what}: {key}{where}")
 
     # -- steps ------------------------------------------------------------------------------------
     def begin(self) -> None:
@@ -322,11 +346,12 @@ class Recorder:
         what = self.desc.get("class") or "your training"
         if self.world > 1:
             what += f" (rank {self.rank} of {self.world}; every rank measures)"
-        self._say(progress.plan_line(what, self.warmup, self.steps, self.trace_steps, self.step_offset, str(self.out)))
+        self._tell(progress.plan_line(what, self.warmup, self.steps, self.trace_steps, self.step_offset, str(self.out)))
 
-    def _say(self, line: str) -> None:
-        if self.say is not None:
-            self.say(line)
+    def _tell(self, line: str) -> None:
+        """A progress line (report/progress.py), where one is asked for."""
+        if self.tell is not None:
+            self.tell(line)
 
     def step(self, batch: Any = None, loss: Any = None, **inputs: Any) -> None:
         self._safe(self._step, batch, loss, inputs)
@@ -360,31 +385,36 @@ class Recorder:
             _sync(self.device)
             now = time.perf_counter()
         self.records.append({"t": now, "cpu": time.process_time(), "counts": counts, "losses": losses[-1:]})
+        if self.warmup < i <= self.warmup + self.steps and self.busy_at_start:  # another profiler ran over it
+            self.profiled_timed_steps += 1
+            self.profiled_by = self.busy_at_start
+        if self.warmup <= i < self.warmup + self.steps:  # where the next timed step starts
+            self.busy_at_start = one_profiler.busy(self)
         if i == self.warmup and self._still_warming():
             self.warmup += 1  # one more warm-up step; the window starts once the steps agree
             return
         if i == self.warmup:
-            self._say(progress.timed_start_line(self.warmup, self.warmup_asked, self.step_offset, self.steps))
+            self._tell(progress.timed_start_line(self.warmup, self.warmup_asked, self.step_offset, self.steps))
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
         if i == self.warmup + self.steps:
             self.window = self._summarize(self.warmup, i)
-            self._say(progress.timed_done_line(self.window, i, self.step_offset, self.trace_steps))
+            self._tell(progress.timed_done_line(self.window, i, self.step_offset, self.trace_steps))
             if self.trace_steps:
-                self._start_profiler()
+                self._start_traced_window()
             if self.model is not None and self.prof is not None:
                 self.flops.start(self.model)  # the next step is the profiler's wait step: count its FLOPs, untimed
         elif self.prof is not None:
             if i > self.warmup + self.steps + 2 and self.trace_info is not None:  # an active (recorded) step
                 self.trace_info["traced_step_ms"].append((now - self.records[-2]["t"]) * 1e3)
-            self.prof.step()
+            with one_profiler.ours(self):
+                self.prof.step()
             if i == self.warmup + self.steps + 2:  # recording starts now; metadata before it is dropped
                 self._add_metadata()
             if i >= self.warmup + self.steps + 2 + self.trace_steps:
                 self._stop_profiler()
                 self._detach()
-                path = (self.trace_info or {}).get("path")
-                self._say(progress.traced_done_line(i, self.step_offset, path))
+                self._tell(progress.traced_done_line(i, self.step_offset, (self.trace_info or {}).get("path")))
 
     def _still_warming(self) -> bool:
         """The warm-up's last steps do not agree yet (time per real token): warm up one more step, while allowed."""
@@ -404,7 +434,8 @@ class Recorder:
     @property
     def window_done(self) -> bool:
         """The timed and traced windows are over: the rest of the run is not measured."""
-        return self.window is not None and self.prof is None and (self.trace_info is not None or not self.trace_steps)
+        traced = self.trace_info is not None or not self.trace_steps or self.trace_skipped is not None
+        return self.window is not None and self.prof is None and traced
 
     # -- the timed window -------------------------------------------------------------------------
     def _summarize(self, first: int, last: int) -> dict[str, Any]:
@@ -465,6 +496,43 @@ class Recorder:
         return w
 
     # -- the traced window ------------------------------------------------------------------------
+    def _start_traced_window(self) -> None:
+        """Trace the next steps, unless another profiler runs in this process: one at a time (two end the
+        process), so this one then stays timed only and says why."""
+        who = {"api": "vlmdoctor.Doctor", "trainer": "vlmdoctor.DoctorCallback", "script": "vlmdoctor run"}
+        what = f"{who.get(self.source, 'another vlmdoctor recorder')} (writing to {self.out})"
+        why = one_profiler.claim(self, what, self._give_way)
+        if why is not None:
+            self._skip_trace(f"{why} was already profiling this process")
+            return
+        try:
+            self._start_profiler()
+        except Exception as e:  # a profiler that did not start is dropped, never stopped (that would end another)
+            self.prof = None
+            self.trace_info = None
+            if self.unmark is not None:
+                with contextlib.suppress(Exception):
+                    self.unmark()
+                self.unmark = None
+            one_profiler.release(self)
+            self._skip_trace(f"torch.profiler did not start ({type(e).__name__}: {e})")
+
+    def _skip_trace(self, why: str) -> None:
+        self.trace_skipped = why
+        _log(f"not tracing: {why}; one profiler at a time. The timed window stands, the training goes on")
+
+    def _give_way(self, why: str) -> None:
+        """The script starts its own profiler while this one holds the session: stop ours first, drop its trace."""
+        if self.prof is None:
+            one_profiler.release(self)
+            return
+        self._stop_profiler()
+        if self.trace_info is not None:
+            with contextlib.suppress(OSError):
+                Path(self.trace_info["path"]).unlink(missing_ok=True)
+        self.trace_info = None
+        self._skip_trace(f"{why} during vlmdoctor's traced window, which was stopped for it")
+
     def _start_profiler(self) -> None:
         from torch.profiler import ProfilerActivity, profile, schedule
 
@@ -490,15 +558,17 @@ class Recorder:
             "profile_memory": False,
             "traced_step_ms": [],
         }
-        self.unmark = mark_parts(self.model) if self.model is not None else None
+        self.unmark = mark_parts(self.model, on_error=self.fail) if self.model is not None else None
         plan = schedule(wait=1, warmup=1, active=self.trace_steps, repeat=1)
-        self.prof = profile(
+        prof = profile(
             activities=activities,
             schedule=plan,
             on_trace_ready=lambda p: p.export_chrome_trace(str(path)),
             record_shapes=True,
         )
-        self.prof.__enter__()
+        with one_profiler.ours(self):
+            prof.__enter__()
+        self.prof = prof  # only once it started: a profiler that failed to start is never stopped
 
     def _add_metadata(self) -> None:
         """What is known of the run travels in the trace (as vlmdoctor's own runs do), so the rules see it."""
@@ -521,15 +591,21 @@ class Recorder:
                 self.flops.stop()
             except Exception as e:
                 self.flops.reason = f"not counted: {type(e).__name__}: {e}"
+                mode, self.flops.mode = self.flops.mode, None
+                if mode is not None:  # out of the user's ops whatever the count did
+                    with contextlib.suppress(Exception):
+                        mode.__exit__(None, None, None)
         prof, self.prof = self.prof, None
         if prof is not None:
             try:
-                prof.__exit__(None, None, None)
+                with one_profiler.ours(self):
+                    prof.__exit__(None, None, None)
             except Exception as e:
                 _log(f"the profiler did not stop cleanly: {type(e).__name__}: {e}")
+        one_profiler.release(self)
         if self.unmark is not None:
-            self.unmark()
-            self.unmark = None
+            unmark, self.unmark = self.unmark, None
+            unmark()
         if self.trace_info is not None:
             p = Path(self.trace_info["path"])
             self.trace_info["bytes"] = p.stat().st_size if p.exists() else None
@@ -585,8 +661,9 @@ class Recorder:
         self.hooks = []
         self.pending, self.pending_losses = [], []
 
-    def finish(self) -> dict[str, Any]:
-        """Stop measuring and build the report of what was measured (the analysis comes after)."""
+    def finish(self) -> dict[str, Any] | None:
+        """Stop measuring and build the report of what was measured (the analysis comes after); once (None
+        when building it failed)."""
         if self.done:
             return self.report
         self.done = True
@@ -615,7 +692,9 @@ class Recorder:
         }
         if self.flops.total is None and self.flops.reason is None:
             report["flops"]["formula"] = (
-                "not counted: the loop ended before the traced window's first step"
+                "not counted: no traced window (another profiler ran), whose first step is the one counted"
+                if self.trace_skipped is not None
+                else "not counted: the loop ended before the traced window's first step"
                 if self.trace_steps
                 else "not counted: no traced window (trace_steps=0), whose first step is the one counted"
             )
@@ -634,7 +713,14 @@ class Recorder:
         if n < self.warmup + self.steps + (2 + self.trace_steps if self.trace_steps else 0):
             script = self.source == "script"  # `vlmdoctor run`: flags, and the first optimizer step is not counted
             notes.append(progress.fit_hint(n, self.warmup_asked, self.steps, self.trace_steps, script, int(script)))
-        if window is not None and self.trace_info is None and not self.trace_steps:
+        if self.profiled_timed_steps:
+            notes.append(
+                f"{self.profiled_by} ran during {self.profiled_timed_steps} of the timed steps: their times "
+                "include its overhead"
+            )
+        if window is not None and self.trace_skipped is not None:
+            notes.append(f"not traced: {self.trace_skipped} (one profiler at a time); timed only, no diagnosis")
+        elif window is not None and self.trace_info is None and not self.trace_steps:
             notes.append("not traced (trace steps 0): timed only, no facts and no diagnosis")
         elif window is not None and self.trace_info is None:
             notes.append("no traced window: the loop ended first, so there are no facts and no diagnosis")
@@ -803,38 +889,30 @@ def write_outputs(report: dict[str, Any], out: Path, json_path: str | None = Non
     return path
 
 
-def complete(
-    report: dict[str, Any],
-    rec: Recorder,
-    rules_dirs: Sequence[str] = (),
-    selection: Any = None,
-    diagnose: bool = True,
-    html: bool = True,
-) -> dict[str, Any] | None:
-    """A measured report, wherever it was measured: a rank other than 0 hands it to rank 0 (and returns
-    None); rank 0 joins the ranks, diagnoses, and writes the report and its page."""
+def gather_ranks(report: dict[str, Any], rec: Recorder) -> dict[str, Any] | None:
+    """Several ranks: a rank other than 0 hands what it measured to rank 0 (None: nothing more to do here);
+    rank 0 joins the ranks into the job's report (vlmdoctor/rank_join.py). One rank: the report as it is."""
     from vlmdoctor import rank_join
 
-    if rec.world > 1 and rec.rank != 0:
+    if rec.world == 1:
+        return report
+    if rec.rank != 0:
         rank_join.write_part(report, rec.out, rec.rank)
         return None
-    if rec.world > 1 and "distributed" not in report:  # joined once, also when asked again after a failure
+    if "distributed" not in report:  # joined once, also when asked again
         rank_join.join(report, rec.out, rec.world)
-    if diagnose:
-        diagnose_report(report, rec.audience, rules_dirs, selection)
-    write_outputs(report, rec.out, html=html)
     return report
 
 
 def output_paths(report: dict[str, Any], out: Path) -> dict[str, str | None]:
     """Where the report, its page and the trace (a folder of rank traces for several ranks) are."""
     tr = report.get("trace") or {}
-    trace = tr.get("dir") if len(tr.get("rank_paths") or []) > 1 else tr.get("path")
+    several = len(tr.get("rank_paths") or []) > 1
     return {
         "report": str(out / REPORT) if (out / REPORT).exists() else None,
         "html": str(out / HTML) if (out / HTML).exists() else None,
-        "trace": trace,
-        "ranks": str(len(tr["rank_paths"])) if len(tr.get("rank_paths") or []) > 1 else None,
+        "trace": tr.get("dir") if several else tr.get("path"),
+        "ranks": str(len(tr["rank_paths"])) if several else None,
     }
 
 
@@ -875,11 +953,16 @@ class Doctor:
         force: bool = False,
         step_offset: int = 0,
     ) -> None:
-        self.rec = Recorder(model, out, warmup, steps, trace_steps, stage, source, config, audience, step_offset)
+        window = (warmup, steps, trace_steps, stage, source, config, audience, step_offset)
+        try:
+            self.rec = Recorder(model, out, *window)
+        except Exception as e:  # a model vlmdoctor cannot read: the loop runs, unmeasured
+            self.rec = Recorder(None, out, *window)
+            self.rec.fail(e)
         self.lead = self.rec.rank == 0
         self.quiet = quiet or not self.lead
         if not self.quiet:
-            self.rec.say = progress.say
+            self.rec.tell = progress.say
         self.rules_dirs = list(rules_dirs)
         self.report: dict[str, Any] | None = None
         self.reported = False
@@ -896,7 +979,7 @@ class Doctor:
     def __enter__(self) -> Doctor:
         if not self.refused:
             self.rec._safe(self.rec.attach)
-            self.rec.begin()
+            self.rec._safe(self.rec.begin)
         return self
 
     def step(self, batch: Any = None, *, loss: Any = None, **inputs: Any) -> None:
@@ -905,44 +988,87 @@ class Doctor:
         Once the traced window is over, the report is written and printed at once (the loop
         goes on, unmeasured), so a long training does not hold it back until its end.
         """
-        self.rec.step(batch, loss, **inputs)
-        if not self.reported and self.rec.window_done:
-            self.write_report()
+        try:
+            self.rec.step(batch, loss, **inputs)
+            if not self.reported and not self.refused and self.rec.window_done:
+                self.write_report()
+        except Exception as e:  # vlmdoctor's own error: said once, the loop goes on
+            self.rec.fail(e)
 
     @property
     def window_done(self) -> bool:
-        return self.rec.window_done
+        try:
+            return self.rec.window_done
+        except Exception as e:
+            self.rec.fail(e)
+            return True
 
-    def write_report(self) -> None:
-        """Stop measuring; analyze, write and print the report (rank 0) or hand it to rank 0."""
+    def write_report(self) -> dict[str, Any] | None:
+        """Stop; analyze, write out/report.json and its page, and print the prescriptions (rank 0), or hand
+        the numbers to rank 0 (the other ranks). Runs once. Whatever fails in here is said in one line and the
+        loop goes on; a report that was measured is kept (in `self.report`, and in a rescue file when out/
+        cannot be written)."""
+        if self.reported or self.refused:
+            return self.report
         self.reported = True
         try:
             report = self.rec.finish()
-            if self.rec.broken:
-                report.setdefault("notes", []).append(
-                    "vlmdoctor hit an internal error during the run and stopped measuring; the numbers may be partial"
-                )
-            self.report = complete(report, self.rec, self.rules_dirs)
-            if self.report is not None and not self.quiet:
-                show(self.report)
-                paths = output_paths(self.report, self.rec.out)
-                written = ", ".join(p for p in (paths["report"], paths["html"]) if p)
-                self.rec._say(f"report written: {written}; training goes on, unmeasured")
         except Exception as e:
-            _log(f"could not finish the report: {type(e).__name__}: {e}")
+            self.rec.fail(e)
+            return None
+        if report is None:
+            return None
+        if self.rec.broken:
+            report.setdefault("notes", []).append(
+                "vlmdoctor hit an internal error during the run and stopped measuring; the numbers may be partial"
+            )
+        try:
+            joined = gather_ranks(report, self.rec)
+        except Exception as e:  # rank 0's own numbers stand
+            joined = report
+            self.rec.say("could not join the ranks' numbers, rank 0's own are kept", e)
+        if joined is None:
+            return None  # a rank other than 0: rank 0 holds its numbers
+        self.report = report
+        try:
+            diagnose_report(report, self.rec.audience, self.rules_dirs)
+        except Exception as e:  # the measurement stands without its diagnosis
+            report["diagnosis_error"] = f"{type(e).__name__}: {e}"
+            self.rec.say("the diagnosis failed, the measurement is kept", e)
+        try:
+            path = write_outputs(report, self.rec.out)
+        except Exception as e:
+            from vlmdoctor.files import fallback_path, json_text, save
+
+            try:
+                spare = fallback_path("report.json")
+                kept = save(spare, json_text(report), "report") or f"it was saved to {spare}"
+            except Exception as e2:
+                kept = f"it could not be saved elsewhere either ({type(e2).__name__}: {e2})"
+            self.rec.say(f"could not write {self.rec.out / 'report.json'} ({kept})", e)
+            return report
+        try:
+            if not self.quiet:
+                show(report)
+                page = self.rec.out / HTML
+                written = f"{path}, {page}" if page.exists() else str(path)
+                self.rec._tell(f"report written: {written}; training goes on, unmeasured")
+        except Exception as e:
+            self.rec.say(f"could not print the report (it is in {path})", e)
+        return report
 
     def finish(self) -> dict[str, Any] | None:
-        """The end of training: the report of what was measured (if not written yet), then the summary."""
+        """The end of training: the report of what was measured (if not written yet), then the summary;
+        returns the report."""
         if self.refused:
             return None
-        if not self.reported:
-            self.write_report()
+        self.write_report()
         if self.report is not None and not self.quiet and not self.summarized:
             self.summarized = True
             try:
                 show_summary(self.report, output_paths(self.report, self.rec.out))
             except Exception as e:
-                _log(f"could not print the summary: {type(e).__name__}: {e}")
+                self.rec.say("could not print the summary", e)
         return self.report
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:

@@ -14,8 +14,9 @@ see them: through `Trainer.log` of the Trainer that calls this callback, once th
 
 from __future__ import annotations
 
+import functools
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,27 @@ def calling_trainer() -> Any:
     return None
 
 
+def _guarded(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A callback method whose own errors never reach the Trainer: said once, measurement switched off."""
+
+    @functools.wraps(method)
+    def call(self: DoctorCallback, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as e:  # never the user's training
+            doc, self.doc = self.doc, None
+            if doc is not None:
+                doc.rec.fail(e)
+                if self.report is None:  # what was measured before the error is still written
+                    self.report = doc.finish()
+            elif not self.failed:
+                _log(f"internal error, measurement switched off, training goes on: {type(e).__name__}: {e}")
+            self.failed = True
+            return None
+
+    return call
+
+
 class DoctorCallback(TrainerCallback):
     """Measure warm-up, a timed window and a traced window of a Trainer run, then write the report."""
 
@@ -91,39 +113,37 @@ class DoctorCallback(TrainerCallback):
         )
         self.stop_after_window = stop_after_window
         self.doc: Doctor | None = None
+        self.report: dict[str, Any] | None = None
+        self.failed = False
         self.trainer: Any = None
         self.pending: dict[str, float] | None = None  # metrics not yet in the Trainer's logs
 
-    @property
-    def report(self) -> dict[str, Any] | None:
-        return self.doc.report if self.doc is not None else None
-
+    @_guarded
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        try:
-            self.trainer = calling_trainer()
-            cfg = training_args_config(args)
-            cfg["trainer"] = type(self.trainer).__name__ if self.trainer is not None else "Trainer"
-            if self.trainer is not None:
-                cfg["sample_lengths"] = sample_lengths(self.trainer)  # what group_by_length advice needs
-            if int(getattr(args, "world_size", 1) or 1) > 1:
-                cfg["parallel"] = "fsdp" if getattr(args, "fsdp", None) else "ddp"
-            offset = int(getattr(state, "global_step", 0) or 0)
-            self.doc = Doctor(model, audience="trainer", config=cfg, source="trainer", step_offset=offset, **self.kw)
-            self.doc.__enter__()
-        except Exception as e:  # never the user's training
-            self.doc = None
-            _log(f"could not start measuring, training goes on: {type(e).__name__}: {e}")
+        self.trainer = calling_trainer()
+        cfg = training_args_config(args)
+        cfg["trainer"] = type(self.trainer).__name__ if self.trainer is not None else "Trainer"
+        if self.trainer is not None:
+            cfg["sample_lengths"] = sample_lengths(self.trainer)  # what the group_by_length advice needs
+        if int(getattr(args, "world_size", 1) or 1) > 1:
+            cfg["parallel"] = "fsdp" if getattr(args, "fsdp", None) else "ddp"
+        offset = int(getattr(state, "global_step", 0) or 0)
+        self.doc = Doctor(model, audience="trainer", config=cfg, source="trainer", step_offset=offset, **self.kw)
+        self.doc.__enter__()
 
+    @_guarded
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.doc is not None and self.doc.rec.n == 0:
             self.doc.rec.begin()
 
+    @_guarded
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         if self.doc is None:
             return None
         was = self.doc.reported
         self.doc.step()  # writes the report once the traced window is over
         if self.doc.reported and not was:
+            self.report = self.doc.report
             self._to_logs()
             if self.stop_after_window:
                 control.should_training_stop = True
@@ -144,6 +164,7 @@ class DoctorCallback(TrainerCallback):
                 _log(f"could not log the metrics through the Trainer, they go with its next log: {e}")
         self.pending = metrics
 
+    @_guarded
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         """Without the Trainer at hand: into the next log entry (log_history, and the callbacks after this one)."""
         if not self.pending or logs is None or any(k.startswith(PREFIX) for k in logs):
@@ -153,9 +174,10 @@ class DoctorCallback(TrainerCallback):
             state.log_history[-1].update(self.pending)
         self.pending = None
 
+    @_guarded
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.doc is not None:
             if not self.doc.reported:  # a run shorter than its windows: the report of the steps it had
-                self.doc.write_report()
+                self.report = self.doc.write_report()
                 self._to_logs()
-            self.doc.finish()  # the summary
+            self.report = self.doc.finish()  # the summary

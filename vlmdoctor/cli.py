@@ -334,6 +334,48 @@ def _run_config(config: str | None, overrides: dict[str, Any]) -> RunConfig:
     return cfg
 
 
+def _with_progress(measure: Any, quiet: bool) -> dict[str, Any]:
+    """`measure()`, with a progress bar on stderr unless quiet."""
+    if quiet:
+        return measure()
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+    ) as bar:
+        tasks: dict[str, Any] = {}
+
+        def progress(phase: str, done: int, total: int) -> None:
+            if phase not in tasks:
+                tasks[phase] = bar.add_task(phase, total=total)
+            bar.update(tasks[phase], completed=done)
+
+        return measure(progress)
+
+
+def _diagnose_kept(report: dict[str, Any], rules_dirs: list[str] | None, selection: Any) -> KeyboardInterrupt | None:
+    """Diagnose a measured report in place; the measurement is kept whatever the diagnosis does (an
+    interruption is returned, for the caller to end with once the report is written)."""
+    from vlmdoctor.doctor.diagnosis import examine
+
+    try:
+        examine(report, rules_dirs or [], selection=selection)
+    except KeyboardInterrupt as e:
+        report["diagnosis_error"] = "interrupted before the diagnosis finished"
+        return e
+    except Exception as e:
+        message, _ = describe_error(e)
+        report["diagnosis_error"] = message
+        err.print(
+            f"[yellow]warning:[/yellow] the diagnosis failed, the measurement is kept: {escape(message)}",
+            highlight=False,
+        )
+    return None
+
+
 def _profile(
     overrides: dict[str, Any],
     config: str | None,
@@ -347,7 +389,7 @@ def _profile(
     launch: dict[str, Any] | None = None,
     selection: Any = None,
 ) -> None:
-    from vlmdoctor.doctor.diagnosis import examine, remove_temporary_trace
+    from vlmdoctor.doctor.diagnosis import remove_temporary_trace
     from vlmdoctor.files import check_distinct, check_output_dir, check_writable, json_text, save, save_json
     from vlmdoctor.inputs import check_rules_dirs
     from vlmdoctor.report.console import render
@@ -360,7 +402,10 @@ def _profile(
     check_writable(save_config, force, "--save-config")
     check_writable(html_path, force, "--html")
     if trace is not None and trace.keep:
+        from vlmdoctor.supervise import check_room
+
         check_output_dir(trace.trace_dir, "--trace-dir")
+        check_room(trace.trace_dir, "--trace-dir")  # a full disk found now, not after the measurement
     check_rules_dirs(rules_dirs or [])
     check(cfg)  # refuse before any progress display opens
     from vlmdoctor.run import distributed
@@ -422,35 +467,16 @@ def _profile(
                 )
         return result
 
+    interrupted: KeyboardInterrupt | None = None
     try:
-        if quiet:
-            report = measure()
-        else:
-            with Progress(
-                TextColumn("{task.description}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeElapsedColumn(),
-                console=err,
-                transient=True,
-            ) as bar:
-                tasks: dict[str, Any] = {}
-
-                def progress(phase: str, done: int, total: int) -> None:
-                    if phase not in tasks:
-                        tasks[phase] = bar.add_task(phase, total=total)
-                    bar.update(tasks[phase], completed=done)
-
-                report = measure(progress)
         try:
-            examine(report, rules_dirs or [], selection=selection)
-        except Exception as e:  # the measurement is kept whatever the diagnosis does
-            message, _ = describe_error(e)
-            report["diagnosis_error"] = message
-            err.print(
-                f"[yellow]warning:[/yellow] the diagnosis failed, the measurement is kept: {escape(message)}",
-                highlight=False,
-            )
+            report = _with_progress(measure, quiet)
+        except KeyboardInterrupt as e:  # after the timed windows the runner hands back what they measured
+            if getattr(e, "report", None) is None:
+                raise
+            interrupted, report = e, e.report  # type: ignore[attr-defined]
+        if interrupted is None:
+            interrupted = _diagnose_kept(report, rules_dirs, selection)
     finally:
         remove_temporary_trace(report)
     failures = []
@@ -486,6 +512,11 @@ def _profile(
         )
     for f in failures:
         err.print(f"[bold red]error:[/bold red] {escape(f)}", highlight=False)
+    if interrupted is not None:  # what the timed windows measured was written above
+        from vlmdoctor.supervise import describe_interruption, interrupted_exit_code
+
+        err.print(f"{describe_interruption(interrupted)}; the measured numbers are kept", highlight=False, markup=False)
+        raise typer.Exit(interrupted_exit_code(interrupted))
     raise typer.Exit(code or (EXIT_FAILED_RUN if failures else 0))
 
 
@@ -875,7 +906,12 @@ def treat(
         check_distinct(json=json_path, html=html_path)
         check_writable(html_path, force, "--html")
         folder = Path(out_dir or f"treat-{cfg.model}-stage{cfg.stage}")
+        from vlmdoctor import supervise
+
         check_output_dir(folder, "--out")
+        supervise.check_room(folder, "--out")  # compile caches and results: found full now, not after the trials
+        supervise.check_file_folders(json=json_path, html=html_path)
+        supervise.check_temp()
         check_rules_dirs(rules_dirs or [])
         selection, rules_dirs, _ = rule_choice(select, ignore, rules_dirs)
         if folder.is_dir() and any(folder.iterdir()) and not force:
@@ -936,7 +972,7 @@ def treat(
             out.print(f"run the final config again: vlmdoctor profile --config {paths['config']}")
         _fail_on(failures)
         if result["interrupted"]:
-            raise typer.Exit(130)
+            raise typer.Exit(result.get("exit_code") or 130)
         if not result["ladder"]:
             raise typer.Exit(1)
 
@@ -974,6 +1010,10 @@ def sweep(
         check_writable(csv_path, force, "--csv")
         check_writable(json_path, force, "--json")
         check_writable(jsonl_path, True, "--jsonl")  # appended to: an existing regular file is fine
+        from vlmdoctor import supervise
+
+        supervise.check_file_folders(csv=csv_path, json=json_path, jsonl=jsonl_path)
+        supervise.check_temp()  # each run's report goes there first
         launch = {k: v for k, v in knobs.items() if v is not None}
         if grid:  # every run launched the same way (--set knob=value wins)
             plan = load_grid(grid, {**launch, **_parse_sets(sets or [])}, stages)
@@ -1000,7 +1040,12 @@ def sweep(
                 status.update(f"run {i}/{n}: {name}")
 
             problems: list[str] = []
-            rows = run_sweep(plan, timeout, diagnose_runs, jsonl_path, notify, problems)
+            rows: list[dict[str, Any]] = []
+            interrupted: KeyboardInterrupt | None = None
+            try:
+                run_sweep(plan, timeout, diagnose_runs, jsonl_path, notify, problems, rows)
+            except KeyboardInterrupt as e:  # the run in flight was stopped; the finished rows are kept below
+                interrupted = e
         failures = []
         failures.append(save_json({"runs": rows}, json_path, "sweep JSON"))
         if json_path != "-":
@@ -1011,7 +1056,17 @@ def sweep(
             failures.append(save(csv_path, csv_text(rows), "results table"))
             if json_path != "-":
                 out.print(f"written: {csv_path}")
+        if interrupted is not None:
+            from vlmdoctor.supervise import describe_interruption, interrupted_exit_code
+
+            err.print(
+                f"{describe_interruption(interrupted)}: {len(rows)} of {len(plan)} run(s) finished, kept above",
+                highlight=False,
+                markup=False,
+            )
         _fail_on([*failures, *problems])
+        if interrupted is not None:
+            raise typer.Exit(interrupted_exit_code(interrupted))
 
 
 @app.command()
@@ -1141,6 +1196,11 @@ def gate(
         check_writable(json_path, force, "--json")
         if update_baseline:
             check_writable(baseline, True, "--baseline")
+        from vlmdoctor import supervise
+
+        supervise.check_file_folders(junit=junit, json=json_path, baseline=baseline if update_baseline else None)
+        if remeasure_baseline or not current:  # runs start: their reports go to the temp folder first
+            supervise.check_temp()
         summary = os.environ.get("GITHUB_STEP_SUMMARY")
         if summary:
             try:
@@ -1373,7 +1433,8 @@ class _user_errors:
         if isinstance(exc, click_errors.ClickException):
             return False  # click's own usage errors print themselves and exit 2
         message, code = describe_error(exc)
-        err.print(f"[bold red]error:[/bold red] {escape(message)}" if code != 130 else message, highlight=False)
+        interrupted = isinstance(exc, KeyboardInterrupt)
+        err.print(message if interrupted else f"[bold red]error:[/bold red] {escape(message)}", highlight=False)
         raise typer.Exit(code)
 
 
@@ -1387,8 +1448,10 @@ def describe_error(exc: BaseException) -> tuple[str, int]:
 
     if isinstance(exc, VlmdoctorError):
         return _one_line(exc.message), exc.exit_code
-    if isinstance(exc, KeyboardInterrupt):
-        return "interrupted", 130
+    if isinstance(exc, KeyboardInterrupt):  # Ctrl-C 130; SIGTERM (supervise.Terminated) 143
+        from vlmdoctor.supervise import describe_interruption, interrupted_exit_code
+
+        return describe_interruption(exc), interrupted_exit_code(exc)
     if isinstance(exc, MemoryError):
         return "out of host memory (MemoryError); use fewer samples or smaller inputs", EXIT_OOM
     if isinstance(exc, RecursionError):
@@ -1441,6 +1504,9 @@ def _internal_error(exc: BaseException) -> str:
 
 def main() -> None:
     """The console entry point: click's usage errors become one line too, not a panel."""
+    from vlmdoctor.supervise import describe_interruption, handle_termination, interrupted_exit_code
+
+    handle_termination()  # SIGTERM / SIGHUP unwind like Ctrl-C: children stopped, temp folders removed
     try:
         code = app(standalone_mode=False)
     except click_errors.NoArgsIsHelpError as e:  # help was asked for by giving nothing
@@ -1453,13 +1519,16 @@ def main() -> None:
         where = f" (see: {e.ctx.command_path} --help)" if getattr(e, "ctx", None) else ""
         err.print(f"error: {_one_line(e.format_message())}{where}", highlight=False, markup=False)
         sys.exit(e.exit_code)
-    except _ABORTS:
-        err.print("interrupted", highlight=False, markup=False)
-        sys.exit(130)
+    except _ABORTS as e:
+        why = e if isinstance(e, KeyboardInterrupt) else e.__cause__ or e.__context__  # click wraps Ctrl-C in Abort
+        if not isinstance(why, KeyboardInterrupt):
+            why = KeyboardInterrupt()
+        err.print(describe_interruption(why), highlight=False, markup=False)
+        sys.exit(interrupted_exit_code(why))
     except SystemExit:
         raise
     except BaseException as e:  # raised outside a command body
         message, exit_code = describe_error(e)
-        err.print(f"error: {message}" if exit_code != 130 else message, highlight=False, markup=False)
+        err.print(message if isinstance(e, KeyboardInterrupt) else f"error: {message}", highlight=False, markup=False)
         sys.exit(exit_code)
     sys.exit(code if isinstance(code, int) else 0)

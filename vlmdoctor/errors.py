@@ -6,7 +6,7 @@ from __future__ import annotations
 EXIT_OK = 0
 EXIT_FAILED_RUN = 1  # the run itself failed (crash inside a training step)
 EXIT_USAGE = 2  # bad input: unknown preset, bad knob value, missing GPU, existing output file
-EXIT_OOM = 3  # CUDA out of memory; the report records it
+EXIT_OOM = 3  # out of memory (GPU or host); the report records it
 EXIT_NAN = 4  # the loss was NaN or inf; the report records it
 
 
@@ -21,3 +21,16 @@ class VlmdoctorError(Exception):
 
 class UsageError(VlmdoctorError):
     """Unknown preset, knob value, missing device or package: exit 2."""
+
+
+#: what torch's CPU allocator says when the host has no memory left (a RuntimeError, not a MemoryError)
+HOST_OOM_MESSAGES = ("DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Out of memory, on the GPU (torch.OutOfMemoryError) or the host (MemoryError, torch's CPU allocator)."""
+    if isinstance(exc, MemoryError):
+        return True
+    if any(cls.__name__ == "OutOfMemoryError" for cls in type(exc).__mro__):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in HOST_OOM_MESSAGES)

@@ -15,16 +15,15 @@ import gc
 import json
 import os
 import runpy
-import subprocess
 import sys
-import tempfile
 import traceback
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vlmdoctor.errors import EXIT_FAILED_RUN, EXIT_OK, UsageError
+from vlmdoctor import supervise
+from vlmdoctor.errors import EXIT_FAILED_RUN, EXIT_OK, EXIT_OOM, UsageError, is_out_of_memory
 
 ENV_KEY = "VLMDOCTOR_RUN"
 BOOTSTRAP = "from vlmdoctor.launch import child_main; child_main()"
@@ -113,11 +112,44 @@ class _Child:
         self.s = settings
         self.optimizer: Any = None
         self.rec: Any = None
-        self.report: dict[str, Any] | None = None  # set once written (at the window's end)
-        self.handed_over = False
+        self.report: dict[str, Any] | None = None  # set once written (at the window's end); {}: that failed
         self.steps_of_others = 0
+        self.off = False  # vlmdoctor's own error switched measuring off
+        self.out_of_memory = False  # the script died out of memory (GPU or host): exit 3, as a profile run
+        self.said: set[str] = set()
+        self.rescued: Path | None = None  # where the report went when OUT/ could not take it
+        self.handed_over = False  # a rank other than 0 whose numbers went to rank 0: it writes nothing
+
+    def say(self, what: str, e: BaseException) -> None:
+        """One line per distinct error of vlmdoctor's own, however often it comes back."""
+        from vlmdoctor.api import _log
+
+        key = f"{type(e).__name__}: {e}"
+        if self.rec is not None:
+            self.said |= self.rec.said
+        if key not in self.said:
+            self.said.add(key)
+            _log(f"{what}: {key}")
+        if self.rec is not None:
+            self.rec.said |= self.said
 
     def on_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        """The optimizer step hook: nothing of vlmdoctor's own raises out of it into the script (but the stop
+        that --stop-after-window asks for)."""
+        try:
+            self._on_step(optimizer)
+        except _StopAfterWindow:
+            raise
+        except Exception as e:  # said once; the script trains on, unmeasured (what was measured is reported)
+            self.off = True
+            if self.rec is not None:
+                self.rec.fail(e)
+            else:
+                self.say("internal error, measurement switched off, training goes on", e)
+
+    def _on_step(self, optimizer: Any) -> None:
+        if self.off:
+            return
         if self.optimizer is None:
             self._start(optimizer)
             return
@@ -134,31 +166,70 @@ class _Child:
         """Diagnose and print as soon as the windows are measured, while the script trains on unmeasured.
 
         Under a launcher every rank gets here at the same step: rank 0 joins the others' numbers."""
-        from vlmdoctor.api import _log, complete, show
+        from vlmdoctor.api import diagnose_report, gather_ranks, show
 
+        self.report = {}  # tried once, whatever happens below
         try:
             report = self.rec.finish()
             report["audience"] = self.rec.audience
             report["script"] = {"argv": self.s["argv"], "exit_code": None, "error": None}
-            from vlmdoctor.doctor.select import Selection
-
-            selection = Selection.from_json(self.s.get("selection"))
-            report["diagnosed_while_running"] = True
-            rules = self.s.get("rules_dirs") or []
-            diagnose, html = self.s.get("diagnose", True), self.s.get("html", True)
-            done = complete(report, self.rec, rules, selection, diagnose=diagnose, html=html)
-            self.handed_over = done is None  # a rank other than 0: its numbers went to rank 0
-            self.report = done or {}
-            if done is not None and self.rec.say is not None:
-                show(done, sys.stdout)
-                goes_on = "" if self.s.get("stop_after_window") else "; the script goes on, unmeasured"
-                self.rec.say(f"report written to {Path(self.s['out']) / 'report.json'}{goes_on}")
         except Exception as e:  # the analysis must not end the user's training
-            self.report = {}
-            _log(f"could not write the report now, training goes on: {type(e).__name__}: {e}")
+            self.say("could not build the report now, training goes on", e)
+            return
+        if not self._gathered(report, gather_ranks):
+            return
+        if self.s.get("diagnose", True):
+            try:
+                from vlmdoctor.doctor.select import Selection
+
+                selection = Selection.from_json(self.s.get("selection"))
+                diagnose_report(report, self.rec.audience, self.s.get("rules_dirs") or [], selection)
+            except Exception as e:  # the measurement stands without its diagnosis
+                report["diagnosis_error"] = f"{type(e).__name__}: {e}"
+                self.say("the diagnosis failed, the measurement is kept", e)
+        report["diagnosed_while_running"] = True
+        self.report = report
+        if not self._write(report) or self.s.get("quiet"):
+            return
+        if self.rec.tell is None:  # quiet, or a rank other than 0
+            return
+        try:
+            show(report, sys.stdout)
+            goes_on = "" if self.s.get("stop_after_window") else "; the script goes on, unmeasured"
+            self.rec.tell(f"report written to {Path(self.s['out']) / 'report.json'}{goes_on}")
+        except Exception as e:
+            self.say("could not print the report (it is written)", e)
+
+    def _gathered(self, report: dict[str, Any], gather: Any) -> bool:
+        """Several ranks: False on a rank other than 0, which handed its numbers to rank 0 (and is done)."""
+        try:
+            if gather(report, self.rec) is None:
+                self.handed_over = True
+                return False
+        except Exception as e:  # rank 0's own numbers stand
+            self.say("could not join the ranks' numbers, rank 0's own are kept", e)
+        return True
+
+    def _write(self, report: dict[str, Any]) -> bool:
+        """OUT/report.json; when that fails, the report is rescued to a file the line names (never lost)."""
+        from vlmdoctor.api import write_outputs
+
+        try:
+            write_outputs(report, Path(self.s["out"]), html=self.s.get("html", True))
+            return True
+        except Exception as e:
+            from vlmdoctor.files import fallback_path, json_text, save
+
+            try:  # the same rescue file each time: the last write (with how the script ended) is the one kept
+                self.rescued = self.rescued or fallback_path("report.json")
+                kept = save(self.rescued, json_text(report), "report") or f"it was saved to {self.rescued}"
+            except Exception as e2:
+                kept = f"it could not be saved elsewhere either ({type(e2).__name__}: {e2})"
+            self.say(f"could not write the report ({kept})", e)
+            return False
 
     def _start(self, optimizer: Any) -> None:
-        from vlmdoctor.api import Recorder, _log
+        from vlmdoctor.api import Recorder
 
         self.optimizer = optimizer
         try:
@@ -191,67 +262,92 @@ class _Child:
             if not self.s.get("quiet") and self.rec.rank == 0:
                 from vlmdoctor.report.progress import say
 
-                self.rec.say = say
+                self.rec.tell = say
             self.rec.attach()
             self.rec.begin()  # steps count from the first optimizer step on: its inputs came before the hooks
         except Exception as e:
-            self.rec = None
-            _log(f"could not start measuring, the script goes on: {type(e).__name__}: {e}")
+            rec, self.rec = self.rec, None
+            if rec is not None:  # its hooks and profiler go; what it said is not said again
+                rec.fail(e)
+                self.said |= rec.said
+            self.say("could not start measuring, the script goes on", e)
 
     def finish(self, exit_code: int | None, error: str | None) -> None:
-        from vlmdoctor.api import complete, write_outputs
+        """The report, with how the script ended: the window's (written when it ended), else what was measured.
+        Under a launcher, rank 0 writes the job's (the other ranks hand theirs to it)."""
+        from vlmdoctor.api import gather_ranks
         from vlmdoctor.rank_join import rank_and_world
 
-        out = Path(self.s["out"])
         if self.handed_over:
-            return  # a rank other than 0: rank 0 holds its numbers
-        if self.report:  # written at the window's end: add how the script ended
-            self.report["script"] |= {
-                "exit_code": exit_code,
-                "error": error,
-                "steps_of_other_optimizers": self.steps_of_others,
-            }
-            write_outputs(self.report, out, html=self.s.get("html", True))
             return
-        if self.rec is None:
-            report: dict[str, Any] = {
+        script = {
+            "argv": self.s["argv"],
+            "exit_code": exit_code,
+            "error": error,
+            "out_of_memory": self.out_of_memory,
+            "steps_of_other_optimizers": self.steps_of_others,
+        }
+        if self.report:  # written at the window's end: add how the script ended
+            self.report["script"] |= script
+            self._write(self.report)
+            return
+        report = None
+        if self.rec is not None:
+            try:
+                report = self.rec.finish()
+            except Exception as e:
+                self.say("could not build the report", e)
+        if report is None:
+            report = {
                 "status": "error",
                 "error": {
                     "type": "NoSteps" if self.optimizer is None else "NotStarted",
                     "message": "the script never called an optimizer step"
                     if self.optimizer is None
-                    else "vlmdoctor could not start measuring (see the log)",
+                    else "vlmdoctor could not measure (see the log)",
                 },
             }
+            if rank_and_world()[0] != 0:
+                return  # rank 0 says it for the job
         else:
-            report = self.rec.finish()
             report["audience"] = self.rec.audience
             if (report.get("error") or {}).get("type") == "NoSteps":
                 report["error"]["message"] = (
                     "the script called the optimizer step only once; a step is timed "
                     "from one optimizer step to the next, so at least 2 are needed"
                 )
-        report["script"] = {
-            "argv": self.s["argv"],
-            "exit_code": exit_code,
-            "error": error,
-            "steps_of_other_optimizers": self.steps_of_others,
-        }
-        if self.rec is not None:  # the steps that ran: rank 0 joins the ranks, the parent diagnoses
-            complete(report, self.rec, diagnose=False, html=False)
-        elif rank_and_world()[0] == 0:
-            write_outputs(report, out, html=False)
+            report["script"] = script
+            if not self._gathered(report, gather_ranks):
+                return
+        report["script"] = script
+        self._write(report)
+
+
+def finish_child(child: _Child, code: int | None, error: str | None) -> None:
+    """The child's last words: its report. An error here is said, never raised (the script's exit code stands)."""
+    try:
+        child.finish(code, error)
+    except Exception as e:
+        child.say("could not write the report", e)
 
 
 def child_main() -> None:
-    """The child's bootstrap: hooks in, then the user's script as __main__."""
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
+    """The child's bootstrap: hooks in, then the user's script as __main__ (run unmeasured when the hooks
+    cannot go in)."""
     settings = json.loads(os.environ.pop(ENV_KEY))
     argv = sys.argv[1:]
     settings["argv"] = argv
     child = _Child(settings)
-    handle = register_optimizer_step_post_hook(child.on_step)
+    handle: Any = None
+    try:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        from vlmdoctor.run import one_profiler
+
+        one_profiler.install()  # a Doctor or torch.profiler in the script and this run: one profiler at a time
+        handle = register_optimizer_step_post_hook(child.on_step)
+    except Exception as e:
+        print(f"vlmdoctor: could not hook in, the script runs unmeasured: {type(e).__name__}: {e}", file=sys.stderr)
     code: int | None = 0
     error = None
     try:
@@ -275,12 +371,11 @@ def child_main() -> None:
         traceback.print_exc()
         code = 1
         error = f"{type(e).__name__}: {e}"[:500]
+        child.out_of_memory = is_out_of_memory(e)
     finally:
-        handle.remove()
-    try:
-        child.finish(code, error)
-    except Exception as e:
-        print(f"vlmdoctor: could not write the report: {type(e).__name__}: {e}", file=sys.stderr)
+        if handle is not None:
+            handle.remove()
+    finish_child(child, code, error)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code or 0)  # the script's exit code; skip atexit work of a script that already finished
@@ -343,9 +438,9 @@ def measure_script(
     from vlmdoctor import SCHEMA_VERSION
 
     argv = parse_command(command, cwd)
-    with tempfile.TemporaryDirectory(prefix="vlmdoctor-gate-") as tmp:
+    with supervise.scratch("vlmdoctor-gate-") as tmp:
         settings = {
-            "out": tmp,
+            "out": str(tmp),
             "warmup": warmup,
             "steps": steps,
             "trace_steps": 0,
@@ -356,7 +451,7 @@ def measure_script(
             "diagnose": False,
             "html": False,
         }
-        log = Path(tmp) / "script.log"
+        log = tmp / "script.log"
 
         def failed(status: str, message: str) -> dict[str, Any]:
             tail = log.read_text(errors="replace")[-400:] if log.exists() else ""
@@ -366,19 +461,18 @@ def measure_script(
                 "error": {"type": "ScriptFailed", "message": message + (f"; its output ended: {tail}" if tail else "")},
             }
 
-        try:
-            with log.open("wb") as f:
-                rc = subprocess.run(
-                    [python or sys.executable, "-c", BOOTSTRAP, *argv],
-                    stdout=f,
-                    stderr=subprocess.STDOUT,
-                    env=child_env(settings, env),
-                    cwd=cwd,
-                    timeout=timeout,
-                ).returncode
-        except subprocess.TimeoutExpired:
+        with log.open("wb") as f:  # an owned process group: a timeout or Ctrl-C stops all of it
+            outcome = supervise.run(
+                [python or sys.executable, "-c", BOOTSTRAP, *argv],
+                env=child_env(settings, env),
+                cwd=cwd,
+                timeout=timeout,
+                log=f,
+            )
+        if outcome.timed_out:
             return failed("timeout", f"the script took longer than {timeout:.0f} s")
-        path = Path(tmp) / "report.json"
+        rc = outcome.returncode
+        path = tmp / "report.json"
         if not path.exists():
             return failed("error", f"the script exited with code {rc} and left no report")
         report = json.loads(path.read_text())
@@ -390,19 +484,39 @@ def measure_script(
         return report
 
 
-def _tee(proc: subprocess.Popen, log: Path, to_stderr: bool) -> None:
-    """The script's output, as it comes, to the terminal (stderr when stdout carries the JSON) and the log."""
-    sink = sys.stderr if to_stderr else sys.stdout
-    with log.open("wb") as f:
-        assert proc.stdout is not None
-        while True:
-            chunk = proc.stdout.read1(65536) if hasattr(proc.stdout, "read1") else proc.stdout.read(4096)
-            if not chunk:
-                break
-            f.write(chunk)
-            f.flush()
-            sink.buffer.write(chunk)
-            sink.buffer.flush()
+def _read_report(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text()) if path.exists() else None
+    except (OSError, ValueError):
+        return None
+
+
+def _interrupted(
+    exc: KeyboardInterrupt,
+    report_path: Path,
+    log: Path,
+    command: Sequence[str],
+    warmup: int,
+    steps: int,
+    json_path: str | None,
+) -> int:
+    """The run was interrupted and the script stopped: what it measured is kept (the child writes its report
+    when the window ends, and again as it stops); nothing measured, the interruption goes on up."""
+    from vlmdoctor.api import write_outputs
+
+    report = _read_report(report_path)
+    if report is None:
+        raise exc
+    report.setdefault("script", {}).update(recorded_command(command, warmup, steps))
+    report["interrupted"] = supervise.describe_interruption(exc)
+    write_outputs(report, report_path.parent, json_path if json_path != "-" else None)
+    print(
+        f"vlmdoctor: {report['interrupted']}; the script was stopped. What was measured is kept in "
+        f"{report_path} (script output: {log})",
+        file=sys.stderr,
+        flush=True,
+    )
+    return supervise.interrupted_exit_code(exc)
 
 
 def run_script(
@@ -446,6 +560,10 @@ def run_script(
     check_distinct(json=json_path, html=html_path, out=report_path)
     check_writable(json_path, force, "--json")
     check_writable(html_path, force, "--html")
+    # every folder the run writes in is checked before the script starts: a read-only or full --out is
+    # found now, not after the training ran
+    supervise.check_folder(folder, "--out")
+    supervise.check_file_folders(json=json_path, html=html_path)
     folder.mkdir(parents=True, exist_ok=True)
     for p in (report_path, page_path):
         if p.exists():  # --force: an earlier run's report must not pass for this one's
@@ -467,16 +585,20 @@ def run_script(
         {"VLMDOCTOR_JOB": time.strftime("%Y%m%d-%H%M%S")},  # the ranks' one name for their trace folder
     )
     log = folder / "script.log"
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    sink = sys.stderr if json_path == "-" else sys.stdout  # stdout carries the JSON: the script's output to stderr
     try:
-        _tee(proc, log, to_stderr=json_path == "-")
-    except KeyboardInterrupt:
-        proc.terminate()
-        proc.wait()
-        raise
-    rc = proc.wait()
+        with log.open("wb") as f:  # the script's output, as it comes, to the terminal and the log
+            outcome = supervise.run(cmd, env=env, log=f, echo=sink.buffer, stdin=None)
+    except KeyboardInterrupt as e:  # Ctrl-C / SIGTERM: passed on to the script's group, which is stopped
+        return _interrupted(e, report_path, log, command, warmup, steps, json_path), _read_report(report_path)
+    rc = outcome.returncode
+    if outcome.left_running:
+        print(
+            f"vlmdoctor: the script left {outcome.left_running} process(es) running when it exited; stopped them",
+            file=sys.stderr,
+            flush=True,
+        )
     copy = json_path if json_path != "-" else None  # '-': the caller prints the report, once
-    console = sys.stderr if json_path == "-" else sys.stdout
 
     def say(m: str) -> None:
         from vlmdoctor.report.progress import say as line
@@ -485,7 +607,7 @@ def run_script(
 
     def summary() -> None:
         if not quiet:
-            show_summary(report, output_paths(report, folder) | {"log": str(log)}, console)
+            show_summary(report, output_paths(report, folder) | {"log": str(log)}, sink)
 
     if not report_path.exists():
         say(f"the script exited with code {rc} and left no report; its output is in {log}")
@@ -502,15 +624,18 @@ def run_script(
                 if not quiet and json_path != "-" and "diagnosis" in report:
                     show(report)
             report["status"] = "error"
+        oom = bool(script.get("out_of_memory"))
         report["error"] = {
-            "type": "ScriptFailed",
+            "type": "OutOfMemoryError" if oom else "ScriptFailed",
             "message": f"the script exited with code {code}" + (f" ({script['error']})" if script.get("error") else ""),
             "exit_code": code,
         }
+        if oom:
+            report["status"] = "oom"
         write_outputs(report, folder, copy)
         summary()
-        say(f"the script failed (exit code {code}); its output is in {log}")
-        return EXIT_FAILED_RUN, report
+        say(f"the script {'ran out of memory' if oom else 'failed'} (exit code {code}); its output is in {log}")
+        return (EXIT_OOM if oom else EXIT_FAILED_RUN), report
     if err.get("type") in ("NoSteps", "NotStarted"):
         say(f"{err['message']}: nothing to measure (its output: {log})")
         return EXIT_FAILED_RUN, report

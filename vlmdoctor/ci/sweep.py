@@ -126,17 +126,19 @@ def run_sweep(
     jsonl: str | None,
     notify: Callable[[int, int, str], None] = lambda *_: None,
     problems: list[str] | None = None,
+    rows: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """Run each config in its own process; each report is appended to jsonl as soon as it exists.
 
     An append that fails (a full disk) does not end the sweep: the report goes to a fallback file
-    and `problems` gets a line saying where.
+    and `problems` gets a line saying where. `rows` (the caller's list) gets each run's row as it
+    ends, so that an interruption (Ctrl-C, SIGTERM: the run in flight is stopped) keeps the finished ones.
     """
     from vlmdoctor.errors import VlmdoctorError
     from vlmdoctor.files import append_text, json_text, save
     from vlmdoctor.run.runner import run_isolated
 
-    rows = []
+    rows = [] if rows is None else rows
     for i, (name, cfg) in enumerate(plan, start=1):
         notify(i, len(plan), name)
         report = run_isolated(cfg, timeout=timeout, diagnose=diagnose)

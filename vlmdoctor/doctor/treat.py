@@ -634,9 +634,12 @@ def treat(
             live,
             lambda: time.time() - t0,
         )
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM (the child run was stopped with it): keep what was measured
+        from vlmdoctor.supervise import describe_interruption, interrupted_exit_code
+
         out["interrupted"] = True
-        out["stopped_because"] = "interrupted (Ctrl-C)"
+        out["stopped_because"] = describe_interruption(e)
+        out["exit_code"] = interrupted_exit_code(e)
         if live.get("arms"):
             out["interrupted_round"] = {n: [v for v in a.values] for n, a in live["arms"].items()}
     out["final_config"] = current_cfg.to_dict()

@@ -35,6 +35,25 @@ def compiled(model: Any) -> bool:
     return any(getattr(m, "_compiled_call_impl", None) is not None for m in modules)
 
 
+def _counter() -> Any:
+    """torch's FlopCounterMode, except that a formula that fails on an op stops the counting instead of
+    raising inside the step it counts (a user's step, under Doctor or `vlmdoctor run`)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    class Guarded(FlopCounterMode):
+        failed: str | None = None
+
+        def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
+            if self.failed is None:
+                try:
+                    return super()._count_flops(func_packet, out, args, kwargs)
+                except Exception as e:
+                    self.failed = f"{type(e).__name__}: {e}"[:200]
+            return out
+
+    return Guarded(display=False)
+
+
 class StepFlops:
     """Count one step: `start()` where a step begins, `stop()` where it ends (two calls of the loop's hook)."""
 
@@ -48,9 +67,7 @@ class StepFlops:
         if compiled(model):
             self.reason = "not counted: the model runs under torch.compile (counting would recompile it)"
             return False
-        from torch.utils.flop_counter import FlopCounterMode
-
-        self.mode = FlopCounterMode(display=False)
+        self.mode = _counter()
         self.mode.__enter__()
         return True
 
@@ -63,6 +80,9 @@ class StepFlops:
         if mode is None:
             return None
         mode.__exit__(None, None, None)
+        if mode.failed:
+            self.total, self.reason = None, f"not counted: the FLOP counter failed ({mode.failed})"
+            return None
         self.total = float(mode.get_total_flops())
         if not self.total:
             self.total, self.reason = None, "not counted: the step dispatched no matmul, convolution or attention"

@@ -117,15 +117,34 @@ def find_parts(model: nn.Module) -> dict[str, nn.Module]:
     return found
 
 
-def mark_parts(model: nn.Module) -> Callable[[], None]:
+def mark_parts(model: nn.Module, on_error: Callable[[BaseException], None] | None = None) -> Callable[[], None]:
     """Put `vlmdoctor::<part>` ranges around each part's forward; returns a function that removes them.
 
     The ranges are what vlmdoctor's trace analysis reads to attribute GPU time to parts, for
     forward kernels directly and for backward kernels through the autograd sequence numbers.
+    With `on_error` (a user's model, whose forward vlmdoctor does not own), an error of the marking
+    is passed to it and the marks stop, instead of raising inside the model's forward.
     """
     from torch.profiler import record_function
 
     handles = []
+    broken: list[BaseException] = []
+
+    def guarded(fn: Callable[..., None]) -> Callable[..., None]:
+        if on_error is None:
+            return fn
+
+        def call(*args: Any) -> None:
+            if broken:
+                return
+            try:
+                fn(*args)
+            except Exception as e:
+                broken.append(e)
+                on_error(e)
+
+        return call
+
     for part, module in find_parts(model).items():
         ranges: list[Any] = []
 
@@ -138,8 +157,8 @@ def mark_parts(model: nn.Module) -> Callable[[], None]:
             if ranges:
                 ranges.pop().__exit__(None, None, None)
 
-        handles.append(module.register_forward_pre_hook(pre))
-        handles.append(module.register_forward_hook(post, always_call=True))
+        handles.append(module.register_forward_pre_hook(guarded(pre)))
+        handles.append(module.register_forward_hook(guarded(post), always_call=True))
 
     def remove() -> None:
         for h in handles:

@@ -18,7 +18,6 @@ import os
 import re
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,8 +29,8 @@ from typing import Any
 
 import torch
 
-from vlmdoctor import SCHEMA_VERSION, __version__
-from vlmdoctor.errors import EXIT_FAILED_RUN, EXIT_NAN, EXIT_OK, EXIT_OOM, UsageError
+from vlmdoctor import SCHEMA_VERSION, __version__, supervise
+from vlmdoctor.errors import EXIT_FAILED_RUN, EXIT_NAN, EXIT_OK, EXIT_OOM, UsageError, is_out_of_memory
 from vlmdoctor.run import distributed, envinfo, flops, fp8, modes, native, throughput
 from vlmdoctor.run.capture import TraceOptions, capture, measured_metadata, trace_path
 from vlmdoctor.run.compile import compile_vlm, compiled, graphs_compiled, mark_lengths_dynamic
@@ -54,6 +53,7 @@ from vlmdoctor.run.model import (
     param_counts,
 )
 from vlmdoctor.run.zoo import ModelSpec, resolve
+from vlmdoctor.supervise import scratch_dir
 
 Progress = Callable[[str, int, int], None]
 
@@ -774,6 +774,7 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
         "env": env,
         "flops": {"formula": flops.describe(), "peak_flops": peak, "peak_source": peak_source},
     }
+    interrupted: KeyboardInterrupt | None = None
     try:
         patient = build_patient(cfg, device, progress, dist)
         report["model"]["params"] = (
@@ -830,7 +831,8 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
                 # the timed windows' measurements: `analyze` of this trace merges them as profile does
                 "metrics": measured_metadata(summarize(windows, _device_total_gb(device), peak)[0]),
             }
-            where = trace if trace.keep else replace(trace, trace_dir=tempfile.mkdtemp(prefix="vlmdoctor-trace-"))
+            temp = tempfile.mkdtemp(prefix="vlmdoctor-trace-", dir=scratch_dir()) if not trace.keep else None
+            where = trace if temp is None else replace(trace, trace_dir=temp)
             path = (
                 trace_path(where, cfg.model, cfg.stage)
                 if dist is None  # ranks: one folder, rank in the name
@@ -838,21 +840,22 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
             )
             try:
                 report["trace"] = capture(step, where, device, path, meta, progress)
-            except BaseException:  # a temporary trace folder never outlives a failed or interrupted capture
+                report["trace"]["kept"] = trace.keep
+            except BaseException as e:  # a temporary trace folder never outlives a failed or interrupted capture
                 if not trace.keep:
                     import shutil
 
                     shutil.rmtree(where.trace_dir, ignore_errors=True)
-                raise
-            report["trace"]["kept"] = trace.keep
-    except torch.OutOfMemoryError as e:
-        _release(device)
-        report.update(status="oom", error=_oom_details(e, device))
-        return report
+                if not isinstance(e, KeyboardInterrupt) or dist is not None:
+                    raise
+                interrupted = e  # Ctrl-C / SIGTERM after the timed windows: what they measured is kept
     except UsageError:
         raise
     except Exception as e:  # a crash inside a step (illegal memory access, no SDPA kernel, compile failure)
         _release(device)
+        if is_out_of_memory(e):  # the GPU's or the host's (MemoryError, torch's CPU allocator): exit 3 either way
+            report.update(status="oom", error=_oom_details(e, device))
+            return report
         report.update(
             status="error",
             error={
@@ -887,6 +890,10 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
     if not metrics["loss_finite"]:
         report["status"] = "nan_loss"
         report["error"] = {"type": "NonFiniteLoss", "message": "the loss was NaN or inf in a timed step"}
+    if interrupted is not None:  # the caller keeps the measured report and ends as interrupted
+        report["interrupted"] = supervise.describe_interruption(interrupted) + " in the traced window: not traced"
+        interrupted.report = report  # type: ignore[attr-defined]
+        raise interrupted
     return report
 
 
@@ -1069,7 +1076,15 @@ def _oom_details(e: BaseException, device: torch.device) -> dict[str, Any]:
     requested = None
     if m:
         requested = float(m.group(1)) * {"GiB": 1, "MiB": 1 / 1024, "KiB": 1 / 2**20}[m.group(2)]
-    info = {"type": "OutOfMemoryError", "message": _first_line(e), "requested_gb": requested}
+    m = re.search(r"tried to allocate (\d+) bytes", msg)  # torch's CPU allocator
+    if m:
+        requested = int(m.group(1)) / 2**30
+    info = {
+        "type": "OutOfMemoryError",
+        "message": _first_line(e),
+        "requested_gb": requested,
+        "where": "gpu" if isinstance(e, torch.OutOfMemoryError) else "host",
+    }
     if device.type == "cuda":
         info["peak_mem_gb_before_failure"] = torch.cuda.max_memory_allocated(device) / 2**30
         info["device_mem_total_gb"] = torch.cuda.get_device_properties(device).total_memory / 2**30
@@ -1097,8 +1112,9 @@ def run_isolated(
     folder first, so in a checkout the child would run that checkout's vlmdoctor whatever
     `env`'s PYTHONPATH or `python` say (the gate's baseline side needs its own code).
     """
-    with tempfile.TemporaryDirectory(prefix="vlmdoctor-") as tmp:
-        cfg_path, out_path = Path(tmp) / "config.json", Path(tmp) / "report.json"
+    with supervise.scratch("vlmdoctor-") as folder:
+        tmp = str(folder)
+        cfg_path, out_path = folder / "config.json", folder / "report.json"
         cfg.dump(cfg_path)
         cmd = [
             python or sys.executable,
@@ -1114,22 +1130,22 @@ def run_isolated(
         cmd += [] if diagnose else ["--no-diagnose"]
         for d in rules_dirs or []:
             cmd += ["--rules", str(d)]
-        try:
-            cwd = tmp if own_cwd else None
-            if distributed.is_distributed(cfg):
-                proc = _run_group(cmd, timeout, {**os.environ, **env} if env else None, cwd)
-            else:
-                proc = subprocess.run(
-                    cmd,
-                    capture_output=True,
-                    text=True,
-                    timeout=timeout,
-                    env={**os.environ, **env} if env else None,
-                    cwd=cwd,
+        (folder / "scratch").mkdir()
+        # the child's own temporary folders (a trace, torchrun's rank folder) go inside this one: removed with it
+        child_env = {**os.environ, **(env or {}), supervise.SCRATCH_ENV: str(folder / "scratch")}
+        log = folder / "child.log"
+        with open(log, "wb") as f:
+            # its own process group: a timeout, Ctrl-C or SIGTERM stops it and all it started (torchrun, its ranks)
+            outcome = supervise.run(cmd, env=child_env, cwd=tmp if own_cwd else None, timeout=timeout, log=f)
+        if outcome.returncode in (130, 143, -2, -15) and not outcome.timed_out:  # the child was interrupted
+            raise KeyboardInterrupt
+        if outcome.timed_out:
+            kept = _read_json(out_path)
+            if kept and kept.get("metrics"):  # stopped in its traced window: the timed numbers are kept
+                kept.setdefault("warnings", []).append(
+                    f"the run hit its time limit ({timeout:.0f} s) in the traced window: timed numbers only"
                 )
-            if proc.returncode in (130, -2):  # the child was interrupted (Ctrl-C reaches the whole group)
-                raise KeyboardInterrupt
-        except subprocess.TimeoutExpired:
+                return kept
             return {
                 "schema_version": SCHEMA_VERSION,
                 "status": "timeout",
@@ -1147,17 +1163,18 @@ def run_isolated(
                     "error": {
                         "type": "ProcessFailed",
                         "message": f"the run's report is unreadable ({e})",
-                        "exit_code": proc.returncode,
+                        "exit_code": outcome.returncode,
                     },
                 }
+        tail = log.read_bytes()[-8000:].decode("utf-8", errors="replace")
         return {
             "schema_version": SCHEMA_VERSION,
             "status": "error",
             "config": cfg.to_dict(),
             "error": {
                 "type": "ProcessFailed",
-                "message": (proc.stderr or proc.stdout).strip()[-2000:],
-                "exit_code": proc.returncode,
+                "message": tail.strip()[-2000:] or f"the run exited with code {outcome.returncode} and said nothing",
+                "exit_code": outcome.returncode,
             },
         }
 
@@ -1184,7 +1201,7 @@ def run_distributed(
     rdzv = rdzv or distributed.Rendezvous()
     rdzv.check()
     temp_trace: Path | None = None
-    with tempfile.TemporaryDirectory(prefix="vlmdoctor-ranks-") as tmp_name:
+    with tempfile.TemporaryDirectory(prefix="vlmdoctor-ranks-", dir=scratch_dir()) as tmp_name:
         tmp = Path(tmp_name)
         cfg.dump(tmp / "config.json")
         args = ["--config", str(tmp / "config.json"), "--out", str(tmp)]
@@ -1198,14 +1215,14 @@ def run_distributed(
                     folder = Path(trace.trace_dir) / f"{stem}-{n}"
                 folder.mkdir(parents=True)
             else:
-                folder = temp_trace = Path(tempfile.mkdtemp(prefix="vlmdoctor-trace-"))
+                folder = temp_trace = Path(tempfile.mkdtemp(prefix="vlmdoctor-trace-", dir=scratch_dir()))
             args += ["--trace", json.dumps({**asdict(trace), "trace_dir": str(folder), "keep": True})]
         cmd = distributed.torchrun_command(cfg, args, rdzv, python)
         env = distributed.child_env(device.type == "cuda")
         progress(f"{cfg.nproc_per_node} ranks through torchrun", 0, 1)
         try:
-            with open(tmp / "torchrun.log", "w") as log:
-                proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            with open(tmp / "torchrun.log", "wb") as log:  # torchrun and its ranks: one owned group
+                proc = supervise.run(cmd, env=env, log=log)
         except BaseException:
             if temp_trace is not None:
                 shutil.rmtree(temp_trace, ignore_errors=True)
@@ -1228,6 +1245,14 @@ def run_distributed(
         "env": {k: env[k] for k in distributed.NVLINK_MULTICAST_OFF if k in env},
     }
     return report
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text()) if path.exists() else None
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def _rank_report(folder: Path, cfg: RunConfig, returncode: int) -> dict[str, Any]:
@@ -1255,45 +1280,3 @@ def _rank_report(folder: Path, cfg: RunConfig, returncode: int) -> dict[str, Any
             "log_tail": "\n".join(lines[-40:])[-4000:],
         },
     }
-
-
-def _run_group(
-    cmd: list[str], timeout: float | None, env: dict[str, str] | None, cwd: str | None = None
-) -> subprocess.CompletedProcess:
-    """A child that starts torchrun and its ranks: in a session of its own, so that a timeout or
-    Ctrl-C stops all of them (killing the child alone would leave the ranks holding the GPUs).
-
-    The signal reaches the child and torchrun; torchrun starts each rank in a session of its own
-    and stops them itself when it is signalled (SIGKILL, the last resort, would orphan them).
-    """
-    import signal
-
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,
-        cwd=cwd,
-    )
-
-    def stop(sig: int) -> None:
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        except ProcessLookupError:
-            pass
-
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        stop(signal.SIGTERM)
-        raise
-    except BaseException:
-        stop(signal.SIGINT)
-        raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
