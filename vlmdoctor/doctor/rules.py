@@ -829,4 +829,5 @@ GPU_ONLY = re.compile(
     r"(gpu|kernels|idle|cudnn_plan|launch|liger|gemm|phase|memcpy|recompute|triton_compiled|optimizer|device|casts)\..*"
     r"|attention\.(fp32_kernels|kernel_share|[a-z]+\.(forward|backward|recompute)_ms|[a-z]+\.head_dim.*)"
     r"|part\.[a-z_]+\.(ms|share|forward_ms|backward_ms|recompute_ms)|part\.fp32_gemm_parts"
+    r"|memory\.live\..*"
 )
