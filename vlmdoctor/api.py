@@ -548,6 +548,7 @@ class Recorder:
             path = folder / f"vlmdoctor_{self.source}_{time.strftime('%Y%m%d-%H%M%S')}.pt.trace.json.gz"
         folder.mkdir(parents=True, exist_ok=True)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        memory = self.device.type == "cuda"  # the live memory at the peak (the memory wall's facts), as `profile` does
         self.trace_info = {
             "path": str(path),
             "steps": self.trace_steps,
@@ -555,7 +556,7 @@ class Recorder:
             "schedule": {"wait": 1, "warmup": 1, "active": self.trace_steps},
             "record_shapes": True,
             "with_stack": False,
-            "profile_memory": False,
+            "profile_memory": memory,
             "traced_step_ms": [],
         }
         self.unmark = mark_parts(self.model, on_error=self.fail) if self.model is not None else None
@@ -565,6 +566,7 @@ class Recorder:
             schedule=plan,
             on_trace_ready=lambda p: p.export_chrome_trace(str(path)),
             record_shapes=True,
+            profile_memory=memory,
         )
         with one_profiler.ours(self):
             prof.__enter__()
