@@ -129,6 +129,20 @@ def write_jsonl(path: Path, lines: list) -> Path:
     return path
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _examples_cache(tmp_path_factory):
+    """The example scripts' local checkpoints (examples/train_llava_loop.py) go in the test session's folder."""
+    import os
+
+    old = os.environ.get("VLMDOCTOR_EXAMPLES_CACHE")
+    os.environ["VLMDOCTOR_EXAMPLES_CACHE"] = str(tmp_path_factory.mktemp("examples-cache"))
+    yield
+    if old is None:
+        os.environ.pop("VLMDOCTOR_EXAMPLES_CACHE", None)
+    else:
+        os.environ["VLMDOCTOR_EXAMPLES_CACHE"] = old
+
+
 @pytest.fixture(autouse=True)
 def _torch_threads():
     # 2 cores: keep intra-op threads at 2 so a test never oversubscribes the machine

@@ -2,7 +2,7 @@
 --force (however the path is spelled, hard links too); torch's traces reach their final name only
 complete; a trace that cannot be written never costs the measurement; `vlmdoctor run`'s script.log goes
 through the writer; the rescue of a failed write tries the temp folder; Ctrl-C in `sweep` keeps the
-finished rows; `Doctor` never overwrites an earlier report unasked.
+finished rows.
 """
 
 from __future__ import annotations
@@ -233,32 +233,6 @@ def test_doctor_never_writes_its_trace_through_a_link(tmp_path):
         _loop(doc, model, 5)
     assert doc.report["metrics"]["step_ms"] > 0 and "not a folder" in doc.report["trace"]["lost"]
     assert list(elsewhere.iterdir()) == []
-
-
-# --- Doctor and an earlier report ---------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("force", [False, True])
-def test_doctor_never_overwrites_an_earlier_report_unasked(tmp_path, capsys, force):
-    """One rule with the CLI, in the API's terms: nothing is overwritten unless asked; where the CLI refuses
-    (its user is at the terminal), `Doctor` writes to a fresh name and says so in one line, so that the
-    training is never stopped for it."""
-    import vlmdoctor
-
-    (tmp_path / "report.json").write_text('{"earlier": true}\n')
-    (tmp_path / "report-2.json").write_text('{"earlier": 2}\n')
-    model = torch.nn.Linear(4, 1)
-    with vlmdoctor.Doctor(model, out=tmp_path, quiet=True, warmup=0, steps=2, trace_steps=0, force=force) as doc:
-        _loop(doc, model, 3)
-    err = capsys.readouterr().err
-    if force:
-        assert json.loads((tmp_path / "report.json").read_text())["status"] == "ok" and "earlier" not in err
-    else:
-        assert (tmp_path / "report.json").read_text() == '{"earlier": true}\n'
-        assert (tmp_path / "report-2.json").read_text() == '{"earlier": 2}\n'
-        assert json.loads((tmp_path / "report-3.json").read_text())["status"] == "ok"
-        lines = [x for x in err.splitlines() if "earlier run" in x]
-        assert len(lines) == 1 and "report-3.json" in lines[0] and "force=True" in lines[0]
 
 
 # --- vlmdoctor run's script.log -----------------------------------------------------------------------

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
+from _browser import CHROMIUM, SKIP, check_in_browser
 
 from vlmdoctor.doctor.rules import diagnose, load_rules
 from vlmdoctor.errors import UsageError
@@ -235,57 +234,13 @@ def test_write_html_refuses_to_overwrite(tmp_path):
 
 # --- a look in a real browser ------------------------------------------------------------------------
 
-CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None)
 
-
-@pytest.mark.skipif(CHROMIUM is None, reason="no headless browser: apt-get install chromium")
+@pytest.mark.skipif(CHROMIUM is None, reason=SKIP)
 @pytest.mark.parametrize("kind", ["profile", "analyze", "treat"])
 def test_page_renders_in_headless_chromium(tmp_path, kind):
-    from PIL import Image
-
     page = {
         "profile": lambda: profile_html(_report("sync_s2")),
         "analyze": lambda: analyze_html(_analysis("default_s2")),
         "treat": lambda: treat_html(json.loads(TREAT.read_text())),
     }[kind]()
-    html_path = tmp_path / f"{kind}.html"
-    write_html(page, html_path, force=False)
-    shot = tmp_path / f"{kind}.png"
-    profile_dir = tmp_path / "chromium-profile"
-    cmd = [
-        CHROMIUM,
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        f"--user-data-dir={profile_dir}",
-        "--enable-logging=stderr",
-        "--v=0",
-        f"--screenshot={shot}",
-        "--window-size=1280,2000",
-        html_path.as_uri(),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert shot.is_file() and shot.stat().st_size > 10_000
-    with Image.open(shot) as img:
-        assert img.size == (1280, 2000)
-        colors = img.convert("RGB").getcolors(maxcolors=1 << 20)
-        assert colors is None or len(colors) > 1, "a blank screenshot"
-        if colors:  # a page of charts and tables: many colours, and not almost all one
-            assert len(colors) > 50
-            assert max(c for c, _ in colors) < 0.97 * img.size[0] * img.size[1]
-    console = [
-        line for line in proc.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line or "Refused to" in line
-    ]
-    assert not console, console  # no script error, and nothing the page's CSP had to block
-    artifacts = os.environ.get("VLMDOCTOR_ARTIFACTS")
-    if artifacts:
-        keep = Path(artifacts)
-        keep.mkdir(parents=True, exist_ok=True)
-        shutil.copy(shot, keep / f"html-{kind}.png")
-        shutil.copy(html_path, keep / f"html-{kind}.html")
+    check_in_browser(page, tmp_path, kind)

@@ -25,7 +25,7 @@ def _layer(module: str) -> str:
         raise ValueError(module)
     if len(parts) == 1 or parts[1] in ("errors", "files", "inputs", "supervise", "__init__"):
         return "base"
-    if parts[1] in ("cli", "__main__", "api", "callback", "launch"):
+    if parts[1] in ("cli", "__main__", "api", "callback", "launch", "launchers", "rank_join"):  # the ways in
         return "cli"
     return parts[1]
 

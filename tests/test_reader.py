@@ -24,7 +24,10 @@ from vlmdoctor.trace.tables import _Builder, _take, load_tables
 ROOT = Path(__file__).resolve().parents[1]
 TRACES = ROOT / "fixtures" / "traces"
 SOURCE = TRACES / "compile_s2.pt.trace.json.gz"  # a small real H100 trace: kernels, runtime, ops, steps
-FIELDS = ("meta", "steps", "gpu", "ops", "runtime", "shapes", "types", "memory", "recorded", "comm", "operands")
+FIELDS = (
+    *("meta", "steps", "gpu", "ops", "runtime", "shapes", "types", "memory", "recorded", "comm", "operands"),
+    "invalid",
+)
 
 
 def _doc(thin: bool = True) -> dict:
@@ -40,10 +43,7 @@ def _reference(path: Path) -> tables.Tables:
     """The tables as the event-by-event reader made them: json's events through _take, in order."""
     b = _Builder()
     for ev in json.loads(path.read_bytes().decode("utf-8", "replace"))["traceEvents"]:
-        _take(
-            ev, b.names, b.gpu, b.ops, b.rt, b.tids, b.steps, b.shapes, b.types, b.gpu_cats, b.memory, b.recorded,
-            b.comm, b.operands,
-        )  # fmt: skip
+        _take(ev, b)
     return b.tables(path, read.read_metadata(path))
 
 

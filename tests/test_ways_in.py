@@ -6,6 +6,9 @@ torch.profiler in the test. Recorded runs are shared through module-scoped fixtu
 
 from __future__ import annotations
 
+import ast
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -14,10 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from _browser import CHROMIUM, SKIP, check_in_browser
+from _paste import blocks
 
 from vlmdoctor.ci.gate import check_comparable, gate, validate_report
 from vlmdoctor.cli import app
 from vlmdoctor.doctor.advice import advise
+from vlmdoctor.run import throughput
 from vlmdoctor.run.config import RunConfig, knob_table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,14 +83,17 @@ def llava_data():
 
 @pytest.fixture(scope="module")
 def api_llava(tmp_path_factory):
+    """Doctor in a loop, as a user runs it (not quiet): the report, its folder, and what was printed."""
     import vlmdoctor
 
     out = tmp_path_factory.mktemp("api_llava")
     model = build_model()
     freeze_tower(model)
-    with vlmdoctor.Doctor(model, out=out, quiet=True, **WINDOW) as doc:
-        loop(model, llava_data(), doc, 8, pass_batch=True)
-    return doc.report, out
+    printed, said = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(said):
+        with vlmdoctor.Doctor(model, out=out, **WINDOW) as doc:
+            loop(model, llava_data(), doc, 8, pass_batch=True)
+    return doc.report, out, printed.getvalue(), said.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -111,10 +120,21 @@ class _DS(torch.utils.data.Dataset):
         return self.items[i]
 
 
-def _trainer_run(model, dataset, collate, out, **args):
-    from transformers import Trainer, TrainingArguments
+def _trainer_run(model, dataset, collate, out, quiet=True, **args):
+    """A Trainer run with DoctorCallback; with quiet=False as a user sees it: tqdm's bar live, output kept.
+
+    Returns the report, the Trainer's log_history, the logs a callback listed before DoctorCallback saw
+    (where a `report_to` integration sits), and what was printed (stdout, stderr)."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from vlmdoctor import DoctorCallback
+
+    class Integration(TrainerCallback):  # stands for TensorBoard / wandb: called before user callbacks
+        def __init__(self) -> None:
+            self.seen: list[dict] = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.seen.append(dict(logs or {}))
 
     targs = TrainingArguments(
         output_dir=str(out / "hf"),
@@ -123,12 +143,18 @@ def _trainer_run(model, dataset, collate, out, **args):
         use_cpu=True,
         save_strategy="no",
         logging_steps=100,
-        disable_tqdm=True,
+        disable_tqdm=quiet,
         **args,
     )
-    cb = DoctorCallback(out=out / "doctor", quiet=True, **WINDOW)
-    Trainer(model=model, args=targs, train_dataset=dataset, data_collator=collate, callbacks=[cb]).train()
-    return cb.report
+    cb = DoctorCallback(out=out / "doctor", quiet=quiet, **WINDOW)
+    integration = Integration()
+    trainer = Trainer(
+        model=model, args=targs, train_dataset=dataset, data_collator=collate, callbacks=[integration, cb]
+    )
+    printed, said = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(said):
+        trainer.train()
+    return cb.report, trainer.state.log_history, integration.seen, printed.getvalue(), said.getvalue()
 
 
 def _pad_collate(items):
@@ -153,17 +179,18 @@ def trainer_llava(tmp_path_factory):
     ds = _DS(lambda i: {k: v[0] for k, v in next(it).items()}, 32)
     model = build_model()
     freeze_tower(model)
-    report = _trainer_run(
+    report, history, seen, printed, said = _trainer_run(
         model,
         ds,
         _pad_collate,
         out,
+        quiet=False,
         per_device_train_batch_size=4,
         dataloader_num_workers=0,
         dataloader_pin_memory=False,
         gradient_accumulation_steps=1,
     )
-    return report, out
+    return report, out, printed, said, history, seen
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +202,7 @@ def trainer_qwen2vl(tmp_path_factory):
     freeze_tower(model)
     report = _trainer_run(
         model, ds, lambda items: items[0], out, per_device_train_batch_size=1, gradient_accumulation_steps=2
-    )
+    )[0]
     return report, out
 
 
@@ -276,7 +303,7 @@ def _check_report(report, source: str, model_class: str) -> None:
 
 
 def test_api_loop_llava(api_llava):
-    report, out = api_llava
+    report, out = api_llava[:2]
     _check_report(report, "api", "LlavaForConditionalGeneration")
     assert json.loads((out / "report.json").read_text())["metrics"] == report["metrics"]
     assert report["data"]["tokens_from"] == "batch"
@@ -329,7 +356,7 @@ def test_hook_counts_match_the_batch():
 
 
 def test_trainer_callback_llava(trainer_llava):
-    report, out = trainer_llava
+    report, out = trainer_llava[:2]
     _check_report(report, "trainer", "LlavaForConditionalGeneration")
     cfg = report["config"]
     assert cfg["batch_size"] == 4 and cfg["sampler"] == "random" and cfg["num_workers"] == 0
@@ -369,11 +396,127 @@ def test_script_run_qwen2vl(script_qwen2vl):
     assert "step 0 loss" in (out / "script.log").read_text()
 
 
+# --- what the user sees: progress lines, the end summary, the Trainer's logs, the HTML page ----------
+
+
+def _way(request, way: str):
+    """(report, folder, stdout, stderr) of one way in, as a user ran it."""
+    if way == "api":
+        return request.getfixturevalue("api_llava")[:4]
+    if way == "trainer":
+        report, out, printed, said = request.getfixturevalue("trainer_llava")[:4]
+        return report, out / "doctor", printed, said
+    proc, out = request.getfixturevalue("script_llava")
+    return json.loads((out / "report.json").read_text()), out, proc.stdout, proc.stderr
+
+
+@pytest.mark.parametrize("way", ["api", "trainer", "script"])
+def test_progress_lines_and_the_end_summary(way, request):
+    """One line at each window boundary, in order; the report; then the summary, last, whose numbers are the
+    report's (the one estimator with its spread), its top finding the biggest expected win, and its paths real."""
+    from vlmdoctor.report.html import by_gain
+
+    report, out, printed, said = _way(request, way)
+    flat = " ".join((said + printed).split())  # wrapped to 80 columns; the script's output is all on stdout
+    offset = 1 if way == "script" else 0  # `vlmdoctor run`: the first optimizer step only finds the model
+    marks = [
+        f"vlmdoctor: measuring LlavaForConditionalGeneration: warm-up step {1 + offset}, timed steps {2 + offset}-",
+        f"vlmdoctor: warm-up done at step {1 + offset}; timed window: steps {2 + offset}-{4 + offset}",
+        f"vlmdoctor: timed window done (steps {2 + offset}-{4 + offset}):",
+        f"traced window: steps {5 + offset}-{7 + offset} (torch.profiler",
+        f"vlmdoctor: traced window done at step {7 + offset}:",
+        "vlmdoctor: report written",
+    ]
+    at = [flat.index(m) for m in marks]
+    assert at == sorted(at)
+    for line in said.replace("\r", "\n").splitlines():  # each line whole, never glued to tqdm's bar
+        assert "vlmdoctor:" not in line or line.startswith("vlmdoctor:"), line
+    # the summary comes last, after the report was printed
+    assert printed.count("vlmdoctor summary") == 1
+    assert printed.index("prescriptions") < printed.index("vlmdoctor summary")
+    tail = " ".join(printed[printed.index("vlmdoctor summary") :].split())
+    tp = report["throughput"]
+    est = throughput.headline(report)
+    assert f"real tokens/s {est:,.0f} (p10-p90 {tp['real_tokens_per_s_p10']:,.0f}-" in tail
+    assert f"ms/step {report['metrics']['step_ms']:,.1f}" in tail
+    assert "split of the traced step (CPU op time): vision" in tail
+    if report["findings"]:
+        top = by_gain(report["findings"])[0]
+        first = next(x for x in top["advice"]["lines"] if not x.startswith(("import ", "from ")))
+        assert f"1. {top['title']}" in tail and " ".join(first.split()) in tail
+    for label, path in (("report:", out / "report.json"), ("HTML:", out / "report.html")):
+        assert f"{label} {path}" in tail and path.is_file()
+    assert f"trace: {report['trace']['path']}" in tail and Path(report["trace"]["path"]).is_file()
+    assert "https://ui.perfetto.dev" in tail
+    assert printed.rstrip().endswith("nothing is uploaded)")  # the last thing on the screen
+
+
+def test_the_trainer_logs_hold_the_metrics(trainer_llava):
+    """log_history, and a callback listed before DoctorCallback (where report_to integrations sit), see them."""
+    report, _, printed, _, history, seen = trainer_llava
+    entries = [e for e in history if "vlmdoctor/real_tokens_per_s" in e]
+    assert len(entries) == 1
+    m = report["metrics"]
+    e = entries[0]
+    assert e["vlmdoctor/real_tokens_per_s"] == m["real_tokens_per_s"] and e["vlmdoctor/step_ms"] == m["step_ms"]
+    assert e["vlmdoctor/findings"] == len(report["findings"]) and e["step"] == 1 + 3 + 2 + 1
+    assert "vlmdoctor/mfu" not in e and m["mfu"] is None  # no peak for a CPU: left out, not logged as None
+    assert all(isinstance(v, float) for k, v in e.items() if k.startswith("vlmdoctor/"))
+    assert any(s.get("vlmdoctor/real_tokens_per_s") == m["real_tokens_per_s"] for s in seen)
+    assert "'vlmdoctor/real_tokens_per_s'" in printed  # the Trainer's own log line shows them too
+
+
+def test_the_html_page_speaks_of_the_users_run(api_llava, trainer_llava):
+    """The user's model, parts and split; the fixes in their terms; the top one on the first screen; CPU facts
+    instead of empty GPU sections; nothing of vlmdoctor's zoo."""
+    import html as html_lib
+
+    for report, folder, audience in (
+        (api_llava[0], api_llava[1], "loop"),
+        (trainer_llava[0], trainer_llava[1] / "doctor", "trainer"),
+    ):
+        page = (folder / "report.html").read_text()
+        assert page.startswith("<!DOCTYPE html>") and "<script" not in page.lower()
+        title = page[page.index("<h1>") : page.index("</h1>")]
+        assert (
+            "LlavaForConditionalGeneration" in title
+            and ("your loop" if audience == "loop" else "your Trainer") in title
+        )
+        for zoo in ("vlmdoctor profile", "image tokens", "knobs changed from the default", "partial analysis"):
+            assert zoo not in page, zoo
+        for part, cls in report["model"]["parts"].items():
+            assert f"<code>{cls}</code>" in page and f"{part} {cls}" in page
+        assert 'aria-label="split of the step"' in page
+        for row in report["split"]["rows"]:
+            assert f"{row['part']}: {row['ms']:,.1f} ms" in page
+        assert "Where the CPU time went" in page and "Matmuls by dtype" in page and "dtype casts" in page
+        assert "GPU time by kernel class" not in page and "GPU busy and idle" not in page
+        first = page.index("<h2>")
+        top = by_gain_top(report)
+        assert page.index('<div class="top">') < first and html_lib.escape(top["advice"]["lines"][0]) in page[:first]
+        for f in report["findings"]:
+            assert html_lib.escape("\n".join(f["advice"]["lines"])) in page
+        want = "in your Trainer script:" if audience == "trainer" else "in your loop:"
+        assert want in page
+
+
+def by_gain_top(report):
+    from vlmdoctor.report.html import by_gain
+
+    return by_gain(report["findings"])[0]
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason=SKIP)
+def test_the_own_page_renders_in_headless_chromium(trainer_llava, tmp_path):
+    page = (trainer_llava[1] / "doctor" / "report.html").read_text()
+    check_in_browser(page, tmp_path, "own-trainer")
+
+
 # --- gate, compare, export and HTML read these reports -------------------------------------
 
 
 def test_gate_and_compare_two_reports_of_the_same_script(api_llava, script_llava, tmp_path, cli_runner):
-    report_a, out_a = api_llava
+    report_a, out_a = api_llava[:2]
     _, out_b = script_llava
     b = json.loads((out_b / "report.json").read_text())
     notes = check_comparable(report_a, b, allow_env_change=False)
@@ -401,7 +544,7 @@ def test_gate_refuses_different_models(api_llava, api_qwen2vl_hook):
 def test_export_and_html_read_a_user_report(api_llava, tmp_path, cli_runner):
     from vlmdoctor.report.html import profile_html
 
-    report, out = api_llava
+    report, out = api_llava[:2]
     r = cli_runner.invoke(app, ["export", str(out / "report.json"), "--chrome", str(tmp_path / "t.json.gz")])
     assert r.exit_code == 0, r.output
     assert (tmp_path / "t.json.gz").stat().st_size > 0
@@ -564,7 +707,7 @@ def test_advice_trainer_and_loop():
     )
     for line in (
         "from_pretrained(..., dtype=torch.bfloat16)",
-        "gradient_checkpointing=False",
+        "checkpointing=False",  # gradient_ or (transformers 5) activation_checkpointing
         "group_by_length",
         'optim="adamw_torch_fused"',
         "dataloader_num_workers=4",
@@ -585,10 +728,10 @@ def test_advice_trainer_and_loop():
     )
     for line in (
         "model.to(torch.bfloat16)",
-        "model.gradient_checkpointing_disable()",
+        "_checkpointing_disable()",
         "fused=True",
         "num_workers=4",
-        "with torch.no_grad():",
+        "torch.no_grad()",
     ):
         assert any(line in x for x in lp), line
     liger = advise({"liger_rms_norm": True, "liger_swiglu": True}, "trainer")
@@ -612,6 +755,8 @@ def test_advice_covers_every_knob_and_every_rule(audience):
             lines = advise({row["name"]: value}, audience, {"llm": "Qwen2Model"})
             assert lines and all(isinstance(x, str) and x for x in lines), row["name"]
             assert max(map(len, lines)) <= 74, lines  # printed whole, indented, in 80 columns
+            for block in blocks(lines):  # Python to paste: code, or a comment for what is not code
+                ast.parse(textwrap.dedent(block))
     rules, _ = load_rules()
     for rule in rules:
         patch = {k: v for k, v in rule.patch.items() if not (isinstance(v, str) and v.startswith("="))}
@@ -697,7 +842,9 @@ def test_run_reports_at_the_window_end_and_the_script_goes_on(tmp_path, cli_runn
     assert r.exit_code == 0, r.output
     text = r.stdout
     # 1 + 2 timed + 2 + 1 traced steps after the first optimizer step: the report comes at step 6 of 0..9
-    assert text.index("the script goes on, unmeasured") < text.index("step 7") < text.index("script finished")
+    before = text[: text.index("\nstep 7\n")]  # the script's own line (vlmdoctor's lines say "at step 7")
+    assert "the script goes on, unmeasured" in " ".join(before.split())  # lines are wrapped to 80 columns
+    assert text.index("\nstep 7\n") < text.index("script finished")
     report = json.loads((out / "report.json").read_text())
     assert report["script"]["exit_code"] == 0 and report["diagnosed_while_running"]
     assert text.count("vlmdoctor: Sequential (script)") == 1  # the report is printed once, not again at the end

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from vlmdoctor import SCHEMA_VERSION, __version__
+from vlmdoctor.report import progress
 from vlmdoctor.run import one_profiler, throughput
 from vlmdoctor.run.flopcount import StepFlops, describe_counted, peak_of, per_step
 
@@ -42,10 +43,8 @@ IGNORE_INDEX = -100
 
 
 def _log(msg: str, file: Any = None) -> None:
-    """One line on stderr; names and paths in it as text (report/console.py `plain`: no control characters)."""
-    from vlmdoctor.report.console import plain
-
-    print(f"vlmdoctor: {plain(msg)}", file=file or sys.stderr, flush=True)
+    """One line on stderr, around any live tqdm bar (report/progress.py); text from the run shown as text."""
+    progress.say(msg, file)
 
 
 # --- tokens -------------------------------------------------------------------------------------
@@ -137,6 +136,8 @@ def describe_model(model: nn.Module | None) -> dict[str, Any]:
         },
         "param_dtypes": dtypes,
     }
+    names = {id(m): name for name, m in model.named_modules()}
+    out["paths"] = {k: names[id(m)] for k, m in parts.items() if names.get(id(m))}  # model.<path>, for the advice
     for k in ("vision", "projector", "llm"):
         out[k] = out["parts"].get(k)
     return out
@@ -169,6 +170,31 @@ def _device_of(model: nn.Module | None) -> torch.device:
     return torch.device("cpu")
 
 
+def unwrap(model: nn.Module | None) -> tuple[nn.Module | None, str]:
+    """The user's model inside DDP / FSDP (`.module`) and torch.compile (`._orig_mod`) wrappers, and how it
+    is run in parallel: 'ddp', 'fsdp', 'fsdp2' (fully_shard keeps the module, with FSDP's class mixed in) or
+    'none'."""
+    parallel = "none"
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(model, FSDPModule):
+            parallel = "fsdp2"
+    except ImportError:
+        pass
+    while model is not None:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            break
+        name = type(model).__name__
+        if name == "DistributedDataParallel":
+            parallel = "ddp"
+        elif name == "FullyShardedDataParallel":
+            parallel = "fsdp"
+        model = inner
+    return model, parallel
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -191,9 +217,16 @@ class Recorder:
         source: str = "api",
         config: dict[str, Any] | None = None,
         audience: str = "loop",
+        step_offset: int = 0,
     ) -> None:
+        from vlmdoctor.rank_join import rank_and_world
+
+        model, self.parallel = unwrap(model)
         self.model = model
         self.out = Path(out)
+        self.rank, self.world = rank_and_world()
+        self.step_offset = step_offset  # the user's number of the step before the first one counted here
+        self.tell: Any = None  # the progress lines' printer (Doctor sets it on rank 0 unless quiet)
         self.warmup, self.steps, self.trace_steps = (
             max(0, int(warmup)),
             max(1, int(steps)),
@@ -222,8 +255,10 @@ class Recorder:
         self.batch_seen = False
         self.desc = describe_model(model) if model is not None else {"class": None, "parts": {}}
         self.warmup_asked = self.warmup
-        # the warm-up may grow until its last steps agree (throughput.unsettled), by as many steps as were asked
-        self.settle_left = min(20, self.warmup) if self.warmup >= throughput.SETTLE_STEPS else 0
+        # the warm-up may grow until its last steps agree (throughput.unsettled), by as many steps as were asked;
+        # not with several ranks, which must open their windows at the same step without talking to each other
+        grows = self.warmup >= throughput.SETTLE_STEPS and self.world == 1
+        self.settle_left = min(20, self.warmup) if grows else 0
         self.settled: bool | None = None
         self.flops = StepFlops()
         self.flops_padded: int | None = None
@@ -305,6 +340,18 @@ class Recorder:
         if self.t_start is None:
             self.t_start = time.perf_counter()
             self.c_start = time.process_time()
+            self._announce()
+
+    def _announce(self) -> None:
+        what = self.desc.get("class") or "your training"
+        if self.world > 1:
+            what += f" (rank {self.rank} of {self.world}; every rank measures)"
+        self._tell(progress.plan_line(what, self.warmup, self.steps, self.trace_steps, self.step_offset, str(self.out)))
+
+    def _tell(self, line: str) -> None:
+        """A progress line (report/progress.py), where one is asked for."""
+        if self.tell is not None:
+            self.tell(line)
 
     def step(self, batch: Any = None, loss: Any = None, **inputs: Any) -> None:
         self._safe(self._step, batch, loss, inputs)
@@ -346,10 +393,13 @@ class Recorder:
         if i == self.warmup and self._still_warming():
             self.warmup += 1  # one more warm-up step; the window starts once the steps agree
             return
-        if i == self.warmup and self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+        if i == self.warmup:
+            self._tell(progress.timed_start_line(self.warmup, self.warmup_asked, self.step_offset, self.steps))
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
         if i == self.warmup + self.steps:
             self.window = self._summarize(self.warmup, i)
+            self._tell(progress.timed_done_line(self.window, i, self.step_offset, self.trace_steps))
             if self.trace_steps:
                 self._start_traced_window()
             if self.model is not None and self.prof is not None:
@@ -364,6 +414,7 @@ class Recorder:
             if i >= self.warmup + self.steps + 2 + self.trace_steps:
                 self._stop_profiler()
                 self._detach()
+                self._tell(progress.traced_done_line(i, self.step_offset, (self.trace_info or {}).get("path")))
 
     def _still_warming(self) -> bool:
         """The warm-up's last steps do not agree yet (time per real token): warm up one more step, while allowed."""
@@ -488,9 +539,16 @@ class Recorder:
         from vlmdoctor.run.capture import trace_writer
         from vlmdoctor.run.parts import mark_parts
 
-        folder = self.out / "trace"
-        path = folder / f"vlmdoctor_{self.source}_{time.strftime('%Y%m%d-%H%M%S')}.pt.trace.json.gz"
+        if self.world > 1:  # one folder of rank traces per job, named alike by every rank
+            from vlmdoctor.rank_join import job_name
+
+            folder = self.out / "trace" / f"vlmdoctor_{self.source}_{job_name()}"
+            path = folder / f"vlmdoctor_{self.source}_rank{self.rank}.pt.trace.json.gz"
+        else:
+            folder = self.out / "trace"
+            path = folder / f"vlmdoctor_{self.source}_{time.strftime('%Y%m%d-%H%M%S')}.pt.trace.json.gz"
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        memory = self.device.type == "cuda"  # the live memory at the peak (the memory wall's facts), as `profile` does
         self.trace_info = {
             "path": str(path),
             "steps": self.trace_steps,
@@ -498,12 +556,13 @@ class Recorder:
             "schedule": {"wait": 1, "warmup": 1, "active": self.trace_steps},
             "record_shapes": True,
             "with_stack": False,
-            "profile_memory": False,
+            "profile_memory": memory,
             "traced_step_ms": [],
         }
         try:  # a folder for the trace, never through a link: without one the trace is lost, not the measurement
-            if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
-                raise OSError(f"{folder} exists and is not a folder")
+            for f in {self.out / "trace", folder}:
+                if f.is_symlink() or (f.exists() and not f.is_dir()):
+                    raise OSError(f"{f} exists and is not a folder")
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             self.trace_info |= {"path": None, "lost": f"cannot create {folder}: {e.strerror or e}"}
@@ -516,6 +575,7 @@ class Recorder:
             schedule=plan,
             on_trace_ready=trace_writer(path, self.trace_info),
             record_shapes=True,
+            profile_memory=memory,
         )
         with one_profiler.ours(self):
             prof.__enter__()
@@ -593,6 +653,10 @@ class Recorder:
         if impl in ("sdpa", "eager", "flash_attention_2"):
             cfg["attention"] = {"flash_attention_2": "flash"}.get(impl, impl)
         cfg["device"] = self.device.type
+        if self.parallel != "none":
+            cfg["parallel"] = self.parallel
+        if self.world > 1:
+            cfg["world_size"] = self.world
         cfg["warmup"], cfg["steps"], cfg["trace_steps"] = self.warmup, self.steps, self.trace_steps
         cfg.update(self.extra_config)
         if self.window and self.window.get("rows_per_step") and "batch_size" not in cfg:
@@ -658,6 +722,9 @@ class Recorder:
                 f"asked for: the numbers are over steps {first + 1}..{n}"
                 + (" (warm-up steps included)" if first < self.warmup else "")
             )
+        if n < self.warmup + self.steps + (2 + self.trace_steps if self.trace_steps else 0):
+            script = self.source == "script"  # `vlmdoctor run`: flags, and the first optimizer step is not counted
+            notes.append(progress.fit_hint(n, self.warmup_asked, self.steps, self.trace_steps, script, int(script)))
         if self.profiled_timed_steps:
             notes.append(
                 f"{self.profiled_by} ran during {self.profiled_timed_steps} of the timed steps: their times "
@@ -808,41 +875,83 @@ def diagnose_report(
     return report
 
 
-def write_outputs(report: dict[str, Any], out: Path, json_path: str | None = None) -> Path:
-    """out/report.json (and a copy at --json) through the one file writer."""
+REPORT, HTML = "report.json", "report.html"
+
+
+def existing_outputs(out: str | Path) -> list[Path]:
+    """The outputs of an earlier run in this folder: never replaced without force (`vlmdoctor run`: --force)."""
+    return [p for p in (Path(out) / REPORT, Path(out) / HTML) if p.exists() or p.is_symlink()]
+
+
+def write_outputs(report: dict[str, Any], out: Path, json_path: str | None = None, html: bool = True) -> Path:
+    """out/report.json and its page out/report.html (and a copy at --json) through the one file writer.
+
+    A page that cannot be drawn costs the page only: the report is written first, and a note says why.
+    """
     from vlmdoctor.files import write_json
 
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "report.json"
+    path = out / REPORT
+    if html:
+        try:
+            from vlmdoctor.report.html import profile_html, write_html
+
+            write_html(profile_html(report), out / HTML, force=True)  # refused up front, before the run
+        except Exception as e:
+            report.setdefault("notes", []).append(f"the HTML page could not be written: {type(e).__name__}: {e}")
     write_json(report, str(path))
     if json_path:
         write_json(report, json_path)
     return path
 
 
-def report_path(out: str | Path, force: bool = False) -> Path:
-    """Where a `Doctor` writes its report: OUT/report.json, or, when an earlier run's report is there and
-    `force` is not given, the first free OUT/report-N.json. A report is never overwritten unasked, and a
-    training run is never stopped for it (the CLI, whose user is at the terminal, refuses instead)."""
-    out = Path(out)
-    first = out / "report.json"
-    if force or not (first.exists() or first.is_symlink()):
-        return first
-    k = 2
-    while (out / f"report-{k}.json").exists() or (out / f"report-{k}.json").is_symlink():
-        k += 1
-    return out / f"report-{k}.json"
+def gather_ranks(report: dict[str, Any], rec: Recorder) -> dict[str, Any] | None:
+    """Several ranks: a rank other than 0 hands what it measured to rank 0 (None: nothing more to do here);
+    rank 0 joins the ranks into the job's report (vlmdoctor/rank_join.py). One rank: the report as it is."""
+    from vlmdoctor import rank_join
+
+    if rec.world == 1:
+        return report
+    if rec.rank != 0:
+        rank_join.write_part(report, rec.out, rec.rank)
+        return None
+    if "distributed" not in report:  # joined once, also when asked again
+        rank_join.join(report, rec.out, rec.world)
+    return report
+
+
+def output_paths(report: dict[str, Any], out: Path) -> dict[str, str | None]:
+    """Where the report, its page and the trace (a folder of rank traces for several ranks) are."""
+    tr = report.get("trace") or {}
+    several = len(tr.get("rank_paths") or []) > 1
+    return {
+        "report": str(out / REPORT) if (out / REPORT).exists() else None,
+        "html": str(out / HTML) if (out / HTML).exists() else None,
+        "trace": tr.get("dir") if several else tr.get("path"),
+        "ranks": str(len(tr["rank_paths"])) if several else None,
+    }
 
 
 def show(report: dict[str, Any], file: Any = None) -> None:
-    """The metrics and the prescriptions, 80 columns wide."""
-    from vlmdoctor.report.console import SafeConsole, render_own
+    """The metrics and the prescriptions, 80 columns wide, around any live tqdm bar."""
+    from vlmdoctor.report.console import render_own
 
-    render_own(report, SafeConsole(file=file or sys.stdout, width=80))
+    progress.emit(lambda c: render_own(report, c), file or sys.stdout)
+
+
+def show_summary(report: dict[str, Any], paths: dict[str, str | None], file: Any = None) -> None:
+    """The short summary that ends the training's output (report/summary.py)."""
+    from vlmdoctor.report.summary import render_summary
+
+    progress.emit(lambda c: render_summary(report, c, paths), file or sys.stdout)
 
 
 class Doctor:
-    """Measure and diagnose a training loop from inside it; see the module docstring."""
+    """Measure and diagnose a training loop from inside it; see the module docstring.
+
+    Under a launcher (torchrun, accelerate launch) every rank measures its own steps and rank 0
+    alone prints and writes the job's report (vlmdoctor/rank_join.py).
+    """
 
     def __init__(
         self,
@@ -858,30 +967,35 @@ class Doctor:
         rules_dirs: Sequence[str] = (),
         source: str = "api",
         force: bool = False,
+        step_offset: int = 0,
     ) -> None:
+        window = (warmup, steps, trace_steps, stage, source, config, audience, step_offset)
         try:
-            self.rec = Recorder(model, out, warmup, steps, trace_steps, stage, source, config, audience)
+            self.rec = Recorder(model, out, *window)
         except Exception as e:  # a model vlmdoctor cannot read: the loop runs, unmeasured
-            self.rec = Recorder(None, out, warmup, steps, trace_steps, stage, source, config, audience)
+            self.rec = Recorder(None, out, *window)
             self.rec.fail(e)
-        self.quiet = quiet
+        self.lead = self.rec.rank == 0
+        self.quiet = quiet or not self.lead
+        if not self.quiet:
+            self.rec.tell = progress.say
         self.rules_dirs = list(rules_dirs)
         self.report: dict[str, Any] | None = None
-        try:  # decided now, said now: an earlier run's report stays as it is
-            self.path = report_path(out, force)
-        except Exception as e:  # a name the file system refuses: the write will say so, the loop runs
-            self.path = Path(out) / "report.json"
-            self.rec.say("could not look at the report folder", e)
-        if self.path.name != "report.json":
-            _log(
-                f"{Path(out) / 'report.json'} holds an earlier run's report; this run's goes to {self.path} "
-                "(force=True overwrites)"
-            )
-        self.finished = False
+        self.reported = False
+        self.summarized = False
+        self.refused = existing_outputs(out) if not force else []
+        if self.refused:  # the rule of `vlmdoctor run`: an earlier report stays, unless force=True
+            self.rec.done = self.rec.broken = True
+            if self.lead:
+                _log(
+                    f"{self.refused[0]} exists: this run is not measured (force=True replaces it, "
+                    "or out= another folder); training goes on"
+                )
 
     def __enter__(self) -> Doctor:
-        self.rec._safe(self.rec.attach)
-        self.rec._safe(self.rec.begin)
+        if not self.refused:
+            self.rec._safe(self.rec.attach)
+            self.rec._safe(self.rec.begin)
         return self
 
     def step(self, batch: Any = None, *, loss: Any = None, **inputs: Any) -> None:
@@ -892,8 +1006,8 @@ class Doctor:
         """
         try:
             self.rec.step(batch, loss, **inputs)
-            if not self.finished and self.rec.window_done:
-                self.finish()
+            if not self.reported and not self.refused and self.rec.window_done:
+                self.write_report()
         except Exception as e:  # vlmdoctor's own error: said once, the loop goes on
             self.rec.fail(e)
 
@@ -905,14 +1019,14 @@ class Doctor:
             self.rec.fail(e)
             return True
 
-    def finish(self) -> dict[str, Any] | None:
-        """Stop, analyze, write out/report.json and print the prescriptions; returns the report.
-
-        Runs once. Whatever fails in here is said in one line and the loop goes on; a report that was
-        measured is kept (in `self.report`, and in a rescue file when out/ cannot be written)."""
-        if self.finished:
+    def write_report(self) -> dict[str, Any] | None:
+        """Stop; analyze, write out/report.json and its page, and print the prescriptions (rank 0), or hand
+        the numbers to rank 0 (the other ranks). Runs once. Whatever fails in here is said in one line and the
+        loop goes on; a report that was measured is kept (in `self.report`, and in a rescue file when out/
+        cannot be written)."""
+        if self.reported or self.refused:
             return self.report
-        self.finished = True
+        self.reported = True
         try:
             report = self.rec.finish()
         except Exception as e:
@@ -920,35 +1034,57 @@ class Doctor:
             return None
         if report is None:
             return None
-        self.report = report
         if self.rec.broken:
             report.setdefault("notes", []).append(
                 "vlmdoctor hit an internal error during the run and stopped measuring; the numbers may be partial"
             )
         try:
+            joined = gather_ranks(report, self.rec)
+        except Exception as e:  # rank 0's own numbers stand
+            joined = report
+            self.rec.say("could not join the ranks' numbers, rank 0's own are kept", e)
+        if joined is None:
+            return None  # a rank other than 0: rank 0 holds its numbers
+        self.report = report
+        try:
             diagnose_report(report, self.rec.audience, self.rules_dirs)
         except Exception as e:  # the measurement stands without its diagnosis
             report["diagnosis_error"] = f"{type(e).__name__}: {e}"
             self.rec.say("the diagnosis failed, the measurement is kept", e)
-        try:  # through the one writer: a report that cannot be written is kept in a rescue file, said in one line
-            from vlmdoctor.files import json_text, save
+        try:
+            path = write_outputs(report, self.rec.out)
+        except Exception as e:  # through the one writer; what it could not write is kept in a rescue file
+            from vlmdoctor.files import json_text, rescue
 
-            with contextlib.suppress(OSError):  # a folder that cannot be made: save() keeps the report elsewhere
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-            problem = save(self.path, json_text(report), "report")
-        except Exception as e:
-            self.rec.say(f"could not write {self.path}", e)
+            try:
+                kept = f"it was saved to {rescue('report.json', json_text(report).encode())}"
+            except Exception as e2:
+                kept = f"it could not be saved elsewhere either ({type(e2).__name__}: {e2})"
+            self.rec.say(f"could not write {self.rec.out / 'report.json'} ({kept})", e)
             return report
-        if problem:
-            _log(problem)
         try:
             if not self.quiet:
                 show(report)
-                if not problem:
-                    _log(f"report written to {self.path}", sys.stdout)
+                page = self.rec.out / HTML
+                written = f"{path}, {page}" if page.exists() else str(path)
+                self.rec._tell(f"report written: {written}; training goes on, unmeasured")
         except Exception as e:
-            self.rec.say(f"could not print the report (it is in {self.path})", e)
+            self.rec.say(f"could not print the report (it is in {path})", e)
         return report
+
+    def finish(self) -> dict[str, Any] | None:
+        """The end of training: the report of what was measured (if not written yet), then the summary;
+        returns the report."""
+        if self.refused:
+            return None
+        self.write_report()
+        if self.report is not None and not self.quiet and not self.summarized:
+            self.summarized = True
+            try:
+                show_summary(self.report, output_paths(self.report, self.rec.out))
+            except Exception as e:
+                self.rec.say("could not print the summary", e)
+        return self.report
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         self.finish()

@@ -6,11 +6,16 @@ A step is one optimizer step (`on_step_begin` .. `on_step_end`, gradient accumul
 Tokens come from a forward pre-hook on the model (the inputs the Trainer passes); the run's
 TrainingArguments go into the report's config, under vlmdoctor's knob names where one applies,
 so the rules see what is already set and the advice names the TrainingArguments fields.
+
+The measured numbers go into the Trainer's own logs (`vlmdoctor/real_tokens_per_s`, `vlmdoctor/mfu`,
+`vlmdoctor/step_ms`, ...), so `log_history` and every `report_to` integration (TensorBoard, wandb)
+see them: through `Trainer.log` of the Trainer that calls this callback, once the report is written.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,9 +23,46 @@ from typing import Any
 from transformers import TrainerCallback
 
 from vlmdoctor.api import Doctor, _log
-from vlmdoctor.run.trainer_args import training_args_config
+from vlmdoctor.run.trainer_args import sample_lengths, training_args_config
 
-__all__ = ["DoctorCallback", "training_args_config"]
+__all__ = ["DoctorCallback", "trainer_metrics", "training_args_config"]
+
+PREFIX = "vlmdoctor/"
+
+
+def trainer_metrics(report: dict[str, Any]) -> dict[str, float]:
+    """The report's headline as Trainer log entries: numbers only (what TensorBoard and wandb accept)."""
+    m = report.get("metrics") or {}
+    findings = report.get("findings")
+    values = {
+        "real_tokens_per_s": m.get("real_tokens_per_s"),
+        "loss_tokens_per_s": m.get("loss_tokens_per_s"),
+        "mfu": m.get("mfu"),
+        "model_tflops_per_s": m.get("model_tflops_per_s"),
+        "step_ms": m.get("step_ms"),
+        "step_ms_p10": m.get("step_ms_p10"),
+        "step_ms_p90": m.get("step_ms_p90"),
+        "pad_fraction": m.get("pad_fraction"),
+        "peak_mem_gb": m.get("peak_mem_gb"),
+        "findings": len(findings) if isinstance(findings, list) else None,
+    }
+    return {PREFIX + k: float(v) for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def calling_trainer() -> Any:
+    """The Trainer whose callback handler is calling us, read off the call stack (callbacks are not given it)."""
+    try:
+        from transformers import Trainer
+    except ImportError:
+        return None
+    frame = sys._getframe(1)
+    for _ in range(16):
+        if frame is None:
+            return None
+        if isinstance(frame.f_locals.get("self"), Trainer):
+            return frame.f_locals["self"]
+        frame = frame.f_back
+    return None
 
 
 def _guarded(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -61,25 +103,32 @@ class DoctorCallback(TrainerCallback):
     ) -> None:
         self.kw = dict(
             out=out,
-            force=force,
             warmup=warmup,
             steps=steps,
             trace_steps=trace_steps,
             stage=stage,
             quiet=quiet,
             rules_dirs=rules_dirs,
+            force=force,
         )
         self.stop_after_window = stop_after_window
         self.doc: Doctor | None = None
         self.report: dict[str, Any] | None = None
         self.failed = False
+        self.trainer: Any = None
+        self.pending: dict[str, float] | None = None  # metrics not yet in the Trainer's logs
 
     @_guarded
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        self.trainer = calling_trainer()
         cfg = training_args_config(args)
-        trainer_cls = type(kwargs.get("trainer")).__name__ if kwargs.get("trainer") is not None else "Trainer"
-        cfg["trainer"] = trainer_cls
-        self.doc = Doctor(model, audience="trainer", config=cfg, source="trainer", **self.kw)
+        cfg["trainer"] = type(self.trainer).__name__ if self.trainer is not None else "Trainer"
+        if self.trainer is not None:
+            cfg["sample_lengths"] = sample_lengths(self.trainer)  # what the group_by_length advice needs
+        if int(getattr(args, "world_size", 1) or 1) > 1:
+            cfg["parallel"] = "fsdp" if getattr(args, "fsdp", None) else "ddp"
+        offset = int(getattr(state, "global_step", 0) or 0)
+        self.doc = Doctor(model, audience="trainer", config=cfg, source="trainer", step_offset=offset, **self.kw)
         self.doc.__enter__()
 
     @_guarded
@@ -91,14 +140,44 @@ class DoctorCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         if self.doc is None:
             return None
+        was = self.doc.reported
         self.doc.step()  # writes the report once the traced window is over
-        if self.doc.window_done and self.report is None:
-            self.report = self.doc.finish()
+        if self.doc.reported and not was:
+            self.report = self.doc.report
+            self._to_logs()
             if self.stop_after_window:
                 control.should_training_stop = True
         return control
 
+    def _to_logs(self) -> None:
+        """The metrics into the Trainer's logs, on rank 0 (its integrations log on the main process only)."""
+        if self.doc is None or self.doc.report is None or not self.doc.lead:
+            return
+        metrics = trainer_metrics(self.doc.report)
+        if not metrics:
+            return
+        if self.trainer is not None:
+            try:
+                self.trainer.log(dict(metrics))
+                return
+            except Exception as e:
+                _log(f"could not log the metrics through the Trainer, they go with its next log: {e}")
+        self.pending = metrics
+
+    @_guarded
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        """Without the Trainer at hand: into the next log entry (log_history, and the callbacks after this one)."""
+        if not self.pending or logs is None or any(k.startswith(PREFIX) for k in logs):
+            return
+        logs.update(self.pending)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(self.pending)
+        self.pending = None
+
     @_guarded
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.doc is not None and self.report is None:
-            self.report = self.doc.finish()
+        if self.doc is not None:
+            if not self.doc.reported:  # a run shorter than its windows: the report of the steps it had
+                self.report = self.doc.write_report()
+                self._to_logs()
+            self.report = self.doc.finish()  # the summary

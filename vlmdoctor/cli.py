@@ -852,7 +852,7 @@ def models(
 
 def _parse_sets(sets: list[str], many: bool = False) -> dict[str, Any]:
     """`knob=value` pairs (YAML values; with many, comma-separated lists) into a dict."""
-    import yaml
+    from vlmdoctor.inputs import parse_yaml
 
     out: dict[str, Any] = {}
     for item in sets:
@@ -865,11 +865,9 @@ def _parse_sets(sets: list[str], many: bool = False) -> dict[str, Any]:
                 f"--set {k}: unknown knob; valid knobs: {', '.join(sorted(RunConfig.__dataclass_fields__))}"
             )
         kind = _base_type(RunConfig.__dataclass_fields__[k].type)
-        parse = (lambda x: x.strip()) if kind is str else yaml.safe_load  # "off" is a string here, not YAML's False
-        try:
-            out[k] = [parse(x) for x in v.split(",")] if many else parse(v)
-        except yaml.YAMLError as e:
-            raise VlmdoctorError(f"--set {item}: the value does not parse ({_one_line(str(e))})") from None
+        # "off" is a string here, not YAML's False
+        parse = (lambda x, _: x.strip()) if kind is str else parse_yaml
+        out[k] = [parse(x, f"--set {item}") for x in v.split(",")] if many else parse(v, f"--set {item}")
     return out
 
 
@@ -1430,24 +1428,9 @@ def export(
             raise VlmdoctorError("say where: --chrome OUT.json.gz and/or --hta-dir DIR")
         check_writable(chrome, force, "--chrome")
         check_output_dir(hta_dir, "--hta-dir")
-        src = Path(source)
-        if src.is_file() and src.suffix == ".json" and not src.name.endswith(".pt.trace.json"):
-            try:
-                from vlmdoctor.inputs import read_text
+        from vlmdoctor.trace.export import trace_of_report
 
-                report = json.loads(read_text(src, "report"))
-            except ValueError as e:
-                raise VlmdoctorError(f"{src}: not readable JSON ({e})") from None
-            if isinstance(report, dict) and "traceEvents" not in report:
-                trace_info = report.get("trace")
-                kept = trace_info.get("path") if isinstance(trace_info, dict) else None
-                if kept is not None and not isinstance(kept, str):
-                    raise VlmdoctorError(f"{src}: its trace.path is not a path")
-                if not kept:
-                    raise VlmdoctorError(f"{src}: the report kept no trace; run profile with --trace-dir DIR")
-                if not (src.parent / kept).exists() and not Path(kept).exists():
-                    raise VlmdoctorError(f"{src}: its trace {kept} is not here (recorded on another machine, or moved)")
-                src = Path(kept) if Path(kept).exists() else src.parent / kept
+        src = trace_of_report(Path(source))
         from vlmdoctor.files import check_inputs_kept, check_writable, write_json
 
         check_writable(json_path, force)

@@ -40,10 +40,10 @@ def parse_command(command: Sequence[str], cwd: str | None = None) -> list[str]:
     cmd = list(command)
     if not cmd:
         raise UsageError("give the training command after --, e.g.: vlmdoctor run -- python train.py --epochs 1")
-    if Path(cmd[0]).name in MULTI_PROCESS_LAUNCHERS:
+    if Path(cmd[0]).name in MULTI_PROCESS_LAUNCHERS:  # vlmdoctor run follows torchrun and accelerate (launchers.py)
         raise UsageError(
-            f"{Path(cmd[0]).name} starts several processes, which vlmdoctor run does not follow yet; "
-            "doctor one process: vlmdoctor run -- python train.py ARGS"
+            f"{Path(cmd[0]).name} starts several processes, which this command does not follow; "
+            "give one process: python train.py ARGS"
         )
     if Path(cmd[0]).name.startswith("python") and not cmd[0].endswith(".py"):
         cmd = cmd[1:]
@@ -74,7 +74,7 @@ class _StopAfterWindow(BaseException):
 
 
 def find_model(optimizer: Any) -> Any:
-    """The module whose parameters the optimizer holds: the root module covering most of them, unwrapped."""
+    """The module whose parameters the optimizer holds: the root module covering most of them."""
     from torch import nn
 
     wanted = {id(p) for g in optimizer.param_groups for p in g["params"]}
@@ -90,16 +90,11 @@ def find_model(optimizer: Any) -> Any:
         key = (sum(i in wanted for i in ids), len(ids))
         if key[0] and key > best_key:
             best, best_key = m, key
-    while best is not None:  # DDP / FSDP (.module) and torch.compile (._orig_mod) wrappers
-        inner = getattr(best, "module", None) or getattr(best, "_orig_mod", None)
-        if not isinstance(inner, nn.Module):
-            break
-        best = inner
-    return best
+    return best  # DDP / FSDP / torch.compile wrappers included: the Recorder unwraps them (api.unwrap)
 
 
-def _trainer_args() -> Any:
-    """The TrainingArguments of a transformers Trainer the script built, if any."""
+def _trainer() -> Any:
+    """The transformers Trainer the script built, if any."""
     mod = sys.modules.get("transformers.trainer")
     cls = getattr(mod, "Trainer", None) if mod else None
     if cls is None:
@@ -108,7 +103,7 @@ def _trainer_args() -> Any:
         warnings.simplefilter("ignore")
         for o in gc.get_objects():
             if isinstance(o, cls):
-                return getattr(o, "args", None)
+                return o
     return None
 
 
@@ -123,6 +118,7 @@ class _Child:
         self.out_of_memory = False  # the script died out of memory (GPU or host): exit 3, as a profile run
         self.said: set[str] = set()
         self.rescued: Path | None = None  # where the report went when OUT/ could not take it
+        self.handed_over = False  # a rank other than 0 whose numbers went to rank 0: it writes nothing
 
     def say(self, what: str, e: BaseException) -> None:
         """One line per distinct error of vlmdoctor's own, however often it comes back."""
@@ -167,8 +163,10 @@ class _Child:
                 raise _StopAfterWindow()
 
     def _report_now(self) -> None:
-        """Diagnose and print as soon as the windows are measured, while the script trains on unmeasured."""
-        from vlmdoctor.api import diagnose_report, show
+        """Diagnose and print as soon as the windows are measured, while the script trains on unmeasured.
+
+        Under a launcher every rank gets here at the same step: rank 0 joins the others' numbers."""
+        from vlmdoctor.api import diagnose_report, gather_ranks, show
 
         self.report = {}  # tried once, whatever happens below
         try:
@@ -177,6 +175,8 @@ class _Child:
             report["script"] = {"argv": self.s["argv"], "exit_code": None, "error": None}
         except Exception as e:  # the analysis must not end the user's training
             self.say("could not build the report now, training goes on", e)
+            return
+        if not self._gathered(report, gather_ranks):
             return
         if self.s.get("diagnose", True):
             try:
@@ -191,24 +191,31 @@ class _Child:
         self.report = report
         if not self._write(report) or self.s.get("quiet"):
             return
+        if self.rec.tell is None:  # quiet, or a rank other than 0
+            return
         try:
             show(report, sys.stdout)
-            if not self.s.get("stop_after_window"):
-                from vlmdoctor.api import _log
-
-                _log(
-                    f"report written to {Path(self.s['out']) / 'report.json'}; the script goes on, unmeasured",
-                    sys.stdout,
-                )
+            goes_on = "" if self.s.get("stop_after_window") else "; the script goes on, unmeasured"
+            self.rec.tell(f"report written to {Path(self.s['out']) / 'report.json'}{goes_on}")
         except Exception as e:
             self.say("could not print the report (it is written)", e)
+
+    def _gathered(self, report: dict[str, Any], gather: Any) -> bool:
+        """Several ranks: False on a rank other than 0, which handed its numbers to rank 0 (and is done)."""
+        try:
+            if gather(report, self.rec) is None:
+                self.handed_over = True
+                return False
+        except Exception as e:  # rank 0's own numbers stand
+            self.say("could not join the ranks' numbers, rank 0's own are kept", e)
+        return True
 
     def _write(self, report: dict[str, Any]) -> bool:
         """OUT/report.json; when that fails, the report is rescued to a file the line names (never lost)."""
         from vlmdoctor.api import write_outputs
 
         try:
-            write_outputs(report, Path(self.s["out"]))
+            write_outputs(report, Path(self.s["out"]), html=self.s.get("html", True))
             return True
         except Exception as e:
             from vlmdoctor.files import json_text, rescue, save
@@ -232,12 +239,13 @@ class _Child:
         try:
             model = find_model(optimizer)
             config: dict[str, Any] = {"script": self.s["argv"]}
-            targs = _trainer_args()
+            trainer = _trainer()
             audience = "loop"
-            if targs is not None:
-                from vlmdoctor.callback import training_args_config
+            if getattr(trainer, "args", None) is not None:
+                from vlmdoctor.run.trainer_args import sample_lengths, training_args_config
 
-                config.update(training_args_config(targs))
+                config.update(training_args_config(trainer.args))
+                config["sample_lengths"] = sample_lengths(trainer)
                 audience = "trainer"
             config["optimizer"] = type(optimizer).__name__
             defaults = getattr(optimizer, "defaults", {}) or {}
@@ -253,7 +261,12 @@ class _Child:
                 "script",
                 config,
                 audience,
+                step_offset=1,  # the first optimizer step only finds the model
             )
+            if not self.s.get("quiet") and self.rec.rank == 0:
+                from vlmdoctor.report.progress import say
+
+                self.rec.tell = say
             self.rec.attach()
             self.rec.begin()  # steps count from the first optimizer step on: its inputs came before the hooks
         except Exception as e:
@@ -264,7 +277,13 @@ class _Child:
             self.say("could not start measuring, the script goes on", e)
 
     def finish(self, exit_code: int | None, error: str | None) -> None:
-        """The report, with how the script ended: the window's (written when it ended), else what was measured."""
+        """The report, with how the script ended: the window's (written when it ended), else what was measured.
+        Under a launcher, rank 0 writes the job's (the other ranks hand theirs to it)."""
+        from vlmdoctor.api import gather_ranks
+        from vlmdoctor.rank_join import rank_and_world
+
+        if self.handed_over:
+            return
         script = {
             "argv": self.s["argv"],
             "exit_code": exit_code,
@@ -292,6 +311,8 @@ class _Child:
                     else "vlmdoctor could not measure (see the log)",
                 },
             }
+            if rank_and_world()[0] != 0:
+                return  # rank 0 says it for the job
         else:
             report["audience"] = self.rec.audience
             if (report.get("error") or {}).get("type") == "NoSteps":
@@ -299,6 +320,9 @@ class _Child:
                     "the script called the optimizer step only once; a step is timed "
                     "from one optimizer step to the next, so at least 2 are needed"
                 )
+            report["script"] = script
+            if not self._gathered(report, gather_ranks):
+                return
         report["script"] = script
         self._write(report)
 
@@ -344,7 +368,8 @@ def child_main() -> None:
             sys.path[0] = str(Path(argv[0]).resolve().parent)
             runpy.run_path(argv[0], run_name="__main__")
     except _StopAfterWindow:
-        print("vlmdoctor: stopped the script after the measured window (--stop-after-window)", file=sys.stderr)
+        if child.rec is None or child.rec.rank == 0:
+            print("vlmdoctor: stopped the script after the measured window (--stop-after-window)", file=sys.stderr)
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -432,6 +457,7 @@ def measure_script(
             "rules_dirs": [],
             "quiet": True,
             "diagnose": False,
+            "html": False,
         }
         log = tmp / "script.log"
 
@@ -518,41 +544,50 @@ def run_script(
     html_path: str | None = None,
     selection: Any = None,
 ) -> tuple[int, dict[str, Any] | None]:
-    """Run the script under the bootstrap, then diagnose; returns (exit code, report)."""
-    from vlmdoctor.api import diagnose_report, show, write_outputs
-    from vlmdoctor.files import check_writable
+    """Run the script under the bootstrap, then diagnose; returns (exit code, report).
 
-    argv = parse_command(command)
+    Under torchrun or accelerate launch every rank starts in the bootstrap (vlmdoctor/launchers.py);
+    rank 0 prints and writes the job's report."""
+    from vlmdoctor.api import HTML, REPORT, diagnose_report, output_paths, show, show_summary, write_outputs
+    from vlmdoctor.files import check_writable
+    from vlmdoctor.launchers import rank_command
+
+    cmd = rank_command(command)
+    if cmd is None:
+        cmd = [sys.executable, "-c", BOOTSTRAP, *parse_command(command)]
     if stage is not None and stage not in (1, 2):
         raise UsageError("--stage must be 1 or 2")
     for name, v in (("--warmup", warmup), ("--steps", steps), ("--trace-steps", trace_steps)):
         if v < (0 if name == "--warmup" else 1):
             raise UsageError(f"{name} must be at least {0 if name == '--warmup' else 1}")
     folder = Path(out)
-    report_path = folder / "report.json"
+    report_path, page_path = folder / REPORT, folder / HTML
     log = folder / "script.log"
     from vlmdoctor.files import check_distinct, check_inputs_kept, check_output_dir
 
     check_distinct(json=json_path, html=html_path, out=report_path)
     check_output_dir(folder, "--out")
     check_output_dir(folder / "trace", "--out")  # where the trace goes: a folder, never a link out of --out
-    for path in (report_path, log):  # the same rule as every output: a regular file, replaced only with --force
+    for path in (report_path, page_path, log):  # the rule of every output: a regular file, replaced with --force
         if folder.is_dir():
             check_writable(path, force, "--out")
     check_writable(json_path, force, "--json")
     check_writable(html_path, force, "--html")
-    script = None if argv[0] == "-m" else argv[0]
+    scripts = [a for a in command if str(a).endswith(".py") and Path(a).is_file()]  # under a launcher too
     check_inputs_kept(
-        {"the script": script, "a --rules folder": list(rules_dirs)},
-        {"--out": [report_path, log], "--json": json_path, "--html": html_path},
+        {"the script": scripts, "a --rules folder": list(rules_dirs)},
+        {"--out": [report_path, page_path, log], "--json": json_path, "--html": html_path},
     )
     # every folder the run writes in is checked before the script starts: a read-only or full --out is
     # found now, not after the training ran
     supervise.check_folder(folder, "--out")
     supervise.check_file_folders(json=json_path, html=html_path)
     folder.mkdir(parents=True, exist_ok=True)
-    if report_path.exists():
-        report_path.unlink()
+    for p in (report_path, page_path):
+        if p.exists():  # --force: an earlier run's report must not pass for this one's
+            p.unlink()
+    import time
+
     env = child_env(
         {
             "out": str(folder),
@@ -564,7 +599,8 @@ def run_script(
             "rules_dirs": [str(Path(d).resolve()) for d in rules_dirs],
             "selection": selection.to_json() if selection else None,
             "quiet": quiet,
-        }
+        },
+        {"VLMDOCTOR_JOB": time.strftime("%Y%m%d-%H%M%S")},  # the ranks' one name for their trace folder
     )
     log = folder / "script.log"
     sink = sys.stderr if json_path == "-" else sys.stdout  # stdout carries the JSON: the script's output to stderr
@@ -573,9 +609,7 @@ def run_script(
     log_file = open_log(log)  # through the one writer, before the script starts: a regular file, never a link
     try:
         with log_file as f:  # the script's output, as it comes, to the terminal and the log
-            outcome = supervise.run(
-                [sys.executable, "-c", BOOTSTRAP, *argv], env=env, log=f, echo=sink.buffer, stdin=None
-            )
+            outcome = supervise.run(cmd, env=env, log=f, echo=sink.buffer, stdin=None)
     except KeyboardInterrupt as e:  # Ctrl-C / SIGTERM: passed on to the script's group, which is stopped
         return _interrupted(e, report_path, log, command, warmup, steps, json_path), _read_report(report_path)
     rc = outcome.returncode
@@ -588,9 +622,13 @@ def run_script(
     copy = json_path if json_path != "-" else None  # '-': the caller prints the report, once
 
     def say(m: str) -> None:
-        from vlmdoctor.report.console import plain
+        from vlmdoctor.report.progress import say as line
 
-        print(plain(f"vlmdoctor: {m}"), file=sys.stderr, flush=True)
+        line(m)
+
+    def summary() -> None:
+        if not quiet:
+            show_summary(report, output_paths(report, folder) | {"log": str(log)}, sink)
 
     if not report_path.exists():
         say(f"the script exited with code {rc} and left no report; its output is in {log}")
@@ -616,6 +654,7 @@ def run_script(
         if oom:
             report["status"] = "oom"
         write_outputs(report, folder, copy)
+        summary()
         say(f"the script {'ran out of memory' if oom else 'failed'} (exit code {code}); its output is in {log}")
         return (EXIT_OOM if oom else EXIT_FAILED_RUN), report
     if err.get("type") in ("NoSteps", "NotStarted"):
@@ -629,10 +668,7 @@ def run_script(
         from vlmdoctor.report.html import profile_html, write_html
 
         write_html(profile_html(report), Path(html_path), force=True)  # refused up front unless --force
-    if not quiet and json_path != "-":
-        if not shown:
-            show(report)
-        from vlmdoctor.report.console import plain
-
-        print(plain(f"vlmdoctor: report {report_path}, script output {log}"), flush=True)
+    if not quiet and json_path != "-" and not shown:
+        show(report)
+    summary()
     return EXIT_OK, report

@@ -1,22 +1,38 @@
 #!/usr/bin/env bash
-# The three ways into a user's own training, on one GPU, each on a user-style script:
-#   1. `vlmdoctor run --` on bench/user_style/train_native.py (LLaVA: SigLIP base/16 + Qwen2.5-0.5B, bf16,
-#      batch 8, no profiler of its own), no code change;
-#   2. `vlmdoctor.Doctor` in a plain loop (examples/train_llava_loop.py --api, a tiny LLaVA);
-#   3. `vlmdoctor.DoctorCallback` in a transformers Trainer (examples/train_llava_trainer.py, a tiny LLaVA;
-#      that example trains on the CPU, so its report has no GPU numbers and a null MFU with the reason).
-#     bash bench/user_style/ways_in_gpu.sh OUTDIR
-# Each way's console goes to OUTDIR/<way>.txt and its report to OUTDIR/<way>_report.json.
+# The three ways into a user's own training, on one GPU, on the user-style example scripts at --size 0.5b
+# (LlavaForConditionalGeneration: SigLIP base/16-224 + Qwen2.5-0.5B, random weights, a bf16 checkpoint made
+# locally and loaded with from_pretrained, a DataLoader, AdamW):
+#   1. run:     vlmdoctor run -- python examples/train_llava_loop.py   (the script unchanged)
+#   2. api:     vlmdoctor.Doctor in the same loop                       (examples/train_llava_loop.py --api)
+#   3. trainer: vlmdoctor.DoctorCallback in transformers.Trainer        (examples/train_llava_trainer.py)
+#
+#     bash bench/user_style/ways_in_gpu.sh OUTDIR                          # one GPU
+#     SIZE=tiny DEVICE=cpu bash bench/user_style/ways_in_gpu.sh OUTDIR     # the same steps on a CPU, tiny
+#
+# OUTDIR gets 6 files: <way>.txt (what the user sees: the script's output, vlmdoctor's progress lines, the
+# report, the summary; 80 columns; its last line the exit code) and <way>_report.json. The traces, the HTML
+# pages and the checkpoint stay in a temporary folder, removed at the end.
 set -u
-out="${1:?OUTDIR}"; mkdir -p "$out"
+out="${1:?usage: ways_in_gpu.sh OUTDIR}"
+mkdir -p "$out"
+out="$(cd "$out" && pwd)"
 here="$(cd "$(dirname "$0")/../.." && pwd)"
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
 export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 COLUMNS=80
-work=$(mktemp -d); cd "$work" || exit 1
-timeout 300 python3 -m vlmdoctor run --out "$work/run" --warmup 5 --steps 20 --stop-after-window -- \
-    python3 "$here/bench/user_style/train_native.py" --model llava --weights bf16 --batch-size 8 --steps 80 \
-    --recipe none --out "$work/unused.json.gz" >"$out/run.txt" 2>&1
-echo "run: exit $?" >>"$out/run.txt"; cp "$work/run/report.json" "$out/run_report.json"
-timeout 200 python3 "$here/examples/train_llava_loop.py" --api --device cuda --steps 40 --out "$work/api" >"$out/api.txt" 2>&1
-echo "api: exit $?" >>"$out/api.txt"; cp "$work/api/report.json" "$out/api_report.json"
-timeout 200 python3 "$here/examples/train_llava_trainer.py" --steps 40 --out "$work/trainer" >"$out/trainer.txt" 2>&1
-echo "trainer: exit $?" >>"$out/trainer.txt"; cp "$work/trainer/report.json" "$out/trainer_report.json"
+export VLMDOCTOR_EXAMPLES_CACHE="$work/checkpoints" TQDM_DISABLE=1
+cd "$work" || exit 1
+loop="$here/examples/train_llava_loop.py"
+size="${SIZE:-0.5b}" device="${DEVICE:-cuda}"
+way() {  # way NAME SECONDS COMMAND...: the console to OUTDIR/NAME.txt, the report to OUTDIR/NAME_report.json
+    local name="$1" limit="$2"
+    shift 2
+    timeout "$limit" "$@" >"$out/$name.txt" 2>&1
+    echo "$name: exit $?" >>"$out/$name.txt"
+    cp "$work/$name/report.json" "$out/${name}_report.json" 2>/dev/null || echo "$name: no report" >>"$out/$name.txt"
+}
+way run 120 python3 -m vlmdoctor run --out "$work/run" --warmup 5 --steps 20 --stop-after-window -- \
+    python3 "$loop" --size "$size" --device "$device" --batch-size 8 --steps 200
+way api 90 python3 "$loop" --size "$size" --device "$device" --batch-size 8 --steps 30 --api --out "$work/api"
+way trainer 90 python3 "$here/examples/train_llava_trainer.py" --size "$size" --device "$device" --batch-size 8 \
+    --steps 30 --out "$work/trainer"

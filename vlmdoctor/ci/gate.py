@@ -14,7 +14,6 @@ job, alternating with the current one in fresh processes, and judged on the pair
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 import statistics
@@ -49,16 +48,9 @@ OWN_TRAINING_SOURCES = ("api", "trainer", "script")
 
 def load_report(path: str) -> dict[str, Any]:
     """Read a profile report, refusing anything a comparison would silently misread."""
-    from vlmdoctor.inputs import read_text
+    from vlmdoctor.inputs import read_json
 
-    text = read_text(path, "report", max_bytes=512 * 2**20)
-    try:
-        report = json.loads(text)
-    except RecursionError:
-        raise UsageError(f"{path}: not a vlmdoctor profile report (JSON nested too deeply)") from None
-    except json.JSONDecodeError as e:
-        raise UsageError(f"{path}: not valid JSON (truncated?): {e.msg} at line {e.lineno} column {e.colno}") from None
-    return validate_report(report, path)
+    return validate_report(read_json(path, "report", max_bytes=512 * 2**20), path)
 
 
 def validate_report(report: Any, name: str) -> dict[str, Any]:

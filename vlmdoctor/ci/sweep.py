@@ -14,8 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from vlmdoctor.errors import UsageError
 from vlmdoctor.run.config import RunConfig
 
@@ -32,12 +30,9 @@ def grid_rows(
     """(row index, name, config) for every row, model and stage of a grid file.
 
     Bad knobs are user errors naming the row."""
-    from vlmdoctor.inputs import read_text
+    from vlmdoctor.inputs import read_yaml
 
-    try:
-        grid = yaml.safe_load(read_text(path, "grid file", max_bytes=16 * 2**20))
-    except yaml.YAMLError as e:
-        raise UsageError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    grid = read_yaml(path, "grid file")
     if not isinstance(grid, dict) or not isinstance(grid.get("runs"), list):
         raise UsageError(f"{path}: expected a mapping with a list under 'runs'")
     if not all(isinstance(r, dict) and isinstance(r.get("set") or {}, dict) for r in grid["runs"]):

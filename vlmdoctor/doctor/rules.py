@@ -25,8 +25,6 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from vlmdoctor.errors import UsageError
 from vlmdoctor.run.config import LAYER_NAMES, RunConfig
 from vlmdoctor.trace import catalog
@@ -53,6 +51,21 @@ SEVERITIES = ("high", "medium", "low")
 GAIN_SEVERITY = (("high", 1.25), ("medium", 1.05))
 FUNCTIONS = {"min": min, "max": max, "floor": math.floor, "ceil": math.ceil, "round": round, "abs": abs}
 HAS = "has"  # has(fact.name): whether the trace measured it; never "not evaluated" (see rules/README.md)
+#: how many positional arguments each function takes (no keywords)
+ARITY = {"min": (1, 16), "max": (1, 16), "floor": (1, 1), "ceil": (1, 1), "round": (1, 2), "abs": (1, 1), HAS: (1, 1)}
+#: bounds on every expression and every value it makes (docs/files.md): the shipped rules use 403
+#: characters, 99 nodes, nesting 11, two arguments, specs like ".1f" and ",.0f"
+MAX_EXPR_CHARS = 2000
+MAX_EXPR_NODES = 500
+MAX_EXPR_DEPTH = 40
+MAX_INT = 2**256  # larger integers (a literal, a constant, a product, floor(1e300)) are refused
+MAX_TEXT = 256  # characters of a string literal or constant
+MAX_ITEMS = 64  # elements of a list literal or constant
+MAX_ROUND_DIGITS = 20  # round(x, n): |n|
+MAX_WIDTH = 100  # a format spec's width ({x:>12}) ...
+MAX_PRECISION = 20  # ... and precision ({x:.3f})
+MAX_RENDERED = 400  # characters one placeholder renders to (a list fact is cut, with how many were left out)
+_SPEC = re.compile(r"(?:.?[<>=^])?[+\- ]?z?#?0?(?P<width>\d+)?[,_]?(?:\.(?P<precision>\d+))?[bcdeEfFgGnosxX%]?", re.S)
 
 
 def missing_hint(name: str, facts: dict[str, Any]) -> str | None:
@@ -145,30 +158,87 @@ def _looks_like_expr(v: str) -> bool:
 
 
 def _parse(expr: str, rule: Rule | None = None) -> ast.AST:
+    """The expression's tree, checked: only the allowed nodes, and every bound (size, nesting, calls, literals)."""
+    where = f"{rule.path}: rule {rule.id}: " if rule else ""
     text = expr[1:] if expr.startswith("=") else expr
+    if len(text) > MAX_EXPR_CHARS:
+        raise RuleError(f"{where}an expression of {len(text):,} characters (at most {MAX_EXPR_CHARS:,})")
     try:
         tree = ast.parse(text.strip(), mode="eval")
     except SyntaxError as e:
-        where = f"{rule.path}: rule {rule.id}: " if rule else ""
-        raise RuleError(f"{where}condition {expr!r} does not parse ({e.msg})") from None
-    for node in ast.walk(tree):
+        raise RuleError(f"{where}condition {expr[:200]!r} does not parse ({e.msg})") from None
+    except (ValueError, RecursionError, MemoryError) as e:  # a literal of over 4,300 digits; nesting
+        raise RuleError(f"{where}condition {expr[:200]!r} does not parse ({type(e).__name__})") from None
+    nodes = list(ast.walk(tree))
+    if len(nodes) > MAX_EXPR_NODES:
+        raise RuleError(f"{where}an expression of {len(nodes):,} parts (at most {MAX_EXPR_NODES})")
+    if _depth(tree) > MAX_EXPR_DEPTH:
+        raise RuleError(f"{where}an expression nested more than {MAX_EXPR_DEPTH} deep")
+    for node in nodes:
         if not isinstance(node, _ALLOWED):
-            where = f"{rule.path}: rule {rule.id}: " if rule else ""
             raise RuleError(
-                f"{where}{type(node).__name__} is not allowed in {expr!r} (only comparisons, and/or/not, "
+                f"{where}{type(node).__name__} is not allowed in {expr[:200]!r} (only comparisons, and/or/not, "
                 f"arithmetic, literals and {', '.join(FUNCTIONS)})"
             )
-        if isinstance(node, ast.Call) and not (isinstance(node.func, ast.Name) and node.func.id in (*FUNCTIONS, HAS)):
-            raise RuleError(
-                f"{rule.path if rule else ''}: only {', '.join(FUNCTIONS)} and {HAS} may be called in {expr!r}"
-            )
-        if (
-            isinstance(node, ast.Call)
-            and node.func.id == HAS
-            and not (len(node.args) == 1 and _dotted(node.args[0]) and not node.keywords)
-        ):
-            raise RuleError(f"{rule.path if rule else ''}: {HAS}() takes one fact name, in {expr!r}")
+        if isinstance(node, ast.Call):
+            _check_call(node, expr, where)
+        if isinstance(node, ast.Constant) and not _small(node.value):
+            raise RuleError(f"{where}the literal {str(node.value)[:40]!r}... is too large, in {expr[:200]!r}")
+        if isinstance(node, (ast.List, ast.Tuple)) and len(node.elts) > MAX_ITEMS:
+            raise RuleError(f"{where}a list of {len(node.elts)} items (at most {MAX_ITEMS}), in {expr[:200]!r}")
     return tree
+
+
+def _check_call(node: ast.Call, expr: str, where: str) -> None:
+    if not (isinstance(node.func, ast.Name) and node.func.id in (*FUNCTIONS, HAS)):
+        raise RuleError(f"{where}only {', '.join(FUNCTIONS)} and {HAS} may be called in {expr[:200]!r}")
+    name = node.func.id
+    lo, hi = ARITY[name]
+    if name == HAS and not (len(node.args) == 1 and _dotted(node.args[0]) and not node.keywords):
+        raise RuleError(f"{where}{HAS}() takes one fact name, in {expr[:200]!r}")
+    if node.keywords or any(isinstance(a, ast.Starred) for a in node.args) or not lo <= len(node.args) <= hi:
+        takes = f"{lo}" if lo == hi else f"{lo} to {hi}"
+        raise RuleError(f"{where}{name}() takes {takes} plain argument(s), in {expr[:200]!r}")
+
+
+def _depth(tree: ast.AST) -> int:
+    deepest, todo = 0, [(tree, 1)]
+    while todo:
+        node, d = todo.pop()
+        deepest = max(deepest, d)
+        if deepest > MAX_EXPR_DEPTH:
+            break
+        todo.extend((c, d + 1) for c in ast.iter_child_nodes(node))
+    return deepest
+
+
+def _small(v: Any) -> bool:
+    """A value within the bounds an expression may hold: an integer up to MAX_INT, a short string, a short
+    list of such values (any float: its size is fixed)."""
+    if isinstance(v, bool) or v is None or isinstance(v, float):
+        return True
+    if isinstance(v, int):
+        return abs(v) <= MAX_INT
+    if isinstance(v, str):
+        return len(v) <= MAX_TEXT
+    if isinstance(v, (list, tuple)):
+        return len(v) <= MAX_ITEMS and all(not isinstance(x, (list, tuple, dict)) and _small(x) for x in v)
+    return False
+
+
+def check_spec(spec: str | None) -> str | None:
+    """Why a placeholder's format spec ({fact:spec}) cannot be used, or None: it must be `pct` or Python's
+    format mini-language with a width up to MAX_WIDTH and a precision up to MAX_PRECISION."""
+    if spec is None or spec == "pct":
+        return None
+    m = _SPEC.fullmatch(spec)
+    if m is None:
+        return f"the format spec {spec[:40]!r} is not one Python's format() reads"
+    if m["width"] and int(m["width"][:6]) > MAX_WIDTH:
+        return f"the format spec {spec[:40]!r} has a width over {MAX_WIDTH}"
+    if m["precision"] and int(m["precision"][:6]) > MAX_PRECISION:
+        return f"the format spec {spec[:40]!r} has a precision over {MAX_PRECISION}"
+    return None
 
 
 @cache
@@ -275,9 +345,9 @@ def _eval(node: ast.AST, env: dict[str, Any]) -> Any:
     if isinstance(node, ast.BinOp):
         left, right = _eval(node.left, env), _eval(node.right, env)
         for v in (left, right):  # no list or string repetition: an expression cannot allocate memory
-            if not isinstance(v, (int, float)) or (isinstance(v, int) and abs(v) > 2**256):
+            if not isinstance(v, (int, float)) or (isinstance(v, int) and abs(v) > MAX_INT):
                 raise RuleEvalError(f"arithmetic needs numbers, got {type(v).__name__} {str(v)[:40]!r}")
-        return _ARITH[type(node.op)](left, right)
+        return _bounded(_ARITH[type(node.op)](left, right))
     if isinstance(node, ast.Compare):
         left = _eval(node.left, env)
         for op, comp in zip(node.ops, node.comparators):
@@ -289,12 +359,32 @@ def _eval(node: ast.AST, env: dict[str, Any]) -> Any:
     if isinstance(node, ast.Call) and node.func.id == HAS:
         return _dotted(node.args[0]) in env
     if isinstance(node, ast.Call):
-        return FUNCTIONS[node.func.id](*(_eval(a, env) for a in node.args))
+        return _call(node.func.id, [_eval(a, env) for a in node.args])
     if isinstance(node, (ast.List, ast.Tuple)):
         return [_eval(e, env) for e in node.elts]
     if isinstance(node, ast.IfExp):
         return _eval(node.body, env) if _eval(node.test, env) else _eval(node.orelse, env)
     raise RuleError(f"cannot evaluate {type(node).__name__}")
+
+
+def _bounded(v: Any) -> Any:
+    """An integer result past MAX_INT is refused (a float's size is fixed; inf and NaN compare as such)."""
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) > MAX_INT:
+        raise RuleEvalError(f"an integer of more than {MAX_INT.bit_length()} bits")
+    return v
+
+
+def _call(name: str, args: list[Any]) -> Any:
+    """One of FUNCTIONS on numbers (min and max also on one list of numbers); the result bounded like arithmetic."""
+    values = args[0] if name in ("min", "max") and len(args) == 1 and isinstance(args[0], list) else args
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not _small(v):
+            raise RuleEvalError(f"{name}() needs numbers, got {type(v).__name__} {str(v)[:40]!r}")
+    if name == "round" and len(args) == 2:
+        digits = args[1]
+        if not isinstance(digits, int) or abs(digits) > MAX_ROUND_DIGITS:
+            raise RuleEvalError(f"round()'s digits must be an integer within +-{MAX_ROUND_DIGITS}, got {digits!r}")
+    return _bounded(FUNCTIONS[name](*args))
 
 
 # --- loading --------------------------------------------------------------------------------------------
@@ -363,13 +453,28 @@ def _rule_from(path: Path, data: Any) -> Rule:
         raise RuleError(f"{path}: rule {rule.id} uses undefined constant(s) {', '.join(undefined)}")
     if not isinstance(rule.constants, dict):
         raise RuleError(f"{path}: rule {rule.id}: constants must be a mapping")
-    for c in rule.constants.values():
-        if not isinstance(c, dict) or "value" not in c or "why" not in c:
-            raise RuleError(f"{path}: rule {rule.id}: each constant needs a value and a why (where it comes from)")
+    _check_values(rule, path)
     knobs = set(RunConfig.__dataclass_fields__)
     if set(rule.patch) - knobs:
         raise RuleError(f"{path}: rule {rule.id} patches unknown knob(s) {', '.join(sorted(set(rule.patch) - knobs))}")
     return rule
+
+
+def _check_values(rule: Rule, path: Path) -> None:
+    """Constants within the bounds of an expression's values, evidence placeholders with usable format specs."""
+    for name, c in rule.constants.items():
+        if not isinstance(c, dict) or "value" not in c or "why" not in c:
+            raise RuleError(f"{path}: rule {rule.id}: each constant needs a value and a why (where it comes from)")
+        if not _small(c["value"]):
+            raise RuleError(
+                f"{path}: rule {rule.id}: constant {name} must be a number (integers up to 2^256), a string of "
+                f"up to {MAX_TEXT} characters or a list of up to {MAX_ITEMS} of them"
+            )
+    for line in rule.evidence:
+        for m in _PLACEHOLDER.finditer(line):
+            why = check_spec(m.group(2))
+            if why:
+                raise RuleError(f"{path}: rule {rule.id}: evidence {{{m.group(1)}:...}}: {why}")
 
 
 def load_rules(*dirs: str | Path) -> tuple[list[Rule], list[str]]:
@@ -399,13 +504,9 @@ def load_rules(*dirs: str | Path) -> tuple[list[Rule], list[str]]:
                 problems.append(f"{path}: not a file")
                 continue
             try:
-                from vlmdoctor.inputs import read_text
+                from vlmdoctor.inputs import read_yaml
 
-                data = yaml.safe_load(read_text(path, "rule file", max_bytes=2**20))
-                rule = _rule_from(path, data)
-            except yaml.YAMLError as e:
-                problems.append(f"{path}: not valid YAML ({str(e).splitlines()[0]})")
-                continue
+                rule = _rule_from(path, read_yaml(path, "rule file"))
             except UsageError as e:
                 problems.append(e.message)
                 continue
@@ -448,20 +549,34 @@ def rule_page(rule: Rule) -> dict[str, Any]:
 
 
 def _fmt(value: Any, spec: str | None) -> str:
+    """A fact's value in an evidence line, at most MAX_RENDERED characters whatever the value or the spec."""
+    why = check_spec(spec)
+    if why:
+        raise RuleEvalError(why)
     if isinstance(value, list) and value and all(isinstance(v, dict) and "op" in v for v in value):
         # host ops: the top five with their time or call count
-        return ", ".join(
-            f"{v['op'][:60]} " + (f"{v['ms']:.1f} ms" if "ms" in v else f"x{v.get('calls', 0):g}") for v in value[:5]
+        return _cut(
+            ", ".join(
+                f"{str(v['op'])[:60]} " + (f"{v['ms']:.1f} ms" if "ms" in v else f"x{v.get('calls', 0):g}")
+                for v in value[:5]
+            )
         )
     if isinstance(value, list):
-        return ", ".join(str(v) for v in value) or "none"
+        shown = ", ".join(_cut(str(v), 80) for v in value[:10]) or "none"
+        return _cut(shown + (f" (+{len(value) - 10} more)" if len(value) > 10 else ""))
     if spec == "pct" and isinstance(value, (int, float)):
         return f"{value * 100:.1f}%"
-    if spec and isinstance(value, (int, float)):
-        return format(value, spec)
+    if spec and isinstance(value, (int, float)) and not (isinstance(value, int) and abs(value) > MAX_INT):
+        return _cut(format(value, spec))
     if isinstance(value, float):
         return f"{value:.3g}"
-    return str(value)
+    if isinstance(value, int) and abs(value) > MAX_INT:
+        return f"{value:.3g}" if abs(value) < 2**1000 else "(a huge integer)"
+    return _cut(str(value))
+
+
+def _cut(text: str, most: int = MAX_RENDERED) -> str:
+    return text if len(text) <= most else text[: most - 3] + "..."
 
 
 def _render(text: str, env: dict[str, Any]) -> str:
@@ -714,4 +829,5 @@ GPU_ONLY = re.compile(
     r"(gpu|kernels|idle|cudnn_plan|launch|liger|gemm|phase|memcpy|recompute|triton_compiled|optimizer|device|casts)\..*"
     r"|attention\.(fp32_kernels|kernel_share|[a-z]+\.(forward|backward|recompute)_ms|[a-z]+\.head_dim.*)"
     r"|part\.[a-z_]+\.(ms|share|forward_ms|backward_ms|recompute_ms)|part\.fp32_gemm_parts"
+    r"|memory\.live\..*"
 )

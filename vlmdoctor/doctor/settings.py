@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmdoctor.errors import UsageError
+from vlmdoctor.inputs import open_regular
 
 try:
     import tomllib
@@ -28,6 +29,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 #: every key the table may hold: (what it takes, in words)
+MAX_TOML_BYTES = 2**22  # a pyproject.toml is a few KB
 KEYS = {
     "select": "rule ids, layers or severities",
     "ignore": "rule ids, layers or severities",
@@ -46,9 +48,12 @@ def find_pyproject(start: str | os.PathLike | None = None) -> Path | None:
     for folder in (here, *here.parents):
         candidate = folder / "pyproject.toml"
         try:
-            if candidate.is_file() and "[tool.vlmdoctor" in candidate.read_text(errors="replace"):
-                return candidate
-        except OSError:
+            if candidate.is_file():
+                with open_regular(candidate, "pyproject.toml") as f:
+                    head = f.read(MAX_TOML_BYTES + 1)  # a larger file is refused when it is read
+                if b"[tool.vlmdoctor" in head:
+                    return candidate
+        except (OSError, UsageError):
             continue
     return None
 
@@ -75,9 +80,11 @@ def read_settings(path: str | os.PathLike) -> dict[str, Any]:
 
     path = Path(path)
     try:
-        doc = tomllib.loads(read_text(path, "pyproject.toml", max_bytes=2**22))
+        doc = tomllib.loads(read_text(path, "pyproject.toml", max_bytes=MAX_TOML_BYTES))
     except tomllib.TOMLDecodeError as e:
         raise UsageError(f"{path}: not valid TOML ({e})") from None
+    except RecursionError:
+        raise UsageError(f"{path}: not valid TOML here (values nested too deeply)") from None
     table = (doc.get("tool") or {}).get("vlmdoctor")
     if table is None:
         return {}

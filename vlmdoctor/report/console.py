@@ -697,12 +697,20 @@ def render_own(report: dict[str, Any], console: Console) -> None:
         t.add_row("last loss", _fmt(m["final_loss"], "", 4))
     facts = report.get("facts") or {}
     console.print(t)
+    if (report.get("distributed") or {}).get("global"):  # several ranks: the table above is the job's
+        render_ranks(report["distributed"], console)
+        if "dist.comm.ms" in facts:
+            console.print(comm_line(facts, "dist.comm.", None).replace("collectives", "rank mean: collectives", 1))
     render_measurement_notes(report, console)
     if "trace.error" in facts:
         console.print(f"[yellow]the trace could not be analyzed:[/yellow] {esc(facts['trace.error'])}", highlight=False)
     tr = report.get("trace") or {}
     if tr.get("path"):
-        console.print(f"trace: {esc(tr['path'])}", highlight=False)
+        from vlmdoctor.report.progress import WHOLE, wrap
+
+        ranks = len(tr.get("rank_paths") or [])
+        where = f"{tr['dir']} (one trace per rank)" if ranks > 1 and tr.get("dir") else tr["path"]
+        console.print(esc(wrap(f"trace: {where}")), highlight=False, **WHOLE)  # the path stays whole
     if "diagnosis" in report:
         render_own_findings(report["diagnosis"], console)
 
@@ -783,7 +791,7 @@ def render_own_findings(diagnosis: dict[str, Any], console: Console) -> None:
         advice = f.get("advice") or {}
         lines = advice.get("lines")
         if lines:
-            where = "in TrainingArguments / from_pretrained" if advice.get("audience") == "trainer" else "in your loop"
+            where = "in your Trainer script" if advice.get("audience") == "trainer" else "in your loop"
             console.print(f"   change {where}:", highlight=False)
             for line in lines:
                 console.print(f"     [cyan]{esc(line)}[/cyan]", highlight=False, overflow="fold")

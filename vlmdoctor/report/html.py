@@ -71,7 +71,10 @@ svg text { font-family: system-ui, -apple-system, "Segoe UI", Roboto, Arial, san
 details { margin: 8px 0; } summary { cursor: pointer; color: #424242; }
 .grid2 { display: grid; grid-template-columns: repeat(auto-fit, minmax(320px, 1fr)); gap: 0 24px; }
 footer { margin-top: 32px; color: #9e9e9e; font-size: 12px; }
-p.top { border-left: 4px solid #2e7d32; background: #f1f8e9; padding: 8px 12px; margin: 8px 0 12px; }
+p.top, div.top { border-left: 4px solid #2e7d32; background: #f1f8e9; padding: 8px 12px; margin: 8px 0 12px; }
+div.top p { margin: 4px 0; }
+pre.fix { margin: 4px 0; padding: 6px 8px; background: #f5f5f5; border-radius: 3px; overflow-x: auto; }
+pre.fix code { background: none; padding: 0; white-space: pre; word-break: normal; }
 """
 CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
 
@@ -487,6 +490,13 @@ def findings_section(
                 cls="wide findings",
             )
         )
+    out.append(diagnosis_notes(diagnosis))
+    return "".join(out)
+
+
+def diagnosis_notes(diagnosis: dict[str, Any] | None) -> str:
+    """What the rules did besides prescribing: muted findings, superseded ones, rules not evaluated."""
+    out: list[str] = []
     if diagnosis and diagnosis.get("muted"):
         out.append(
             '<p class="note">muted: '
@@ -675,7 +685,11 @@ def _measurement_notes(report: dict[str, Any]) -> list[str]:
 
 # -- pages ----------------------------------------------------------------------------------------------
 def profile_html(report: dict[str, Any]) -> str:
-    """A `vlmdoctor profile --json` report as one HTML page."""
+    """A `vlmdoctor profile --json` report as one HTML page (a report of the user's own training: own_html)."""
+    from vlmdoctor.report.own_html import is_own, own_html
+
+    if is_own(report):
+        return own_html(report)
     cfg, env, model = report.get("config") or {}, report.get("env") or {}, report.get("model") or {}
     where = env.get("gpu") or f"CPU ({env.get('cpu_count')} cores)"
     title = f"vlmdoctor profile: {cfg.get('model')} stage {cfg.get('stage')} on {where}"

@@ -502,16 +502,13 @@ class RunConfig:
 
     @classmethod
     def _read(cls, path: str | Path) -> Any:
-        from vlmdoctor.inputs import read_text
+        from vlmdoctor.inputs import MAX_YAML_BYTES, read_json, read_yaml
 
         p = Path(path)
-        text = read_text(p, "config", max_bytes=64 * 2**20)
-        try:
-            data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
-        except (json.JSONDecodeError, yaml.YAMLError, ValueError, RecursionError) as e:
-            raise UsageError(
-                f"config {p} does not parse: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
-            ) from None
+        if p.suffix == ".json":  # a config, or a report whose config is reused
+            data = read_json(p, "config", max_bytes=64 * 2**20)
+        else:
+            data = read_yaml(p, "config", max_bytes=MAX_YAML_BYTES)
         if isinstance(data, dict) and "schema_version" in data and "config" in data:
             from vlmdoctor import SCHEMA_VERSION
 

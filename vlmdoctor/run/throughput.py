@@ -93,7 +93,7 @@ def stability(step_ms: Sequence[float], work: Sequence[float] | None = None) -> 
         worst = max(out["outliers"], key=lambda o: o["x_median"])
         reasons.append(
             f"{len(out['outliers'])} of {n} steps took over {OUTLIER_RATIO:g}x the median for their tokens "
-            f"(slowest: step {worst['step']}, {worst['ms']:,.1f} ms, {worst['x_median']:.1f}x)"
+            f"(slowest: timed step {worst['step']} of the window, {worst['ms']:,.1f} ms, {worst['x_median']:.1f}x)"
         )
     if spread > MAX_SPREAD:
         reasons.append(f"the steps spread widely: p10-p90 is {spread:.0%} of the median (over {MAX_SPREAD:.0%})")

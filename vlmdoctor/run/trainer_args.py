@@ -47,6 +47,19 @@ def _sampling_field() -> str:
     return "group_by_length"
 
 
+def _ckpt(name: str) -> str:
+    """`gradient_checkpointing[_kwargs]`, or `activation_checkpointing[_kwargs]` where this transformers renamed it."""
+    try:
+        import dataclasses
+
+        from transformers import TrainingArguments
+
+        new = name.replace("gradient_", "activation_")
+        return new if new in {f.name for f in dataclasses.fields(TrainingArguments)} else name
+    except Exception:
+        return name
+
+
 def _write_sampler(value: str) -> dict[str, Any]:
     grouped = value == "length_bucketed"
     if _sampling_field() == "group_by_length":
@@ -98,14 +111,16 @@ TABLE: dict[str, TrainerField] = {
     ),
     **{knob: _liger(key) for knob, key in LIGER.items()},
     "gradient_checkpointing": TrainerField(
-        ("gradient_checkpointing",),
-        lambda g: bool(g("gradient_checkpointing")),
-        lambda v: {"gradient_checkpointing": v},
+        ("gradient_checkpointing", "activation_checkpointing"),
+        lambda g: bool(g("gradient_checkpointing") or g("activation_checkpointing")),
+        lambda v: {_ckpt("gradient_checkpointing"): v},
     ),
     "checkpoint_use_reentrant": TrainerField(
-        ("gradient_checkpointing_kwargs",),
-        lambda g: (g("gradient_checkpointing_kwargs") or {}).get("use_reentrant"),
-        lambda v: {"gradient_checkpointing_kwargs": {"use_reentrant": bool(v)}},
+        ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"),
+        lambda g: (g("gradient_checkpointing_kwargs") or g("activation_checkpointing_kwargs") or {}).get(
+            "use_reentrant"
+        ),
+        lambda v: {_ckpt("gradient_checkpointing_kwargs"): {"use_reentrant": bool(v)}},
     ),
     "num_workers": TrainerField(
         ("dataloader_num_workers",),
@@ -155,6 +170,23 @@ def training_args_config(args: Any) -> dict[str, Any]:
         k: (v if isinstance(v, (bool, int, float, str, dict, type(None))) else str(v)) for k, v in raw.items()
     }
     return cfg
+
+
+def sample_lengths(trainer: Any) -> str | None:
+    """Where `group_by_length` would find each sample's length in this Trainer's data: 'length_column'
+    (a datasets.Dataset column), 'input_ids' (items that hold them), 'none' (the collator tokenizes: the
+    Trainer raises), or None when the data cannot be looked at."""
+    from collections.abc import Mapping
+
+    try:
+        ds, args = trainer.train_dataset, trainer.args
+        if args.length_column_name in (getattr(ds, "column_names", None) or []):
+            return "length_column"
+        names = getattr(getattr(trainer, "processing_class", None), "model_input_names", None) or ["input_ids"]
+        item = ds[0]
+        return "input_ids" if isinstance(item, Mapping) and names[0] in item else "none"
+    except Exception:
+        return None
 
 
 def fields_for(patch: dict[str, Any]) -> dict[str, Any]:

@@ -129,6 +129,12 @@ FACTS: list[Fact] = [
             ("trace.gpu_kernels", "bool", "the trace holds GPU kernels"),
             ("trace.partial", "bool", "some facts are left out (no GPU kernels, no step markers)"),
             ("trace.warnings", "list", "what the analysis could not do, in words"),
+            (
+                "trace.invalid_events",
+                "count",
+                "events left out of every fact for an unusable duration (missing, NaN, negative, over 24 h, "
+                "a GPU event longer than the trace); trace.warnings says which",
+            ),
             ("step.ms", "ms", "mean step time (ProfilerStep span) over the traced steps"),
             ("step.ms_list", "ms list", "each traced step's time"),
             ("part.source", "text", "where model parts come from: vlmdoctor ranges, module hierarchy, none"),

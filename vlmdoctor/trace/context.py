@@ -23,6 +23,7 @@ import pandas as pd
 
 from vlmdoctor.run.parts import part_of_class
 from vlmdoctor.trace.intervals import Intervals, intersect, subtract, union
+from vlmdoctor.trace.read import TraceError
 from vlmdoctor.trace.tables import MODULE_PREFIX, SHAPE_OPS, Tables
 
 PART_RANGES = {"vlmdoctor::vision": "vision", "vlmdoctor::projector": "projector", "vlmdoctor::llm": "llm"}
@@ -35,6 +36,9 @@ SYNC_CALLS = re.compile(
 )
 
 Windows = list[tuple[float, float]]  # the analyzed steps: (start, end) in trace microseconds
+#: the deepest nesting of host ops on one thread that is read (each level is a pass over the thread's ops);
+#: the recorded traces nest at most a few tens deep
+MAX_NESTING = 256
 
 
 # --- nesting of host ops, vectorized --------------------------------------------------------------
@@ -49,6 +53,11 @@ def nesting(ts: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     n = len(ts)
     depth = np.arange(n) - np.searchsorted(np.sort(end), ts, side="right")
     depth = np.clip(depth, 0, None)
+    if n and int(depth.max()) >= MAX_NESTING:  # each level is a pass over the ops: bound the passes
+        raise TraceError(
+            f"host ops nested {int(depth.max()) + 1:,} deep on one thread (torch.profiler's nest some tens; at most "
+            f"{MAX_NESTING} are read): not a trace vlmdoctor can analyze"
+        )
     parent = np.full(n, -1, dtype=np.int64)
     for d in range(1, int(depth.max(initial=0)) + 1):
         here = np.flatnonzero(depth == d)
@@ -64,7 +73,7 @@ def nesting(ts: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def innermost(ts: np.ndarray, end: np.ndarray, parent: np.ndarray, points: np.ndarray) -> np.ndarray:
     """Index of the innermost interval containing each point (-1 for none)."""
     j = np.searchsorted(ts, points, side="right") - 1
-    for _ in range(256):
+    for _ in range(MAX_NESTING):
         bad = (j >= 0) & (end[np.maximum(j, 0)] <= points)
         if not bad.any():
             break

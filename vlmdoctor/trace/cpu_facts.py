@@ -18,6 +18,7 @@ import numpy as np
 
 from vlmdoctor.trace.catalog import by_producer
 from vlmdoctor.trace.read import iter_events
+from vlmdoctor.trace.tables import event_time
 
 PRODUCES = by_producer(__name__)
 #: the dtypes' facts, spelled out so that a search for a fact finds where it is computed
@@ -113,8 +114,10 @@ def cpu_facts(t: Any, windows: list[tuple[float, float]], facts: dict[str, Any])
     for ev in iter_events(t.path):
         if ev.get("ph") != "X" or ev.get("cat") not in ("cpu_op", "user_annotation"):
             continue
-        ts = float(ev.get("ts", 0.0))
-        end = ts + float(ev.get("dur", 0.0))
+        time = event_time(ev)
+        if isinstance(time, str):  # an unusable duration: left out, as the tables left it out (trace.warnings)
+            continue
+        ts, end = time[0], time[0] + time[1]
         if ts < lo or ts > hi:  # outside the profiled steps
             continue
         name = ev.get("name", "")

@@ -29,6 +29,49 @@ FLUSH = 4096  # events serialized before each write
 COMPRESSLEVEL = 6  # gzip's default of 9 is several times slower for a few % smaller output
 
 
+def trace_of_report(src: Path) -> Path:
+    """The trace to export: `src` itself, or the trace a profile report names (`trace.path`).
+
+    A report's trace is looked for only where the user pointed: inside the report's folder (the path
+    as written, relative to that folder, or the file of that name next to the report). A path that
+    leads out of the folder, by `..`, an absolute path or a link, is refused: a report handed over
+    by someone else must not make export read an arbitrary file.
+    """
+    if not (src.suffix == ".json" and not src.name.endswith(".pt.trace.json") and src.is_file()):
+        return src
+    from vlmdoctor.inputs import read_json
+
+    report = read_json(src, "report", max_bytes=512 * 2**20)
+    if not isinstance(report, dict) or "traceEvents" in report:
+        return src  # a trace named *.json, read as one
+    info = report.get("trace")
+    if info is not None and not isinstance(info, dict):
+        raise UsageError(f"{src}: its trace must be an object with a path, got {type(info).__name__}")
+    kept = (info or {}).get("path")
+    if kept is not None and not isinstance(kept, str):
+        raise UsageError(f"{src}: its trace.path is not a path (a {type(kept).__name__})")
+    if not kept:
+        raise UsageError(f"{src}: the report kept no trace; run profile with --trace-dir DIR")
+    if "\x00" in kept or len(kept) > 4096:
+        raise UsageError(f"{src}: its trace.path is not a path")
+    home = src.parent.resolve()
+    outside = False
+    for candidate in (src.parent / kept, src.parent / Path(kept).name):
+        try:
+            where = candidate.resolve()
+        except (OSError, RuntimeError):
+            continue
+        if where.exists() and where.is_relative_to(home):
+            return where
+        outside = outside or (where.exists() and candidate == src.parent / kept)
+    if outside:
+        raise UsageError(
+            f"{src}: its trace {kept} lies outside the report's folder; export reads a report's trace only "
+            "next to the report: pass the trace itself"
+        )
+    raise UsageError(f"{src}: its trace {kept} is not here (recorded on another machine, or moved)")
+
+
 def _finite(v: Any) -> Any:
     """NaN and +-Infinity (not JSON) as null, anywhere in a value."""
     if isinstance(v, float):

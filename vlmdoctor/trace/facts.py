@@ -58,7 +58,7 @@ from vlmdoctor.trace.intervals import (  # noqa: F401  (re-exported)
     union,
 )
 from vlmdoctor.trace.measured import merge_measured  # noqa: F401  (re-exported)
-from vlmdoctor.trace.ranks import cross_rank, hta_overlap
+from vlmdoctor.trace.ranks import cross_rank, hta_overlap, one_job
 from vlmdoctor.trace.read import TraceError, trace_files
 from vlmdoctor.trace.tables import (  # noqa: F401  (re-exported: the tables are read through this module too)
     COMM_KERNELS,
@@ -103,6 +103,9 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
     """One flat dict of named facts (times in ms per step unless the name says otherwise)."""
     facts: dict[str, Any] = {}
     warnings: list[str] = []
+    facts["trace.invalid_events"] = sum(n for whys in t.invalid.values() for n in whys.values())
+    if t.invalid_warning():  # said first: every number below is without these events
+        warnings.append(t.invalid_warning())
     vmeta = t.meta.get("vlmdoctor") or {}
     cfg = vmeta.get("config") or {}
     if not isinstance(cfg, dict):
@@ -223,6 +226,10 @@ def _cross_rank(path: str | Path, files: list[Path], per: list[Any], results: li
                 "per rank of one job"
             }
         seen[rc.rank] = f.name
+    configs = [((r.get("meta") or {}).get("vlmdoctor") or {}).get("config") for r in results]
+    why = one_job([f.name for f in files], per, configs)
+    if why:
+        return {"skipped": f"{why}: not one job's ranks; each file's facts are given, the ranks are not joined"}
     doc = cross_rank(per, [r["facts"] for r in results])
     size_mb = sum(f.stat().st_size for f in files) / 2**20
     if any(rc.backend == "nccl" for rc in per) and size_mb > HTA_MAX_MB:

@@ -26,6 +26,7 @@ from vlmdoctor.trace.catalog import by_producer
 from vlmdoctor.trace.comms import GRAD_SYNC, RankComms
 
 PRODUCES = by_producer(__name__)
+SAME_TIME_SLACK_US = 1e6  # ranks of one job whose steps are further apart than this did not run together
 #: each collective's joined facts, spelled out so that a search for a fact finds where it is computed:
 #: (ms, exposed_ms, bytes, busbw_gbps, count, exposed_own_ms), the ranks' mean of comm.<kind>.* but the last
 KIND_FACTS = {
@@ -118,6 +119,40 @@ KIND_FACTS = {
         "dist.comm.other.exposed_own_ms",
     ),
 }
+
+
+def one_job(names: list[str], per: list[RankComms], configs: list[dict[str, Any] | None]) -> str | None:
+    """Why the traces of a folder are not the ranks of one job, or None when nothing says they are not.
+
+    Traces of two jobs (two runs of one script, or two scripts) joined as one would compare collectives
+    that never waited for each other. They are told apart by what one job shares: its world size (every
+    rank < it), the run config vlmdoctor recorded, and the time it ran: the ranks' steps overlap (Kineto's
+    times are the wall clock less one fixed base, so hosts agree to well within SAME_TIME_SLACK_US).
+    """
+    worlds = sorted({rc.world for rc in per if rc.world is not None})
+    if len(worlds) > 1:
+        return f"the traces come from jobs of {worlds[0]} and {worlds[1]} ranks (distributedInfo.world_size)"
+    for name, rc in zip(names, per):
+        if worlds and rc.rank is not None and not 0 <= rc.rank < worlds[0]:
+            return f"{name} is rank {rc.rank}, outside a job of {worlds[0]} ranks"
+    seen: dict[str, str] = {}
+    for name, cfg in zip(names, configs):
+        if cfg:
+            seen.setdefault(repr(sorted(cfg.items(), key=lambda kv: str(kv[0]))), name)
+    if len(seen) > 1:
+        a, b = list(seen.values())[:2]
+        return f"{a} and {b} record different run configs"
+    spans = [
+        (float(rc.steps["ts"].min()), float(rc.steps["end"].max()), name)
+        for name, rc in zip(names, per)
+        if len(rc.steps) and np.isfinite(rc.steps["ts"].min()) and np.isfinite(rc.steps["end"].max())
+    ]
+    if len(spans) > 1:
+        late = max(spans)  # the last to start
+        early = min(spans, key=lambda x: x[1])  # the first to end
+        if late[0] - early[1] > SAME_TIME_SLACK_US:
+            return f"{early[2]} and {late[2]} were not recorded at the same time (their steps do not overlap)"
+    return None
 
 
 def _kind_facts(kind: str) -> tuple[str, ...]:

@@ -4,6 +4,11 @@ Events are read in chunks of a few MB, each decoded whole by msgspec, never the 
 memory stays bounded on traces of many GB.
 The small top-level metadata (device properties, the `vlmdoctor` block a profile embeds) is read
 from the part of the file before `traceEvents`, where Kineto writes it.
+
+Every input is bounded (docs/files.md, "Reading"): only regular files are opened (a fifo named
+`*.json` is refused at once), a gzip file may not inflate to more than GZIP_MAX_RATIO times its
+size (real traces: under 20), one event may span any number of reads up to MAX_EVENT_BYTES, and
+the metadata a reader keeps is bounded by HEAD_LIMIT.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import codecs
 import gzip
 import json
+import os
 import re
 import zlib
 from collections.abc import Callable, Iterator
@@ -26,6 +32,12 @@ HEAD_LIMIT = 8 * 2**20  # metadata before traceEvents is small; never read more 
 BLOCK = 1 << 21  # bytes read at a time; a chunk of events is about this size (decoded: about 10x)
 SLOW_AFTER = 8  # blocks without a place to cut: the rest is read event by event
 CUT_TRIES = 4  # cuts tried, the last first, before a chunk is read event by event
+STREAM_AHEAD = 1 << 20  # read event by event: at least this much text stays buffered ahead of the decoder
+MAX_EVENT_BYTES = 64 * 2**20  # one event's JSON text; torch.profiler's largest are a few KB
+#: a .gz trace may inflate to this many times its size on disk (recorded traces: 14x to 19x); more is a
+#: gzip bomb, refused before it fills the memory
+GZIP_MAX_RATIO = 100
+GZIP_MIN_LIMIT = 64 * 2**20  # ... or to this many bytes, for small files
 _BETWEEN = re.compile(rb"\}[ \t\r\n]*,[ \t\r\n]*\{")  # where one event ends and the next starts, or inside one
 _ANY = msgspec.json.Decoder()
 
@@ -39,7 +51,10 @@ class SplitError(Exception):
 
 
 def trace_files(path: str | Path) -> list[Path]:
-    """The trace files a path names: the file itself, or every trace file in a folder (one per rank)."""
+    """The trace files a path names: the file itself, or every trace file in a folder (one per rank).
+
+    Only regular files are traces: a fifo, a device or a socket named like one is refused (named
+    itself) or left out (in a folder), never opened, so it cannot block the read."""
     p = Path(path)
     if not p.exists():
         raise TraceError(f"{p}: no such file or folder")
@@ -53,11 +68,49 @@ def trace_files(path: str | Path) -> list[Path]:
         return files
     if not p.name.endswith(TRACE_SUFFIXES):
         raise TraceError(f"{p}: expected a torch.profiler Chrome trace (.json or .json.gz)")
+    if not p.is_file():
+        raise TraceError(f"{p}: not a regular file (a fifo or a device cannot be read as a trace)")
     return [p]
 
 
 def _open(path: Path) -> IO[bytes]:
-    return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
+    """The trace's bytes (inflated for .gz), from a regular file only, a gzip file bounded by GZIP_MAX_RATIO."""
+    from vlmdoctor.inputs import open_regular
+
+    f = open_regular(path, "trace")
+    if not path.name.endswith(".gz"):
+        return f
+    size = os.fstat(f.fileno()).st_size
+    return _Inflated(gzip.GzipFile(fileobj=f, mode="rb"), f, path, max(GZIP_MIN_LIMIT, GZIP_MAX_RATIO * size))
+
+
+class _Inflated:
+    """A gzip stream that refuses to inflate past `limit` bytes (a small file of a huge repetitive trace)."""
+
+    def __init__(self, gz: gzip.GzipFile, raw: IO[bytes], path: Path, limit: int) -> None:
+        self.gz, self.raw, self.path, self.limit, self.done = gz, raw, path, limit, 0
+
+    def read(self, n: int = -1) -> bytes:
+        if n is None or n < 0:
+            n = self.limit + 1 - self.done
+        data = self.gz.read(min(n, self.limit + 1 - self.done))
+        self.done += len(data)
+        if self.done > self.limit:
+            raise TraceError(
+                f"{self.path}: inflates to more than {self.limit / 2**20:,.0f} MiB, over {GZIP_MAX_RATIO}x its "
+                "size on disk (recorded traces inflate under 20x): not read (a gzip bomb?)"
+            )
+        return data
+
+    def __enter__(self) -> _Inflated:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.gz.close()
+        self.raw.close()
 
 
 def read_metadata(path: Path, strict: bool = False) -> dict[str, Any]:
@@ -77,12 +130,18 @@ def read_metadata(path: Path, strict: bool = False) -> dict[str, Any]:
                 if i >= 0:
                     try:
                         meta = json.loads(head[:i].decode("utf-8", "replace") + '"traceEvents": []}')
+                    except RecursionError:
+                        raise TraceError(f"{path}: the keys before traceEvents nest too deeply") from None
                     except json.JSONDecodeError as e:
                         if strict:
                             raise TraceError(
                                 f"{path}: the keys before traceEvents are not valid JSON ({e.msg}); "
                                 "expected a torch.profiler trace"
                             ) from None
+                        return {}
+                    except ValueError as e:  # an integer of more than 4,300 digits
+                        raise TraceError(f"{path}: a value before traceEvents does not convert ({_first(e)})") from None
+                    if not isinstance(meta, dict):
                         return {}
                     meta.pop("traceEvents", None)
                     return meta
@@ -182,6 +241,16 @@ def iter_batches(
             f"{path}: the JSON is malformed or truncated {where} ({e.msg}); expected a complete "
             "torch.profiler Chrome trace"
         ) from None
+    except RecursionError:
+        if span is not None:
+            raise SplitError(f"{path}: bytes {span}: nested too deeply") from None
+        raise TraceError(
+            f"{path}: event {count + 1} nests its values too deeply to be a torch.profiler event"
+        ) from None
+    except ValueError as e:  # an integer of more than 4,300 digits
+        if span is not None:
+            raise SplitError(f"{path}: bytes {span}: {_first(e)}") from None
+        raise TraceError(f"{path}: event {count + 1}: a value does not convert ({_first(e)})") from None
     except (OSError, EOFError, zlib.error) as e:
         raise TraceError(f"{path}: cannot read ({type(e).__name__}: {e}); a truncated .gz file?") from None
     if count == 0:
@@ -197,8 +266,10 @@ def split_points(path: Path, parts: int) -> list[tuple[int, int | None]]:
     """
     if path.name.endswith(".gz") or parts < 2:
         return [(-1, None)]
+    from vlmdoctor.inputs import open_regular
+
     size = path.stat().st_size
-    with open(path, "rb") as f:
+    with open_regular(path, "trace") as f:
         try:
             buf, start = _events_start(path, f, 1 << 16)
         except TraceError:
@@ -233,10 +304,14 @@ def _events_start(path: Path, f: IO[bytes], block: int) -> tuple[bytes, int]:
         buf += more
         k = buf.find(b'"traceEvents"')
         if k >= 0:
-            k = buf.find(b"[", k)
-            if k >= 0:
-                return buf, k + 1
-        buf = buf[-64:]
+            j = buf.find(b"[", k)
+            if j >= 0:
+                return buf, j + 1
+            if len(buf) - k > HEAD_LIMIT:
+                raise TraceError(f"{path}: 'traceEvents' is not followed by a list")
+            buf = buf[k:]
+        else:
+            buf = buf[-64:]
 
 
 def _cuts(buf: bytes) -> list[tuple[int, int]]:
@@ -259,7 +334,7 @@ def _decode_chunk(text: bytes, fast: Callable[[bytes], list[Any]]) -> tuple[bool
         pass
     try:
         return False, json.loads(whole.decode("utf-8", "replace")), text
-    except (json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):  # a cut inside an event, or a value that does not convert
         return None
 
 
@@ -267,16 +342,19 @@ def _stream(path: Path, first: bytes, f: IO[bytes], block: int, count: int, tail
     """The rest of traceEvents from `first` and the file, one event at a time through json's decoder.
 
     Reads the list's end and the keys after it; a rolling buffer keeps memory bounded whatever the size.
+    An event longer than what is buffered (any size up to MAX_EVENT_BYTES) is read whole: where the
+    decoder stops inside it before the file's end, the buffer grows (doubling) and the event is decoded again.
     """
     dec = json.JSONDecoder()
     text = codecs.getincrementaldecoder("utf-8")("replace")
     buf, i, eof = text.decode(first), 0, False
+    ahead = STREAM_AHEAD
     while True:
         n = len(buf)
         while i < n and buf[i] in " \t\r\n,":
             i += 1
-        if not eof and n - i < (1 << 20):  # keep at least 1 MB ahead of the decoder
-            more = f.read(block)
+        if not eof and n - i < ahead:
+            more = f.read(max(block, ahead - (n - i)))
             eof = not more
             buf, i = buf[i:] + text.decode(more, final=eof), 0
             continue
@@ -284,11 +362,27 @@ def _stream(path: Path, first: bytes, f: IO[bytes], block: int, count: int, tail
             raise json.JSONDecodeError("the events list is not closed", buf, i)
         if buf[i] == "]":
             break
-        ev, i = dec.raw_decode(buf, i)
+        try:
+            ev, i = dec.raw_decode(buf, i)
+        except json.JSONDecodeError:
+            if eof:
+                raise
+            if n - i > MAX_EVENT_BYTES:
+                raise TraceError(
+                    f"{path}: event {count + 1} is not whole within {MAX_EVENT_BYTES // 2**20} MiB (malformed "
+                    "JSON, or an event larger than any torch.profiler writes)"
+                ) from None
+            # the event may be longer than the buffer: read more (doubling) and decode it again
+            ahead = min(2 * (n - i), MAX_EVENT_BYTES + 1)
+            continue
+        ahead = STREAM_AHEAD
         count += 1
         yield ev
     if tail is not None and count:
-        tail.update(_trailing_keys(path, buf[i + 1 :] + text.decode(f.read(), final=True)))
+        rest = f.read(HEAD_LIMIT + 1)
+        if len(rest) > HEAD_LIMIT:
+            raise TraceError(f"{path}: more than {HEAD_LIMIT // 2**20} MiB after the traceEvents list")
+        tail.update(_trailing_keys(path, buf[i + 1 :] + text.decode(rest, final=True)))
 
 
 def _trailing_keys(path: Path, rest: str) -> dict[str, Any]:
@@ -301,6 +395,17 @@ def _trailing_keys(path: Path, rest: str) -> dict[str, Any]:
         )
     body = text[:-1].strip().lstrip(",").strip()
     try:
-        return json.loads("{" + body + "}") if body else {}
+        keys = json.loads("{" + body + "}") if body else {}
     except json.JSONDecodeError as e:
         raise TraceError(f"{path}: the keys after traceEvents are not valid JSON ({e.msg})") from None
+    except RecursionError:
+        raise TraceError(f"{path}: the keys after traceEvents nest too deeply") from None
+    except ValueError as e:  # an integer of more than 4,300 digits
+        raise TraceError(f"{path}: a value after traceEvents does not convert ({_first(e)})") from None
+    return keys
+
+
+def _first(e: BaseException) -> str:
+    """An exception's first line, short: Python's message for a long integer runs on for a paragraph."""
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return text.split(";")[0][:120]

@@ -1,8 +1,17 @@
-"""The trace reduced to tables in one streaming pass: GPU events, host ops, runtime calls, steps."""
+"""The trace reduced to tables in one streaming pass: GPU events, host ops, runtime calls, steps.
+
+Two checks happen on the way in (docs/files.md, "Reading"). An event's time must be usable: a
+missing, NaN, infinite, negative or absurd duration (over MAX_EVENT_US, or a GPU event longer than
+the whole trace) leaves the event out of the tables, counted in `Tables.invalid`, and the facts say
+so in a warning; it never reaches GPU busy or a finding. And what the tables keep is bounded by the
+file's size on disk (MEMORY_PER_FILE_BYTE): a small gzip of a huge repetitive trace is refused,
+not read into gigabytes of memory.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +47,28 @@ COMM_OPS = (
 )  # host ops of collectives whose args trace/comms.py reads
 COMM_KERNELS = ("ncclDevKernel", "ncclKernel")
 PARALLEL_MIN_BYTES = 64 * 2**20  # a plain JSON trace this large is read by several processes (load_tables)
+MAX_EVENT_US = 86_400e6  # no event of a profiled trace lasts a day: a longer duration is not a measurement
+#: memory the analysis takes per event it keeps (tables, frames, the facts' intermediates): about 360 bytes
+#: measured on a 0.26 GiB H100 trace (627k kept events, 324 MB peak RSS with the imports)
+ROW_BYTES = 400
+ENTRY_BYTES = 200  # a distinct name or thread: its dict entry, its key, its category
+#: what the tables keep may take at most this many times the file's size on disk (a recorded trace: about
+#: 12x its gzip size, under 2x its plain size), or MEMORY_FLOOR for small files
+MEMORY_PER_FILE_BYTE = 100
+MEMORY_FLOOR = 512 * 2**20
+#: host threads and ProfilerStep markers a trace may hold: the facts walk each (a recorded trace has a few
+#: threads and steps; a trace of 50,000 steps took minutes)
+MAX_THREADS = 4096
+MAX_STEPS = 10_000
+#: how an event's time can be unusable, as the warning names it
+INVALID_WHY = {
+    "missing": "no ts or dur",
+    "not_finite": "NaN or infinite",
+    "negative": "negative",
+    "too_long": "over 24 h",
+    "longer_than_trace": "longer than the whole trace",
+}
+INVALID_KINDS = {"gpu": "GPU events", "host": "host ops and runtime calls", "step": "ProfilerStep markers"}
 
 
 @dataclass
@@ -65,6 +96,22 @@ class Tables:
     cuda_memory: list[tuple[float, int, int, float, float]] = field(
         default_factory=list
     )  # (ts, tid, addr, bytes, total allocated) of each CUDA [memory] event (trace/families/memory_live.py)
+    invalid: dict[str, dict[str, int]] = field(
+        default_factory=dict
+    )  # events left out for an unusable time: kind (gpu, host, step) -> why (INVALID_WHY) -> count
+
+    def invalid_warning(self) -> str | None:
+        """The events left out for their times, in words (trace.warnings), or None."""
+        parts = []
+        for kind, whys in self.invalid.items():
+            n = sum(whys.values())
+            detail = ", ".join(f"{c:,} {INVALID_WHY[w]}" for w, c in whys.items())
+            parts.append(f"{n:,} {INVALID_KINDS[kind]} ({detail})")
+        if not parts:
+            return None
+        return "events with an unusable duration were left out of every fact (GPU busy, kernels, steps): " + "; ".join(
+            parts
+        )
 
 
 class _Column:
@@ -92,49 +139,55 @@ class _Column:
 def load_tables(path: Path, workers: int = 1) -> Tables:
     """The tables of one trace file; a plain JSON file of PARALLEL_MIN_BYTES or more is read by up to
     `workers` processes, each a part of whole events, and the parts joined in order: the same tables."""
+    from vlmdoctor.trace.metadata import check_metadata
+
     meta = read_metadata(path)  # first: it rejects files that are not JSON objects with a clear message
+    check_metadata(meta, path)
     b = _read_parts(path, workers) if workers > 1 else None
     return (b or _read(path)).tables(path, meta)
+
+
+def memory_limit(path: Path) -> int:
+    """The most memory (bytes, as ROW_BYTES per kept row plus the objects kept) a trace file may make the
+    analysis take: MEMORY_PER_FILE_BYTE times its size on disk."""
+    return max(MEMORY_FLOOR, MEMORY_PER_FILE_BYTE * path.stat().st_size)
 
 
 def _read(path: Path, span: tuple[int, int | None] | None = None) -> _Builder:
     """One pass over the events (or a span of them); chunks are decoded into _Event structs that hold
     only what the tables keep. Chunks the structs refuse (unexpected types) go event by event through _take."""
     b = _Builder()
+    limit = memory_limit(path)
     count = 0
     try:
         for typed, events, text in iter_batches(path, _EVENTS.decode, span=span):
             if typed:
                 b.take(events, text)
                 count += len(events)
-                continue
-            before = count
-            for count, ev in enumerate(events, before + 1):
-                if not isinstance(ev, dict):
-                    raise TraceError(
-                        f"{path}: traceEvents item {count} is a JSON {type(ev).__name__}, not an event object; "
-                        "expected a torch.profiler Chrome trace"
-                    )
-                _take(
-                    ev,
-                    b.names,
-                    b.gpu,
-                    b.ops,
-                    b.rt,
-                    b.tids,
-                    b.steps,
-                    b.shapes,
-                    b.types,
-                    b.gpu_cats,
-                    b.memory,
-                    b.recorded,
-                    b.comm,
-                    b.operands,
-                    b.cuda_memory,
+            else:
+                before = count
+                for count, ev in enumerate(events, before + 1):
+                    if not isinstance(ev, dict):
+                        raise TraceError(
+                            f"{path}: traceEvents item {count} is a JSON {type(ev).__name__}, not an event object; "
+                            "expected a torch.profiler Chrome trace"
+                        )
+                    _take(ev, b)
+            if len(b.tids) > MAX_THREADS or len(b.steps) > MAX_STEPS:
+                what = f"{len(b.tids):,} host threads" if len(b.tids) > MAX_THREADS else f"{len(b.steps):,} steps"
+                raise TraceError(
+                    f"{path}: more than {what} (at most {MAX_THREADS:,} threads and {MAX_STEPS:,} ProfilerStep "
+                    "markers are read; a recorded trace has a few of each): profile fewer steps"
+                )
+            if b.weight() > limit:
+                raise TraceError(
+                    f"{path}: after {count:,} events the analysis would need more than "
+                    f"{limit / 2**20:,.0f} MiB, {MEMORY_PER_FILE_BYTE}x the file's size on disk (a recorded "
+                    "trace needs about 12x its gzip size): not read (a small file of a huge repetitive trace?)"
                 )
     except (AttributeError, TypeError, ValueError, KeyError) as e:
         raise TraceError(
-            f"{path}: event {count} is not a torch.profiler event ({type(e).__name__}: {e}); expected "
+            f"{path}: event {count} is not a torch.profiler event ({type(e).__name__}: {str(e)[:200]}); expected "
             "objects with a name, a category and numeric ts/dur"
         ) from None
     return b
@@ -158,35 +211,39 @@ def _read_parts(path: Path, workers: int) -> _Builder | None:
     return parts[0]
 
 
-def _take(
-    ev: dict[str, Any],
-    names: dict[str, int],
-    gpu: _Column,
-    ops: _Column,
-    rt: _Column,
-    tids: dict[Any, int],
-    steps: list[tuple[str, float, float]],
-    shapes: list[tuple[float, str, Any]],
-    types: dict[str, Any],
-    gpu_cats: dict[str, float],
-    memory: dict[int, list[float]],
-    recorded: dict[str, bool],
-    comm: list[tuple[str, str, int, float, float, dict[str, Any]]],
-    operands: list[tuple[str, float, float, int, Any, Any]],
-    cuda_memory: list[tuple[float, int, int, float, float]] | None = None,
-) -> None:
-    """One trace event into the tables (a non-object or a non-numeric time raises, and the caller says where)."""
+def event_time(ev: dict[str, Any]) -> tuple[float, float] | str:
+    """(ts, dur) of a complete event, or why they are unusable (a key of INVALID_WHY); a value that is
+    not a number at all raises, and the caller names the event."""
+    ts, dur = ev.get("ts"), ev.get("dur")
+    if ts is None or dur is None:
+        return "missing"
+    ts, dur = float(ts), float(dur)
+    if not (math.isfinite(ts) and math.isfinite(dur)):
+        return "not_finite"
+    if dur < 0:
+        return "negative"
+    if dur > MAX_EVENT_US:
+        return "too_long"
+    return ts, dur
+
+
+def _take(ev: dict[str, Any], b: _Builder) -> None:
+    """One trace event into the tables (a non-object or a non-numeric time raises, and the caller says where).
+
+    The event-by-event reader: the reference that `_Builder.take` reproduces a chunk at a time, and the
+    reader of the chunks msgspec's structs refuse (values of unexpected types)."""
+    names, gpu, ops, rt, tids = b.names, b.gpu, b.ops, b.rt, b.tids
     intern = names.setdefault
     cat = ev.get("cat")
     if cat is None or ev.get("ph") != "X":
         if ev.get("name") == "[memory]":  # recorded with profile_memory: running totals per device type
             a = ev.get("args") or {}
-            m = memory.setdefault(int(a.get("Device Type", -1)), [0.0, 0.0])
+            m = b.memory.setdefault(int(a.get("Device Type", -1)), [0.0, 0.0])
             m[0] = max(m[0], float(a.get("Total Allocated", 0) or 0))
             m[1] = max(m[1], float(a.get("Total Reserved", 0) or 0))
-            recorded["memory"] = True
-            if cuda_memory is not None and int(a.get("Device Type", -1)) == CUDA_DEVICE:
-                cuda_memory.append(
+            b.recorded["memory"] = True
+            if int(a.get("Device Type", -1)) == CUDA_DEVICE:
+                b.cuda_memory.append(
                     (
                         float(ev.get("ts", 0.0)),
                         tids.setdefault(ev.get("tid"), len(tids)),
@@ -197,27 +254,29 @@ def _take(
                 )
         return
     if cat == "python_function":  # with_stack / with_modules: keep the module ranges only, never every frame
-        recorded["stack"] = True
+        b.recorded["stack"] = True
         name = ev.get("name", "")
         if name.startswith(MODULE_PREFIX):
-            _op_row(
-                ops,
-                intern(name, len(names)),
-                tids.setdefault(ev.get("tid"), len(tids)),
-                float(ev.get("ts", 0.0)),
-                float(ev.get("dur", 0.0)),
-                -1,
-                -1,
-            )
+            time = event_time(ev)
+            if isinstance(time, str):
+                b.invalid_one("host", time)
+                return
+            b.extra += len(name) if name not in names else 0
+            _op_row(ops, intern(name, len(names)), tids.setdefault(ev.get("tid"), len(tids)), *time, -1, -1)
         return
     if cat == "cpu_op" or cat == "user_annotation":
         name = ev.get("name", "")
-        ts, dur = float(ev.get("ts", 0.0)), float(ev.get("dur", 0.0))
+        time = event_time(ev)
+        if isinstance(time, str):
+            b.invalid_one("step" if name.startswith("ProfilerStep#") else "host", time)
+            return
+        ts, dur = time
         if name.startswith("ProfilerStep#"):
-            steps.append((name, ts, ts + dur))
+            b.steps.append((name, ts, ts + dur))
             return
         args = ev.get("args") or {}
         tid = tids.setdefault(ev.get("tid"), len(tids))
+        b.extra += len(name) if name not in names else 0
         _op_row(
             ops,
             intern(name, len(names)),
@@ -228,33 +287,57 @@ def _take(
             int(args.get("Fwd thread id", -1)),
         )
         if name.startswith(COMM_OPS):
-            comm.append(("op", name, tid, ts, dur, args))
+            b.comm.append(("op", name, tid, ts, dur, args))
+            b.extra += _weight(args)
         if "Input Dims" in args:
-            recorded["shapes"] = True
+            b.recorded["shapes"] = True
             if name in SHAPE_OPS or name in LOGITS_OPS or name == SDPA_OP or name == FCE_OP:
-                shapes.append((ts, name, args["Input Dims"]))
-                types[name] = args.get("Input type")
+                b.shapes.append((ts, name, args["Input Dims"]))
+                b.types[name] = args.get("Input type")
+                b.extra += _weight(args["Input Dims"])
             elif name in OPERAND_OPS:
-                operands.append((name, ts, dur, tid, args["Input Dims"], args.get("Input type")))
+                b.operands.append((name, ts, dur, tid, args["Input Dims"], args.get("Input type")))
+                b.extra += _weight(args["Input Dims"]) + _weight(args.get("Input type"))
     elif cat == "cuda_runtime" or cat == "cuda_driver":
+        time = event_time(ev)
+        if isinstance(time, str):
+            b.invalid_one("host", time)
+            return
         args = ev.get("args") or {}
-        rt.codes.append(intern(ev.get("name", ""), len(names)))
+        name = ev.get("name", "")
+        b.extra += len(name) if name not in names else 0
+        rt.codes.append(intern(name, len(names)))
         n = rt.num
         n["tid"].append(tids.setdefault(ev.get("tid"), len(tids)))
-        n["ts"].append(float(ev.get("ts", 0.0)))
-        n["dur"].append(float(ev.get("dur", 0.0)))
+        n["ts"].append(time[0])
+        n["dur"].append(time[1])
         n["corr"].append(args.get("correlation", -1))
-    elif cat in gpu_cats:
+    elif cat in b.gpu_cats:
+        time = event_time(ev)
+        if isinstance(time, str):
+            b.invalid_one("gpu", time)
+            return
         args = ev.get("args") or {}
-        gpu.codes.append(intern(ev.get("name", ""), len(names)))
+        name = ev.get("name", "")
+        b.extra += len(name) if name not in names else 0
+        gpu.codes.append(intern(name, len(names)))
         n = gpu.num
-        n["ts"].append(float(ev.get("ts", 0.0)))
-        n["dur"].append(float(ev.get("dur", 0.0)))
+        n["ts"].append(time[0])
+        n["dur"].append(time[1])
         n["corr"].append(args.get("correlation", -1))
         n["bytes"].append(args.get("bytes", 0) or 0)
-        n["cat"].append(gpu_cats[cat])
-        if cat == "kernel" and ev.get("name", "").startswith(COMM_KERNELS):
-            comm.append(("kernel", ev["name"], -1, n["ts"][-1], n["dur"][-1], args))
+        n["cat"].append(b.gpu_cats[cat])
+        if cat == "kernel" and name.startswith(COMM_KERNELS):
+            b.comm.append(("kernel", name, -1, n["ts"][-1], n["dur"][-1], args))
+            b.extra += _weight(args)
+
+
+def _weight(value: Any) -> int:
+    """About the bytes a kept JSON value takes in memory (ten times its text)."""
+    try:
+        return 10 * len(json.dumps(value, default=str))
+    except (TypeError, ValueError, RecursionError):
+        return 10_000
 
 
 def _op_row(ops: _Column, code: int, tid: int, ts: float, dur: float, seq: int, fwd_tid: int) -> None:
@@ -289,12 +372,15 @@ class _Args(msgspec.Struct, gc=False):
     block: float | None = msgspec.field(default=0.0, name="Bytes")
 
 
+_NO_TIME = -math.inf  # the default of a missing ts or dur: JSON cannot write it, so it means "missing"
+
+
 class _Event(msgspec.Struct, gc=False):
     ph: str | None = None
     cat: str | None = None
     name: str = ""
-    ts: float = 0.0
-    dur: float = 0.0
+    ts: float = _NO_TIME
+    dur: float = _NO_TIME
     tid: int | float | str | None = None
     args: _Args = msgspec.field(default_factory=_Args)  # JSON null: _take's chunk
 
@@ -393,11 +479,25 @@ class _Builder:
         self.private: dict[str, int] = _Codes()
         self.flag = np.zeros(0, dtype=np.int8)  # private code -> flags
         self.public = np.zeros(0, dtype=np.int32)  # private code -> public code, -1 before its first kept row
+        self.invalid: dict[str, dict[str, int]] = {}  # events left out for their times (Tables.invalid)
+        self.extra = 0  # bytes of the kept names and Python objects (args, shapes), for weight()
+
+    def weight(self) -> int:
+        """About the memory the analysis of what is kept so far takes (bytes): rows, distinct names and threads,
+        and the Python objects kept (`extra`)."""
+        rows = len(self.gpu.codes) + len(self.ops.codes) + len(self.rt.codes)
+        entries = len(self.names) + len(self.tids) + len(self.private) + len(self.cuda_memory)
+        return ROW_BYTES * rows + ENTRY_BYTES * entries + self.extra
+
+    def invalid_one(self, kind: str, why: str, n: int = 1) -> None:
+        whys = self.invalid.setdefault(kind, {})
+        whys[why] = whys.get(why, 0) + n
 
     def tables(self, path: Path, meta: dict[str, Any]) -> Tables:
         categories = list(self.names)
         steps_df = pd.DataFrame(self.steps, columns=["name", "ts", "end"]).sort_values("ts").reset_index(drop=True)
         gpu_df = self.gpu.frame(categories)
+        gpu_df = self._within_trace(gpu_df)
         gpu_df["cat"] = np.array(["kernel", "gpu_memcpy", "gpu_memset"])[gpu_df["cat"].to_numpy().astype(int)]
         gpu_df["end"] = gpu_df["ts"] + gpu_df["dur"]
         gpu_df["corr"] = gpu_df["corr"].astype(np.int64)
@@ -426,7 +526,29 @@ class _Builder:
             self.comm,
             self.operands,
             self.cuda_memory,
+            self.invalid,
         )
+
+    def _within_trace(self, gpu_df: pd.DataFrame) -> pd.DataFrame:
+        """The GPU events, less those longer than the whole trace's host side (ops and runtime calls, first
+        start to last end): a kernel cannot outlast the program that launched it (counted as invalid)."""
+        if gpu_df.empty:
+            return gpu_df
+        starts = [np.frombuffer(c.num["ts"], dtype=np.float64) for c in (self.ops, self.rt) if len(c.codes)]
+        if not starts:
+            return gpu_df
+        ends = [
+            np.frombuffer(c.num["ts"], dtype=np.float64) + np.frombuffer(c.num["dur"], dtype=np.float64)
+            for c in (self.ops, self.rt)
+            if len(c.codes)
+        ]
+        span = max(float(e.max()) for e in ends) - min(float(t.min()) for t in starts)
+        dur = gpu_df["dur"].to_numpy()
+        bad = dur > span
+        if span <= 0 or not bad.any():
+            return gpu_df
+        self.invalid_one("gpu", "longer_than_trace", int(bad.sum()))
+        return gpu_df.loc[~bad].reset_index(drop=True)
 
     def merge(self, later: _Builder) -> None:
         """Append the rows of the part of the file after this one, its names and threads interned
@@ -453,6 +575,10 @@ class _Builder:
         self.comm += [(kind, n, t[i] if i >= 0 else i, *rest) for kind, n, i, *rest in later.comm]
         self.operands += [(n, ts, dur, t[i], *rest) for n, ts, dur, i, *rest in later.operands]
         self.cuda_memory += [(ts, t[i], *rest) for ts, i, *rest in later.cuda_memory]
+        for kind, whys in later.invalid.items():
+            for why, count in whys.items():
+                self.invalid_one(kind, why, count)
+        self.extra += later.extra
 
     def take(self, evs: list[_Event], text: bytes) -> None:
         n = len(evs)
@@ -471,12 +597,22 @@ class _Builder:
         if module.any():  # with_stack / with_modules: the module ranges only, never every frame
             self.recorded["stack"] = True
             kind[module & (flag & _MODULE_RANGE == 0)] = 0
+        live = np.flatnonzero(kind)
+        if len(live) < len(kind):  # frames of with_stack traces: never kept, never timed
+            kind, pc, flag, sel, at = kind[live], pc[live], flag[live], _pick(sel, live), at[live]
         step = (kind == _OP) & (flag & _STEP != 0)
-        for e in _pick(sel, np.flatnonzero(step)):
-            self.steps.append((e.name, e.ts, e.ts + e.dur))
+        ts = np.fromiter(map(_ts, sel), dtype=np.float64, count=len(sel))
+        dur = np.fromiter(map(_dur, sel), dtype=np.float64, count=len(sel))
+        with np.errstate(invalid="ignore"):
+            ok = np.isfinite(ts) & (dur >= 0) & (dur <= MAX_EVENT_US)  # NaN fails every comparison
+        if not ok.all():
+            self._invalid(np.flatnonzero(~ok), kind, step, ts, dur)
+            kind[~ok], step[~ok] = 0, False
+        for i in np.flatnonzero(step).tolist():
+            self.steps.append((sel[i].name, float(ts[i]), float(ts[i] + dur[i])))
         kind[step] = 0
         keep = np.flatnonzero(kind)
-        kind, pc, flag, sel = kind[keep], pc[keep], flag[keep], _pick(sel, keep)
+        kind, pc, flag, sel, ts, dur = kind[keep], pc[keep], flag[keep], _pick(sel, keep), ts[keep], dur[keep]
         codes = self._public(pc)
         host = kind != _GPU
         hsel = _pick(sel, np.flatnonzero(host))
@@ -484,19 +620,36 @@ class _Builder:
         tid = np.fromiter(map(tids.__getitem__, map(_tid, hsel)), dtype=np.float64, count=len(hsel))
         hkind = kind[host]
         is_op = (kind == _OP) | (kind == _MODULE)
-        self._ops(sel, np.flatnonzero(is_op), codes, tid[hkind != _RUNTIME], kind[is_op], flag[is_op])
+        op = np.flatnonzero(is_op)
+        self._ops(sel, op, codes, tid[hkind != _RUNTIME], kind[is_op], flag[is_op], ts[op], dur[op])
         rt = np.flatnonzero(kind == _RUNTIME)
-        self._runtime(_pick(sel, rt), codes[rt], tid[hkind == _RUNTIME])
+        self._runtime(_pick(sel, rt), codes[rt], tid[hkind == _RUNTIME], ts[rt], dur[rt])
         gpu = np.flatnonzero(kind == _GPU)
-        self._gpu(_pick(sel, gpu), codes[gpu])
+        self._gpu(_pick(sel, gpu), codes[gpu], ts[gpu], dur[gpu])
         comm = np.flatnonzero(((kind == _OP) & (flag & _COMM_OP != 0)) | ((kind == _GPU) & (flag & _COMM_KERNEL != 0)))
         if len(comm):
             self._comm(sel, comm, kind, tid, host, at[keep], text)
+
+    def _invalid(self, bad: np.ndarray, kind: np.ndarray, step: np.ndarray, ts: np.ndarray, dur: np.ndarray) -> None:
+        """Count the kept events whose time is unusable, as event_time names why."""
+        for i in bad.tolist():
+            t, d = ts[i], dur[i]
+            why = (
+                "missing"
+                if t == _NO_TIME or d == _NO_TIME
+                else "not_finite"
+                if not (math.isfinite(t) and math.isfinite(d))
+                else "negative"
+                if d < 0
+                else "too_long"
+            )
+            self.invalid_one("step" if step[i] else "gpu" if kind[i] == _GPU else "host", why)
 
     def _grow(self) -> None:
         """Flags and an unset public code for the names first seen in this chunk."""
         new = list(self.private)[len(self.flag) :]
         if new:
+            self.extra += sum(map(len, new))
             self.flag = np.concatenate([self.flag, np.array([_flags(s) for s in new], dtype=np.int8)])
             self.public = np.concatenate([self.public, np.full(len(new), -1, dtype=np.int32)])
 
@@ -519,18 +672,19 @@ class _Builder:
             m[1] = max(m[1], float(a.reserved or 0))
             self.recorded["memory"] = True
             if a.device == CUDA_DEVICE:
+                ts = e.ts if e.ts != _NO_TIME else 0.0  # an instant: no duration to check
                 self.cuda_memory.append(
-                    (e.ts, self.tids[_tid(e)], int(a.addr or 0), float(a.block or 0), float(a.allocated or 0))
+                    (ts, self.tids[_tid(e)], int(a.addr or 0), float(a.block or 0), float(a.allocated or 0))
                 )
 
-    def _ops(self, sel, at: np.ndarray, codes, tid: np.ndarray, kind: np.ndarray, flag: np.ndarray) -> None:
+    def _ops(self, sel, at, codes, tid, kind: np.ndarray, flag: np.ndarray, ts: np.ndarray, dur: np.ndarray) -> None:
         evs = _pick(sel, at)
         col = self.ops
         col.codes.frombytes(codes[at].tobytes())
         n = col.num
         n["tid"].frombytes(tid.tobytes())
-        ts = _floats(n["ts"], _ts, evs)
-        dur = _floats(n["dur"], _dur, evs)
+        n["ts"].frombytes(ts.tobytes())
+        n["dur"].frombytes(dur.tobytes())
         module = kind == _MODULE
         seq = np.fromiter(map(_seq, evs), dtype=np.float64, count=len(evs))
         fwd = np.fromiter(map(_fwd_tid, evs), dtype=np.float64, count=len(evs))
@@ -550,25 +704,26 @@ class _Builder:
             if flag[i] & _SHAPE:
                 self.shapes.append((e.ts, e.name, _value(a.dims)))
                 self.types[e.name] = types
+                self.extra += 10 * len(a.dims)
             else:
                 self.operands.append((e.name, e.ts, e.dur, int(tid[i]), _value(a.dims), types))
-        del ts, dur
+                self.extra += 10 * (len(a.dims) + len(a.types))
 
-    def _runtime(self, evs: list[_Event], codes: np.ndarray, tid: np.ndarray) -> None:
+    def _runtime(self, evs: list[_Event], codes: np.ndarray, tid: np.ndarray, ts: np.ndarray, dur: np.ndarray) -> None:
         col = self.rt
         col.codes.frombytes(codes.tobytes())
         n = col.num
         n["tid"].frombytes(tid.tobytes())
-        _floats(n["ts"], _ts, evs)
-        _floats(n["dur"], _dur, evs)
+        n["ts"].frombytes(ts.tobytes())
+        n["dur"].frombytes(dur.tobytes())
         _floats(n["corr"], _corr, evs)
 
-    def _gpu(self, evs: list[_Event], codes: np.ndarray) -> None:
+    def _gpu(self, evs: list[_Event], codes: np.ndarray, ts: np.ndarray, dur: np.ndarray) -> None:
         col = self.gpu
         col.codes.frombytes(codes.tobytes())
         n = col.num
-        _floats(n["ts"], _ts, evs)
-        _floats(n["dur"], _dur, evs)
+        n["ts"].frombytes(ts.tobytes())
+        n["dur"].frombytes(dur.tobytes())
         _floats(n["corr"], _corr, evs)
         _floats(n["bytes"], lambda e: e.args.bytes or 0, evs)
         _floats(n["cat"], self.gpu_cats.__getitem__, list(map(_cat, evs)))
@@ -584,6 +739,7 @@ class _Builder:
                 continue
             r = raw[int(where[i])].args
             args = (_value(r) if len(r) else None) or {}
+            self.extra += 10 * len(r)
             if kind[i] == _OP:
                 self.comm.append(("op", e.name, int(tid_of[i]), e.ts, e.dur, args))
             else:
