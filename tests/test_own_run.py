@@ -96,6 +96,10 @@ def _check_job(report: dict, out: Path, printed: str) -> None:
     assert "Ranks: 2 processes (ddp, gloo)" in page and "Cross-rank" in page
     assert printed.count("vlmdoctor summary") == 1  # rank 0 alone prints
     assert "2 ranks: the job's numbers above" in " ".join(printed.split())
+    # rank 0's progress line gives its own numbers as its own (the job's are the report's headline)
+    assert "rank 0 alone " in " ".join(printed.split()) and "the job's numbers come with the report" in " ".join(
+        printed.split()
+    )
 
 
 def test_vlmdoctor_run_follows_torchrun_two_ranks_one_report(tmp_path):

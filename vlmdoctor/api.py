@@ -399,7 +399,8 @@ class Recorder:
                 torch.cuda.reset_peak_memory_stats(self.device)
         if i == self.warmup + self.steps:
             self.window = self._summarize(self.warmup, i)
-            self._tell(progress.timed_done_line(self.window, i, self.step_offset, self.trace_steps))
+            rank = self.rank if self.world > 1 else None
+            self._tell(progress.timed_done_line(self.window, i, self.step_offset, self.trace_steps, rank))
             if self.trace_steps:
                 self._start_traced_window()
             if self.model is not None and self.prof is not None:

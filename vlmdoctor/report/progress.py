@@ -90,8 +90,9 @@ def timed_start_line(last_warmup: int, asked: int, offset: int, steps: int) -> s
     return f"{head}; timed window: {_steps(first, first + steps - 1)}"
 
 
-def timed_done_line(window: dict[str, Any], last: int, offset: int, trace_steps: int) -> str:
-    """The timed window's headline with its spread (the one estimator), and where the traced window falls."""
+def timed_done_line(window: dict[str, Any], last: int, offset: int, trace_steps: int, rank: int | None = None) -> str:
+    """The timed window's headline with its spread (the one estimator), and where the traced window falls.
+    `rank`: one rank of several, whose own numbers these are (the report's headline is the job's)."""
     from vlmdoctor.run import throughput
 
     first = offset + last - window["steps"] + 1
@@ -101,6 +102,8 @@ def timed_done_line(window: dict[str, Any], last: int, offset: int, trace_steps:
     numbers = (
         (f"{tps:,.0f} real tokens/s" + (f" ({spread})" if spread else "") + ", ") if tps is not None else ""
     ) + f"{est['step_ms']:,.1f} ms/step"
+    if rank is not None:
+        numbers = f"rank {rank} alone {numbers} (the job's numbers come with the report)"
     line = f"timed window done ({_steps(first, offset + last)}): {numbers}"
     if trace_steps:
         s = offset + last
