@@ -7,6 +7,7 @@ big presets, and a tiny local tokenizer + PNG images for the LLaVA file loader.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,17 @@ import torch
 
 from vlmdoctor.run.config import RunConfig
 from vlmdoctor.run.zoo import resolve
+from vlmdoctor.trace.worker import cpus
+
+#: torch's intra-op threads, here and in the processes the tests start: the cores shared out over the
+#: pytest-xdist workers (`-n`), at most 2. Two workers of two threads each on a 2-core host wait at
+#: every parallel region for a thread the scheduler gave to the other (on the shared 2-core machine the
+#: whole suite took twice the CPU time on two threads that it took on one).
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+THREADS = max(1, min(2, cpus() // WORKERS))
+if WORKERS > 1:
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[_var] = str(THREADS)
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -145,8 +157,8 @@ def _examples_cache(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def _torch_threads():
-    # 2 cores: keep intra-op threads at 2 so a test never oversubscribes the machine
+    # a test never oversubscribes the machine: at most THREADS intra-op threads (a test may change them)
     prev = torch.get_num_threads()
-    torch.set_num_threads(min(prev, 2))
+    torch.set_num_threads(min(prev, THREADS))
     yield
     torch.set_num_threads(prev)

@@ -64,10 +64,14 @@ def trace_info(path: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One one-process run, then the same config on 2 DDP ranks, judged against it."""
+    """One one-process run (in this process), then the same config on 2 DDP ranks, judged against it."""
+    from typer.testing import CliRunner
+
+    from vlmdoctor.cli import app
+
     d = tmp_path_factory.mktemp("dist")
-    one = cli("profile", *SMALL, "--json", str(d / "one.json"), "--quiet", "--no-diagnose")
-    assert one.returncode == 0, one.stderr[-2000:]
+    one = CliRunner().invoke(app, ["profile", *SMALL, "--json", str(d / "one.json"), "--quiet", "--no-diagnose"])
+    assert one.exit_code == 0, one.output[-2000:]
     ddp = cli(
         "profile",
         *SMALL,

@@ -8,8 +8,6 @@ import json
 import math
 import random
 import statistics
-import subprocess
-import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -374,8 +372,6 @@ def test_junit_xml_and_markdown():
 # --- a real pair of runs -----------------------------------------------------------------------
 
 PROFILE = [
-    "-m",
-    "vlmdoctor",
     "profile",
     "--model",
     "tiny",
@@ -397,8 +393,13 @@ PROFILE = [
 
 
 def _profile(path: Path) -> str:
-    proc = subprocess.run([sys.executable, *PROFILE, "--json", str(path)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
+    """A real run through the CLI, in this process (the gate's own runs, in fresh processes, are run_current's)."""
+    from typer.testing import CliRunner
+
+    from vlmdoctor.cli import app
+
+    r = CliRunner().invoke(app, [*PROFILE, "--json", str(path)])
+    assert r.exit_code == 0, r.output
     return str(path)
 
 
