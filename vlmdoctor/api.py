@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import resource
 import statistics
 import sys
@@ -223,7 +224,8 @@ class Recorder:
 
         model, self.parallel = unwrap(model)
         self.model = model
-        self.out = Path(out)
+        self.out_given = str(out)
+        self.out = Path(os.path.abspath(out))  # where the loop started: a loop that changes its folder writes there
         self.rank, self.world = rank_and_world()
         self.step_offset = step_offset  # the user's number of the step before the first one counted here
         self.tell: Any = None  # the progress lines' printer (Doctor sets it on rank 0 unless quiet)
@@ -346,7 +348,8 @@ class Recorder:
         what = self.desc.get("class") or "your training"
         if self.world > 1:
             what += f" (rank {self.rank} of {self.world}; every rank measures)"
-        self._tell(progress.plan_line(what, self.warmup, self.steps, self.trace_steps, self.step_offset, str(self.out)))
+        line = progress.plan_line(what, self.warmup, self.steps, self.trace_steps, self.step_offset, self.out_given)
+        self._tell(line)
 
     def _tell(self, line: str) -> None:
         """A progress line (report/progress.py), where one is asked for."""

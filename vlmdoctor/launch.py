@@ -339,6 +339,7 @@ def child_main() -> None:
     """The child's bootstrap: hooks in, then the user's script as __main__ (run unmeasured when the hooks
     cannot go in)."""
     settings = json.loads(os.environ.pop(ENV_KEY))
+    settings["out"] = os.path.abspath(settings["out"])  # the script may change its folder before the first step
     argv = sys.argv[1:]
     settings["argv"] = argv
     child = _Child(settings)
@@ -607,11 +608,15 @@ def run_script(
     from vlmdoctor.files import open_log
 
     log_file = open_log(log)  # through the one writer, before the script starts: a regular file, never a link
+    from vlmdoctor.files import adopt
+
     try:
         with log_file as f:  # the script's output, as it comes, to the terminal and the log
             outcome = supervise.run(cmd, env=env, log=f, echo=sink.buffer, stdin=None)
     except KeyboardInterrupt as e:  # Ctrl-C / SIGTERM: passed on to the script's group, which is stopped
+        adopt(report_path, page_path)  # the script's bootstrap wrote them: this command completes them
         return _interrupted(e, report_path, log, command, warmup, steps, json_path), _read_report(report_path)
+    adopt(report_path, page_path)
     rc = outcome.returncode
     if outcome.left_running:
         print(

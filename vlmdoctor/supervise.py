@@ -9,6 +9,8 @@ it on). The promises (docs/files.md, "Child processes"):
 - when the child exits, processes it left running are stopped the same way, and its output is no
   longer waited for (a helper that holds the child's stdout cannot keep vlmdoctor waiting);
 - a time limit stops the group the same way;
+- a child outlives vlmdoctor by no more than a moment, even when vlmdoctor is killed outright (SIGKILL, the
+  out-of-memory killer): on Linux it starts by asking the kernel for SIGTERM when its parent dies;
 - temporary folders a child makes under `SCRATCH_ENV` live inside a folder its caller removes,
   so a child killed outright leaves none behind.
 """
@@ -43,6 +45,7 @@ MIN_FREE_BYTES = 16 * 2**20
 #: environment variable naming the folder a child makes its temporary folders in (removed by the parent)
 SCRATCH_ENV = "VLMDOCTOR_SCRATCH"
 
+_PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 _PR_GET_CHILD_SUBREAPER = 37
 
@@ -294,6 +297,26 @@ class _Group:
 
 # --- running a child -------------------------------------------------------------------------------
 
+#: what a child runs first (Linux): SIGTERM to it when vlmdoctor dies, however it dies (a parent killed
+#: outright runs no `finally`), then the command itself in the same process (exec)
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    f"ctypes.CDLL(None).prctl({_PR_SET_PDEATHSIG}, int(signal.SIGTERM), 0, 0, 0)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(128 + signal.SIGTERM)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def _tied_to_us(cmd: Sequence[str], env: dict[str, str] | None) -> list[str]:
+    """`cmd`, started so that it ends when this process does (Linux; elsewhere as it is). A command that
+    cannot be found is left as it is, for Popen to say so."""
+    cmd = list(cmd)
+    path = (env if env is not None else os.environ).get("PATH")
+    if not sys.platform.startswith("linux") or not cmd or shutil.which(cmd[0], path=path) is None:
+        return cmd
+    return [sys.executable, "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
+
 
 @dataclass
 class Outcome:
@@ -386,7 +409,7 @@ def _run(
     piped = echo is not None
     stdout: int | IO[bytes] = subprocess.PIPE if piped else (log if log is not None else subprocess.DEVNULL)
     proc = subprocess.Popen(
-        list(cmd),
+        _tied_to_us(cmd, env),
         stdin=stdin,
         stdout=stdout,
         stderr=subprocess.STDOUT,
