@@ -521,11 +521,15 @@ def _interrupted(
     report.setdefault("script", {}).update(recorded_command(command, warmup, steps))
     report["interrupted"] = supervise.describe_interruption(exc)
     write_outputs(report, report_path.parent, json_path if json_path != "-" else None)
-    from vlmdoctor.api import _log
+    from vlmdoctor.report.console import plain
 
-    _log(
-        f"{report['interrupted']}; the script was stopped. What was measured is kept in {report_path} "
-        f"(script output: {log})"
+    print(
+        plain(
+            f"vlmdoctor: {report['interrupted']}; the script was stopped. What was measured is kept in "
+            f"{report_path} (script output: {log})"
+        ),
+        file=sys.stderr,
+        flush=True,
     )
     return supervise.interrupted_exit_code(exc)
 
