@@ -39,7 +39,7 @@ def _version(value: bool) -> None:
     if value:
         from vlmdoctor import __version__
 
-        print(f"vlmdoctor {__version__}")
+        out.print(f"vlmdoctor {__version__}", markup=False, highlight=False)
         raise typer.Exit()
 
 
@@ -767,7 +767,7 @@ def facts(
         if json_path:
             _fail_on([save_json(docs[0] if name else docs, json_path, "fact catalogue")])
     if markdown and json_path != "-":
-        print(catalog.markdown_facts(), end="")
+        out.print(catalog.markdown_facts(), end="", markup=False, highlight=False, soft_wrap=True)
     elif json_path != "-":
         for d in docs:
             out.print(
@@ -1558,8 +1558,13 @@ def main() -> None:
     try:
         code = app(standalone_mode=False)
     except click_errors.NoArgsIsHelpError as e:  # help was asked for by giving nothing
-        print(e.ctx.get_help() if getattr(e, "ctx", None) else e.format_message())
+        out.print(e.ctx.get_help() if getattr(e, "ctx", None) else e.format_message(), markup=False, highlight=False)
         sys.exit(EXIT_USAGE)
+    except BrokenPipeError:  # a print outside the console: the reader went away (`| head`), quietly
+        from vlmdoctor.files import reader_gone
+
+        reader_gone(sys.stdout)
+        sys.exit(0)
     except _EXITS as e:
         code = getattr(e, "exit_code", getattr(e, "code", 0))
         sys.exit(code if isinstance(code, int) else 0)

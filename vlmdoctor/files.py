@@ -22,6 +22,7 @@ import json
 import math
 import os
 import stat
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -168,7 +169,9 @@ def check_writable(path: str | os.PathLike | None, force: bool, flag: str = "") 
             raise UsageError(f"{label} is {kind}; vlmdoctor writes regular files only and never replaces {kind}")
         if not force:
             raise UsageError(f"{label} exists; pass --force to overwrite it")
-    elif not force:
+    if force:  # whatever is there when the work is done may be replaced
+        _NEW.pop(_key(p), None)
+    elif st is None:
         _NEW[_key(p)] = None
     parent = p.parent
     if not parent.exists():
@@ -338,11 +341,27 @@ def write_text(path: str | os.PathLike, text: str) -> None:
     write_bytes(path, text.encode("utf-8"))
 
 
+def reader_gone(stream: Any) -> None:
+    """The reader of `stream` went away (`vlmdoctor ... | head`): what is still printed goes nowhere, quietly,
+    and the command finishes its work (its files are written); its exit flush cannot fail either."""
+    try:
+        fd = stream.fileno()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
 def write_json(report: Any, path: str) -> None:
     """Strict JSON to a file (atomically) or to stdout for '-'."""
     text = json_text(report)
     if path == "-":
-        print(text, end="")
+        try:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        except BrokenPipeError:  # the reader went away (`| head`): nothing left to give it
+            reader_gone(sys.stdout)
         return
     write_text(path, text)
 

@@ -562,9 +562,15 @@ def run_script(
         cmd = [sys.executable, "-c", BOOTSTRAP, *parse_command(command)]
     if stage is not None and stage not in (1, 2):
         raise UsageError("--stage must be 1 or 2")
-    for name, v in (("--warmup", warmup), ("--steps", steps), ("--trace-steps", trace_steps)):
-        if v < (0 if name == "--warmup" else 1):
-            raise UsageError(f"{name} must be at least {0 if name == '--warmup' else 1}")
+    from vlmdoctor.api import MAX_TRACE_STEPS
+    from vlmdoctor.inputs import check_number
+
+    for name, v, low, high in (
+        ("--warmup", warmup, 0, 10**6),
+        ("--steps", steps, 1, 10**6),
+        ("--trace-steps", trace_steps, 1, MAX_TRACE_STEPS),
+    ):
+        check_number(name, v, minimum=low, maximum=high, integer=True)
     folder = Path(out)
     report_path, page_path = folder / REPORT, folder / HTML
     log = folder / "script.log"

@@ -1247,7 +1247,7 @@ def run_distributed(
             else:
                 folder = temp_trace = Path(tempfile.mkdtemp(prefix="vlmdoctor-trace-", dir=scratch_dir()))
             args += ["--trace", json.dumps({**asdict(trace), "trace_dir": str(folder), "keep": True})]
-        cmd = distributed.torchrun_command(cfg, args, rdzv, python)
+        cmd = distributed.torchrun_command(cfg, args, rdzv, python, log_dir=str(tmp / "torchrun-logs"))
         env = distributed.child_env(device.type == "cuda")
         progress(f"{cfg.nproc_per_node} ranks through torchrun", 0, 1)
         try:
