@@ -12,7 +12,8 @@ it on). The promises (docs/files.md, "Child processes"):
 - a child outlives vlmdoctor by no more than a moment, even when vlmdoctor is killed outright (SIGKILL, the
   out-of-memory killer): on Linux it starts by asking the kernel for SIGTERM when its parent dies;
 - temporary folders a child makes under `SCRATCH_ENV` live inside a folder its caller removes,
-  so a child killed outright leaves none behind.
+  so a child killed outright leaves none behind; the folder of a vlmdoctor killed outright is removed
+  by the next one (`sweep_stale`).
 """
 
 from __future__ import annotations
@@ -151,11 +152,62 @@ def _size(n: float) -> str:
     return f"{n:.1f} GB"
 
 
+#: the file naming the process that owns a temporary folder (its pid and start time), for `sweep_stale`
+OWNER = ".vlmdoctor-owner"
+
+
+def _started(pid: int) -> int | None:
+    """When process `pid` started (clock ticks after boot); None if it is gone (or there is no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    fields = raw[raw.rfind(b")") + 2 :].split()
+    return int(fields[19]) if len(fields) > 19 else None
+
+
+def sweep_stale(parent: str | os.PathLike) -> list[Path]:
+    """Remove the temporary folders in `parent` whose owning vlmdoctor is gone: one killed outright (SIGKILL,
+    the out-of-memory killer) cannot remove its own, so the next one does. Only folders that carry an `OWNER`
+    file naming a process that no longer runs are touched; anything else in the temp folder is left alone."""
+    gone = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(parent):
+            if not entry.name.startswith("vlmdoctor-") or not entry.is_dir(follow_symlinks=False):
+                continue
+            try:
+                if entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                    continue
+                with open(os.path.join(entry.path, OWNER)) as f:
+                    pid, start = (int(x) for x in f.read(64).split())
+            except (OSError, ValueError):
+                continue
+            if _started(pid) != start:  # gone, or its pid now names another process
+                shutil.rmtree(entry.path, ignore_errors=True)
+                gone.append(Path(entry.path))
+    return gone
+
+
+def temp_folder(prefix: str = "vlmdoctor-", dir: str | None = None) -> Path:
+    """A new temporary folder owned by this process (`OWNER`), made after the stale ones of processes that
+    were killed outright are swept from the same parent. The caller removes it."""
+    parent = dir or tempfile.gettempdir()
+    sweep_stale(parent)
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=dir))
+    start = _started(os.getpid())
+    if start is not None:
+        with contextlib.suppress(OSError):
+            (path / OWNER).write_text(f"{os.getpid()} {start}\n")
+    return path
+
+
 @contextlib.contextmanager
-def scratch(prefix: str = "vlmdoctor-") -> Iterator[Path]:
+def scratch(prefix: str = "vlmdoctor-", dir: str | None = None) -> Iterator[Path]:
     """A temporary folder that is removed however the block ends; children make theirs inside it
-    (through `SCRATCH_ENV`), so a child killed outright leaves nothing behind either."""
-    path = Path(tempfile.mkdtemp(prefix=prefix))
+    (through `SCRATCH_ENV`), so a child killed outright leaves nothing behind either, and one left by a
+    vlmdoctor killed outright is removed by the next (`sweep_stale`)."""
+    path = temp_folder(prefix, dir)
     try:
         yield path
     finally:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from harness import LEAK, LOSS, ORPHAN, WRONG, Case, Ctx, Obs, Signal
@@ -1133,15 +1136,35 @@ def profile_cases() -> list[Case]:
             "profile/ddp-kill-parent",
             P,
             "signal",
-            "vlmdoctor killed (SIGKILL) during a 2-rank DDP run: torchrun and the ranks do not run on orphaned",
+            "vlmdoctor killed (SIGKILL) during a 2-rank DDP run: torchrun and the ranks do not run on orphaned; "
+            "the temp folder it could not remove is removed by the next vlmdoctor run",
             [*F, "--nproc-per-node", "2", "--parallel", "ddp", "--no-diagnose", "--steps", "60"],
             signals=[Signal("proc:torch.distributed.run", SIGKILL, delay=6)],
             code=-9,
+            temp_ok=("vlmdoctor-ranks-*",),
+            check=_swept_by_next_run,
             timeout=150,
             heavy=True,
         ),
     ]
     return cs
+
+
+def _swept_by_next_run(ctx: Ctx, obs: Obs) -> list[tuple[str, str]]:
+    """A vlmdoctor killed outright cannot remove its temp folder: the next run must (supervise.sweep_stale)."""
+    left = [t for t in obs.temp_left if Path(t).parts[0].startswith("vlmdoctor-ranks-")]
+    if not left:
+        return []
+    env = {**os.environ, "TMPDIR": str(ctx.tmp)}
+    subprocess.run(
+        [sys.executable, "-c", "from vlmdoctor.cli import main; main()", "profile", *FAST, "--json", "next.json"],
+        cwd=ctx.work,
+        env=env,
+        capture_output=True,
+        timeout=120,
+    )
+    still = [t for t in left if (ctx.tmp / t).exists()]
+    return [(LEAK, f"the next vlmdoctor run left it too: {', '.join(still[:3])}")] if still else []
 
 
 def _one_writer(obs: Obs) -> list[tuple[str, str]]:
