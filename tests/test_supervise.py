@@ -396,18 +396,22 @@ def test_the_next_run_sweeps_the_temp_folder_of_a_vlmdoctor_killed_outright(tmp_
     orphan = tmp_path / "vlmdoctor-ranks-killed"
     orphan.mkdir()
     (orphan / "config.json").write_text("{}")
-    (orphan / supervise.OWNER).write_text(f"{dead.pid} 1\n")
+    here = supervise._here()
+    (orphan / supervise.OWNER).write_text(f"{dead.pid} 1 {here}\n")
+    elsewhere = tmp_path / "vlmdoctor-ranks-other-container"  # a pid of another host or PID namespace
+    elsewhere.mkdir()
+    (elsewhere / supervise.OWNER).write_text(f"{dead.pid} 1 otherhost:pid:[1]\n")
     reused = tmp_path / "vlmdoctor-trace-reused"  # its pid now names a live process that started later
     reused.mkdir()
-    (reused / supervise.OWNER).write_text(f"{os.getpid()} 1\n")
+    (reused / supervise.OWNER).write_text(f"{os.getpid()} 1 {here}\n")
     unmarked = tmp_path / "vlmdoctor-someone-elses"  # no owner file: never touched
     unmarked.mkdir()
     other = tmp_path / "user-data"
     other.mkdir()
-    (other / supervise.OWNER).write_text(f"{dead.pid} 1\n")
+    (other / supervise.OWNER).write_text(f"{dead.pid} 1 {here}\n")
     gone = supervise.sweep_stale(tmp_path)
     assert sorted(p.name for p in gone) == ["vlmdoctor-ranks-killed", "vlmdoctor-trace-reused"]
-    assert mine.is_dir() and unmarked.is_dir() and other.is_dir()
+    assert mine.is_dir() and unmarked.is_dir() and other.is_dir() and elsewhere.is_dir()
     assert not orphan.exists() and not reused.exists()
     with supervise.scratch("vlmdoctor-x-", dir=str(tmp_path)) as s:
         assert (s / supervise.OWNER).read_text().split()[0] == str(os.getpid())

@@ -167,11 +167,23 @@ def _started(pid: int) -> int | None:
     return int(fields[19]) if len(fields) > 19 else None
 
 
+def _here() -> str:
+    """This host and PID namespace: a pid means something only where it was taken (a temp folder shared by
+    containers or hosts holds folders of processes this one cannot see)."""
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        ns = "?"
+    return f"{os.uname().nodename}:{ns}".replace(" ", "_")
+
+
 def sweep_stale(parent: str | os.PathLike) -> list[Path]:
     """Remove the temporary folders in `parent` whose owning vlmdoctor is gone: one killed outright (SIGKILL,
     the out-of-memory killer) cannot remove its own, so the next one does. Only folders that carry an `OWNER`
-    file naming a process that no longer runs are touched; anything else in the temp folder is left alone."""
+    file written on this host, in this PID namespace, by this user, naming a process that no longer runs are
+    touched; anything else in the temp folder is left alone."""
     gone = []
+    here = _here()
     with contextlib.suppress(OSError):
         for entry in os.scandir(parent):
             if not entry.name.startswith("vlmdoctor-") or not entry.is_dir(follow_symlinks=False):
@@ -180,10 +192,11 @@ def sweep_stale(parent: str | os.PathLike) -> list[Path]:
                 if entry.stat(follow_symlinks=False).st_uid != os.getuid():
                     continue
                 with open(os.path.join(entry.path, OWNER)) as f:
-                    pid, start = (int(x) for x in f.read(64).split())
+                    pid_text, start_text, where = f.read(512).split()
+                pid, start = int(pid_text), int(start_text)
             except (OSError, ValueError):
                 continue
-            if _started(pid) != start:  # gone, or its pid now names another process
+            if where == here and _started(pid) != start:  # gone, or its pid now names another process
                 shutil.rmtree(entry.path, ignore_errors=True)
                 gone.append(Path(entry.path))
     return gone
@@ -198,7 +211,7 @@ def temp_folder(prefix: str = "vlmdoctor-", dir: str | None = None) -> Path:
     start = _started(os.getpid())
     if start is not None:
         with contextlib.suppress(OSError):
-            (path / OWNER).write_text(f"{os.getpid()} {start}\n")
+            (path / OWNER).write_text(f"{os.getpid()} {start} {_here()}\n")
     return path
 
 

@@ -1301,7 +1301,7 @@ def export_cases() -> list[Case]:
             "signal",
             "SIGTERM while a 60 MB plain trace is exported: exit 143, no --chrome file, no temp file",
             ["export", TJ, "--chrome", "p.json.gz"],
-            setup=put_trace(TJ, lambda d: d["traceEvents"].__imul__(7)),
+            setup=put_trace(TJ, lambda d: d.update(traceEvents=d["traceEvents"] * 7)),
             signals=[Signal("t:1.2", SIGTERM)],
             code=(143, 0),
             aims=LEAK,
