@@ -416,3 +416,20 @@ def test_the_next_run_sweeps_the_temp_folder_of_a_vlmdoctor_killed_outright(tmp_
     with supervise.scratch("vlmdoctor-x-", dir=str(tmp_path)) as s:
         assert (s / supervise.OWNER).read_text().split()[0] == str(os.getpid())
     assert not s.exists() and mine.is_dir()
+
+
+def test_sigterm_while_typer_parses_exits_143_not_its_130(tmp_path: Path) -> None:
+    """typer turns a KeyboardInterrupt raised while it builds the command line into exit 130: a SIGTERM
+    then (vlmdoctor's Terminated) is still said and exits 143, as the shell and a scheduler expect."""
+    code = (
+        "import os, signal, typer.main as t\n"
+        "g = t.get_group\n"
+        "def f(*a, **k):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return g(*a, **k)\n"
+        "t.get_group = f\n"
+        "from vlmdoctor.cli import main; main()\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code, "models"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 143, (r.returncode, r.stderr[-500:])
+    assert r.stderr.strip().splitlines()[-1] == "interrupted (SIGTERM)"

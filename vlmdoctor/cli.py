@@ -1552,7 +1552,13 @@ def _internal_error(exc: BaseException) -> str:
 
 def main() -> None:
     """The console entry point: click's usage errors become one line too, not a panel."""
-    from vlmdoctor.supervise import describe_interruption, handle_termination, interrupted_exit_code
+    from vlmdoctor.supervise import (
+        Terminated,
+        describe_interruption,
+        handle_termination,
+        interrupted_exit_code,
+        terminated_by,
+    )
 
     handle_termination()  # SIGTERM / SIGHUP unwind like Ctrl-C: children stopped, temp folders removed
     try:
@@ -1584,4 +1590,8 @@ def main() -> None:
         message, exit_code = describe_error(e)
         err.print(message if isinstance(e, KeyboardInterrupt) else f"error: {message}", highlight=False, markup=False)
         sys.exit(exit_code)
+    if code == 130 and terminated_by() is not None:  # typer turns an interruption while it parses into 130,
+        why = Terminated(terminated_by())  # a SIGTERM too: said, and 143 for it
+        err.print(describe_interruption(why), highlight=False, markup=False)
+        sys.exit(interrupted_exit_code(why))
     sys.exit(code if isinstance(code, int) else 0)

@@ -77,8 +77,18 @@ def describe_interruption(exc: BaseException) -> str:
     )
 
 
+_received: list[int] = []
+
+
 def _raise_terminated(signum: int, _frame: object) -> None:
+    _received.append(signum)
     raise Terminated(signum)
+
+
+def terminated_by() -> int | None:
+    """The signal (SIGTERM, SIGHUP) that `handle_termination` turned into `Terminated` in this process, if one
+    came: the CLI's exit code says it even where a library caught the exception as a Ctrl-C (typer's 130)."""
+    return _received[-1] if _received else None
 
 
 def handle_termination() -> None:
