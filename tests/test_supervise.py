@@ -422,12 +422,13 @@ def test_sigterm_while_typer_parses_exits_143_not_its_130(tmp_path: Path) -> Non
     """typer turns a KeyboardInterrupt raised while it builds the command line into exit 130: a SIGTERM
     then (vlmdoctor's Terminated) is still said and exits 143, as the shell and a scheduler expect."""
     code = (
-        "import os, signal, typer.main as t\n"
-        "g = t.get_group\n"
+        "import os, signal, typer.core as t\n"
+        "c = t.TyperGroup.__mro__[1]  # the Command class typer uses (its own vendored click)\n"
+        "g = c.make_context\n"
         "def f(*a, **k):\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
         "    return g(*a, **k)\n"
-        "t.get_group = f\n"
+        "c.make_context = f\n"
         "from vlmdoctor.cli import main; main()\n"
     )
     r = subprocess.run([sys.executable, "-c", code, "models"], capture_output=True, text=True, timeout=120)
