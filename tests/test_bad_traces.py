@@ -255,7 +255,7 @@ def test_the_warning_reaches_the_console_and_the_findings_are_unchanged(tmp_path
         e["dur"] = v
     r = invoke(["analyze", _write(tmp_path / "bad.json", doc), "--json", tmp_path / "bad.out.json"])
     assert r.exit_code == 0 and "Traceback" not in r.output, r.output
-    assert r.stdout.count("unusable duration") == 1 and "3 GPU events" in " ".join(r.stdout.split())
+    assert r.stdout.count("unusable time") == 1 and "3 GPU events" in " ".join(r.stdout.split())
     drop = {id(k) for k in kernels}
     doc["traceEvents"] = [e for e in doc["traceEvents"] if id(e) not in drop]
     r = invoke(["analyze", _write(tmp_path / "ref.json", doc), "--json", tmp_path / "ref.out.json"])

@@ -387,3 +387,50 @@ def test_an_interrupted_run_keeps_the_measured_report_and_stops_the_script(tmp_p
     assert report["metrics"]["steps_per_repeat"] == 2 and report["interrupted"].startswith("interrupted")
     assert "What was measured is kept" in err and "Traceback" not in err  # (the script's own goes to stdout)
     assert not _alive(int(pid_file.read_text()))
+
+
+def test_the_next_run_sweeps_the_temp_folder_of_a_vlmdoctor_killed_outright(tmp_path: Path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    mine = supervise.temp_folder("vlmdoctor-ranks-", dir=str(tmp_path))  # owned by this live process
+    orphan = tmp_path / "vlmdoctor-ranks-killed"
+    orphan.mkdir()
+    (orphan / "config.json").write_text("{}")
+    here = supervise._here()
+    (orphan / supervise.OWNER).write_text(f"{dead.pid} 1 {here}\n")
+    elsewhere = tmp_path / "vlmdoctor-ranks-other-container"  # a pid of another host or PID namespace
+    elsewhere.mkdir()
+    (elsewhere / supervise.OWNER).write_text(f"{dead.pid} 1 otherhost:pid:[1]\n")
+    reused = tmp_path / "vlmdoctor-trace-reused"  # its pid now names a live process that started later
+    reused.mkdir()
+    (reused / supervise.OWNER).write_text(f"{os.getpid()} 1 {here}\n")
+    unmarked = tmp_path / "vlmdoctor-someone-elses"  # no owner file: never touched
+    unmarked.mkdir()
+    other = tmp_path / "user-data"
+    other.mkdir()
+    (other / supervise.OWNER).write_text(f"{dead.pid} 1 {here}\n")
+    gone = supervise.sweep_stale(tmp_path)
+    assert sorted(p.name for p in gone) == ["vlmdoctor-ranks-killed", "vlmdoctor-trace-reused"]
+    assert mine.is_dir() and unmarked.is_dir() and other.is_dir() and elsewhere.is_dir()
+    assert not orphan.exists() and not reused.exists()
+    with supervise.scratch("vlmdoctor-x-", dir=str(tmp_path)) as s:
+        assert (s / supervise.OWNER).read_text().split()[0] == str(os.getpid())
+    assert not s.exists() and mine.is_dir()
+
+
+def test_sigterm_while_typer_parses_exits_143_not_its_130(tmp_path: Path) -> None:
+    """typer turns a KeyboardInterrupt raised while it builds the command line into exit 130: a SIGTERM
+    then (vlmdoctor's Terminated) is still said and exits 143, as the shell and a scheduler expect."""
+    code = (
+        "import os, signal, typer.core as t\n"
+        "c = t.TyperGroup.__mro__[1]  # the Command class typer uses (its own vendored click)\n"
+        "g = c.make_context\n"
+        "def f(*a, **k):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return g(*a, **k)\n"
+        "c.make_context = f\n"
+        "from vlmdoctor.cli import main; main()\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code, "models"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 143, (r.returncode, r.stderr[-500:])
+    assert r.stderr.strip().splitlines()[-1] == "interrupted (SIGTERM)"

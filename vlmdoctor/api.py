@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import resource
 import statistics
 import sys
@@ -74,9 +75,11 @@ def count_tokens(batch: Any, pad_id: int | None = None) -> dict[str, Any] | None
     ids, mask, labels = _get(batch, "input_ids"), _get(batch, "attention_mask"), _get(batch, "labels")
     if isinstance(ids, torch.Tensor) and (ids.is_floating_point() or ids.dim() == 0):
         ids = None  # features, not token ids
+    if isinstance(mask, torch.Tensor) and mask.dim() != 2:
+        mask = None  # not one row of flags per sample (a 4-D attention bias, a scalar): tokens from the ids
     if not isinstance(ids, torch.Tensor) and not isinstance(mask, torch.Tensor):
         return None
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+    if isinstance(mask, torch.Tensor):
         lengths = mask.sum(1)
         padded, rows = mask.numel(), mask.shape[0]
     elif pad_id is not None and ids.dim() == 2:
@@ -223,7 +226,8 @@ class Recorder:
 
         model, self.parallel = unwrap(model)
         self.model = model
-        self.out = Path(out)
+        self.out_given = str(out)
+        self.out = Path(os.path.abspath(out))  # where the loop started: a loop that changes its folder writes there
         self.rank, self.world = rank_and_world()
         self.step_offset = step_offset  # the user's number of the step before the first one counted here
         self.tell: Any = None  # the progress lines' printer (Doctor sets it on rank 0 unless quiet)
@@ -346,7 +350,8 @@ class Recorder:
         what = self.desc.get("class") or "your training"
         if self.world > 1:
             what += f" (rank {self.rank} of {self.world}; every rank measures)"
-        self._tell(progress.plan_line(what, self.warmup, self.steps, self.trace_steps, self.step_offset, str(self.out)))
+        line = progress.plan_line(what, self.warmup, self.steps, self.trace_steps, self.step_offset, self.out_given)
+        self._tell(line)
 
     def _tell(self, line: str) -> None:
         """A progress line (report/progress.py), where one is asked for."""
@@ -877,6 +882,34 @@ def diagnose_report(
 
 
 REPORT, HTML = "report.json", "report.html"
+#: the longest traced window: a profiler left on for the rest of a long training would fill memory and disk
+MAX_TRACE_STEPS = 1000
+
+
+def argument_problem(out: Any, warmup: Any, steps: Any, trace_steps: Any, stage: Any, model: Any = None) -> str | None:
+    """What is wrong with the arguments of `Doctor` (and `DoctorCallback`), in words; None: nothing. Said, and the
+    training left unmeasured: a wrong argument never raises into the training, and an out= that is a link or a
+    file is never written through (as `vlmdoctor run --out`)."""
+    if model is not None and not isinstance(model, nn.Module):
+        return f"model= must be a torch.nn.Module (or None), got {type(model).__name__}"
+
+    def whole(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    if not isinstance(out, (str, os.PathLike)) or not str(out):
+        return f"out= must be a folder path, got {out!r}"[:200]
+    if os.path.islink(out) or (os.path.exists(out) and not os.path.isdir(out)):
+        return f"out={str(out)!r} exists and is not a folder (a link or a file): vlmdoctor writes only into a folder"
+    for name, value, low, high in (
+        ("warmup", warmup, 0, 10**6),
+        ("steps", steps, 1, 10**6),
+        ("trace_steps", trace_steps, 0, MAX_TRACE_STEPS),
+    ):
+        if not whole(value) or not low <= value <= high:
+            return f"{name} must be a whole number from {low} to {high:,}, got {value!r}"[:200]
+    if isinstance(stage, bool) or (stage is not None and stage not in (1, 2)):
+        return f"stage must be 1, 2 or None, got {stage!r}"[:200]
+    return None
 
 
 def existing_outputs(out: str | Path) -> list[Path]:
@@ -970,6 +1003,9 @@ class Doctor:
         force: bool = False,
         step_offset: int = 0,
     ) -> None:
+        bad = argument_problem(out, warmup, steps, trace_steps, stage, model)
+        if bad:  # a wrong argument is said, never raised into the training: the loop runs, unmeasured
+            model, out, warmup, steps, trace_steps, stage = None, "doctor-out", 0, 1, 0, None
         window = (warmup, steps, trace_steps, stage, source, config, audience, step_offset)
         try:
             self.rec = Recorder(model, out, *window)
@@ -984,8 +1020,13 @@ class Doctor:
         self.report: dict[str, Any] | None = None
         self.reported = False
         self.summarized = False
-        self.refused = existing_outputs(out) if not force else []
-        if self.refused:  # the rule of `vlmdoctor run`: an earlier report stays, unless force=True
+        self.refused = [] if force or bad else existing_outputs(out)
+        if bad:
+            self.refused = [Path(out)]  # nothing is written: as a refused run
+            self.rec.done = self.rec.broken = True
+            if self.lead:
+                _log(f"vlmdoctor.Doctor: {bad}: this run is not measured; training goes on")
+        elif self.refused:  # the rule of `vlmdoctor run`: an earlier report stays, unless force=True
             self.rec.done = self.rec.broken = True
             if self.lead:
                 _log(

@@ -144,7 +144,9 @@ class DoctorCallback(TrainerCallback):
         self.doc.step()  # writes the report once the traced window is over
         if self.doc.reported and not was:
             self.report = self.doc.report
+            should_log = control.should_log
             self._to_logs()
+            control.should_log = should_log  # Trainer.log cleared it: the Trainer's own log of this step still comes
             if self.stop_after_window:
                 control.should_training_stop = True
         return control

@@ -39,7 +39,7 @@ def _version(value: bool) -> None:
     if value:
         from vlmdoctor import __version__
 
-        print(f"vlmdoctor {__version__}")
+        out.print(f"vlmdoctor {__version__}", markup=False, highlight=False)
         raise typer.Exit()
 
 
@@ -657,7 +657,7 @@ def rules_list(
     from rich.table import Table
 
     from vlmdoctor.doctor.rules import load_rules
-    from vlmdoctor.files import check_inputs_kept, check_writable, write_json
+    from vlmdoctor.files import check_inputs_kept, check_writable, save_json
     from vlmdoctor.inputs import check_rules_dirs
 
     with _user_errors():
@@ -667,7 +667,7 @@ def rules_list(
         rules, problems = load_rules(*(rules_dirs or []))
         rules = sorted(rules, key=lambda r: (r.layer, r.id))
         if json_path:
-            write_json(
+            kept = save_json(
                 {
                     "rules": [
                         {
@@ -682,7 +682,9 @@ def rules_list(
                     "problems": problems,
                 },
                 json_path,
+                "rule list",
             )
+            _fail_on([kept])
     if json_path != "-":
         # an id is never cut (it is what --ignore and rules show take): the title wraps instead
         t = Table(show_header=True, header_style="bold")
@@ -710,7 +712,7 @@ def rules_show(
 ) -> None:
     """One rule's page: what it detects, why it matters, its evidence, the fix, where its thresholds come from."""
     from vlmdoctor.doctor.rules import load_rules, rule_page
-    from vlmdoctor.files import check_inputs_kept, check_writable, write_json
+    from vlmdoctor.files import check_inputs_kept, check_writable, save_json
     from vlmdoctor.inputs import check_rules_dirs
     from vlmdoctor.report.console import render_rule_page
 
@@ -730,7 +732,7 @@ def rules_show(
             )
         page = rule_page(match[0])
         if json_path:
-            write_json(page, json_path)
+            _fail_on([save_json(page, json_path, "rule page")])
         if json_path != "-":
             render_rule_page(page, out)
 
@@ -745,7 +747,7 @@ def facts(
     """What a fact is, where it is computed and what records it (the catalogue: trace/catalog.py)."""
     from vlmdoctor.doctor.rules import load_rules
     from vlmdoctor.errors import UsageError
-    from vlmdoctor.files import check_writable, write_json
+    from vlmdoctor.files import check_writable, save_json
     from vlmdoctor.trace import catalog
 
     with _user_errors():
@@ -763,9 +765,9 @@ def facts(
             for f in found
         ]
         if json_path:
-            write_json(docs[0] if name else docs, json_path)
+            _fail_on([save_json(docs[0] if name else docs, json_path, "fact catalogue")])
     if markdown and json_path != "-":
-        print(catalog.markdown_facts(), end="")
+        out.print(catalog.markdown_facts(), end="", markup=False, highlight=False, soft_wrap=True)
     elif json_path != "-":
         for d in docs:
             out.print(
@@ -837,7 +839,7 @@ def models(
     force: bool = typer.Option(False, "--force", help="overwrite an existing --json file"),
 ) -> None:
     """List presets, vision towers and LLMs with parameter counts and head dims."""
-    from vlmdoctor.files import check_writable, write_json
+    from vlmdoctor.files import check_writable, save_json
     from vlmdoctor.report.console import render_models
     from vlmdoctor.run.model import catalogue
 
@@ -845,7 +847,7 @@ def models(
         check_writable(json_path, force)
         rows = catalogue()
         if json_path:
-            write_json(rows, json_path)  # a list of rows, as before
+            _fail_on([save_json(rows, json_path, "model catalogue")])  # a list of rows, as before
     if json_path != "-":
         render_models(rows, out)
 
@@ -1431,7 +1433,7 @@ def export(
         from vlmdoctor.trace.export import trace_of_report
 
         src = trace_of_report(Path(source))
-        from vlmdoctor.files import check_inputs_kept, check_writable, write_json
+        from vlmdoctor.files import check_inputs_kept, check_writable, save_json
 
         check_writable(json_path, force)
         check_inputs_kept(
@@ -1446,7 +1448,8 @@ def export(
         if hta_dir:
             written["hta_dir"] = str(export_hta_folder(files, Path(hta_dir), force))
         if json_path:
-            write_json({"source": str(src), "traces": [str(f) for f in files], "written": written}, json_path)
+            listing = {"source": str(src), "traces": [str(f) for f in files], "written": written}
+            _fail_on([save_json(listing, json_path, "list of files written")])
         if json_path != "-":
             for path in written.values():
                 out.print(f"written: {esc(path)}", highlight=False)
@@ -1549,14 +1552,25 @@ def _internal_error(exc: BaseException) -> str:
 
 def main() -> None:
     """The console entry point: click's usage errors become one line too, not a panel."""
-    from vlmdoctor.supervise import describe_interruption, handle_termination, interrupted_exit_code
+    from vlmdoctor.supervise import (
+        Terminated,
+        describe_interruption,
+        handle_termination,
+        interrupted_exit_code,
+        terminated_by,
+    )
 
     handle_termination()  # SIGTERM / SIGHUP unwind like Ctrl-C: children stopped, temp folders removed
     try:
         code = app(standalone_mode=False)
     except click_errors.NoArgsIsHelpError as e:  # help was asked for by giving nothing
-        print(e.ctx.get_help() if getattr(e, "ctx", None) else e.format_message())
+        out.print(e.ctx.get_help() if getattr(e, "ctx", None) else e.format_message(), markup=False, highlight=False)
         sys.exit(EXIT_USAGE)
+    except BrokenPipeError:  # a print outside the console: the reader went away (`| head`), quietly
+        from vlmdoctor.files import reader_gone
+
+        reader_gone(sys.stdout)
+        sys.exit(0)
     except _EXITS as e:
         code = getattr(e, "exit_code", getattr(e, "code", 0))
         sys.exit(code if isinstance(code, int) else 0)
@@ -1576,4 +1590,8 @@ def main() -> None:
         message, exit_code = describe_error(e)
         err.print(message if isinstance(e, KeyboardInterrupt) else f"error: {message}", highlight=False, markup=False)
         sys.exit(exit_code)
+    if code == 130 and terminated_by() is not None:  # typer turns an interruption while it parses into 130,
+        why = Terminated(terminated_by())  # a SIGTERM too: said, and 143 for it
+        err.print(describe_interruption(why), highlight=False, markup=False)
+        sys.exit(interrupted_exit_code(why))
     sys.exit(code if isinstance(code, int) else 0)

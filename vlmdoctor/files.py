@@ -4,7 +4,8 @@ The promises (docs/files.md):
 - only regular files are written: a symlink, device, fifo or folder at the target is refused,
   never replaced (as root, `--json /dev/null --force` must not replace /dev/null);
 - an existing file is replaced only with --force, and only once the new content is complete
-  (temp file in the same folder, fsync, rename); the temp file is removed on any failure;
+  (temp file in the same folder, fsync, rename); the temp file is removed on any failure; a file that
+  another program made at a checked output's path meanwhile is kept (the content is rescued instead);
 - every output path is checked before the work starts (`check_writable`);
 - when the final write still fails (a full disk), the content is saved to a fallback file in
   the current folder or the temp folder, and the message names it;
@@ -21,6 +22,7 @@ import json
 import math
 import os
 import stat
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -30,6 +32,10 @@ from typing import IO, Any
 from vlmdoctor.errors import EXIT_FAILED_RUN, UsageError, VlmdoctorError
 
 NAME_MAX = 255  # bytes in one path component on Linux/macOS file systems
+#: outputs that did not exist when `check_writable` checked them without --force: where they are -> the
+#: (device, inode) this process wrote there (None before its first write). Another program that makes the
+#: file meanwhile (a second vlmdoctor writing the same output) keeps it: the write refuses, `save` rescues.
+_NEW: dict[str, tuple[int, int] | None] = {}
 
 
 class WriteError(VlmdoctorError):
@@ -163,6 +169,10 @@ def check_writable(path: str | os.PathLike | None, force: bool, flag: str = "") 
             raise UsageError(f"{label} is {kind}; vlmdoctor writes regular files only and never replaces {kind}")
         if not force:
             raise UsageError(f"{label} exists; pass --force to overwrite it")
+    if force:  # whatever is there when the work is done may be replaced
+        _NEW.pop(_key(p), None)
+    elif st is None:
+        _NEW[_key(p)] = None
     parent = p.parent
     if not parent.exists():
         raise UsageError(f"{label}: the folder {parent} does not exist; create it first")
@@ -224,6 +234,51 @@ def _refuse_special(target: Path) -> None:
         raise UsageError(f"{target} is {kind}; vlmdoctor writes regular files only and never replaces {kind}")
 
 
+def _key(path: str | os.PathLike) -> str:
+    return os.path.realpath(os.path.abspath(os.fspath(path)))
+
+
+def adopt(*paths: str | os.PathLike) -> None:
+    """The files at `paths` were written by a child of this command (`run`'s script wrote OUT/report.json): this
+    process may replace them, as it may replace what it wrote itself."""
+    for path in paths:
+        key = _key(path)
+        if key in _NEW:
+            with contextlib.suppress(OSError):
+                st = os.stat(key)
+                _NEW[key] = (st.st_dev, st.st_ino)
+
+
+def _place(tmp: str, target: Path) -> None:
+    """Move the complete temp file onto `target`: a regular file only; and an output that was new when checked
+    without --force only if it is still absent, or still the file this process wrote (never another's)."""
+    _refuse_special(target)
+    key = _key(target)
+    if key not in _NEW:
+        os.replace(tmp, target)
+        return
+    ours = _NEW[key]
+    try:
+        st = os.stat(target)
+        there = (st.st_dev, st.st_ino)
+    except FileNotFoundError:
+        there = None
+    if there is not None and there != ours:
+        raise OSError(errno.EEXIST, "another program wrote it while vlmdoctor worked; it is not replaced")
+    if there is None:
+        try:
+            os.link(tmp, target)  # fails if the name is taken meanwhile: never a replace
+            os.unlink(tmp)
+        except FileExistsError:
+            raise OSError(errno.EEXIST, "another program wrote it while vlmdoctor worked; it is not replaced") from None
+        except OSError:  # a file system without hard links
+            os.replace(tmp, target)
+    else:
+        os.replace(tmp, target)
+    st = os.stat(target)
+    _NEW[key] = (st.st_dev, st.st_ino)
+
+
 def _write_all(fd: int, data: bytes) -> None:
     """os.write until done (a seam the tests use to fake a full disk)."""
     view = memoryview(data)
@@ -248,8 +303,7 @@ def atomic_writer(path: str | os.PathLike) -> Iterator[IO[bytes]]:
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # mkstemp makes it private; an output is an ordinary file
-        _refuse_special(target)  # something appeared at the target meanwhile: still never replace it
-        os.replace(tmp, target)
+        _place(tmp, target)  # something appeared at the target meanwhile: still never replace it
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -268,8 +322,7 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> None:
             finally:
                 os.close(fd)
             os.chmod(tmp, 0o644)
-            _refuse_special(target)
-            os.replace(tmp, target)
+            _place(tmp, target)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -288,11 +341,27 @@ def write_text(path: str | os.PathLike, text: str) -> None:
     write_bytes(path, text.encode("utf-8"))
 
 
+def reader_gone(stream: Any) -> None:
+    """The reader of `stream` went away (`vlmdoctor ... | head`): what is still printed goes nowhere, quietly,
+    and the command finishes its work (its files are written); its exit flush cannot fail either."""
+    try:
+        fd = stream.fileno()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
 def write_json(report: Any, path: str) -> None:
     """Strict JSON to a file (atomically) or to stdout for '-'."""
     text = json_text(report)
     if path == "-":
-        print(text, end="")
+        try:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        except BrokenPipeError:  # the reader went away (`| head`): nothing left to give it
+            reader_gone(sys.stdout)
         return
     write_text(path, text)
 
@@ -356,9 +425,11 @@ def export_via(path: str | os.PathLike, export: Callable[[str], None]) -> None:
     """
     target = Path(path)
     tmp: str | None = None
+    own: str | None = None  # the library's own temp name beside ours (Kineto writes NAME.tmp, then renames it)
     try:
         fd, tmp = _mkstemp(target)  # a name ending .tmp: torch writes it as plain JSON (it gzips only *.gz)
         os.close(fd)
+        own = tmp + ".tmp"
         export(tmp)
         if target.name.endswith(".gz"):
             import gzip
@@ -374,17 +445,17 @@ def export_via(path: str | os.PathLike, export: Callable[[str], None]) -> None:
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
             os.chmod(tmp, 0o644)
-            _refuse_special(target)
-            os.replace(tmp, target)
+            _place(tmp, target)
             tmp = None
     except VlmdoctorError:
         raise
     except Exception as e:  # OSError from the disk, RuntimeError from the library's own writer
         raise WriteError(f"cannot write {target}: {getattr(e, 'strerror', None) or e}") from None
     finally:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+        for leftover in (tmp, own):
+            if leftover is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(leftover)
 
 
 def _rescue_folders() -> list[Path]:

@@ -11,6 +11,7 @@ import errno
 import json
 import math
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -252,7 +253,7 @@ def parse_yaml(text: str, where: str) -> Any:
         _LOADER = _yaml_loader()
     loader = _LOADER(text)
     try:
-        return loader.get_single_data()
+        return visible_surrogates(loader.get_single_data(), text)
     except _YamlRefusal as e:
         raise UsageError(f"{where}: {e.at}{e.why}") from None
     except yaml.YAMLError as e:
@@ -276,11 +277,57 @@ def read_yaml(path: str | os.PathLike, what: str = "file", max_bytes: int = MAX_
 # --- JSON: reports and configs ---------------------------------------------------------------------
 
 
+#: a UTF-16 surrogate written as an escape (JSON, YAML): a lone one decodes to a string UTF-8 cannot hold
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _visible(s: str) -> str:
+    try:
+        s.encode("utf-8")
+        return s
+    except UnicodeEncodeError:
+        return s.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def visible_surrogates(value: Any, text: str | bytes | None = None) -> Any:
+    """`value` with every lone UTF-16 surrogate of its strings and keys shown as its escape (`\\ud800`).
+
+    JSON and YAML may write one (`"\\ud800"`); the string it decodes to cannot be encoded as UTF-8, so a name
+    holding one would fail the first print, write or hash of it, after the work. Given the `text` the value
+    was decoded from, values are walked only when the text holds a surrogate escape (rarely)."""
+    if text is not None:
+        probe = text if isinstance(text, str) else text.decode("ascii", "replace")
+        if not _SURROGATE_ESCAPE.search(probe):
+            return value
+    if isinstance(value, str):
+        return _visible(value)
+    todo = [value]
+    while todo:  # not recursive: values may nest deeper than Python's recursion limit
+        v = todo.pop()
+        if isinstance(v, dict):
+            for k in list(v):
+                x = v[k]
+                if isinstance(x, str):
+                    v[k] = _visible(x)
+                elif isinstance(x, (dict, list)):
+                    todo.append(x)
+                if isinstance(k, str) and _visible(k) != k:
+                    v[_visible(k)] = v.pop(k)
+        elif isinstance(v, list):
+            for i, x in enumerate(v):
+                if isinstance(x, str):
+                    v[i] = _visible(x)
+                elif isinstance(x, (dict, list)):
+                    todo.append(x)
+    return value
+
+
 def parse_json(text: str | bytes, where: str) -> Any:
     """The value of a JSON text; every way this fails (bad JSON, NaN is fine, an integer of more than
-    4,300 digits, nesting deeper than MAX_DEPTH) is one line that starts with `where`."""
+    4,300 digits, nesting deeper than MAX_DEPTH) is one line that starts with `where`. A lone surrogate
+    escape in a string is kept visible (`visible_surrogates`)."""
     try:
-        value = json.loads(text)
+        value = visible_surrogates(json.loads(text), text)
     except json.JSONDecodeError as e:
         raise UsageError(
             f"{where}: does not parse: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}; truncated?)"

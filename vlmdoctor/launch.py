@@ -339,6 +339,7 @@ def child_main() -> None:
     """The child's bootstrap: hooks in, then the user's script as __main__ (run unmeasured when the hooks
     cannot go in)."""
     settings = json.loads(os.environ.pop(ENV_KEY))
+    settings["out"] = os.path.abspath(settings["out"])  # the script may change its folder before the first step
     argv = sys.argv[1:]
     settings["argv"] = argv
     child = _Child(settings)
@@ -561,9 +562,15 @@ def run_script(
         cmd = [sys.executable, "-c", BOOTSTRAP, *parse_command(command)]
     if stage is not None and stage not in (1, 2):
         raise UsageError("--stage must be 1 or 2")
-    for name, v in (("--warmup", warmup), ("--steps", steps), ("--trace-steps", trace_steps)):
-        if v < (0 if name == "--warmup" else 1):
-            raise UsageError(f"{name} must be at least {0 if name == '--warmup' else 1}")
+    from vlmdoctor.api import MAX_TRACE_STEPS
+    from vlmdoctor.inputs import check_number
+
+    for name, v, low, high in (
+        ("--warmup", warmup, 0, 10**6),
+        ("--steps", steps, 1, 10**6),
+        ("--trace-steps", trace_steps, 1, MAX_TRACE_STEPS),
+    ):
+        check_number(name, v, minimum=low, maximum=high, integer=True)
     folder = Path(out)
     report_path, page_path = folder / REPORT, folder / HTML
     log = folder / "script.log"
@@ -611,11 +618,15 @@ def run_script(
     from vlmdoctor.files import open_log
 
     log_file = open_log(log)  # through the one writer, before the script starts: a regular file, never a link
+    from vlmdoctor.files import adopt
+
     try:
         with log_file as f:  # the script's output, as it comes, to the terminal and the log
             outcome = supervise.run(cmd, env=env, log=f, echo=sink.buffer, stdin=None)
     except KeyboardInterrupt as e:  # Ctrl-C / SIGTERM: passed on to the script's group, which is stopped
+        adopt(report_path, page_path)  # the script's bootstrap wrote them: this command completes them
         return _interrupted(e, report_path, log, command, warmup, steps, json_path), _read_report(report_path)
+    adopt(report_path, page_path)
     rc = outcome.returncode
     if outcome.left_running:
         print(

@@ -9,8 +9,11 @@ it on). The promises (docs/files.md, "Child processes"):
 - when the child exits, processes it left running are stopped the same way, and its output is no
   longer waited for (a helper that holds the child's stdout cannot keep vlmdoctor waiting);
 - a time limit stops the group the same way;
+- a child outlives vlmdoctor by no more than a moment, even when vlmdoctor is killed outright (SIGKILL, the
+  out-of-memory killer): on Linux it starts by asking the kernel for SIGTERM when its parent dies;
 - temporary folders a child makes under `SCRATCH_ENV` live inside a folder its caller removes,
-  so a child killed outright leaves none behind.
+  so a child killed outright leaves none behind; the folder of a vlmdoctor killed outright is removed
+  by the next one (`sweep_stale`).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ MIN_FREE_BYTES = 16 * 2**20
 #: environment variable naming the folder a child makes its temporary folders in (removed by the parent)
 SCRATCH_ENV = "VLMDOCTOR_SCRATCH"
 
+_PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 _PR_GET_CHILD_SUBREAPER = 37
 
@@ -73,8 +77,18 @@ def describe_interruption(exc: BaseException) -> str:
     )
 
 
+_received: list[int] = []
+
+
 def _raise_terminated(signum: int, _frame: object) -> None:
+    _received.append(signum)
     raise Terminated(signum)
+
+
+def terminated_by() -> int | None:
+    """The signal (SIGTERM, SIGHUP) that `handle_termination` turned into `Terminated` in this process, if one
+    came: the CLI's exit code says it even where a library caught the exception as a Ctrl-C (typer's 130)."""
+    return _received[-1] if _received else None
 
 
 def handle_termination() -> None:
@@ -148,11 +162,75 @@ def _size(n: float) -> str:
     return f"{n:.1f} GB"
 
 
+#: the file naming the process that owns a temporary folder (its pid and start time), for `sweep_stale`
+OWNER = ".vlmdoctor-owner"
+
+
+def _started(pid: int) -> int | None:
+    """When process `pid` started (clock ticks after boot); None if it is gone (or there is no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    fields = raw[raw.rfind(b")") + 2 :].split()
+    return int(fields[19]) if len(fields) > 19 else None
+
+
+def _here() -> str:
+    """This host and PID namespace: a pid means something only where it was taken (a temp folder shared by
+    containers or hosts holds folders of processes this one cannot see)."""
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        ns = "?"
+    return f"{os.uname().nodename}:{ns}".replace(" ", "_")
+
+
+def sweep_stale(parent: str | os.PathLike) -> list[Path]:
+    """Remove the temporary folders in `parent` whose owning vlmdoctor is gone: one killed outright (SIGKILL,
+    the out-of-memory killer) cannot remove its own, so the next one does. Only folders that carry an `OWNER`
+    file written on this host, in this PID namespace, by this user, naming a process that no longer runs are
+    touched; anything else in the temp folder is left alone."""
+    gone = []
+    here = _here()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(parent):
+            if not entry.name.startswith("vlmdoctor-") or not entry.is_dir(follow_symlinks=False):
+                continue
+            try:
+                if entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                    continue
+                with open(os.path.join(entry.path, OWNER)) as f:
+                    pid_text, start_text, where = f.read(512).split()
+                pid, start = int(pid_text), int(start_text)
+            except (OSError, ValueError):
+                continue
+            if where == here and _started(pid) != start:  # gone, or its pid now names another process
+                shutil.rmtree(entry.path, ignore_errors=True)
+                gone.append(Path(entry.path))
+    return gone
+
+
+def temp_folder(prefix: str = "vlmdoctor-", dir: str | None = None) -> Path:
+    """A new temporary folder owned by this process (`OWNER`), made after the stale ones of processes that
+    were killed outright are swept from the same parent. The caller removes it."""
+    parent = dir or tempfile.gettempdir()
+    sweep_stale(parent)
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=dir))
+    start = _started(os.getpid())
+    if start is not None:
+        with contextlib.suppress(OSError):
+            (path / OWNER).write_text(f"{os.getpid()} {start} {_here()}\n")
+    return path
+
+
 @contextlib.contextmanager
-def scratch(prefix: str = "vlmdoctor-") -> Iterator[Path]:
+def scratch(prefix: str = "vlmdoctor-", dir: str | None = None) -> Iterator[Path]:
     """A temporary folder that is removed however the block ends; children make theirs inside it
-    (through `SCRATCH_ENV`), so a child killed outright leaves nothing behind either."""
-    path = Path(tempfile.mkdtemp(prefix=prefix))
+    (through `SCRATCH_ENV`), so a child killed outright leaves nothing behind either, and one left by a
+    vlmdoctor killed outright is removed by the next (`sweep_stale`)."""
+    path = temp_folder(prefix, dir)
     try:
         yield path
     finally:
@@ -294,6 +372,26 @@ class _Group:
 
 # --- running a child -------------------------------------------------------------------------------
 
+#: what a child runs first (Linux): SIGTERM to it when vlmdoctor dies, however it dies (a parent killed
+#: outright runs no `finally`), then the command itself in the same process (exec)
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    f"ctypes.CDLL(None).prctl({_PR_SET_PDEATHSIG}, int(signal.SIGTERM), 0, 0, 0)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(128 + signal.SIGTERM)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def _tied_to_us(cmd: Sequence[str], env: dict[str, str] | None) -> list[str]:
+    """`cmd`, started so that it ends when this process does (Linux; elsewhere as it is). A command that
+    cannot be found is left as it is, for Popen to say so."""
+    cmd = list(cmd)
+    path = (env if env is not None else os.environ).get("PATH")
+    if not sys.platform.startswith("linux") or not cmd or shutil.which(cmd[0], path=path) is None:
+        return cmd
+    return [sys.executable, "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
+
 
 @dataclass
 class Outcome:
@@ -386,7 +484,7 @@ def _run(
     piped = echo is not None
     stdout: int | IO[bytes] = subprocess.PIPE if piped else (log if log is not None else subprocess.DEVNULL)
     proc = subprocess.Popen(
-        list(cmd),
+        _tied_to_us(cmd, env),
         stdin=stdin,
         stdout=stdout,
         stderr=subprocess.STDOUT,

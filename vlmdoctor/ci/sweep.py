@@ -49,6 +49,9 @@ def grid_rows(
                 f"{path}: run {i}: unknown key(s) {', '.join(map(str, unknown))}; a run has "
                 f"{', '.join(sorted(ROW_KEYS))} (knobs go under 'set')"
             )
+        name = row.get("name", "")
+        if isinstance(name, bool) or not isinstance(name, (str, int, float)):
+            raise UsageError(f"{path}: run {i}: 'name' must be a text, got {type(name).__name__}")
     for key in ("models", "stages"):
         if grid.get(key) is not None and not isinstance(grid[key], list):
             raise UsageError(f"{path}: '{key}' must be a list")

@@ -20,6 +20,7 @@ from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
+from vlmdoctor import files
 from vlmdoctor.run import throughput
 from vlmdoctor.run.config import RunConfig, knob_table
 
@@ -63,15 +64,51 @@ def _shown(segments: Iterable[Segment]) -> Iterator[Segment]:
         yield Segment(plain(seg.text) if CONTROL.search(seg.text) else seg.text, style)
 
 
+class _Guarded:
+    """A console's stream that printing can never fail on after the work: text its encoding cannot hold (an
+    ASCII-only stdout) is shown replaced, and a reader that went away ends the printing, not the command."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except UnicodeEncodeError:
+            encoding = getattr(self._stream, "encoding", None) or "ascii"
+            return self._stream.write(text.encode(encoding, "replace").decode(encoding))
+        except BrokenPipeError:
+            files.reader_gone(self._stream)
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            files.reader_gone(self._stream)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 class SafeConsole(Console):
     """The console every vlmdoctor command, `Doctor` and `vlmdoctor run` print through: the boundary where text
     from inputs meets the terminal. Control characters in any text become visible escapes, hyperlinks are
     dropped (vlmdoctor prints none), emoji codes stay text, and markup that does not parse is printed as it
-    is, so that printing never fails after the work is done."""
+    is, so that printing never fails after the work is done (nor does a stream that cannot encode a character,
+    or a reader that went away: `_Guarded`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("emoji", False)
         super().__init__(*args, **kwargs)
+
+    @property
+    def file(self) -> Any:
+        return _Guarded(Console.file.fget(self))  # type: ignore[attr-defined]
+
+    @file.setter
+    def file(self, new_file: Any) -> None:
+        Console.file.fset(self, new_file)  # type: ignore[attr-defined]
 
     def render_str(self, text: str, **kwargs: Any) -> Text:
         try:

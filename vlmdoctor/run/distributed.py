@@ -96,9 +96,16 @@ class Rendezvous:
 
 
 def torchrun_command(
-    cfg: RunConfig, worker_args: list[str], rdzv: Rendezvous | None = None, python: str | None = None
+    cfg: RunConfig,
+    worker_args: list[str],
+    rdzv: Rendezvous | None = None,
+    python: str | None = None,
+    log_dir: str | None = None,
 ) -> list[str]:
-    """`python -m torch.distributed.run ... -m vlmdoctor.run.rank_worker ARGS`: one process per GPU."""
+    """`python -m torch.distributed.run ... -m vlmdoctor.run.rank_worker ARGS`: one process per GPU.
+
+    `log_dir`: where torchrun keeps its per-run folder (without one it makes a `torchelastic_*` folder in
+    the temp folder and never removes it)."""
     rdzv = rdzv or Rendezvous()
     return [
         python or sys.executable,
@@ -109,6 +116,7 @@ def torchrun_command(
         str(cfg.nproc_per_node),
         "--max-restarts",
         "0",
+        *(["--log-dir", log_dir] if log_dir else []),
         "-m",
         WORKER,
         *worker_args,

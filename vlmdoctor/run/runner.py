@@ -19,7 +19,6 @@ import re
 import resource
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -768,7 +767,7 @@ def _traced_window(
         where = (
             trace
             if trace.keep
-            else replace(trace, trace_dir=tempfile.mkdtemp(prefix="vlmdoctor-trace-", dir=scratch_dir()))
+            else replace(trace, trace_dir=str(supervise.temp_folder("vlmdoctor-trace-", dir=scratch_dir())))
         )
     except OSError as e:
         info = {"path": None, "lost": f"no temporary folder for it: {e.strerror or e}", "traced_step_ms": []}
@@ -1231,8 +1230,7 @@ def run_distributed(
     rdzv = rdzv or distributed.Rendezvous()
     rdzv.check()
     temp_trace: Path | None = None
-    with tempfile.TemporaryDirectory(prefix="vlmdoctor-ranks-", dir=scratch_dir()) as tmp_name:
-        tmp = Path(tmp_name)
+    with supervise.scratch("vlmdoctor-ranks-", dir=scratch_dir()) as tmp:
         cfg.dump(tmp / "config.json")
         args = ["--config", str(tmp / "config.json"), "--out", str(tmp)]
         if trace is not None:
@@ -1245,9 +1243,9 @@ def run_distributed(
                     folder = Path(trace.trace_dir) / f"{stem}-{n}"
                 folder.mkdir(parents=True)
             else:
-                folder = temp_trace = Path(tempfile.mkdtemp(prefix="vlmdoctor-trace-", dir=scratch_dir()))
+                folder = temp_trace = supervise.temp_folder("vlmdoctor-trace-", dir=scratch_dir())
             args += ["--trace", json.dumps({**asdict(trace), "trace_dir": str(folder), "keep": True})]
-        cmd = distributed.torchrun_command(cfg, args, rdzv, python)
+        cmd = distributed.torchrun_command(cfg, args, rdzv, python, log_dir=str(tmp / "torchrun-logs"))
         env = distributed.child_env(device.type == "cuda")
         progress(f"{cfg.nproc_per_node} ranks through torchrun", 0, 1)
         try:

@@ -132,8 +132,8 @@ FACTS: list[Fact] = [
             (
                 "trace.invalid_events",
                 "count",
-                "events left out of every fact for an unusable duration (missing, NaN, negative, over 24 h, "
-                "a GPU event longer than the trace); trace.warnings says which",
+                "events left out of every fact for an unusable time (missing, not a number, NaN, negative, "
+                "over 24 h, a start below 0, a GPU event longer than the trace); trace.warnings says which",
             ),
             ("step.ms", "ms", "mean step time (ProfilerStep span) over the traced steps"),
             ("step.ms_list", "ms list", "each traced step's time"),

@@ -115,7 +115,7 @@ def cpu_facts(t: Any, windows: list[tuple[float, float]], facts: dict[str, Any])
         if ev.get("ph") != "X" or ev.get("cat") not in ("cpu_op", "user_annotation"):
             continue
         time = event_time(ev)
-        if isinstance(time, str):  # an unusable duration: left out, as the tables left it out (trace.warnings)
+        if isinstance(time, str):  # an unusable time: left out, as the tables left it out (trace.warnings)
             continue
         ts, end = time[0], time[0] + time[1]
         if ts < lo or ts > hi:  # outside the profiled steps

@@ -26,6 +26,7 @@ from typing import IO, Any
 import msgspec
 
 from vlmdoctor.errors import UsageError
+from vlmdoctor.inputs import visible_surrogates
 
 TRACE_SUFFIXES = (".json", ".json.gz")
 HEAD_LIMIT = 8 * 2**20  # metadata before traceEvents is small; never read more than this looking for it
@@ -129,7 +130,8 @@ def read_metadata(path: Path, strict: bool = False) -> dict[str, Any]:
                 i = head.find(b'"traceEvents"')
                 if i >= 0:
                     try:
-                        meta = json.loads(head[:i].decode("utf-8", "replace") + '"traceEvents": []}')
+                        text = head[:i].decode("utf-8", "replace") + '"traceEvents": []}'
+                        meta = visible_surrogates(json.loads(text), text)
                     except RecursionError:
                         raise TraceError(f"{path}: the keys before traceEvents nest too deeply") from None
                     except json.JSONDecodeError as e:
@@ -333,7 +335,8 @@ def _decode_chunk(text: bytes, fast: Callable[[bytes], list[Any]]) -> tuple[bool
     except (msgspec.DecodeError, UnicodeDecodeError):
         pass
     try:
-        return False, json.loads(whole.decode("utf-8", "replace")), text
+        decoded = whole.decode("utf-8", "replace")
+        return False, visible_surrogates(json.loads(decoded), decoded), text
     except (ValueError, RecursionError):  # a cut inside an event, or a value that does not convert
         return None
 
@@ -363,7 +366,10 @@ def _stream(path: Path, first: bytes, f: IO[bytes], block: int, count: int, tail
         if buf[i] == "]":
             break
         try:
+            start = i
             ev, i = dec.raw_decode(buf, i)
+            if buf.find("\\u", start, i) >= 0:  # an escape: maybe a lone surrogate, which UTF-8 cannot hold
+                ev = visible_surrogates(ev)
         except json.JSONDecodeError:
             if eof:
                 raise
@@ -378,11 +384,15 @@ def _stream(path: Path, first: bytes, f: IO[bytes], block: int, count: int, tail
         ahead = STREAM_AHEAD
         count += 1
         yield ev
-    if tail is not None and count:
+    if count:  # what follows the list is read too: the keys Kineto writes there, and nothing after the object
         rest = f.read(HEAD_LIMIT + 1)
         if len(rest) > HEAD_LIMIT:
-            raise TraceError(f"{path}: more than {HEAD_LIMIT // 2**20} MiB after the traceEvents list")
-        tail.update(_trailing_keys(path, buf[i + 1 :] + text.decode(rest, final=True)))
+            raise TraceError(
+                f"{path}: more than {HEAD_LIMIT // 2**20} MiB after the traceEvents list (two traces in one file?)"
+            )
+        keys = _trailing_keys(path, buf[i + 1 :] + text.decode(rest, final=True))
+        if tail is not None:
+            tail.update(keys)
 
 
 def _trailing_keys(path: Path, rest: str) -> dict[str, Any]:
@@ -395,9 +405,11 @@ def _trailing_keys(path: Path, rest: str) -> dict[str, Any]:
         )
     body = text[:-1].strip().lstrip(",").strip()
     try:
-        keys = json.loads("{" + body + "}") if body else {}
+        keys = visible_surrogates(json.loads("{" + body + "}"), body) if body else {}
     except json.JSONDecodeError as e:
-        raise TraceError(f"{path}: the keys after traceEvents are not valid JSON ({e.msg})") from None
+        raise TraceError(
+            f"{path}: the keys after traceEvents are not valid JSON ({e.msg}; more than one JSON document in the file?)"
+        ) from None
     except RecursionError:
         raise TraceError(f"{path}: the keys after traceEvents nest too deeply") from None
     except ValueError as e:  # an integer of more than 4,300 digits

@@ -2,10 +2,11 @@
 
 Two checks happen on the way in (docs/files.md, "Reading"). An event's time must be usable: a
 missing, NaN, infinite, negative or absurd duration (over MAX_EVENT_US, or a GPU event longer than
-the whole trace) leaves the event out of the tables, counted in `Tables.invalid`, and the facts say
-so in a warning; it never reaches GPU busy or a finding. And what the tables keep is bounded by the
-file's size on disk (MEMORY_PER_FILE_BYTE): a small gzip of a huge repetitive trace is refused,
-not read into gigabytes of memory.
+the whole trace), a start below 0 or past MAX_TS_US, or a time that is not a number leaves the
+event out of the tables, counted in `Tables.invalid`, and the facts say so in a warning; it never
+reaches GPU busy or a finding. And what the tables keep is bounded by the file's size on disk
+(MEMORY_PER_FILE_BYTE): a small gzip of a huge repetitive trace is refused, not read into
+gigabytes of memory.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ COMM_OPS = (
 COMM_KERNELS = ("ncclDevKernel", "ncclKernel")
 PARALLEL_MIN_BYTES = 64 * 2**20  # a plain JSON trace this large is read by several processes (load_tables)
 MAX_EVENT_US = 86_400e6  # no event of a profiled trace lasts a day: a longer duration is not a measurement
+#: the latest start a trace's clock can write: past 2^53 us a float no longer holds a microsecond (Kineto's
+#: starts are about 5e12 us, the host's time since a base)
+MAX_TS_US = float(2**53)
 #: memory the analysis takes per event it keeps (tables, frames, the facts' intermediates): about 360 bytes
 #: measured on a 0.26 GiB H100 trace (627k kept events, 324 MB peak RSS with the imports)
 ROW_BYTES = 400
@@ -63,8 +67,10 @@ MAX_STEPS = 10_000
 #: how an event's time can be unusable, as the warning names it
 INVALID_WHY = {
     "missing": "no ts or dur",
+    "not_number": "ts or dur not a number",
     "not_finite": "NaN or infinite",
     "negative": "negative",
+    "bad_start": "a start below 0 or past 2^53 us",
     "too_long": "over 24 h",
     "longer_than_trace": "longer than the whole trace",
 }
@@ -109,9 +115,8 @@ class Tables:
             parts.append(f"{n:,} {INVALID_KINDS[kind]} ({detail})")
         if not parts:
             return None
-        return "events with an unusable duration were left out of every fact (GPU busy, kernels, steps): " + "; ".join(
-            parts
-        )
+        head = "events with an unusable time were left out of every fact (GPU busy, kernels, steps): "
+        return head + "; ".join(parts)
 
 
 class _Column:
@@ -212,19 +217,30 @@ def _read_parts(path: Path, workers: int) -> _Builder | None:
 
 
 def event_time(ev: dict[str, Any]) -> tuple[float, float] | str:
-    """(ts, dur) of a complete event, or why they are unusable (a key of INVALID_WHY); a value that is
-    not a number at all raises, and the caller names the event."""
+    """(ts, dur) of a complete event, or why they are unusable (a key of INVALID_WHY): a time that is not a
+    JSON number (a string, true) is never converted into one."""
     ts, dur = ev.get("ts"), ev.get("dur")
     if ts is None or dur is None:
         return "missing"
-    ts, dur = float(ts), float(dur)
+    if not (_is_number(ts) and _is_number(dur)):
+        return "not_number"
+    try:
+        ts, dur = float(ts), float(dur)
+    except OverflowError:  # an integer past the largest float
+        return "not_finite"
     if not (math.isfinite(ts) and math.isfinite(dur)):
         return "not_finite"
     if dur < 0:
         return "negative"
+    if not 0 <= ts <= MAX_TS_US:
+        return "bad_start"
     if dur > MAX_EVENT_US:
         return "too_long"
     return ts, dur
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _take(ev: dict[str, Any], b: _Builder) -> None:
@@ -604,7 +620,9 @@ class _Builder:
         ts = np.fromiter(map(_ts, sel), dtype=np.float64, count=len(sel))
         dur = np.fromiter(map(_dur, sel), dtype=np.float64, count=len(sel))
         with np.errstate(invalid="ignore"):
-            ok = np.isfinite(ts) & (dur >= 0) & (dur <= MAX_EVENT_US)  # NaN fails every comparison
+            ok = (  # NaN fails every comparison
+                np.isfinite(ts) & (ts >= 0) & (ts <= MAX_TS_US) & (dur >= 0) & (dur <= MAX_EVENT_US)
+            )
         if not ok.all():
             self._invalid(np.flatnonzero(~ok), kind, step, ts, dur)
             kind[~ok], step[~ok] = 0, False
@@ -641,6 +659,8 @@ class _Builder:
                 if not (math.isfinite(t) and math.isfinite(d))
                 else "negative"
                 if d < 0
+                else "bad_start"
+                if not 0 <= t <= MAX_TS_US
                 else "too_long"
             )
             self.invalid_one("step" if step[i] else "gpu" if kind[i] == _GPU else "host", why)
