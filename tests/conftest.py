@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,11 @@ THREADS = max(1, min(2, cpus() // WORKERS))
 if WORKERS > 1:
     for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[_var] = str(THREADS)
+
+if os.environ.get("PYTEST_XDIST_WORKER") and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    # an xdist worker ignores Ctrl-C (its controller handles it), and the processes a test starts would
+    # inherit that: the tests that send them SIGINT need the default a terminal gives
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",

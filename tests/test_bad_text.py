@@ -297,9 +297,18 @@ def hostile_trace(tmp_path_factory) -> Path:
 
 
 def run_clean(args: list, inputs: list[Path], code: int | tuple = 0) -> str:
-    """The command's exit code, inputs untouched, and its whole console output shown as text."""
+    """The command's exit code, inputs untouched, and its whole console output shown as text. A wide
+    console: what is checked is the text, not where a line of a long hostile path happens to wrap (which
+    moves with the length of the test's temp folder)."""
     before = {p: snapshot(p) if p.is_dir() else p.read_bytes() for p in inputs}
-    r = invoke(args)
+    from vlmdoctor import cli
+
+    widths = cli.out._width, cli.err._width
+    cli.out.width = cli.err.width = 1000
+    try:
+        r = invoke(args)
+    finally:
+        cli.out._width, cli.err._width = widths
     out = r.output + (r.stderr or "")
     assert r.exit_code in ((code,) if isinstance(code, int) else code), out
     assert {p: snapshot(p) if p.is_dir() else p.read_bytes() for p in inputs} == before
