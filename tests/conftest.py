@@ -29,10 +29,12 @@ if WORKERS > 1:
     for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[_var] = str(THREADS)
 
-if os.environ.get("PYTEST_XDIST_WORKER") and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-    # an xdist worker ignores Ctrl-C (its controller handles it), and the processes a test starts would
-    # inherit that: the tests that send them SIGINT need the default a terminal gives
+# a suite started in the background (`&` ignores SIGINT, nohup SIGHUP) would pass the ignored signals on to
+# the processes the tests start: the tests that send them SIGINT or SIGHUP need what a terminal gives
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
