@@ -450,6 +450,24 @@ def top_finding(findings: list[dict[str, Any]] | None) -> str:
     )
 
 
+#: how to read a findings table (the console's and both pages' order)
+ORDER_NOTE = (
+    '<p class="note">Biggest expected win first; apply the fixes in the order of the "apply" column '
+    "(the layer: precision, batching, data layout, kernel fusion, system tuning).</p>"
+)
+
+
+def finding_seen(f: dict[str, Any], severity: bool = True) -> str:
+    """A finding's title, id (and severity) over its evidence: the 'what was seen' cell of both pages."""
+    return (
+        f"<b>{esc(str(f.get('title', '')))}</b> <code>{esc(str(f.get('id', '')))}</code>"
+        + (f' <span class="note">({esc(str(f["severity"]))})</span>' if severity and f.get("severity") else "")
+        + '<ul class="ev">'
+        + "".join(f"<li>{esc(str(e))}</li>" for e in f.get("evidence") or [])
+        + "</ul>"
+    )
+
+
 def findings_section(
     findings: list[dict[str, Any]] | None,
     diagnosis: dict[str, Any] | None = None,
@@ -467,19 +485,10 @@ def findings_section(
     if not findings:
         out.append("<p>No rule fired: nothing to prescribe.</p>")
     else:
-        out.append(
-            '<p class="note">Biggest expected win first; apply the fixes in the order of the "apply" column '
-            "(the layer: precision, batching, data layout, kernel fusion, system tuning).</p>"
-        )
+        out.append(ORDER_NOTE)
         rows = []
         for n, f in enumerate(by_gain(findings), 1):
-            seen = (
-                f"<b>{esc(str(f.get('title', '')))}</b> <code>{esc(str(f.get('id', '')))}</code>"
-                + (f' <span class="note">({esc(str(f["severity"]))})</span>' if f.get("severity") else "")
-                + '<ul class="ev">'
-                + "".join(f"<li>{esc(str(e))}</li>" for e in f.get("evidence") or [])
-                + "</ul>"
-            )
+            seen = finding_seen(f)
             change = esc(str(f.get("fix", "")))
             patch = _patch_html(f.get("config_patch"))
             rows.append((str(n), _apply_cell(f), seen, change, patch, _gain(f.get("expected_gain"))))

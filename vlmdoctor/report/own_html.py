@@ -15,6 +15,7 @@ from typing import Any
 
 from vlmdoctor.report.console import measurement_notes
 from vlmdoctor.report.html import (
+    ORDER_NOTE,
     _apply_cell,
     _cross_rank_section,
     _env_section,
@@ -29,6 +30,7 @@ from vlmdoctor.report.html import (
     by_gain,
     diagnosis_notes,
     esc,
+    finding_seen,
 )
 from vlmdoctor.run import throughput
 
@@ -183,18 +185,10 @@ def _findings(findings: list[dict[str, Any]] | None, diagnosis: dict[str, Any] |
     if not findings:
         out.append("<p>No rule fired on the measured facts: nothing to prescribe.</p>")
     else:
-        out.append(
-            '<p class="note">Biggest expected win first; apply the fixes in the order of the "apply" column '
-            "(the layer: precision, batching, data layout, kernel fusion, system tuning).</p>"
-        )
+        out.append(ORDER_NOTE)
         rows = []
         for n, f in enumerate(by_gain(findings), 1):
-            seen = (
-                f"<b>{esc(str(f.get('title', '')))}</b> <code>{esc(str(f.get('id', '')))}</code>"
-                + '<ul class="ev">'
-                + "".join(f"<li>{esc(str(e))}</li>" for e in f.get("evidence") or [])
-                + "</ul>"
-            )
+            seen = finding_seen(f, severity=False)
             rows.append(
                 (
                     str(n),
