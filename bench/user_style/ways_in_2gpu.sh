@@ -10,25 +10,9 @@
 #
 # OUTDIR gets 6 files: <way>.txt (what the user sees, 80 columns, its last line the exit code) and
 # <way>_report.json. Traces and the checkpoint stay in a temporary folder, removed at the end.
-set -u
-out="${1:?usage: ways_in_2gpu.sh OUTDIR}"
-mkdir -p "$out"
-out="$(cd "$out" && pwd)"
-here="$(cd "$(dirname "$0")/../.." && pwd)"
-work="$(mktemp -d)"
-trap 'rm -rf "$work"' EXIT
-export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 COLUMNS=80
-export VLMDOCTOR_EXAMPLES_CACHE="$work/checkpoints" TQDM_DISABLE=1
-cd "$work" || exit 1
+. "$(dirname "$0")/ways_common.sh"
 ddp="$here/examples/train_ddp.py"
 size="${SIZE:-0.5b}"
-way() {  # way NAME SECONDS COMMAND...
-    local name="$1" limit="$2"
-    shift 2
-    timeout "$limit" "$@" >"$out/$name.txt" 2>&1
-    echo "$name: exit $?" >>"$out/$name.txt"
-    cp "$work/$name/report.json" "$out/${name}_report.json" 2>/dev/null || echo "$name: no report" >>"$out/$name.txt"
-}
 # the checkpoint is made once, before the timed runs (one process)
 python3 -c "import sys; sys.path.insert(0, '$here/examples'); from train_llava_loop import checkpoint; checkpoint('$size')" \
     >"$work/checkpoint.log" 2>&1 || { cat "$work/checkpoint.log"; exit 1; }

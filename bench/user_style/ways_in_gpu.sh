@@ -12,25 +12,9 @@
 # OUTDIR gets 6 files: <way>.txt (what the user sees: the script's output, vlmdoctor's progress lines, the
 # report, the summary; 80 columns; its last line the exit code) and <way>_report.json. The traces, the HTML
 # pages and the checkpoint stay in a temporary folder, removed at the end.
-set -u
-out="${1:?usage: ways_in_gpu.sh OUTDIR}"
-mkdir -p "$out"
-out="$(cd "$out" && pwd)"
-here="$(cd "$(dirname "$0")/../.." && pwd)"
-work="$(mktemp -d)"
-trap 'rm -rf "$work"' EXIT
-export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 COLUMNS=80
-export VLMDOCTOR_EXAMPLES_CACHE="$work/checkpoints" TQDM_DISABLE=1
-cd "$work" || exit 1
+. "$(dirname "$0")/ways_common.sh"
 loop="$here/examples/train_llava_loop.py"
 size="${SIZE:-0.5b}" device="${DEVICE:-cuda}"
-way() {  # way NAME SECONDS COMMAND...: the console to OUTDIR/NAME.txt, the report to OUTDIR/NAME_report.json
-    local name="$1" limit="$2"
-    shift 2
-    timeout "$limit" "$@" >"$out/$name.txt" 2>&1
-    echo "$name: exit $?" >>"$out/$name.txt"
-    cp "$work/$name/report.json" "$out/${name}_report.json" 2>/dev/null || echo "$name: no report" >>"$out/$name.txt"
-}
 way run 120 python3 -m vlmdoctor run --out "$work/run" --warmup 5 --steps 20 --stop-after-window -- \
     python3 "$loop" --size "$size" --device "$device" --batch-size 8 --steps 200
 way api 90 python3 "$loop" --size "$size" --device "$device" --batch-size 8 --steps 30 --api --out "$work/api"
