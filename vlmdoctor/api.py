@@ -884,6 +884,8 @@ def diagnose_report(
 REPORT, HTML = "report.json", "report.html"
 #: the longest traced window: a profiler left on for the rest of a long training would fill memory and disk
 MAX_TRACE_STEPS = 1000
+#: the window's bounds (`Doctor`, `DoctorCallback`, `vlmdoctor run`'s flags): steps, not a resource to exhaust
+WINDOW_LIMITS = {"warmup": (0, 10**6), "steps": (1, 10**6), "trace_steps": (0, MAX_TRACE_STEPS)}
 
 
 def argument_problem(out: Any, warmup: Any, steps: Any, trace_steps: Any, stage: Any, model: Any = None) -> str | None:
@@ -900,11 +902,8 @@ def argument_problem(out: Any, warmup: Any, steps: Any, trace_steps: Any, stage:
         return f"out= must be a folder path, got {out!r}"[:200]
     if os.path.islink(out) or (os.path.exists(out) and not os.path.isdir(out)):
         return f"out={str(out)!r} exists and is not a folder (a link or a file): vlmdoctor writes only into a folder"
-    for name, value, low, high in (
-        ("warmup", warmup, 0, 10**6),
-        ("steps", steps, 1, 10**6),
-        ("trace_steps", trace_steps, 0, MAX_TRACE_STEPS),
-    ):
+    for name, value in (("warmup", warmup), ("steps", steps), ("trace_steps", trace_steps)):
+        low, high = WINDOW_LIMITS[name]
         if not whole(value) or not low <= value <= high:
             return f"{name} must be a whole number from {low} to {high:,}, got {value!r}"[:200]
     if isinstance(stage, bool) or (stage is not None and stage not in (1, 2)):
@@ -946,11 +945,14 @@ def gather_ranks(report: dict[str, Any], rec: Recorder) -> dict[str, Any] | None
 
     if rec.world == 1:
         return report
-    if rec.rank != 0:
-        rank_join.write_part(report, rec.out, rec.rank)
-        return None
-    if "distributed" not in report:  # joined once, also when asked again
-        rank_join.join(report, rec.out, rec.world)
+    try:
+        if rec.rank != 0:
+            rank_join.write_part(report, rec.out, rec.rank)
+            return None
+        if "distributed" not in report:  # joined once, also when asked again
+            rank_join.join(report, rec.out, rec.world)
+    except Exception as e:  # this rank's own numbers stand
+        rec.say("could not join the ranks' numbers, rank 0's own are kept", e)
     return report
 
 
@@ -1020,19 +1022,21 @@ class Doctor:
         self.report: dict[str, Any] | None = None
         self.reported = False
         self.summarized = False
-        self.refused = [] if force or bad else existing_outputs(out)
+        existing = [] if force or bad else existing_outputs(out)
         if bad:
-            self.refused = [Path(out)]  # nothing is written: as a refused run
+            why = f"vlmdoctor.Doctor: {bad}: this run is not measured; training goes on"
+        elif existing:  # the rule of `vlmdoctor run`: an earlier report stays, unless force=True
+            why = (
+                f"{existing[0]} exists: this run is not measured (force=True replaces it, "
+                "or out= another folder); training goes on"
+            )
+        else:
+            why = None
+        self.refused = why is not None  # the loop runs, unmeasured, and nothing is written
+        if why is not None:
             self.rec.done = self.rec.broken = True
             if self.lead:
-                _log(f"vlmdoctor.Doctor: {bad}: this run is not measured; training goes on")
-        elif self.refused:  # the rule of `vlmdoctor run`: an earlier report stays, unless force=True
-            self.rec.done = self.rec.broken = True
-            if self.lead:
-                _log(
-                    f"{self.refused[0]} exists: this run is not measured (force=True replaces it, "
-                    "or out= another folder); training goes on"
-                )
+                _log(why)
 
     def __enter__(self) -> Doctor:
         if not self.refused:
@@ -1080,12 +1084,7 @@ class Doctor:
             report.setdefault("notes", []).append(
                 "vlmdoctor hit an internal error during the run and stopped measuring; the numbers may be partial"
             )
-        try:
-            joined = gather_ranks(report, self.rec)
-        except Exception as e:  # rank 0's own numbers stand
-            joined = report
-            self.rec.say("could not join the ranks' numbers, rank 0's own are kept", e)
-        if joined is None:
+        if gather_ranks(report, self.rec) is None:
             return None  # a rank other than 0: rank 0 holds its numbers
         self.report = report
         try:

@@ -92,10 +92,7 @@ def _identity(path: str) -> tuple[str, tuple[int, int] | None]:
         ino = (st.st_dev, st.st_ino)
     except (OSError, ValueError):
         ino = None
-    try:
-        return os.path.realpath(os.path.abspath(path)), ino
-    except (OSError, ValueError):  # a NUL in the name: nothing there to compare, and the write will refuse it
-        return os.path.abspath(path), ino
+    return _key(path), ino
 
 
 def check_inputs_kept(
@@ -166,7 +163,7 @@ def check_writable(path: str | os.PathLike | None, force: bool, flag: str = "") 
     if st is not None:
         kind = _kind(st.st_mode)
         if kind:
-            raise UsageError(f"{label} is {kind}; vlmdoctor writes regular files only and never replaces {kind}")
+            raise _not_regular(label, kind)
         if not force:
             raise UsageError(f"{label} exists; pass --force to overwrite it")
     if force:  # whatever is there when the work is done may be replaced
@@ -224,6 +221,10 @@ def json_text(data: Any, indent: int | None = 2) -> str:
     return json.dumps(finite(data), indent=indent, default=str, allow_nan=False) + "\n"
 
 
+def _not_regular(label: str | os.PathLike, kind: str) -> UsageError:
+    return UsageError(f"{label} is {kind}; vlmdoctor writes regular files only and never replaces {kind}")
+
+
 def _refuse_special(target: Path) -> None:
     try:
         st = os.lstat(target)
@@ -231,11 +232,15 @@ def _refuse_special(target: Path) -> None:
         return
     kind = _kind(st.st_mode)
     if kind:
-        raise UsageError(f"{target} is {kind}; vlmdoctor writes regular files only and never replaces {kind}")
+        raise _not_regular(target, kind)
 
 
 def _key(path: str | os.PathLike) -> str:
-    return os.path.realpath(os.path.abspath(os.fspath(path)))
+    """The resolved path: one file reached by `./x`, `x` or a link is one key."""
+    try:
+        return os.path.realpath(os.path.abspath(os.fspath(path)))
+    except (OSError, ValueError):  # a NUL in the name: nothing there to compare, and the write will refuse it
+        return os.path.abspath(os.fspath(path))
 
 
 def adopt(*paths: str | os.PathLike) -> None:
@@ -263,14 +268,15 @@ def _place(tmp: str, target: Path) -> None:
         there = (st.st_dev, st.st_ino)
     except FileNotFoundError:
         there = None
+    taken = OSError(errno.EEXIST, "another program wrote it while vlmdoctor worked; it is not replaced")
     if there is not None and there != ours:
-        raise OSError(errno.EEXIST, "another program wrote it while vlmdoctor worked; it is not replaced")
+        raise taken
     if there is None:
         try:
             os.link(tmp, target)  # fails if the name is taken meanwhile: never a replace
             os.unlink(tmp)
         except FileExistsError:
-            raise OSError(errno.EEXIST, "another program wrote it while vlmdoctor worked; it is not replaced") from None
+            raise taken from None
         except OSError:  # a file system without hard links
             os.replace(tmp, target)
     else:
@@ -380,7 +386,7 @@ def _open_regular_append(target: Path, truncate: bool = False) -> int:
     try:
         kind = _kind(os.fstat(fd).st_mode)
         if kind:
-            raise UsageError(f"{target} is {kind}; vlmdoctor writes regular files only and never replaces {kind}")
+            raise _not_regular(target, kind)
         if hasattr(os, "O_NONBLOCK"):
             os.set_blocking(fd, True)
         if truncate:

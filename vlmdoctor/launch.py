@@ -202,13 +202,8 @@ class _Child:
 
     def _gathered(self, report: dict[str, Any], gather: Any) -> bool:
         """Several ranks: False on a rank other than 0, which handed its numbers to rank 0 (and is done)."""
-        try:
-            if gather(report, self.rec) is None:
-                self.handed_over = True
-                return False
-        except Exception as e:  # rank 0's own numbers stand
-            self.say("could not join the ranks' numbers, rank 0's own are kept", e)
-        return True
+        self.handed_over = gather(report, self.rec) is None
+        return not self.handed_over
 
     def _write(self, report: dict[str, Any]) -> bool:
         """OUT/report.json; when that fails, the report is rescued to a file the line names (never lost)."""
@@ -562,15 +557,13 @@ def run_script(
         cmd = [sys.executable, "-c", BOOTSTRAP, *parse_command(command)]
     if stage is not None and stage not in (1, 2):
         raise UsageError("--stage must be 1 or 2")
-    from vlmdoctor.api import MAX_TRACE_STEPS
+    from vlmdoctor.api import WINDOW_LIMITS
     from vlmdoctor.inputs import check_number
 
-    for name, v, low, high in (
-        ("--warmup", warmup, 0, 10**6),
-        ("--steps", steps, 1, 10**6),
-        ("--trace-steps", trace_steps, 1, MAX_TRACE_STEPS),
-    ):
-        check_number(name, v, minimum=low, maximum=high, integer=True)
+    for name, v in (("warmup", warmup), ("steps", steps), ("trace_steps", trace_steps)):
+        low, high = WINDOW_LIMITS[name]
+        low = max(low, 1) if name == "trace_steps" else low  # run always traces: its diagnosis needs a window
+        check_number("--" + name.replace("_", "-"), v, minimum=low, maximum=high, integer=True)
     folder = Path(out)
     report_path, page_path = folder / REPORT, folder / HTML
     log = folder / "script.log"

@@ -168,13 +168,8 @@ OWNER = ".vlmdoctor-owner"
 
 def _started(pid: int) -> int | None:
     """When process `pid` started (clock ticks after boot); None if it is gone (or there is no /proc)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    fields = raw[raw.rfind(b")") + 2 :].split()
-    return int(fields[19]) if len(fields) > 19 else None
+    p = _proc(pid)
+    return None if p is None else p.start
 
 
 def _here() -> str:
@@ -256,6 +251,19 @@ class _Proc:
     zombie: bool
 
 
+def _proc(pid: int) -> _Proc | None:
+    """Process `pid` from /proc/PID/stat; None if it is gone (or there is no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    fields = raw[raw.rfind(b")") + 2 :].split()  # the name may hold spaces and parentheses
+    if len(fields) < 20:
+        return None
+    return _Proc(pid, int(fields[1]), int(fields[2]), int(fields[19]), fields[0] == b"Z")
+
+
 def _table() -> dict[int, _Proc]:
     """Every process this user can see, from /proc (empty where there is no /proc)."""
     procs = {}
@@ -264,16 +272,9 @@ def _table() -> dict[int, _Proc]:
         for name in names:
             if not name.isdigit():
                 continue
-            try:
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    raw = f.read()
-            except OSError:
-                continue
-            fields = raw[raw.rfind(b")") + 2 :].split()  # the name may hold spaces and parentheses
-            if len(fields) < 20:
-                continue
-            p = _Proc(int(name), int(fields[1]), int(fields[2]), int(fields[19]), fields[0] == b"Z")
-            procs[p.pid] = p
+            p = _proc(int(name))
+            if p is not None:
+                procs[p.pid] = p
     return procs
 
 

@@ -104,7 +104,11 @@ class SafeConsole(Console):
 
     @property
     def file(self) -> Any:
-        return _Guarded(Console.file.fget(self))  # type: ignore[attr-defined]
+        stream = Console.file.fget(self)  # type: ignore[attr-defined]  # sys.stdout as it is now, unless given
+        guard = self.__dict__.get("_guard")
+        if guard is None or guard._stream is not stream:  # one wrapper per stream, not one per write
+            guard = self.__dict__["_guard"] = _Guarded(stream)
+        return guard
 
     @file.setter
     def file(self, new_file: Any) -> None:

@@ -205,52 +205,33 @@ def _findings(findings: list[dict[str, Any]] | None, diagnosis: dict[str, Any] |
     return "".join(out)
 
 
+def _fact_table(
+    facts: dict[str, Any], heads: tuple[str, ...], names: list[str], cells: tuple[tuple[str, Any], ...]
+) -> str:
+    """One row per name: the name, then each fact `key.format(name)` through its formatter."""
+    rows = [tuple(esc(x) for x in (n, *(fmt(facts.get(key.format(n))) for key, fmt in cells))) for n in names]
+    return _table(heads, rows, numeric=tuple(range(1, len(heads))))
+
+
 def _cpu_section(facts: dict[str, Any]) -> str:
     """What a CPU trace holds: op time per part (forward, backward), casts, matmuls by dtype, the rest."""
     parts = [p for p in ("vision", "projector", "llm") if f"cpu.part.{p}.ms" in facts]
     out = ["<h2>Where the CPU time went (per traced step)</h2>"]
     if parts:
-        out.append(
-            _table(
-                ("part", "forward ms", "backward ms", "total ms", "share of the step"),
-                [
-                    tuple(
-                        esc(x)
-                        for x in (
-                            p,
-                            _num(facts.get(f"cpu.part.{p}.forward_ms"), 2),
-                            _num(facts.get(f"cpu.part.{p}.backward_ms"), 2),
-                            _num(facts.get(f"cpu.part.{p}.ms"), 2),
-                            _pct(facts.get(f"cpu.part.{p}.share")),
-                        )
-                    )
-                    for p in parts
-                ],
-                numeric=(1, 2, 3, 4),
-            )
-        )
+        cells = tuple((f"cpu.part.{{}}.{k}", lambda v: _num(v, 2)) for k in ("forward_ms", "backward_ms", "ms"))
+        heads = ("part", "forward ms", "backward ms", "total ms", "share of the step")
+        out.append(_fact_table(facts, heads, parts, (*cells, ("cpu.part.{}.share", _pct))))
     dtypes = [d for d in ("fp32", "bf16", "fp16") if facts.get(f"cpu.matmul.{d}_ms")]
     if dtypes:
         out.append("<h3>Matmuls by dtype</h3>")
-        out.append(
-            _table(
-                ("dtype", "ms", "GFLOP", "GFLOP/s", "this CPU's probe, GFLOP/s"),
-                [
-                    tuple(
-                        esc(x)
-                        for x in (
-                            d,
-                            _num(facts.get(f"cpu.matmul.{d}_ms"), 2),
-                            _num(facts.get(f"cpu.matmul.{d}_gflop"), 3),
-                            _num(facts.get(f"cpu.matmul.{d}_gflops"), 1),
-                            _num(facts.get(f"cpu.probe.{d}_gflops"), 1),
-                        )
-                    )
-                    for d in dtypes
-                ],
-                numeric=(1, 2, 3, 4),
-            )
+        heads = ("dtype", "ms", "GFLOP", "GFLOP/s", "this CPU's probe, GFLOP/s")
+        cells = (
+            ("cpu.matmul.{}_ms", lambda v: _num(v, 2)),
+            ("cpu.matmul.{}_gflop", lambda v: _num(v, 3)),
+            ("cpu.matmul.{}_gflops", lambda v: _num(v, 1)),
+            ("cpu.probe.{}_gflops", lambda v: _num(v, 1)),
         )
+        out.append(_fact_table(facts, heads, dtypes, cells))
     out.append(
         _kv(
             [
