@@ -14,6 +14,7 @@ import io
 import json
 import os
 import shutil
+import stat
 import time
 from pathlib import Path
 
@@ -362,3 +363,50 @@ def test_ctrl_c_in_sweep_keeps_the_finished_rows(tmp_path, monkeypatch, outputs)
     else:
         rows = json.loads(text)["runs"]
     assert [r["name"] for r in rows] == ["batch_size=1, model=tiny, device=cpu", "batch_size=2, model=tiny, device=cpu"]
+
+
+@pytest.mark.parametrize("umask", [0o077, 0o002, 0o022])
+def test_every_output_honours_the_umask(tmp_path, umask):
+    """An output is an ordinary new file: its mode is what the user's umask gives one (a private 077 stays
+    private), through each of the writers."""
+    old = os.umask(umask)
+    try:
+        files.write_bytes(tmp_path / "a.json", b"{}")
+        with files.atomic_writer(tmp_path / "b.json") as f:
+            f.write(b"{}")
+        files.append_text(tmp_path / "c.log", "x")
+        files.export_via(tmp_path / "d.json", lambda p: Path(p).write_text("{}"))
+    finally:
+        os.umask(old)
+    for name in ("a.json", "b.json", "c.log", "d.json"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o666 & ~umask, name
+
+
+@pytest.mark.parametrize(
+    "flag, value, said",
+    [
+        ("--json", "", "an empty path"),
+        ("--html", "", "an empty path"),
+        ("--html", "-", "cannot go to standard output"),
+        ("--json", "out/", "names a folder"),
+        ("--html", "out/", "names a folder"),
+        ("--json", ".", "names a folder"),
+    ],
+    ids=["json-empty", "html-empty", "html-dash", "json-slash", "html-slash", "json-dot"],
+)
+def test_one_output_path_policy(flag, value, said, tmp_path, monkeypatch):
+    """`-` is standard output where an output can go there and refused elsewhere (never a file named '-'); an
+    empty path or a folder's name is refused in one line, before any work, and nothing is written."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    before = snapshot(tmp_path)
+    r = invoke(["analyze", TRACE, flag, value])
+    assert_one_line(r, 2, said)
+    assert snapshot(tmp_path) == before
+
+
+def test_an_error_line_stays_readable_whatever_the_input_holds(tmp_path):
+    """A path of a megabyte in the one error line: its middle is left out and the line says so."""
+    r = invoke(["analyze", "x" * 1_000_000 + ".json"])
+    line = assert_one_line(r, 2, "characters left out")
+    assert len(line) < 1000

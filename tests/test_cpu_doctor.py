@@ -297,3 +297,17 @@ def test_the_runner_carries_the_matmul_probe_into_the_trace(tiny_cfg, tmp_path):
     assert {"cpu.part.vision.forward_ms", "cpu.part.projector.forward_ms", "cpu.part.llm.forward_ms"} <= set(f)
     d = report["diagnosis"]
     assert not d["not_evaluated"], d["not_evaluated"]  # on a CPU run every rule is evaluated or does not apply
+
+
+def test_the_matmul_probe_draws_nothing_from_the_users_random_streams():
+    """It runs inside the user's process (Doctor, the callback, `vlmdoctor run`): a draw from torch's global
+    generator changed every later batch and dropout mask of the user's training."""
+    import random
+
+    import numpy as np
+
+    before = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
+    matmul_probe(max_rounds=2)
+    after = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
+    assert torch.equal(before[0], after[0])
+    assert (before[1] == after[1]).all() and before[2] == after[2]

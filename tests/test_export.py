@@ -139,7 +139,7 @@ def test_chrome_export_refuses_to_overwrite_without_force(tmp_path):
         (b"not json at all", "not a JSON object"),
         (b'{"traceEvents": [{"ph": "X", "ts": 1', "truncated"),
         (b'{"traceEvents": []}', "no trace events"),
-        (b'{"other": 1}', "no 'traceEvents'"),
+        (b'{"other": 1}', "no top-level 'traceEvents'"),
     ],
 )
 def test_chrome_export_names_an_unreadable_input(tmp_path, content, match):

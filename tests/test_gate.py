@@ -362,11 +362,26 @@ def test_junit_xml_and_markdown():
     assert cases["memory"].find("failure") is None
     assert cases["findings"].find("skipped") is not None
     md = markdown(result)
-    assert "vlmdoctor gate FAILED" in md and "| throughput | fail |" in md and "| memory | pass |" in md
+    assert "vlmdoctor gate FAILED" in md and "| `throughput` | `fail` |" in md and "| `memory` | `pass` |" in md
 
     ok = gate(fixture("bf16_s2"), fixture("bf16_s2"))
     assert "vlmdoctor gate passed" in markdown(ok)
     assert ET.fromstring(junit_xml(ok)).find(".//failure") is None
+
+
+def test_report_text_in_the_step_summary_renders_as_text():
+    """A model name, a note or a detail is input: in $GITHUB_STEP_SUMMARY it must not become a link, an image,
+    HTML or a forged heading, nor break the table (rendered here by a CommonMark renderer with tables)."""
+    from markdown_it import MarkdownIt
+
+    hostile = "[ok](https://x.example) ![i](https://x.example/i.png) <img src=x onerror=1> | ## passed \n# passed ``"
+    result = gate(fixture("bf16_s2"), fixture("bf16_s2"), notes=[hostile])
+    result["model"] = hostile
+    result["checks"][0]["detail"] = hostile
+    html = MarkdownIt("commonmark").enable("table").render(markdown(result))
+    assert "<a " not in html and "<img" not in html and "<h1>" not in html
+    assert html.count("<h2>") == 1  # the verdict's own heading only
+    assert all(row.count("<td>") == 3 for row in html.split("<tr>")[2:])  # every row still three cells
 
 
 # --- a real pair of runs -----------------------------------------------------------------------

@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 from vlmdoctor.cli import app
 from vlmdoctor.doctor.rules import GAIN_SEVERITY, diagnose, gain_ratio, gain_severity, load_rules, rank_findings
 from vlmdoctor.doctor.select import Selection, build_selection
+from vlmdoctor.errors import UsageError
 from vlmdoctor.report.console import render_findings
 from vlmdoctor.trace.facts import analyze, merge_measured
 
@@ -327,3 +328,40 @@ def test_analyze_of_a_profile_trace_gives_what_profile_gave(tmp_path):
     assert "data.loss_token_frac" in entry["facts"]
     assert [f["id"] for f in entry["findings"]] == [f["id"] for f in report["findings"]]
     assert "data-padding-waste" in [f["id"] for f in entry["findings"]]  # needs the measured padding
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '[ tool.vlmdoctor ]\nignore = ["low"]\n',
+        '[tool."vlmdoctor"]\nignore = ["low"]\n',
+        '[ tool . vlmdoctor ]\nignore = ["low"]\n',
+        'tool.vlmdoctor.ignore = ["low"]\n',
+        '[tool]\nvlmdoctor = { ignore = ["low"] }\n',
+        '[tool]\nvlmdoctor.ignore = ["low"]\n',
+        '[tool.vlmdoctor]\n"ignore" = ["low"]\n',
+    ],
+    ids=["spaces", "quoted", "spaced-dots", "dotted-keys", "inline-table", "dotted-in-tool", "quoted-key"],
+)
+def test_every_toml_spelling_of_the_table_is_the_table(text, tmp_path):
+    """The table is found by parsing, not by its bytes: each spelling is read, and a parent's table never
+    stands in for it."""
+    from vlmdoctor.doctor.settings import project_settings
+
+    (tmp_path / "pyproject.toml").write_text('[tool.vlmdoctor]\nignore = ["high"]\n')  # the parent's: not this
+    here = tmp_path / "proj"
+    here.mkdir()
+    (here / "pyproject.toml").write_text(text)
+    assert project_settings(here)["ignore"] == ["low"]
+
+
+def test_a_pyproject_that_is_not_toml_stops_the_search(tmp_path):
+    """A UTF-16 pyproject.toml is no TOML: said, rather than a parent folder's settings applied silently."""
+    from vlmdoctor.doctor.settings import project_settings
+
+    (tmp_path / "pyproject.toml").write_text('[tool.vlmdoctor]\nignore = ["high"]\n')
+    here = tmp_path / "proj"
+    here.mkdir()
+    (here / "pyproject.toml").write_bytes('[tool.vlmdoctor]\nignore = ["low"]\n'.encode("utf-16"))
+    with pytest.raises(UsageError, match="pyproject.toml"):
+        project_settings(here)

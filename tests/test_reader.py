@@ -172,3 +172,52 @@ def test_a_rank_folder_analyzed_in_parallel_equals_the_serial_analysis(monkeypat
     monkeypatch.setattr(facts_mod, "PARALLEL_MIN_BYTES", 0)
     monkeypatch.setattr(facts_mod, "cpus", lambda: 2)
     _same(facts_mod.analyze(folder, workers=2), serial)
+
+
+_EVENT = {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 1.0, "dur": 2.0, "pid": 1, "tid": 1}
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        '{"note": "see \\"traceEvents\\": [the decoy]", ',  # the bytes inside a string
+        '{"nested": {"traceEvents": [{"name": "decoy"}]}, ',  # a key of a nested object
+        '{"list": [{"traceEvents": []}], ',  # inside a list
+        '{"deviceProperties": [], ',  # the plain layout, as a control
+    ],
+    ids=["in-a-string", "nested-key", "in-a-list", "plain"],
+)
+@pytest.mark.parametrize("escaped", [False, True], ids=["key", "escaped-key"])
+def test_the_events_are_the_top_level_list_every_json_reader_sees(tmp_path, head, escaped):
+    """One top-level key reader: the events and the metadata are what json.load sees, whatever bytes spell
+    'traceEvents' before the real key, and however the real key is spelled."""
+    key = '"trace\\u0045vents"' if escaped else '"traceEvents"'
+    text = head + key + ": [" + json.dumps(_EVENT) + '], "traceName": "t"}'
+    path = tmp_path / "t.json"
+    path.write_text(text)
+    whole = json.loads(text)
+    assert list(iter_events(path)) == whole["traceEvents"]
+    meta = read.read_metadata(path)
+    assert meta == {k: v for k, v in whole.items() if k not in ("traceEvents", "traceName")}
+
+
+def test_a_trace_whose_only_traceevents_is_nested_has_no_events(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text('{"nested": {"traceEvents": [{"name": "decoy"}]}, "other": 1}')
+    with pytest.raises(read.TraceError, match="top-level 'traceEvents'"):
+        list(iter_events(path))
+
+
+def test_a_link_inside_a_rank_folder_is_not_followed(tmp_path):
+    """A rank folder's files are read, a link in it is not: its target (anything on the machine) is never
+    opened, so no error can echo its first bytes."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("TOPSECRET not a trace")
+    ranks = tmp_path / "ranks"
+    ranks.mkdir()
+    (ranks / "rank1.pt.trace.json").symlink_to(secret)
+    with pytest.raises(read.TraceError, match="not followed") as e:
+        read.trace_files(ranks)
+    assert "TOPSECRET" not in str(e.value)
+    (ranks / "rank0.pt.trace.json").write_text('{"traceEvents": []}')
+    assert read.trace_files(ranks) == [ranks / "rank0.pt.trace.json"]

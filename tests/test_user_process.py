@@ -206,8 +206,7 @@ TARGETS = {
     "vlmdoctor.api.Recorder._add_metadata": ("doctor", "callback", "run"),
     "vlmdoctor.api.Recorder._build_report": ("doctor", "callback", "run"),
     "vlmdoctor.run.one_profiler.claim": ("doctor", "callback", "run"),
-    "vlmdoctor.run.flopcount.StepFlops.start": ("doctor", "callback", "run"),
-    "vlmdoctor.run.flopcount.StepFlops.stop": ("doctor", "callback", "run"),
+    "vlmdoctor.api.Recorder._count_flops": ("doctor", "callback", "run"),
     "torch.profiler.record_function": ("doctor", "callback", "run"),  # inside the part marks, in the forward
     "vlmdoctor.api.diagnose_report": ("doctor", "callback", "run"),
     "vlmdoctor.api.write_outputs": ("doctor", "callback", "run"),
@@ -330,14 +329,16 @@ def test_an_error_of_vlmdoctor_never_reaches_the_loop(
     assert not module_hooks._global_forward_hooks and not module_hooks._global_forward_pre_hooks
 
 
-def test_a_failing_flop_formula_stops_the_count_not_the_step(reference, fast_reports, monkeypatch, tmp_path):
-    """The FLOP counter runs inside one user step: a formula that raises there must not reach it."""
-    from torch.utils.flop_counter import FlopCounterMode
+def test_a_failing_flop_count_leaves_mfu_null_with_its_reason(reference, fast_reports, monkeypatch, tmp_path):
+    """The FLOPs are counted from the profiler's record after the window: a count that fails there gives MFU
+    null and says why, and the loop never sees it."""
+    import vlmdoctor.run.flopcount
 
-    monkeypatch.setattr(FlopCounterMode, "_count_flops", _injected)
+    monkeypatch.setattr(vlmdoctor.run.flopcount, "kineto_ops", _injected)
     assert _doctor(tmp_path / "out") == reference
     report = json.loads((tmp_path / "out" / "report.json").read_text())
-    assert "FLOP counter failed (RuntimeError: injected)" in report["flops"]["formula"]
+    assert "reading the profiler's record failed (RuntimeError: injected)" in report["flops"]["formula"]
+    assert report["metrics"]["mfu"] is None
 
 
 # --- out of memory exits 3, on the host as on the GPU ---------------------------------------------

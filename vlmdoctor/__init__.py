@@ -5,15 +5,22 @@ __version__ = "0.1.0"
 #: version of the report JSON layout; bump when a field changes meaning or moves
 SCHEMA_VERSION = 1
 
+from vlmdoctor.invisible import kept as _kept  # noqa: E402
+
+with _kept():  # rich draws from Python's `random` when imported: imported here, in a user's process invisibly
+    import rich.style  # noqa: E402, F401
+
 
 def __getattr__(name: str):
-    """`vlmdoctor.Doctor` and `vlmdoctor.DoctorCallback`, imported on first use (torch and transformers are heavy)."""
-    if name == "Doctor":
-        from vlmdoctor.api import Doctor
+    """`vlmdoctor.Doctor` and `vlmdoctor.DoctorCallback`, imported on first use (torch and transformers are heavy);
+    the import leaves the user's random streams as it found them (a library imported then may draw)."""
+    if name in ("Doctor", "DoctorCallback"):
+        from vlmdoctor.invisible import kept
 
-        return Doctor
-    if name == "DoctorCallback":
-        from vlmdoctor.callback import DoctorCallback
-
-        return DoctorCallback
+        with kept():
+            if name == "Doctor":
+                from vlmdoctor.api import Doctor as found
+            else:
+                from vlmdoctor.callback import DoctorCallback as found
+        return found
     raise AttributeError(f"module 'vlmdoctor' has no attribute {name!r}")

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from vlmdoctor import SCHEMA_VERSION, __version__
+from vlmdoctor.invisible import kept
 from vlmdoctor.report import progress
 from vlmdoctor.run import one_profiler, throughput
 from vlmdoctor.run.flopcount import StepFlops, describe_counted, peak_of, per_step
@@ -198,6 +199,11 @@ def unwrap(model: nn.Module | None) -> tuple[nn.Module | None, str]:
     return model, parallel
 
 
+def _next_from(record: dict[str, Any], clock: str = "t") -> float:
+    """Where the step after this record starts: its end, or later when work that is not training came between."""
+    return record.get("next_from" if clock == "t" else "cpu_next_from", record[clock])
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -264,8 +270,10 @@ class Recorder:
         grows = self.warmup >= throughput.SETTLE_STEPS and self.world == 1
         self.settle_left = min(20, self.warmup) if grows else 0
         self.settled: bool | None = None
-        self.flops = StepFlops()
+        self.flops = StepFlops()  # counted from the traced window's record once it stopped, never on a live step
         self.flops_padded: int | None = None
+        self.traced_padded: list[int] = []  # padded tokens of each recorded (active) traced step
+        self.excluded_ms: dict[str, float] = {}  # work between steps that is not training, left out of the times
         self.trace_skipped: str | None = None  # why the traced window was not traced (another profiler ran)
         self.profiled_timed_steps = 0  # timed steps during which another profiler ran (their times include it)
         self.profiled_by: str | None = None
@@ -382,9 +390,6 @@ class Recorder:
         self.pending, self.pending_losses = [], []
         self.n += 1
         i = self.n
-        if self.flops.running:  # the counted step (the profiler's wait step) ends here
-            self.flops.stop()
-            self.flops_padded = sum(int(c["padded"]) for c in counts) or None
         boundary = i == self.warmup or i == self.warmup + self.steps
         if boundary:
             _sync(self.device)
@@ -408,11 +413,10 @@ class Recorder:
             self._tell(progress.timed_done_line(self.window, i, self.step_offset, self.trace_steps, rank))
             if self.trace_steps:
                 self._start_traced_window()
-            if self.model is not None and self.prof is not None:
-                self.flops.start(self.model)  # the next step is the profiler's wait step: count its FLOPs, untimed
         elif self.prof is not None:
             if i > self.warmup + self.steps + 2 and self.trace_info is not None:  # an active (recorded) step
-                self.trace_info["traced_step_ms"].append((now - self.records[-2]["t"]) * 1e3)
+                self.trace_info["traced_step_ms"].append((now - _next_from(self.records[-2])) * 1e3)
+                self.traced_padded.append(sum(int(c["padded"]) for c in counts))
             with one_profiler.ours(self):
                 self.prof.step()
             if i == self.warmup + self.steps + 2:  # recording starts now; metadata before it is dropped
@@ -437,6 +441,22 @@ class Recorder:
         self.settle_left -= 1
         return True
 
+    def exclude_since_last_step(self, what: str) -> None:
+        """Work that is not training ran since the last step ended (the Trainer's evaluation): the next step is
+        timed from now, and the time left out is said."""
+        if self.done or self.window_done:
+            return
+        now = time.perf_counter()
+        if not self.records:
+            if self.t_start is not None:
+                self.t_start, self.c_start = now, time.process_time()
+            return
+        last = self.records[-1]
+        left_out = now - _next_from(last)
+        last["next_from"], last["cpu_next_from"] = now, time.process_time()
+        if self.n >= self.warmup:  # inside the timed or traced window
+            self.excluded_ms[what] = self.excluded_ms.get(what, 0.0) + left_out * 1e3
+
     @property
     def window_done(self) -> bool:
         """The timed and traced windows are over: the rest of the run is not measured."""
@@ -447,15 +467,15 @@ class Recorder:
     def _summarize(self, first: int, last: int) -> dict[str, Any]:
         """Steps first+1..last (1-based): their end times minus the previous step's end."""
         recs = self.records
-        t0 = recs[first - 1]["t"] if first >= 1 else self.t_start
+        t0 = _next_from(recs[first - 1]) if first >= 1 else self.t_start
         step_s, step_cpu = [], []
         prev = t0
-        cpu = recs[first - 1]["cpu"] if first >= 1 else self.c_start
+        cpu = _next_from(recs[first - 1], "cpu") if first >= 1 else self.c_start
         for r in recs[first:last]:
             step_s.append(r["t"] - prev)
-            prev = r["t"]
+            prev = _next_from(r)
             step_cpu.append(r["cpu"] - cpu if cpu is not None else None)
-            cpu = r["cpu"]
+            cpu = _next_from(r, "cpu")
         toks = []
         for r in recs[first:last]:
             cs = r["counts"]
@@ -471,7 +491,7 @@ class Recorder:
             )
         losses = [float(x) for r in recs[first:last] for x in r["losses"]]
         lengths = [[int(x) for x in c["lengths"].tolist()] for r in recs[first:last] for c in r["counts"]]
-        wall = prev - t0
+        wall = sum(step_s)
         real = sum(t[0] for t in toks)
         padded = sum(t[2] for t in toks)
         step_ms = [s * 1e3 for s in step_s]
@@ -603,15 +623,6 @@ class Recorder:
         self.prof.add_metadata_json("vlmdoctor", json.dumps(meta, default=str))
 
     def _stop_profiler(self) -> None:
-        if self.flops.running:  # a dispatch mode never outlives the measurement
-            try:
-                self.flops.stop()
-            except Exception as e:
-                self.flops.reason = f"not counted: {type(e).__name__}: {e}"
-                mode, self.flops.mode = self.flops.mode, None
-                if mode is not None:  # out of the user's ops whatever the count did
-                    with contextlib.suppress(Exception):
-                        mode.__exit__(None, None, None)
         prof, self.prof = self.prof, None
         if prof is not None:
             try:
@@ -619,6 +630,8 @@ class Recorder:
                     prof.__exit__(None, None, None)
             except Exception as e:
                 _log(f"the profiler did not stop cleanly: {type(e).__name__}: {e}")
+            else:
+                self._count_flops(prof)
         one_profiler.release(self)
         if self.unmark is not None:
             unmark, self.unmark = self.unmark, None
@@ -629,6 +642,15 @@ class Recorder:
             self.trace_info["bytes"] = p.stat().st_size if written else None
             if not written:
                 self.trace_info["path"] = None
+
+    def _count_flops(self, prof: Any) -> None:
+        """The traced steps' FLOPs from the profiler's record, after the window: nothing runs on a live step."""
+        active = len((self.trace_info or {}).get("traced_step_ms") or [])
+        if not active:
+            return
+        self.flops.count(prof, active)
+        padded = self.traced_padded[:active]
+        self.flops_padded = round(sum(padded) / len(padded)) if padded and all(padded) else None
 
     # -- the report -------------------------------------------------------------------------------
     def rule_config(self) -> dict[str, Any]:
@@ -710,11 +732,11 @@ class Recorder:
         }
         if self.flops.total is None and self.flops.reason is None:
             report["flops"]["formula"] = (
-                "not counted: no traced window (another profiler ran), whose first step is the one counted"
+                "not counted: no traced window (another profiler ran), whose recorded steps are the ones counted"
                 if self.trace_skipped is not None
-                else "not counted: the loop ended before the traced window's first step"
+                else "not counted: the loop ended before the traced window recorded a step"
                 if self.trace_steps
-                else "not counted: no traced window (trace_steps=0), whose first step is the one counted"
+                else "not counted: no traced window (trace_steps=0), whose recorded steps are the ones counted"
             )
         n = self.n
         notes = list(self.notes)
@@ -731,6 +753,11 @@ class Recorder:
         if n < self.warmup + self.steps + (2 + self.trace_steps if self.trace_steps else 0):
             script = self.source == "script"  # `vlmdoctor run`: flags, and the first optimizer step is not counted
             notes.append(progress.fit_hint(n, self.warmup_asked, self.steps, self.trace_steps, script, int(script)))
+        for what, ms in self.excluded_ms.items():
+            notes.append(
+                f"{what} ran between steps of the measured windows ({ms:,.0f} ms): left out of the step times"
+                + ("; the trace holds it" if self.trace_info is not None else "")
+            )
         if self.profiled_timed_steps:
             notes.append(
                 f"{self.profiled_by} ran during {self.profiled_timed_steps} of the timed steps: their times "
@@ -1005,6 +1032,39 @@ class Doctor:
         force: bool = False,
         step_offset: int = 0,
     ) -> None:
+        args = (model, out, warmup, steps, trace_steps, stage, config, audience, quiet, rules_dirs, source, force)
+        with kept():
+            try:
+                self._setup(*args, step_offset)
+            except Exception as e:  # whatever the arguments, the constructor never raises into the training
+                self._refuse(f"vlmdoctor.Doctor: {type(e).__name__}: {e}"[:300])
+
+    def _refuse(self, why: str) -> None:
+        """This run is not measured, said once: the loop runs as it would without vlmdoctor."""
+        self.rec = Recorder(None, "doctor-out", 0, 1, 0)
+        self.rec.done = self.rec.broken = True
+        self.lead = self.rec.rank == 0
+        self.quiet, self.rules_dirs = True, []
+        self.report, self.reported, self.summarized, self.refused = None, False, False, True
+        if self.lead:
+            _log(f"{why}: this run is not measured; training goes on")
+
+    def _setup(
+        self,
+        model: nn.Module | None,
+        out: str | Path,
+        warmup: int,
+        steps: int,
+        trace_steps: int,
+        stage: int | None,
+        config: dict[str, Any] | None,
+        audience: str,
+        quiet: bool,
+        rules_dirs: Sequence[str],
+        source: str,
+        force: bool,
+        step_offset: int,
+    ) -> None:
         bad = argument_problem(out, warmup, steps, trace_steps, stage, model)
         if bad:  # a wrong argument is said, never raised into the training: the loop runs, unmeasured
             model, out, warmup, steps, trace_steps, stage = None, "doctor-out", 0, 1, 0, None
@@ -1040,8 +1100,9 @@ class Doctor:
 
     def __enter__(self) -> Doctor:
         if not self.refused:
-            self.rec._safe(self.rec.attach)
-            self.rec._safe(self.rec.begin)
+            with kept():
+                self.rec._safe(self.rec.attach)
+                self.rec._safe(self.rec.begin)
         return self
 
     def step(self, batch: Any = None, *, loss: Any = None, **inputs: Any) -> None:
@@ -1050,12 +1111,13 @@ class Doctor:
         Once the traced window is over, the report is written and printed at once (the loop
         goes on, unmeasured), so a long training does not hold it back until its end.
         """
-        try:
-            self.rec.step(batch, loss, **inputs)
-            if not self.reported and not self.refused and self.rec.window_done:
-                self.write_report()
-        except Exception as e:  # vlmdoctor's own error: said once, the loop goes on
-            self.rec.fail(e)
+        with kept():
+            try:
+                self.rec.step(batch, loss, **inputs)
+                if not self.reported and not self.refused and self.rec.window_done:
+                    self.write_report()
+            except Exception as e:  # vlmdoctor's own error: said once, the loop goes on
+                self.rec.fail(e)
 
     @property
     def window_done(self) -> bool:
@@ -1072,6 +1134,10 @@ class Doctor:
         cannot be written)."""
         if self.reported or self.refused:
             return self.report
+        with kept():
+            return self._write_report()
+
+    def _write_report(self) -> dict[str, Any] | None:
         self.reported = True
         try:
             report = self.rec.finish()
@@ -1119,13 +1185,17 @@ class Doctor:
         if self.refused:
             return None
         self.write_report()
+        with kept():
+            self._summarize_once()
+        return self.report
+
+    def _summarize_once(self) -> None:
         if self.report is not None and not self.quiet and not self.summarized:
             self.summarized = True
             try:
                 show_summary(self.report, output_paths(self.report, self.rec.out))
             except Exception as e:
                 self.rec.say("could not print the summary", e)
-        return self.report
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         self.finish()

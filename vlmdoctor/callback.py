@@ -23,6 +23,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from vlmdoctor.api import Doctor, _log
+from vlmdoctor.invisible import kept
 from vlmdoctor.run.trainer_args import sample_lengths, training_args_config
 
 __all__ = ["DoctorCallback", "trainer_metrics", "training_args_config"]
@@ -70,6 +71,10 @@ def _guarded(method: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(method)
     def call(self: DoctorCallback, *args: Any, **kwargs: Any) -> Any:
+        with kept():  # the user's random streams as they were, whatever vlmdoctor and its libraries did
+            return _call(self, *args, **kwargs)
+
+    def _call(self: DoctorCallback, *args: Any, **kwargs: Any) -> Any:
         try:
             return method(self, *args, **kwargs)
         except Exception as e:  # never the user's training
@@ -165,6 +170,18 @@ class DoctorCallback(TrainerCallback):
             except Exception as e:
                 _log(f"could not log the metrics through the Trainer, they go with its next log: {e}")
         self.pending = metrics
+
+    @_guarded
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """An evaluation ran after the last step (the model in eval mode: its forwards count no tokens): its
+        time is not the training's."""
+        if self.doc is not None and not self.doc.refused:
+            self.doc.rec.exclude_since_last_step("evaluation")
+
+    @_guarded
+    def on_predict(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.doc is not None and not self.doc.refused:
+            self.doc.rec.exclude_since_last_step("prediction")
 
     @_guarded
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:

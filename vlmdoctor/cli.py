@@ -805,7 +805,8 @@ def run(
     """Doctor your own training script, unchanged: vlmdoctor run -- python train.py ARGS.
 
     Each optimizer step is a training step. The script's output goes to the terminal and to
-    OUT/script.log; the report to OUT/report.json. Exit 1 when the script fails or never steps.
+    OUT/script.log; the report to OUT/report.json. A failing script's own exit code is passed on (3 when it ran out of
+    memory); exit 1 when it never steps.
     """
     from vlmdoctor.launch import run_script
 
@@ -1482,6 +1483,7 @@ class _user_errors:
             return False  # click's own usage errors print themselves and exit 2
         message, code = describe_error(exc)
         interrupted = isinstance(exc, KeyboardInterrupt)
+        message = message if interrupted else _one_line(message)
         err.print(message if interrupted else f"[bold red]error:[/bold red] {esc(message)}", highlight=False)
         raise typer.Exit(code)
 
@@ -1526,9 +1528,19 @@ def describe_error(exc: BaseException) -> tuple[str, int]:
     return _internal_error(exc), EXIT_FAILED_RUN
 
 
+#: an error line is read by a person: past this many characters its middle is left out, and says so
+ERROR_LINE_MAX = 600
+
+
 def _one_line(text: str) -> str:
+    """The first line of a message, at most ERROR_LINE_MAX characters (a path or a value from an input can be
+    a megabyte long)."""
     lines = [x for x in str(text).strip().splitlines() if x.strip()]
-    return lines[0] if lines else "(no message)"
+    line = lines[0] if lines else "(no message)"
+    if len(line) <= ERROR_LINE_MAX:
+        return line
+    head, tail = line[: ERROR_LINE_MAX * 2 // 3], line[-(ERROR_LINE_MAX // 4) :]
+    return f"{head} ... ({len(line) - len(head) - len(tail):,} characters left out) ... {tail}"
 
 
 def _internal_error(exc: BaseException) -> str:

@@ -142,13 +142,28 @@ def _check_names(p: Path, label: str) -> None:
             raise UsageError(f"{label}: a name in the path is longer than {NAME_MAX} bytes")
 
 
+#: the outputs that `-` sends to standard output; for any other, `-` is refused (never a file named '-')
+STDOUT_FLAGS = ("--json",)
+
+
 def check_writable(path: str | os.PathLike | None, force: bool, flag: str = "") -> None:
     """Refuse up front, before minutes of GPU time are spent, any output path the write would fail on
     or that would replace something it must not: a non-regular file, an existing file without --force,
     a missing or read-only folder, a name too long."""
-    if path is None or str(path) in ("", "-"):
+    if path is None:
         return
-    label = f"{flag} {path}" if flag else str(path)
+    text, name = str(path), flag or "--json"
+    if text == "-":
+        if name not in STDOUT_FLAGS:
+            raise UsageError(f"{name} -: this output cannot go to standard output; give a file name")
+        return
+    if not text.strip():
+        raise UsageError(
+            f"{name}: an empty path; give a file name" + (" (or - for standard output)" if name in STDOUT_FLAGS else "")
+        )
+    label = f"{flag} {path}" if flag else text
+    if text.endswith(("/", os.sep)) or text in (".", ".."):
+        raise UsageError(f"{label}: names a folder; give a file name (in that folder)")
     p = Path(path)
     _check_names(p, label)
     try:
@@ -285,6 +300,22 @@ def _place(tmp: str, target: Path) -> None:
     _NEW[key] = (st.st_dev, st.st_ino)
 
 
+def output_mode() -> int:
+    """The mode a new file gets from open(): 0o666 less the process's umask (read without changing it)."""
+    return 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022  # where the kernel does not say: the common default (reading it any other way changes it)
+
+
 def _write_all(fd: int, data: bytes) -> None:
     """os.write until done (a seam the tests use to fake a full disk)."""
     view = memoryview(data)
@@ -308,7 +339,7 @@ def atomic_writer(path: str | os.PathLike) -> Iterator[IO[bytes]]:
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; an output is an ordinary file
+        os.chmod(tmp, output_mode())  # mkstemp makes it private; an output is an ordinary file, as umask says
         _place(tmp, target)  # something appeared at the target meanwhile: still never replace it
     except BaseException:
         with contextlib.suppress(OSError):
@@ -327,7 +358,7 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            os.chmod(tmp, 0o644)
+            os.chmod(tmp, output_mode())
             _place(tmp, target)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -378,7 +409,7 @@ def _open_regular_append(target: Path, truncate: bool = False) -> int:
     _refuse_special(target)
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
-        fd = os.open(target, flags, 0o644)
+        fd = os.open(target, flags, 0o666)
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
             _refuse_special(target)  # the one line naming what is there
@@ -450,7 +481,7 @@ def export_via(path: str | os.PathLike, export: Callable[[str], None]) -> None:
         else:
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
-            os.chmod(tmp, 0o644)
+            os.chmod(tmp, output_mode())
             _place(tmp, target)
             tmp = None
     except VlmdoctorError:
@@ -477,7 +508,7 @@ def _reserve(folder: Path, base: str) -> Path:
             f"vlmdoctor-rescued-{stamp}-{base}" if k == 0 else f"vlmdoctor-rescued-{stamp}-{k}-{base}"
         )
         try:
-            fd = os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+            fd = os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
         except FileExistsError:
             continue
         os.close(fd)

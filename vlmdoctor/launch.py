@@ -11,12 +11,12 @@ to the terminal and into DIR/script.log, then analyzes the trace, diagnoses and 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
 import runpy
 import sys
-import traceback
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,17 +24,42 @@ from typing import Any
 
 from vlmdoctor import supervise
 from vlmdoctor.errors import EXIT_FAILED_RUN, EXIT_OK, EXIT_OOM, UsageError, is_out_of_memory
+from vlmdoctor.invisible import kept
 
 ENV_KEY = "VLMDOCTOR_RUN"
-BOOTSTRAP = "from vlmdoctor.launch import child_main; child_main()"
-#: interpreter options that take no value and can be dropped (the child is a fresh interpreter)
-PY_FLAGS = {"-u", "-O", "-OO", "-B", "-s", "-E", "-I", "-q", "-b", "-bb"}
+#: this vlmdoctor's folder: the bootstrap finds it there even under `python -I` or `-E` (PYTHONPATH ignored)
+PKG_ROOT = str(Path(__file__).resolve().parent.parent)
+#: what the child's interpreter runs before the script: vlmdoctor's hooks, or, where vlmdoctor cannot be
+#: imported by the user's interpreter, the script alone, as `python SCRIPT` would run it
+BOOTSTRAP = f"""import sys
+sys.path.append({PKG_ROOT!r})
+try:
+    from vlmdoctor.launch import child_main
+except Exception as e:
+    print(f"vlmdoctor: could not hook in, the script runs unmeasured: {{type(e).__name__}}: {{e}}", file=sys.stderr)
+    import os, runpy
+    sys.path.remove({PKG_ROOT!r})
+    os.environ.pop({ENV_KEY!r}, None)
+    sys.argv = sys.argv[1:]
+    if sys.argv[0] == "-m":
+        sys.argv = sys.argv[1:]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+    else:
+        sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+        runpy.run_path(sys.argv[0], run_name="__main__")
+else:
+    child_main()
+"""
+#: interpreter options that take no value, passed on to the child's interpreter as given
+PY_FLAGS = {"-u", "-O", "-OO", "-B", "-s", "-E", "-I", "-P", "-q", "-b", "-bb", "-d", "-v", "-R"}
 PY_FLAGS_WITH_VALUE = {"-W", "-X"}
 MULTI_PROCESS_LAUNCHERS = {"torchrun", "accelerate", "deepspeed", "mpirun", "srun"}
 
 
-def parse_command(command: Sequence[str], cwd: str | None = None) -> list[str]:
-    """`python [opts] train.py ARGS`, `train.py ARGS` or `python -m pkg.mod ARGS` -> what follows the interpreter.
+def split_command(command: Sequence[str], cwd: str | None = None) -> tuple[list[str], list[str]]:
+    """`python [opts] train.py ARGS`, `train.py ARGS` or `python -m pkg.mod ARGS` -> (the interpreter with its
+    options, exactly as given; what follows them). A command without an interpreter gets this one.
 
     `cwd`: the folder the command runs in (the gate runs a recorded command in a baseline checkout)."""
     cmd = list(command)
@@ -45,14 +70,16 @@ def parse_command(command: Sequence[str], cwd: str | None = None) -> list[str]:
             f"{Path(cmd[0]).name} starts several processes, which this command does not follow; "
             "give one process: python train.py ARGS"
         )
+    interpreter = [sys.executable]
     if Path(cmd[0]).name.startswith("python") and not cmd[0].endswith(".py"):
-        cmd = cmd[1:]
+        interpreter = [cmd.pop(0)]
         while cmd and cmd[0].startswith("-") and cmd[0] != "-m":
             flag = cmd.pop(0)
+            interpreter.append(flag)
             if flag == "-c":
                 raise UsageError("python -c is not supported; put the code in a script file")
             if flag in PY_FLAGS_WITH_VALUE and cmd:
-                cmd.pop(0)
+                interpreter.append(cmd.pop(0))
             elif flag not in PY_FLAGS and flag[:2] not in PY_FLAGS_WITH_VALUE:
                 raise UsageError(f"interpreter option {flag} is not supported by vlmdoctor run")
     if not cmd:
@@ -60,17 +87,55 @@ def parse_command(command: Sequence[str], cwd: str | None = None) -> list[str]:
     if cmd[0] == "-m":
         if len(cmd) < 2:
             raise UsageError("python -m needs a module name")
-        return cmd
-    if not (Path(cwd or ".") / cmd[0]).is_file():
+        return interpreter, cmd
+    target = Path(cwd or ".") / cmd[0]
+    if not (target.is_file() or (target / "__main__.py").is_file()):  # a script, or a folder python can run
         raise UsageError(f"{cmd[0]}: no such script file" + (f" in {cwd}" if cwd else ""))
-    return cmd
+    return interpreter, cmd
+
+
+def parse_command(command: Sequence[str], cwd: str | None = None) -> list[str]:
+    """What follows the interpreter and its options (see `split_command`)."""
+    return split_command(command, cwd)[1]
+
+
+def child_command(command: Sequence[str], cwd: str | None = None) -> list[str]:
+    """The user's interpreter, with its options, running the bootstrap in front of the script."""
+    interpreter, argv = split_command(command, cwd)
+    return [*interpreter, "-c", BOOTSTRAP, *argv]
 
 
 # --- the child -----------------------------------------------------------------------------------
 
 
 class _StopAfterWindow(BaseException):
-    """Raised out of the optimizer step once the windows are measured (--stop-after-window)."""
+    """Raised out of the optimizer step once the windows are measured (--stop-after-window). A BaseException:
+    `except Exception` lets it through; a bare `except:` that swallows it is seen at the next step."""
+
+
+STOP_SAID = "vlmdoctor: stopped the script after the measured window (--stop-after-window)"
+
+
+def _exit_now(code: int) -> None:
+    """End the process from inside a hook, without raising into the script: its exit work (atexit) first, as
+    a normal exit runs it. Only for a stop the script has already swallowed once."""
+    import atexit
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _is_instance(o: Any, cls: type) -> bool:
+    """isinstance over the process's objects: a weak proxy whose object is gone (torch.compile keeps them)
+    raises ReferenceError when asked its class."""
+    try:
+        return isinstance(o, cls)
+    except ReferenceError:
+        return False
 
 
 def find_model(optimizer: Any) -> Any:
@@ -80,7 +145,7 @@ def find_model(optimizer: Any) -> Any:
     wanted = {id(p) for g in optimizer.param_groups for p in g["params"]}
     with warnings.catch_warnings():  # isinstance() touches deprecated module attributes (torch.distributed)
         warnings.simplefilter("ignore")
-        modules = [o for o in gc.get_objects() if isinstance(o, nn.Module)]
+        modules = [o for o in gc.get_objects() if _is_instance(o, nn.Module)]
     children = {id(c) for m in modules for c in m.children()}
     best, best_key = None, (0, 0)
     for m in modules:
@@ -93,6 +158,22 @@ def find_model(optimizer: Any) -> Any:
     return best  # DDP / FSDP / torch.compile wrappers included: the Recorder unwraps them (api.unwrap)
 
 
+def _evaluation_excluder(rec: Any) -> Any:
+    """A Trainer callback that leaves the Trainer's evaluations out of the step times (as DoctorCallback does)."""
+    from transformers import TrainerCallback
+
+    class LeaveOut(TrainerCallback):
+        def on_evaluate(self, *args: Any, **kwargs: Any) -> None:
+            with contextlib.suppress(Exception), kept():
+                rec.exclude_since_last_step("evaluation")
+
+        def on_predict(self, *args: Any, **kwargs: Any) -> None:
+            with contextlib.suppress(Exception), kept():
+                rec.exclude_since_last_step("prediction")
+
+    return LeaveOut()
+
+
 def _trainer() -> Any:
     """The transformers Trainer the script built, if any."""
     mod = sys.modules.get("transformers.trainer")
@@ -102,7 +183,7 @@ def _trainer() -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for o in gc.get_objects():
-            if isinstance(o, cls):
+            if _is_instance(o, cls):
                 return o
     return None
 
@@ -119,6 +200,7 @@ class _Child:
         self.said: set[str] = set()
         self.rescued: Path | None = None  # where the report went when OUT/ could not take it
         self.handed_over = False  # a rank other than 0 whose numbers went to rank 0: it writes nothing
+        self.stop_raised = False  # --stop-after-window raised its stop into the script
 
     def say(self, what: str, e: BaseException) -> None:
         """One line per distinct error of vlmdoctor's own, however often it comes back."""
@@ -136,9 +218,13 @@ class _Child:
     def on_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
         """The optimizer step hook: nothing of vlmdoctor's own raises out of it into the script (but the stop
         that --stop-after-window asks for)."""
+        if self.stop_raised:  # the script caught the stop (a bare `except:`) and stepped on: stop it another way
+            self._stop_swallowed()
         try:
-            self._on_step(optimizer)
+            with kept():
+                self._on_step(optimizer)
         except _StopAfterWindow:
+            self.stop_raised = True
             raise
         except Exception as e:  # said once; the script trains on, unmeasured (what was measured is reported)
             self.off = True
@@ -146,6 +232,18 @@ class _Child:
                 self.rec.fail(e)
             else:
                 self.say("internal error, measurement switched off, training goes on", e)
+
+    def _stop_swallowed(self) -> None:
+        """The stop came back: the script's own `except:` caught it. The process ends here, its exit work run."""
+        from vlmdoctor.api import _log
+
+        if self.rec is None or self.rec.rank == 0:
+            _log(
+                "the script caught the stop of --stop-after-window (a bare `except:`) and trained on; "
+                "stopping it at its next optimizer step, its atexit work run"
+            )
+        finish_child(self, 0, None)
+        _exit_now(0)
 
     def _on_step(self, optimizer: Any) -> None:
         if self.off:
@@ -264,6 +362,8 @@ class _Child:
                 self.rec.tell = say
             self.rec.attach()
             self.rec.begin()  # steps count from the first optimizer step on: its inputs came before the hooks
+            if audience == "trainer":
+                trainer.add_callback(_evaluation_excluder(self.rec))
         except Exception as e:
             rec, self.rec = self.rec, None
             if rec is not None:  # its hooks and profiler go; what it said is not said again
@@ -325,14 +425,27 @@ class _Child:
 def finish_child(child: _Child, code: int | None, error: str | None) -> None:
     """The child's last words: its report. An error here is said, never raised (the script's exit code stands)."""
     try:
-        child.finish(code, error)
+        with kept():
+            child.finish(code, error)
     except Exception as e:
         child.say("could not write the report", e)
 
 
+def _script_frames(tb: Any) -> Any:
+    """The traceback from the script's first frame on: what `python SCRIPT` would have shown (no runpy, no
+    bootstrap frames)."""
+    first = tb
+    while tb is not None:
+        if "runpy" not in tb.tb_frame.f_code.co_filename and tb.tb_frame.f_code.co_name != "child_main":
+            return tb
+        tb = tb.tb_next
+    return first
+
+
 def child_main() -> None:
     """The child's bootstrap: hooks in, then the user's script as __main__ (run unmeasured when the hooks
-    cannot go in)."""
+    cannot go in). The process then ends as `python SCRIPT` would: its exit code, its atexit work, its
+    non-daemon threads waited for, its `sys.excepthook` called on an error."""
     settings = json.loads(os.environ.pop(ENV_KEY))
     settings["out"] = os.path.abspath(settings["out"])  # the script may change its folder before the first step
     argv = sys.argv[1:]
@@ -340,49 +453,61 @@ def child_main() -> None:
     child = _Child(settings)
     handle: Any = None
     try:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
+        with kept():
+            from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        from vlmdoctor.run import one_profiler
+            from vlmdoctor.run import one_profiler
 
-        one_profiler.install()  # a Doctor or torch.profiler in the script and this run: one profiler at a time
-        handle = register_optimizer_step_post_hook(child.on_step)
+            one_profiler.install()  # a Doctor or torch.profiler in the script and this run: one profiler at a time
+            handle = register_optimizer_step_post_hook(child.on_step)
     except Exception as e:
         from vlmdoctor.report.console import plain
 
         print(
             plain(f"vlmdoctor: could not hook in, the script runs unmeasured: {type(e).__name__}: {e}"), file=sys.stderr
         )
-    code: int | None = 0
-    error = None
     try:
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]
-            sys.path.insert(0, os.getcwd())
+            sys.path[0] = os.getcwd()
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         else:
             sys.argv = list(argv)
-            sys.path[0] = str(Path(argv[0]).resolve().parent)
+            target = Path(argv[0]).resolve()
+            sys.path[0] = str(target if target.is_dir() else target.parent)
             runpy.run_path(argv[0], run_name="__main__")
     except _StopAfterWindow:
         if child.rec is None or child.rec.rank == 0:
-            print("vlmdoctor: stopped the script after the measured window (--stop-after-window)", file=sys.stderr)
-        code = 0
-    except SystemExit as e:
+            print(STOP_SAID, file=sys.stderr)
+        _ended(child, handle, 0, None)
+        return
+    except SystemExit as e:  # the script's own exit: its code, as python gives it
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if e.code is not None and not isinstance(e.code, int):
-            print(e.code, file=sys.stderr)
-    except BaseException as e:  # the script's own error: its traceback, as python would print it
-        traceback.print_exc()
-        code = 1
-        error = f"{type(e).__name__}: {e}"[:500]
+        _ended(child, handle, code, None)
+        raise
+    except KeyboardInterrupt:  # python's own ending of an interrupt (exit by SIGINT) follows
+        _ended(child, handle, 130, "KeyboardInterrupt")
+        raise
+    except BaseException as e:  # the script's own error: its excepthook, then exit code 1, as python does
         child.out_of_memory = is_out_of_memory(e)
-    finally:
-        if handle is not None:
+        _ended(child, handle, 1, f"{type(e).__name__}: {e}"[:500])
+        sys.excepthook(type(e), e, _script_frames(e.__traceback__))
+        raise SystemExit(1) from None
+    if child.stop_raised and (child.rec is None or child.rec.rank == 0):
+        from vlmdoctor.api import _log
+
+        _log("the script caught the stop of --stop-after-window and ran on to its end")
+    _ended(child, handle, 0, None)
+
+
+def _ended(child: _Child, handle: Any, code: int, error: str | None) -> None:
+    """The script is done: the hook goes, the report is written with how it ended."""
+    if handle is not None:
+        with contextlib.suppress(Exception):
             handle.remove()
     finish_child(child, code, error)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code or 0)  # the script's exit code; skip atexit work of a script that already finished
 
 
 # --- the parent ----------------------------------------------------------------------------------
@@ -404,13 +529,24 @@ def recorded_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     }
 
 
+def _interpreter_path(command: Sequence[str]) -> str:
+    """The interpreter the command runs: the user's (a venv's, a conda shim's) found on PATH, else this one."""
+    import shutil
+
+    try:
+        name = split_command(command)[0][0]
+    except UsageError:
+        return sys.executable
+    return shutil.which(name) or name
+
+
 def recorded_command(command: Sequence[str], warmup: int, steps: int) -> dict[str, Any]:
     """What `vlmdoctor gate --remeasure-baseline` needs to run the training again: the command as given, the
     folder it ran in, the interpreter, the variables that matter, and the measured window."""
     return {
         "command": list(command),
         "cwd": os.getcwd(),
-        "python": sys.executable,
+        "python": _interpreter_path(command),
         "env": recorded_env(),
         "warmup": warmup,
         "steps": steps,
@@ -441,7 +577,9 @@ def measure_script(
     A run that fails comes back as a report with its status and the end of its output, never an exception."""
     from vlmdoctor import SCHEMA_VERSION
 
-    argv = parse_command(command, cwd)
+    interpreter, argv = split_command(command, cwd)
+    if python:  # the interpreter the baseline was recorded with, the command's own options kept
+        interpreter = [python, *interpreter[1:]]
     with supervise.scratch("vlmdoctor-gate-") as tmp:
         settings = {
             "out": str(tmp),
@@ -469,7 +607,7 @@ def measure_script(
 
         with open_log(log) as f:  # an owned process group: a timeout or Ctrl-C stops all of it
             outcome = supervise.run(
-                [python or sys.executable, "-c", BOOTSTRAP, *argv],
+                [*interpreter, "-c", BOOTSTRAP, *argv],
                 env=child_env(settings, env),
                 cwd=cwd,
                 timeout=timeout,
@@ -529,6 +667,13 @@ def _interrupted(
     return supervise.interrupted_exit_code(exc)
 
 
+def _exit_code_of(code: Any) -> int:
+    """The script's own exit code, as its shell would see it (a signal as 128+N): `vlmdoctor run` passes it on."""
+    if not isinstance(code, int) or code == 0:
+        return EXIT_FAILED_RUN
+    return 128 - code if code < 0 else code & 0xFF or EXIT_FAILED_RUN
+
+
 def run_script(
     command: Sequence[str],
     out: str = "doctor-out",
@@ -554,7 +699,7 @@ def run_script(
 
     cmd = rank_command(command)
     if cmd is None:
-        cmd = [sys.executable, "-c", BOOTSTRAP, *parse_command(command)]
+        cmd = child_command(command)
     if stage is not None and stage not in (1, 2):
         raise UsageError("--stage must be 1 or 2")
     from vlmdoctor.api import WINDOW_LIMITS
@@ -664,7 +809,7 @@ def run_script(
         write_outputs(report, folder, copy)
         summary()
         say(f"the script {'ran out of memory' if oom else 'failed'} (exit code {code}); its output is in {log}")
-        return (EXIT_OOM if oom else EXIT_FAILED_RUN), report
+        return (EXIT_OOM if oom else _exit_code_of(code)), report
     if err.get("type") in ("NoSteps", "NotStarted"):
         say(f"{err['message']}: nothing to measure (its output: {log})")
         return EXIT_FAILED_RUN, report

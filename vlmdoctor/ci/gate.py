@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import re
 import statistics
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
@@ -869,23 +870,33 @@ def gate(
 
 
 def _cell(text: Any) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
+    """Text from a report as Markdown that renders as that text and nothing else: an inline code span (no
+    links, images, HTML or headings from a model name or a note), control characters shown escaped, a pipe
+    escaped for the table it may sit in."""
+    from vlmdoctor.report.console import plain
+
+    body = plain(str(text)).replace("\r", " ").replace("\n", " ").replace("|", "\\|")
+    run = max((len(r) for r in re.findall(r"`+", body)), default=0)
+    fence = "`" * (run + 1)
+    pad = " " if body.startswith("`") or body.endswith("`") or not body.strip() else ""
+    return f"{fence}{pad}{body}{pad}{fence}"
 
 
 def markdown(result: dict[str, Any]) -> str:
-    """For $GITHUB_STEP_SUMMARY: the verdict first, then one row per check."""
+    """For $GITHUB_STEP_SUMMARY: the verdict first, then one row per check. Every text that came from a
+    report is a code span (`_cell`): a report is input, and the summary is rendered as Markdown and HTML."""
     head = "passed" if result["passed"] else "FAILED"
     icon = "\u2705" if result["passed"] else "\u274c"
     lines = [
         f"## {icon} vlmdoctor gate {head}",
         "",
-        f"{result.get('model')} stage {result.get('stage')}: {_cell(result['summary'])}",
+        f"{_cell(result.get('model'))} stage {_cell(result.get('stage'))}: {_cell(result['summary'])}",
         "",
         "| check | verdict | detail |",
         "|---|---|---|",
     ]
     for c in result["checks"]:
-        lines.append(f"| {c['name']} | {c['verdict']} | {_cell(c['detail'])} |")
+        lines.append(f"| {_cell(c['name'])} | {_cell(c['verdict'])} | {_cell(c['detail'])} |")
     if result.get("notes"):
         lines += ["", "Notes:", *(f"- {_cell(n)}" for n in result["notes"])]
     return "\n".join(lines) + "\n"

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from vlmdoctor.errors import UsageError
-from vlmdoctor.inputs import open_regular
 
 try:
     import tomllib
@@ -43,19 +42,34 @@ KEYS = {
 
 
 def find_pyproject(start: str | os.PathLike | None = None) -> Path | None:
-    """The nearest pyproject.toml, from `start` (the working folder) upward, that has a [tool.vlmdoctor] table."""
+    """The nearest pyproject.toml, from `start` (the working folder) upward, whose TOML holds a `tool.vlmdoctor`
+    table, in any of TOML's spellings (`[tool.vlmdoctor]`, `[ tool . "vlmdoctor" ]`, dotted keys, an inline
+    table), as ruff finds its own. A pyproject.toml on the way that is not valid TOML stops the search with
+    its reason: its settings cannot be known, and a parent folder's must not apply instead."""
     here = Path(start or os.getcwd()).resolve()
     for folder in (here, *here.parents):
         candidate = folder / "pyproject.toml"
         try:
-            if candidate.is_file():
-                with open_regular(candidate, "pyproject.toml") as f:
-                    head = f.read(MAX_TOML_BYTES + 1)  # a larger file is refused when it is read
-                if b"[tool.vlmdoctor" in head:
-                    return candidate
-        except (OSError, UsageError):
+            if not candidate.is_file():
+                continue
+        except OSError:
             continue
+        tool = _load(candidate).get("tool")
+        if isinstance(tool, dict) and "vlmdoctor" in tool:
+            return candidate
     return None
+
+
+def _load(path: Path) -> dict[str, Any]:
+    """One pyproject.toml, parsed by the one TOML parser (tomllib); an unreadable or invalid one said."""
+    from vlmdoctor.inputs import read_text
+
+    try:
+        return tomllib.loads(read_text(path, "pyproject.toml", max_bytes=MAX_TOML_BYTES))
+    except tomllib.TOMLDecodeError as e:
+        raise UsageError(f"{path}: not valid TOML ({e})") from None
+    except RecursionError:
+        raise UsageError(f"{path}: not valid TOML here (values nested too deeply)") from None
 
 
 def _strings(path: Path, key: str, value: Any) -> list[str]:
@@ -76,16 +90,10 @@ def _number(path: Path, key: str, value: Any, top: float) -> float:
 
 def read_settings(path: str | os.PathLike) -> dict[str, Any]:
     """The [tool.vlmdoctor] table of one pyproject.toml, checked; folders resolved against the file's folder."""
-    from vlmdoctor.inputs import read_text
-
     path = Path(path)
-    try:
-        doc = tomllib.loads(read_text(path, "pyproject.toml", max_bytes=MAX_TOML_BYTES))
-    except tomllib.TOMLDecodeError as e:
-        raise UsageError(f"{path}: not valid TOML ({e})") from None
-    except RecursionError:
-        raise UsageError(f"{path}: not valid TOML here (values nested too deeply)") from None
-    table = (doc.get("tool") or {}).get("vlmdoctor")
+    doc = _load(path)
+    tool = doc.get("tool")
+    table = tool.get("vlmdoctor") if isinstance(tool, dict) else None
     if table is None:
         return {}
     if not isinstance(table, dict):

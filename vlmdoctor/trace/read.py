@@ -43,6 +43,80 @@ _BETWEEN = re.compile(rb"\}[ \t\r\n]*,[ \t\r\n]*\{")  # where one event ends and
 _ANY = msgspec.json.Decoder()
 
 
+#: one JSON token other than a string (TopKey finds strings by their closing quote): a structural mark,
+#: or a literal (number, true, false, null)
+_TOKEN = re.compile(rb'[ \t\r\n]*(?:([{}\[\],:])|([^ \t\r\n{}\[\],:"]+))')
+_SPACE = re.compile(rb"[ \t\r\n]*")
+NEED_MORE = None  # TopKey.scan: the text so far does not say yet
+NOT_FOUND = (-1, -1)
+
+
+class TopKey:
+    """Where the top-level object's `key` starts and where its value starts, as every JSON reader sees them.
+
+    The first bytes `"traceEvents"` anywhere (inside a string, a nested object) are not the key; a key
+    spelled with escapes is. `scan` is given the text read so far, each time longer, and goes on from where
+    it stopped: NEED_MORE until the text tells, then (key start, value start), or NOT_FOUND when the
+    top-level object ended without the key or the text is not an object."""
+
+    def __init__(self, key: str = "traceEvents") -> None:
+        self.key, self.pos, self.depth, self.want_key, self.last, self.start = key, 0, 0, False, None, -1
+        self.searched = 0  # where the search for the end of a string cut by the last read goes on
+
+    def _string_end(self, text: bytes, start: int) -> int:
+        """The end of the string that starts at `start` (just past its closing quote), or -1 when the text read
+        so far does not hold it; a long string is searched once, however many reads it spans."""
+        at = max(start + 1, self.searched)
+        while True:
+            q = text.find(b'"', at)
+            if q < 0:
+                self.searched = len(text)
+                return -1
+            k = q
+            while k > start + 1 and text[k - 1] == 0x5C:  # backslashes before the quote: an odd count escapes it
+                k -= 1
+            if (q - k) % 2 == 0:
+                self.searched = 0
+                return q + 1
+            at = q + 1
+
+    def scan(self, text: bytes) -> tuple[int, int] | None:
+        while True:
+            self.pos = here = _SPACE.match(text, self.pos).end()
+            if text[here : here + 1] == b'"':  # a string: found by its closing quote, not by the regex
+                end = self._string_end(text, here)
+                if end < 0:
+                    return NEED_MORE
+                if self.depth == 0:
+                    return NOT_FOUND
+                self.pos = end
+                if self.want_key:
+                    try:
+                        self.last = json.loads(text[here:end])
+                    except ValueError:
+                        self.last = None
+                    self.start, self.want_key = here, False
+                continue
+            m = _TOKEN.match(text, self.pos)
+            if m is None or (m.end() == len(text) and m.group(2) is not None):
+                return NEED_MORE  # a token cut at the end of the text read so far (the caller bounds the text)
+            mark = m.group(1)
+            if self.depth == 0 and mark != b"{":
+                return NOT_FOUND
+            self.pos = m.end()
+            if mark in (b"{", b"["):
+                self.depth += 1
+                self.want_key = self.depth == 1
+            elif mark in (b"}", b"]"):
+                self.depth -= 1
+                if self.depth == 0:
+                    return NOT_FOUND
+            elif mark == b",":
+                self.want_key = self.depth == 1
+            elif mark == b":" and self.depth == 1 and self.last == self.key:
+                return (self.start, self.pos)
+
+
 class TraceError(UsageError):
     """Not a readable torch.profiler trace: the message says what is wrong and what was expected."""
 
@@ -59,12 +133,14 @@ def trace_files(path: str | Path) -> list[Path]:
     p = Path(path)
     if not p.exists():
         raise TraceError(f"{p}: no such file or folder")
-    if p.is_dir():
-        files = sorted(f for f in p.iterdir() if f.is_file() and f.name.endswith(TRACE_SUFFIXES))
+    if p.is_dir():  # a link inside the folder is not followed: a rank folder holds the ranks' own files
+        named = [f for f in p.iterdir() if f.name.endswith(TRACE_SUFFIXES)]
+        files = sorted(f for f in named if not f.is_symlink() and f.is_file())
         if not files:
+            links = sum(f.is_symlink() for f in named)
             raise TraceError(
                 f"{p}: the folder holds no trace files (expected *.json or *.json.gz written by "
-                "torch.profiler, one per rank)"
+                "torch.profiler, one per rank)" + (f"; {links} link(s) in it, which are not followed" if links else "")
             )
         return files
     if not p.name.endswith(TRACE_SUFFIXES):
@@ -120,6 +196,8 @@ def read_metadata(path: Path, strict: bool = False) -> dict[str, Any]:
     strict: keys that do not parse are an error (an export must not drop them) instead of none.
     """
     head = b""
+    scanner = TopKey()
+    found = NEED_MORE
     try:
         with _open(path) as f:
             while len(head) < HEAD_LIMIT:
@@ -127,8 +205,11 @@ def read_metadata(path: Path, strict: bool = False) -> dict[str, Any]:
                 if not chunk:
                     break
                 head += chunk
-                i = head.find(b'"traceEvents"')
-                if i >= 0:
+                found = scanner.scan(head)
+                if found == NOT_FOUND:
+                    break
+                if found is not None:
+                    i = found[0]
                     try:
                         text = head[:i].decode("utf-8", "replace") + '"traceEvents": []}'
                         meta = visible_surrogates(json.loads(text), text)
@@ -149,7 +230,7 @@ def read_metadata(path: Path, strict: bool = False) -> dict[str, Any]:
                     return meta
     except (OSError, EOFError, zlib.error) as e:
         raise TraceError(f"{path}: cannot read ({type(e).__name__}: {e}); expected a torch.profiler trace") from None
-    if b'"traceEvents"' not in head:
+    if found in (NEED_MORE, NOT_FOUND):
         text = head[:200].decode("utf-8", "replace").strip()
         if not text.startswith("{"):
             raise TraceError(
@@ -299,21 +380,25 @@ def _decode_any(text: bytes) -> list[Any]:
 def _events_start(path: Path, f: IO[bytes], block: int) -> tuple[bytes, int]:
     """The text read so far and where the first event starts (just past `"traceEvents": [`)."""
     buf = b""
+    scanner = TopKey()
     while True:
         more = f.read(block)
-        if not more:
-            raise TraceError(f"{path}: no 'traceEvents' list (expected a torch.profiler Chrome trace)")
         buf += more
-        k = buf.find(b'"traceEvents"')
-        if k >= 0:
-            j = buf.find(b"[", k)
-            if j >= 0:
-                return buf, j + 1
-            if len(buf) - k > HEAD_LIMIT:
-                raise TraceError(f"{path}: 'traceEvents' is not followed by a list")
-            buf = buf[k:]
-        else:
-            buf = buf[-64:]
+        found = scanner.scan(buf) if more else NOT_FOUND
+        if found == NOT_FOUND or (found is None and len(buf) > HEAD_LIMIT):
+            raise TraceError(f"{path}: no top-level 'traceEvents' list (expected a torch.profiler Chrome trace)")
+        if found is None:
+            continue
+        j = found[1] + len(buf[found[1] :]) - len(buf[found[1] :].lstrip(b" \t\r\n"))
+        if j >= len(buf):
+            more = f.read(block)
+            if not more:
+                raise TraceError(f"{path}: 'traceEvents' has no value")
+            buf += more
+            continue
+        if buf[j : j + 1] != b"[":
+            raise TraceError(f"{path}: 'traceEvents' is not followed by a list")
+        return buf, j + 1
 
 
 def _cuts(buf: bytes) -> list[tuple[int, int]]:
