@@ -1,10 +1,12 @@
 """A user's own training script at its smallest: a tiny token model, a plain loop, CPU, seconds.
 
 What a CI job gates with `vlmdoctor run` + `vlmdoctor gate --remeasure-baseline` (docs/ci.md), and
-what the tests run: once unchanged on both sides (the gate must pass) and once with `--work 2`, which
-runs the model's block twice per step on the same tokens (it must fail). The block holds about 97% of
-the model's multiply-adds, so `--work 2` nearly doubles the step; the optimizer step and Python's
-dispatch of the ops, which it does not repeat, are the rest.
+what the tests run: once unchanged on both sides (the gate must pass) and once with `--eval-forward 3`,
+which adds three forwards under `torch.no_grad()` to every step (a stray evaluation: about twice the step
+time; it must fail, though the tokens the model sees per step are four times as many: vlmdoctor counts the
+tokens of the training forward only).
+`--work 2` runs the model's block twice per step on the same tokens: the block holds about 97% of the
+model's multiply-adds, so it nearly doubles the step.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--work", type=int, default=1, help="times the block runs per step (2: twice the work)")
+    p.add_argument("--eval-forward", type=int, default=0, help="no-grad forwards in every step (a stray evaluation)")
     args = p.parse_args()
     torch.manual_seed(0)
     model = TinyLM(work=args.work)
@@ -54,6 +57,9 @@ def main() -> None:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        for _ in range(args.eval_forward):
+            with torch.no_grad():
+                model(input_ids=ids, labels=ids)
     print(f"done: loss {loss.item():.3f}")
 
 

@@ -115,6 +115,30 @@ def user_report(tmp_path_factory):
     return doc.report
 
 
+@pytest.mark.parametrize("stray", [False, True], ids=["plain", "no-grad-forward"])
+def test_tokens_are_counted_per_optimizer_step_not_per_forward(stray, tmp_path):
+    """A no-grad forward added to every step (a stray evaluation) is not training: the tokens per step stay
+    those of the training forward (the gate then sees the slowdown), and the extra forward is named."""
+    import vlmdoctor
+
+    model = TinyLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with vlmdoctor.Doctor(model, out=tmp_path, quiet=True, warmup=1, steps=4, trace_steps=0) as doc:
+        for _ in range(6):
+            ids = torch.randint(1, V, (B, L))
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if stray:
+                with torch.no_grad():
+                    model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
+            doc.step()  # tokens from the forward hook
+    window = doc.report["repeats"][0]
+    assert window["step_real_tokens"] == [B * L] * 4 and window["forwards_per_step"] == 1
+    assert window["nograd_forwards_per_step"] == (1 if stray else 0)
+    assert any("under no_grad" in n for n in doc.report["notes"]) == stray
+
+
 def test_a_user_model_has_flops_per_step_and_an_honest_null_mfu_on_cpu(user_report):
     r = user_report
     assert r["status"] == "ok"

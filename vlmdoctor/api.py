@@ -253,6 +253,7 @@ class Recorder:
         self.n = 0  # steps completed
         self.pending: list[dict[str, Any]] = []  # micro-batch counts since the last step
         self.pending_losses: list[torch.Tensor] = []
+        self.pending_nograd = 0  # forwards under no_grad since the last step: counted apart, their tokens not
         self.records: list[dict[str, Any]] = []  # per step: t_end, counts, losses
         self.t_start: float | None = None
         self.c_start: float | None = None  # the process's CPU time where the first step starts
@@ -300,6 +301,9 @@ class Recorder:
 
     def _on_forward(self, args: tuple, kwargs: dict) -> None:
         if self.done or not self.model.training:
+            return
+        if not torch.is_grad_enabled():  # a forward that reaches no backward (a stray evaluation): not training
+            self.pending_nograd += 1
             return
         batch = dict(kwargs)
         if "input_ids" not in batch and args and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point():
@@ -387,6 +391,7 @@ class Recorder:
         losses = self.pending_losses
         if isinstance(loss, torch.Tensor):
             losses = [loss.detach()]
+        nograd, self.pending_nograd = self.pending_nograd, 0
         self.pending, self.pending_losses = [], []
         self.n += 1
         i = self.n
@@ -394,7 +399,9 @@ class Recorder:
         if boundary:
             _sync(self.device)
             now = time.perf_counter()
-        self.records.append({"t": now, "cpu": time.process_time(), "counts": counts, "losses": losses[-1:]})
+        self.records.append(
+            {"t": now, "cpu": time.process_time(), "counts": counts, "losses": losses[-1:], "nograd": nograd}
+        )
         if self.warmup < i <= self.warmup + self.steps and self.busy_at_start:  # another profiler ran over it
             self.profiled_timed_steps += 1
             self.profiled_by = self.busy_at_start
@@ -514,6 +521,10 @@ class Recorder:
             "losses": losses,
             "rows_per_step": statistics.median([t[3] for t in toks]) if toks else None,
             "forwards_per_step": statistics.median([t[5] for t in toks]) if toks else None,
+            # forwards under no_grad inside a step (a stray evaluation): not training, their tokens not counted
+            "nograd_forwards_per_step": statistics.median([r.get("nograd", 0) for r in recs[first:last]])
+            if last > first
+            else None,
             "sampler_guess": guess_sampler(lengths),
         }
         if self.device.type == "cuda":
@@ -753,6 +764,11 @@ class Recorder:
         if n < self.warmup + self.steps + (2 + self.trace_steps if self.trace_steps else 0):
             script = self.source == "script"  # `vlmdoctor run`: flags, and the first optimizer step is not counted
             notes.append(progress.fit_hint(n, self.warmup_asked, self.steps, self.trace_steps, script, int(script)))
+        if window is not None and (window.get("nograd_forwards_per_step") or 0) > 0:
+            notes.append(
+                f"{window['nograd_forwards_per_step']:g} forward(s) per step ran under no_grad (an evaluation inside "
+                "the step?): not training, so their tokens are not counted; their time is in the step"
+            )
         for what, ms in self.excluded_ms.items():
             notes.append(
                 f"{what} ran between steps of the measured windows ({ms:,.0f} ms): left out of the step times"

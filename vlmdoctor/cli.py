@@ -499,6 +499,10 @@ def _profile(
                     result["distributed"]["world_size"],
                     ref_tps,
                     ref_source,
+                    {
+                        "job's": (result.get("throughput") or {}).get("unstable_reason"),
+                        "one-GPU reference's": (reference.get("throughput") or {}).get("unstable_reason"),
+                    },
                 )
             else:
                 result.setdefault("warnings", []).append(

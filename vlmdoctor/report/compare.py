@@ -50,10 +50,22 @@ def ranks_note(a: dict[str, Any], b: dict[str, Any], labels: Sequence[str] = ("A
         "global throughput, ms/step the slowest rank's"
     )
     ta, tb = a["metrics"].get("real_tokens_per_s"), b["metrics"].get("real_tokens_per_s")
-    if na == 1 and pa == "none" and ta and tb:
-        text += f"; scaling efficiency of {labels[1]}: {tb / (nb * ta) * 100:.0f}%"
-    elif nb == 1 and pb == "none" and ta and tb:
-        text += f"; scaling efficiency of {labels[0]}: {ta / (na * tb) * 100:.0f}%"
+    one, job, n, name = (a, b, nb, labels[1]) if na == 1 and pa == "none" else (b, a, na, labels[0])
+    if (na == 1 and pa == "none" or nb == 1 and pb == "none") and ta and tb:
+        sc = throughput.scaling(
+            job["metrics"]["real_tokens_per_s"],
+            n,
+            one["metrics"]["real_tokens_per_s"],
+            "compared",
+            {
+                f"{name}'s": (job.get("throughput") or {}).get("unstable_reason"),
+                "one-GPU run's": (one.get("throughput") or {}).get("unstable_reason"),
+            },
+        )
+        if sc["doubts"]:
+            text += f"; no scaling efficiency of {name}: {'; '.join(sc['doubts'])}"
+        else:
+            text += f"; scaling efficiency of {name}: {sc['efficiency'] * 100:.0f}%"
     return text
 
 

@@ -253,15 +253,21 @@ def render_ranks(d: dict[str, Any], console: Console) -> None:
         )
     console.print(t)
     line = (
-        f"{esc(d.get('world_size'))} ranks ({esc(d.get('parallel'))}, {esc(d.get('backend'))}): global "
-        f"{_fmt(g.get('real_tokens_per_s'), '', 0)} real tokens/s over the slowest rank's time (* rank "
-        f"{esc(g.get('slowest_rank'))}"
+        f"{esc(d.get('world_size'))} ranks ({esc(d.get('parallel'))}, {esc(d.get('backend'))}): the job's numbers "
+        f"are the table's above, each row here one rank's own (* the slowest, rank {esc(g.get('slowest_rank'))}"
     )
     if g.get("step_imbalance") is not None:
         line += f", {g['step_imbalance'] * 100:.1f}% slower than the fastest"
     console.print(line + ")")
     sc = d.get("scaling")
-    if sc:
+    if sc and sc.get("doubts"):  # no number that cannot be one: what went wrong, and what to do
+        console.print(
+            "[bold yellow]scaling efficiency not measured:[/bold yellow] "
+            + esc("; ".join(sc["doubts"]))
+            + f" (it read {sc['efficiency'] * 100:.0f}%, {sc['speedup']:.2f}x one GPU's "
+            f"{_fmt(sc['one_gpu_real_tokens_per_s'], '', 0)} tokens/s); {esc(sc.get('remedy') or '')}"
+        )
+    elif sc:
         console.print(
             f"scaling efficiency {sc['efficiency'] * 100:.0f}% ({sc['speedup']:.2f}x one GPU's "
             f"{_fmt(sc['one_gpu_real_tokens_per_s'], '', 0)} tokens/s, {esc(sc['source'])})"

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from vlmdoctor.errors import UsageError
+from vlmdoctor.run import throughput
 from vlmdoctor.run.config import GPUS, RunConfig
 
 #: NVLink multicast (NVLS / symmetric-memory multicast) off in every process on a GPU: the project's
@@ -422,15 +423,7 @@ def combine(ranks: list[dict[str, Any]], peak_flops: float | None) -> dict[str, 
     }
 
 
-def scaling(global_tps: float, world: int, one_gpu_tps: float, source: str) -> dict[str, Any]:
-    """Scaling efficiency: global tokens/s / (ranks x the same config's tokens/s on one GPU)."""
-    return {
-        "one_gpu_real_tokens_per_s": one_gpu_tps,
-        "world_size": world,
-        "source": source,
-        "speedup": global_tps / one_gpu_tps,
-        "efficiency": global_tps / (world * one_gpu_tps),
-    }
+scaling = throughput.scaling  # the job's efficiency against one GPU: written once, in run/throughput.py
 
 
 #: knobs that may differ between a distributed run and its one-GPU reference: those of the several-GPUs panel

@@ -1010,6 +1010,8 @@ def _merge_ranks(
     for key in ("real_tokens_per_s", "loss_tokens_per_s", "model_tflops_per_s", "mfu"):
         m[key] = m[key] * scale if m.get(key) is not None else None
     est.update(model_tflops_per_s=m["model_tflops_per_s"], mfu=m["mfu"], loss_tokens_per_s=m["loss_tokens_per_s"])
+    for key in ("real_tokens_per_s", "loss_tokens_per_s", "model_tflops_per_s", "mfu"):
+        whole[key] = m[key]  # one headline: the job's numbers are the estimator's, wherever they are shown
     report["throughput"] = est
     stats = report.get("stats") or {}
     for key in ("real_tokens_per_s", "loss_tokens_per_s", "model_tflops_per_s", "mfu", "pad_fraction"):

@@ -201,3 +201,42 @@ def spread_text(tp: dict[str, Any]) -> str:
     if lo is None or hi is None:
         return ""
     return f"p10-p90 {lo:,.0f}-{hi:,.0f}, n={tp.get('n')}"
+
+
+#: a scaling efficiency above this is no result: N GPUs cannot do more than N times one GPU's work
+IMPOSSIBLE_EFFICIENCY = 1.0
+
+
+def scaling(
+    global_tps: float,
+    world: int,
+    one_gpu_tps: float,
+    source: str,
+    unstable: dict[str, str | None] | None = None,
+) -> dict[str, Any]:
+    """Scaling efficiency: global tokens/s / (ranks x the same config's tokens/s on one GPU), with why it
+    cannot be trusted when it cannot: above 100%, or from a window flagged unstable (`unstable`: each
+    window's reason, by name)."""
+    efficiency = global_tps / (world * one_gpu_tps)
+    doubts = []
+    if efficiency > IMPOSSIBLE_EFFICIENCY:
+        doubts.append(
+            f"{efficiency * 100:.0f}% is above 100%, which {world} GPUs cannot do: a measurement problem (the "
+            "one-GPU reference ran slower than one rank of this job: a host-bound or unsettled reference window, "
+            "or another config on one GPU)"
+        )
+    for name, why in (unstable or {}).items():
+        if why:
+            doubts.append(f"the {name} window is unstable ({why})")
+    return {
+        "one_gpu_real_tokens_per_s": one_gpu_tps,
+        "world_size": world,
+        "source": source,
+        "speedup": global_tps / one_gpu_tps,
+        "efficiency": efficiency,
+        "trusted": not doubts,
+        "doubts": doubts,
+        "remedy": "re-measure both with longer windows (--steps, --repeats) on a config that is not host-bound"
+        if doubts
+        else None,
+    }
