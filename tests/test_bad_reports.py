@@ -44,6 +44,12 @@ NAMED = [
     ("config-list", _with(config=[1]), "config"),
     ("a-list", [BASE], "not a vlmdoctor profile report"),
     ("a-treat-result", _with(kind="treat"), "treat"),
+    # fields that parse but break a verdict: all-zero step times, no tokens, a negative size, a wrong window
+    ("step-ms-all-zero", _with(repeats=[{"step_ms": [0.0, 0.0], "step_real_tokens": [10, 10]}]), "all zero"),
+    ("tokens-all-zero", _with(repeats=[{"step_ms": [5.0, 5.0], "step_real_tokens": [0, 0]}]), "all zero"),
+    ("peak-mem-negative", _with(metrics__peak_mem_gb=-3.0), "must not be negative"),
+    ("step-ms-negative", _with(metrics__step_ms=-1.0), "must not be negative"),
+    ("script-warmup-string", _with(script={"command": ["python", "t.py"], "warmup": "five"}), "script.warmup"),
 ]
 
 

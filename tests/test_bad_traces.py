@@ -597,3 +597,20 @@ def test_every_nested_field_of_a_report_of_another_type_is_refused_or_ignored(tm
         assert "Traceback" not in r.output and "internal error" not in r.output, (p, r.output)
         if r.exit_code == 2:
             assert_one_line(r, 2)  # the file refused, or the two found not comparable
+
+
+@pytest.fixture(scope="module")
+def whole(recorded, tmp_path_factory) -> dict:
+    return analyze(_write(tmp_path_factory.mktemp("whole") / "t.json", recorded))["files"][0]["facts"]
+
+
+@pytest.mark.parametrize("which", ["kernel", "cpu op", "runtime call"])
+def test_an_event_written_twice_is_counted_once_and_said(tmp_path, recorded, whole, which):
+    """The same event twice (a trace concatenated with a part of itself) is one event: every fact is the
+    trace's, and the copy is counted and named."""
+    i = _index(recorded, next(p for w, p, _ in WHICH if w == which))
+    events = recorded["traceEvents"]
+    doubled = {**recorded, "traceEvents": events[: i + 1] + [dict(events[i])] + events[i + 1 :]}
+    facts = analyze(_write(tmp_path / "t.json", doubled))["files"][0]["facts"]
+    assert facts["trace.invalid_events"] == 1 and "the same event twice" in facts["trace.warnings"][0]
+    _same_facts(facts, whole)

@@ -41,6 +41,7 @@ class Case:
     evaluates: bool = False  # a Trainer evaluating inside the measured window
     traced: bool = True  # vlmdoctor traces a window (not while the script's own profiler runs)
     gpu: bool = False  # the GPU subset: run where CUDA is (the GPU run is recorded in docs/reliability.md)
+    libraries: bool = False  # a library's training (Trainer, peft, DDP, compile): tests/test_differential_libs.py
 
 
 CASES = [
@@ -52,11 +53,11 @@ CASES = [
     Case("loop_bare_except.py"),
     Case("loop_atexit_checkpoint.py", code=1),
     Case("loop_background_thread.py", code=3),
-    Case("loop_compiled.py"),
+    Case("loop_compiled.py", libraries=True),
     Case("loop_own_profiler.py", volatile=("mine.json",), traced=False),
-    Case("loop_lora.py"),
-    Case("trainer_eval_accum.py", ways=("run", "callback"), evaluates=True),
-    Case("ddp_gloo.py", ways=("run", "doctor"), ranks=2),
+    Case("loop_lora.py", libraries=True),
+    Case("trainer_eval_accum.py", ways=("run", "callback"), evaluates=True, libraries=True),
+    Case("ddp_gloo.py", ways=("run", "doctor"), ranks=2, libraries=True),
     Case("gpu_bf16_sdpa.py", gpu=True),
     Case("gpu_autocast_dropout.py", gpu=True),
     Case("gpu_compiled.py", gpu=True),
@@ -72,10 +73,13 @@ def _cuda() -> bool:
         return False
 
 
-def _params() -> list:
-    """The GPU subset runs where CUDA is and says it skipped elsewhere."""
+def params(libraries: bool = False) -> list:
+    """The cases of one of the two test files (two files: pytest-xdist gives each its own worker); the GPU
+    subset runs where CUDA is and says it skipped elsewhere."""
     out = []
     for c in CASES:
+        if c.libraries != libraries:
+            continue
         marks = [pytest.mark.skipif(not _cuda(), reason="the GPU subset needs CUDA")] if c.gpu else []
         out.append(pytest.param(c, id=c.script.removesuffix(".py"), marks=marks))
     return out
@@ -136,8 +140,13 @@ def _report(tmp: Path, way: str) -> dict:
     return json.loads(path.read_text())
 
 
-@pytest.mark.parametrize("case", _params())
+@pytest.mark.parametrize("case", params())
 def test_the_training_is_the_same_under_every_way_in(case: Case, tmp_path: Path) -> None:
+    same_under_every_way_in(case, tmp_path)
+
+
+def same_under_every_way_in(case: Case, tmp_path: Path) -> None:
+    """Each watched run against a plain run: the exit code, the files and the losses bit for bit."""
     watched = {way: _run(case, way, tmp_path) for way in case.ways}
     plain: dict[str, tuple] = {}
     for way, (w_code, w_files, w_said) in watched.items():

@@ -1431,9 +1431,9 @@ def export(
     from vlmdoctor.trace.read import trace_files
 
     with _user_errors():
+        check_writable(chrome, force, "--chrome")  # an empty path or a folder's name: refused before anything
         if not chrome and not hta_dir:
             raise VlmdoctorError("say where: --chrome OUT.json.gz and/or --hta-dir DIR")
-        check_writable(chrome, force, "--chrome")
         check_output_dir(hta_dir, "--hta-dir")
         from vlmdoctor.trace.export import trace_of_report
 

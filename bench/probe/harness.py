@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # --- the classes of the issue (docs/reliability.md) --------------------------------------------------------
 
 CRASH = "crash of the user's training"
+CHANGE = "change of the user's training"  # its losses, files or exit code differ from the plain run's
 ORPHAN = "orphaned process"
 LOSS = "data loss"
 SECURITY = "security defect"
@@ -51,7 +52,7 @@ BLOWUP = "resource blow-up"
 LEAK = "leak of processes or temp files"
 OK = "OK"
 #: the order a case's verdict is chosen in when it shows several defects (the gravest first)
-CLASSES = (CRASH, ORPHAN, LOSS, SECURITY, INTERNAL, WRONG, HANG, BLOWUP, LEAK)
+CLASSES = (CRASH, CHANGE, ORPHAN, LOSS, SECURITY, INTERNAL, WRONG, HANG, BLOWUP, LEAK)
 
 #: seconds a process of the case may outlive the command before it counts as orphaned (a launcher that got
 #: SIGTERM when vlmdoctor died stops its workers first)
@@ -139,6 +140,11 @@ AIMS = {
     "baseline": WRONG,
     "user-error": CRASH,
     "profiler": CRASH,
+    "observer": CHANGE,
+    "settings": WRONG,
+    "trace-key": WRONG,
+    "report-field": WRONG,
+    "duplicate": WRONG,
 }
 
 

@@ -16,8 +16,10 @@ from torch import nn
 
 VOCAB, WIDTH, SEQ, BATCH = 96, 32, 16, 4
 #: the Doctor's window in every corpus script: 1 warm-up, 2 timed, then the traced window (1 wait, 1 warm-up,
-#: 1 recorded step): measured by step 6, well before each script's end
-WINDOW = dict(warmup=1, steps=2, trace_steps=1)
+#: 1 recorded step): measured by step 6, well before each script's end. CORPUS_WINDOW="W,S,T" sets another
+#: (the probe's observer family tries windows that end early, late, or never)
+_W = [int(x) for x in os.environ.get("CORPUS_WINDOW", "1,2,1").split(",")]
+WINDOW = dict(warmup=_W[0], steps=_W[1], trace_steps=_W[2])
 
 
 class TinyLM(nn.Module):

@@ -107,6 +107,14 @@ def _check_fields(report: dict[str, Any], name: str) -> None:
     for key in {"peak_mem_gb", "step_ms", "mfu", "final_loss", *(k for k, _, _ in METRICS)}:
         if m.get(key) is not None and not _is_num(m[key]):
             raise UsageError(f"{name}: metrics.{key} must be a number or null, got {m[key]!r}")
+        if key != "final_loss" and _is_num(m.get(key)) and m[key] < 0:  # a time, a rate or a size below zero
+            raise UsageError(f"{name}: metrics.{key} must not be negative, got {m[key]!r}")
+    script = report.get("script")
+    if isinstance(script, dict):  # a recorded command's window, which a re-measurement runs again
+        for key in ("warmup", "steps"):
+            v = script.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < (key == "steps")):
+                raise UsageError(f"{name}: script.{key} must be a whole number (the recorded window), got {v!r}")
     repeats = report.get("repeats")
     if repeats is not None:
         if not isinstance(repeats, list) or not all(isinstance(r, dict) for r in repeats):
@@ -120,6 +128,8 @@ def _check_fields(report: dict[str, Any], name: str) -> None:
                 v = r.get(key)
                 if v is not None and (not isinstance(v, list) or not all(_is_num(x) and x >= 0 for x in v)):
                     raise UsageError(f"{name}: repeats[{i}].{key} must be a list of non-negative numbers")
+                if v and key != "step_cpu_ms" and not any(x > 0 for x in v):  # nothing to divide by, or nothing done
+                    raise UsageError(f"{name}: repeats[{i}].{key} are all zero: not a measurement")
     findings = report.get("findings")
     if findings is not None and (
         not isinstance(findings, list)

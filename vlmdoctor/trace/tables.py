@@ -73,6 +73,7 @@ INVALID_WHY = {
     "bad_start": "a start below 0 or past 2^53 us",
     "too_long": "over 24 h",
     "longer_than_trace": "longer than the whole trace",
+    "duplicate": "the same event twice (name, time, duration, thread or stream): counted once",
 }
 INVALID_KINDS = {"gpu": "GPU events", "host": "host ops and runtime calls", "step": "ProfilerStep markers"}
 
@@ -512,7 +513,7 @@ class _Builder:
     def tables(self, path: Path, meta: dict[str, Any]) -> Tables:
         categories = list(self.names)
         steps_df = pd.DataFrame(self.steps, columns=["name", "ts", "end"]).sort_values("ts").reset_index(drop=True)
-        gpu_df = self.gpu.frame(categories)
+        gpu_df = self._once(self.gpu.frame(categories), "gpu")
         gpu_df = self._within_trace(gpu_df)
         gpu_df["cat"] = np.array(["kernel", "gpu_memcpy", "gpu_memset"])[gpu_df["cat"].to_numpy().astype(int)]
         gpu_df["end"] = gpu_df["ts"] + gpu_df["dur"]
@@ -520,11 +521,11 @@ class _Builder:
         pairs = list(zip(gpu_df["name"].cat.codes.to_numpy(), gpu_df["cat"]))
         cls_of = {(c, k): classify(categories[c], k) for c, k in set(pairs)}
         gpu_df["cls"] = [cls_of[pk] for pk in pairs]
-        ops_df = self.ops.frame(categories)
+        ops_df = self._once(self.ops.frame(categories), "host")
         ops_df["end"] = ops_df["ts"] + ops_df["dur"]
         for col in ("tid", "seq", "fwd_tid"):
             ops_df[col] = ops_df[col].astype(np.int64)
-        rt_df = self.rt.frame(categories)
+        rt_df = self._once(self.rt.frame(categories), "host")
         rt_df["end"] = rt_df["ts"] + rt_df["dur"]
         for col in ("tid", "corr"):
             rt_df[col] = rt_df[col].astype(np.int64)
@@ -544,6 +545,24 @@ class _Builder:
             self.cuda_memory,
             self.invalid,
         )
+
+    def _once(self, df: pd.DataFrame, kind: str) -> pd.DataFrame:
+        """Each event once: a row equal to another in every column (a trace concatenated with itself, an event
+        written twice) is the same event and would be counted twice; the copies are left out and counted."""
+        if df.empty:
+            return df
+        ts = df["ts"].to_numpy()
+        order = np.argsort(ts, kind="stable")
+        tie = np.diff(ts[order]) == 0
+        if not tie.any():  # no two events start at the same time: none is a copy (the common case, and cheap)
+            return df
+        rows = np.unique(np.concatenate([order[1:][tie], order[:-1][tie]]))
+        dup = df.iloc[rows].duplicated()
+        n = int(dup.sum())
+        if not n:
+            return df
+        self.invalid_one(kind, "duplicate", n)
+        return df.drop(index=df.index[rows[dup.to_numpy()]]).reset_index(drop=True)
 
     def _within_trace(self, gpu_df: pd.DataFrame) -> pd.DataFrame:
         """The GPU events, less those longer than the whole trace's host side (ops and runtime calls, first
