@@ -25,6 +25,9 @@ from pathlib import Path
 import pytest
 
 CORPUS = Path(__file__).resolve().parent / "corpus"
+sys.path.insert(0, str(CORPUS))
+from _compare import SHIM, written  # noqa: E402
+
 PY = sys.executable
 WINDOW = ["--warmup", "1", "--steps", "2", "--trace-steps", "1"]  # as _way.WINDOW, for `vlmdoctor run`
 
@@ -109,29 +112,17 @@ def _command(case: Case, tmp: Path) -> list[str]:
     return [*interpreter, script]
 
 
-def _files(folder: Path, volatile: tuple[str, ...]) -> dict[str, bytes | None]:
-    return {
-        str(p.relative_to(folder)): None if p.name in volatile else p.read_bytes()
-        for p in sorted(folder.rglob("*"))
-        if p.is_file()
-    }
-
-
 def _run(case: Case, way: str, tmp: Path, seed: str | None = None) -> tuple[int, dict[str, bytes | None], str]:
     """The script's exit code, the files it wrote in its folder, and its output."""
     cwd, out = tmp / f"{way}-cwd", tmp / f"{way}-out"
     cwd.mkdir()
     cmd = _command(case, tmp)
     if seed is not None:  # plain python with torch's generator started where the watched run's started
-        shim = (
-            "import runpy, sys, torch; torch.manual_seed(int(sys.argv[1])); sys.argv = sys.argv[2:]; "
-            "sys.path[0] = sys.argv[0].rsplit('/', 1)[0]; runpy.run_path(sys.argv[0], run_name='__main__')"
-        )
-        cmd = [PY, "-c", shim, seed, *cmd[1:]]
+        cmd = [PY, "-c", SHIM, seed, *cmd[1:]]
     if way == "run":
         cmd = [PY, "-m", "vlmdoctor", "run", "--out", str(out), *WINDOW, "--quiet", "--", *cmd]
     p = subprocess.run(cmd, cwd=cwd, env=_env(tmp, way, out), capture_output=True, text=True, timeout=300)
-    return p.returncode, _files(cwd, case.volatile), p.stdout[-3000:] + p.stderr[-3000:]
+    return p.returncode, written(cwd, case.volatile), p.stdout[-3000:] + p.stderr[-3000:]
 
 
 def _report(tmp: Path, way: str) -> dict:

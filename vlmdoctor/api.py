@@ -1053,17 +1053,21 @@ class Doctor:
             try:
                 self._setup(*args, step_offset)
             except Exception as e:  # whatever the arguments, the constructor never raises into the training
-                self._refuse(f"vlmdoctor.Doctor: {type(e).__name__}: {e}"[:300])
+                self._refuse(
+                    f"vlmdoctor.Doctor: {type(e).__name__}: {e}"[:300] + ": this run is not measured; training goes on"
+                )
 
     def _refuse(self, why: str) -> None:
-        """This run is not measured, said once: the loop runs as it would without vlmdoctor."""
-        self.rec = Recorder(None, "doctor-out", 0, 1, 0)
+        """This run is not measured, said once (rank 0): the loop runs as it would without vlmdoctor, and nothing
+        is written."""
+        if getattr(self, "rec", None) is None:
+            self.rec = Recorder(None, "doctor-out", 0, 1, 0)
         self.rec.done = self.rec.broken = True
         self.lead = self.rec.rank == 0
         self.quiet, self.rules_dirs = True, []
         self.report, self.reported, self.summarized, self.refused = None, False, False, True
         if self.lead:
-            _log(f"{why}: this run is not measured; training goes on")
+            _log(why)
 
     def _setup(
         self,
@@ -1108,11 +1112,9 @@ class Doctor:
             )
         else:
             why = None
-        self.refused = why is not None  # the loop runs, unmeasured, and nothing is written
+        self.refused = False
         if why is not None:
-            self.rec.done = self.rec.broken = True
-            if self.lead:
-                _log(why)
+            self._refuse(why)
 
     def __enter__(self) -> Doctor:
         if not self.refused:

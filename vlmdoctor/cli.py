@@ -447,7 +447,7 @@ def _profile(
     _check_profile_outputs(cfg, config, json_path, save_config, html_path, force, trace, rules_dirs, launch)
     check_rules_dirs(rules_dirs or [])
     check(cfg)  # refuse before any progress display opens
-    from vlmdoctor.run import distributed
+    from vlmdoctor.run import distributed, throughput
 
     launch = launch or {}
     dist_run = distributed.is_distributed(cfg)
@@ -494,7 +494,7 @@ def _profile(
         if "distributed" in result and reference is not None:
             ref_tps = (reference.get("metrics") or {}).get("real_tokens_per_s")
             if reference.get("status") == "ok" and ref_tps:
-                result["distributed"]["scaling"] = distributed.scaling(
+                result["distributed"]["scaling"] = throughput.scaling(
                     result["metrics"]["real_tokens_per_s"],
                     result["distributed"]["world_size"],
                     ref_tps,

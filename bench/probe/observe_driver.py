@@ -18,19 +18,13 @@ from pathlib import Path
 
 CORPUS = Path(os.environ["PROBE_ROOT"]) / "tests" / "corpus"
 PY = sys.executable
-SHIM = (
-    "import runpy, sys, torch; torch.manual_seed(int(sys.argv[1])); sys.argv = sys.argv[2:]; "
-    "sys.path[0] = sys.argv[0].rsplit('/', 1)[0]; runpy.run_path(sys.argv[0], run_name='__main__')"
-)
+sys.path.insert(0, str(CORPUS))
+from _compare import SHIM, written  # noqa: E402
 
 
 def files(folder: Path) -> dict[str, bytes | None]:
     """What the script wrote; its own profiler's trace holds times, so only its presence counts."""
-    return {
-        str(p.relative_to(folder)): None if p.name == "mine.json" else p.read_bytes()
-        for p in sorted(folder.rglob("*"))
-        if p.is_file()
-    }
+    return written(folder, ("mine.json",))
 
 
 def command(spec: dict, seed: str | None = None) -> list[str]:

@@ -33,6 +33,7 @@ from vlmdoctor.report.compare import (
     slowest_rank,
     world_size,
 )
+from vlmdoctor.report.console import plain
 
 #: environment keys that change speed on their own; a difference here is not the pull request's doing
 #: config keys that define the model architecture; comparing different ones is meaningless
@@ -883,8 +884,6 @@ def _cell(text: Any) -> str:
     """Text from a report as Markdown that renders as that text and nothing else: an inline code span (no
     links, images, HTML or headings from a model name or a note), control characters shown escaped, a pipe
     escaped for the table it may sit in."""
-    from vlmdoctor.report.console import plain
-
     body = plain(str(text)).replace("\r", " ").replace("\n", " ").replace("|", "\\|")
     run = max((len(r) for r in re.findall(r"`+", body)), default=0)
     fence = "`" * (run + 1)
@@ -917,8 +916,6 @@ def junit_xml(result: dict[str, Any]) -> str:
 
     Text from the reports (finding ids, versions) goes in as `plain` text: XML 1.0 has no way to hold most
     control characters, even escaped, so a raw one would make the whole file unreadable."""
-    from vlmdoctor.report.console import plain
-
     checks = result["checks"]
     suite = ET.Element(
         "testsuite",

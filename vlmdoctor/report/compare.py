@@ -49,13 +49,18 @@ def ranks_note(a: dict[str, Any], b: dict[str, Any], labels: Sequence[str] = ("A
         f"different number of ranks: {labels[0]} {na} ({pa}), {labels[1]} {nb} ({pb}); tokens/s is each job's "
         "global throughput, ms/step the slowest rank's"
     )
-    ta, tb = a["metrics"].get("real_tokens_per_s"), b["metrics"].get("real_tokens_per_s")
-    one, job, n, name = (a, b, nb, labels[1]) if na == 1 and pa == "none" else (b, a, na, labels[0])
-    if (na == 1 and pa == "none" or nb == 1 and pb == "none") and ta and tb:
+    if na == 1 and pa == "none":
+        one, job, n, name = a, b, nb, labels[1]
+    elif nb == 1 and pb == "none":
+        one, job, n, name = b, a, na, labels[0]
+    else:
+        return text
+    t_one, t_job = one["metrics"].get("real_tokens_per_s"), job["metrics"].get("real_tokens_per_s")
+    if t_one and t_job:
         sc = throughput.scaling(
-            job["metrics"]["real_tokens_per_s"],
+            t_job,
             n,
-            one["metrics"]["real_tokens_per_s"],
+            t_one,
             "compared",
             {
                 f"{name}'s": (job.get("throughput") or {}).get("unstable_reason"),

@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from vlmdoctor.errors import UsageError
-from vlmdoctor.run import throughput
 from vlmdoctor.run.config import GPUS, RunConfig
 
 #: NVLink multicast (NVLS / symmetric-memory multicast) off in every process on a GPU: the project's
@@ -421,9 +420,6 @@ def combine(ranks: list[dict[str, Any]], peak_flops: float | None) -> dict[str, 
         "step_imbalance": slowest["step_ms"] / fastest["step_ms"] - 1.0 if fastest["step_ms"] > 0 else None,
         "peak_mem_gb": max((r["peak_mem_gb"] for r in ranks if r["peak_mem_gb"] is not None), default=None),
     }
-
-
-scaling = throughput.scaling  # the job's efficiency against one GPU: written once, in run/throughput.py
 
 
 #: knobs that may differ between a distributed run and its one-GPU reference: those of the several-GPUs panel

@@ -60,7 +60,7 @@ def _gemm(dims: Sequence[Any], first: int) -> float | None:
     return 2.0 * batch * m * k * n
 
 
-def _attention(dims: Sequence[Any], first: int) -> float | None:
+def _attn_flops(dims: Sequence[Any], first: int) -> float | None:
     """Q@K^T and P@V: 2*B*Hq*Sq*Sk*(D + Dv), any number of key/value heads (grouped-query attention)."""
     q, k, v = (_ints(d) for d in dims[first : first + 3]) if len(dims) >= first + 3 else (None, None, None)
     if not q or not k or not v or len(q) < 3 or len(k) < 3 or len(v) < 3:
@@ -99,8 +99,19 @@ def _conv(op: Op, backward: bool) -> float | None:
     return 2 * forward if backward else forward
 
 
-#: op name -> FLOPs from its recorded inputs; an op not here counts nothing
+#: the GEMMs counted, each with the index of its first matrix operand among its recorded inputs
 GEMMS = {"aten::mm": 0, "aten::bmm": 0, "aten::addmm": 1, "aten::baddbmm": 1}
+CONVOLUTIONS = ("aten::convolution", "aten::_convolution")
+
+
+def _attention(name: str) -> bool:
+    """Scaled-dot-product attention, the outer op or any backend's, forward or backward."""
+    return name.startswith("aten::") and "attention" in name and "dot_product" in name
+
+
+def counted(name: str) -> bool:
+    """Whether an op of this name is one the count reads (the rest are skipped cheaply)."""
+    return name in GEMMS or name in CONVOLUTIONS or name == "aten::convolution_backward" or _attention(name)
 
 
 def op_flops(op: Op) -> float | None:
@@ -108,25 +119,16 @@ def op_flops(op: Op) -> float | None:
     name = op.name
     if name in GEMMS:
         return _gemm(op.dims, GEMMS[name])
-    if name in ("aten::convolution", "aten::_convolution"):
+    if name in CONVOLUTIONS:
         return _conv(op, False)
     if name == "aten::convolution_backward":
         return _conv(op, True)
-    if name.startswith("aten::") and "attention" in name and "dot_product" in name:
+    if _attention(name):
         if name.endswith("_backward"):  # (grad_out, q, k, v, ...): four matmuls, twice the forward's
-            fwd = _attention(op.dims, 1)
+            fwd = _attn_flops(op.dims, 1)
             return None if fwd is None else 2 * fwd
-        return _attention(op.dims, 0)
+        return _attn_flops(op.dims, 0)
     return None
-
-
-def counted(name: str) -> bool:
-    """Whether an op of this name is one the count reads (the rest are skipped cheaply)."""
-    return (
-        name in GEMMS
-        or name in ("aten::convolution", "aten::_convolution", "aten::convolution_backward")
-        or (name.startswith("aten::") and "attention" in name and "dot_product" in name)
-    )
 
 
 def count(ops: Iterable[Op]) -> tuple[float, int, int]:
