@@ -68,7 +68,9 @@ def ranks_note(a: dict[str, Any], b: dict[str, Any], labels: Sequence[str] = ("A
             },
         )
         if sc["doubts"]:
-            text += f"; no scaling efficiency of {name}: {'; '.join(sc['doubts'])}"
+            text += (
+                f"; no scaling efficiency of {name}: {'; '.join(sc['doubts'])} (it read {sc['efficiency'] * 100:.0f}%)"
+            )
         else:
             text += f"; scaling efficiency of {name}: {sc['efficiency'] * 100:.0f}%"
     return text
