@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from vlmdoctor.run import throughput
-from vlmdoctor.trace.split import step_split
+from vlmdoctor.trace.split import GPU_BASIS, step_split
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
@@ -209,9 +209,12 @@ def test_split_of_a_recorded_gpu_trace_and_the_gain_uses_the_same_step():
 
     facts = analyze(FIXTURES / "traces" / "bf16_s2.pt.trace.json.gz")["files"][0]["facts"]
     s = step_split(facts)
-    assert s["basis"] == "GPU kernel time" and s["step_ms"] == facts["step.ms"]
+    assert s["basis"] == GPU_BASIS and s["step_ms"] == facts["step.ms"]
     assert sum(r["share"] for r in s["rows"]) == pytest.approx(1.0)
-    assert {r["part"] for r in s["rows"]} >= {"vision", "projector", "llm", "other"}
+    rows = {r["part"]: r["ms"] for r in s["rows"]}
+    assert set(rows) >= {"vision", "projector", "llm", "other kernels", "communication", "GPU idle"}
+    # idle is a part of its own, not hidden in a rest labelled kernel time
+    assert rows["GPU idle"] == pytest.approx(facts["gpu.idle_ms"]) and "other" not in rows
     rules, problems = load_rules()
     findings = diagnose(facts, rules, problems)["findings"]
     gains = [f["expected_gain"] for f in findings if f["expected_gain"]["share_of_step"]]

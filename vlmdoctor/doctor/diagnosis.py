@@ -78,9 +78,11 @@ def examine(
         return report
     report["facts"] = facts
     if "trace.error" not in facts:
+        from vlmdoctor.trace.accounts import step_accounts
         from vlmdoctor.trace.split import step_split
 
         report["split"] = step_split(facts)
+        report["accounts"] = step_accounts(facts)
     if prescribe and "trace.error" not in facts:
         rules, problems = load_rules(*rules_dirs)
         report["diagnosis"] = diagnose(facts, rules, problems, selection)

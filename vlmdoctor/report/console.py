@@ -307,6 +307,30 @@ def _ms(v: Any) -> str:
     return f"{v:,.1f}" if isinstance(v, (int, float)) else "n/a"
 
 
+def render_accounts(acc: dict[str, Any], console: Console, top: int = 12) -> None:
+    """The traced step's accounts, largest first, then the unattributed rest: every millisecond of the step."""
+    t = Table(
+        title=f"accounts of the traced step ({acc['step_ms']:,.1f} ms; per step)",
+        show_header=True,
+        header_style="bold",
+    )
+    for col, justify in (("account", "left"), ("ms", "right"), ("step", "right"), ("what", "left")):
+        t.add_column(col, justify=justify)
+    for r in acc["rows"][:top]:
+        t.add_row(esc(r["account"]), _ms(r["ms"]), f"{r['share'] * 100:.0f}%", esc(r["meaning"]))
+    rest = acc["rows"][top:]
+    if rest:
+        ms = sum(r["ms"] for r in rest)
+        t.add_row(f"{len(rest)} more", _ms(ms), f"{ms / acc['step_ms'] * 100:.0f}%", "")
+    t.add_row(
+        "unattributed",
+        _ms(acc["unattributed_ms"]),
+        f"{acc['unattributed_share'] * 100:.0f}%",
+        "GPU idle under no host event" if acc["unattributed_ms"] > 0 else "",
+    )
+    console.print(t)
+
+
 def render_facts(result: dict[str, Any], console: Console) -> None:
     """Summary of `vlmdoctor analyze`: what the GPU did per step and why it waited."""
     for entry in result["files"]:
@@ -344,10 +368,8 @@ def render_facts(result: dict[str, Any], console: Console) -> None:
             console.print(comm_line(f, "comm.", entry.get("rank")))
         if "gpu.busy_frac" not in f:
             continue
-        causes = [(k.split(".")[1], f[k]) for k in f if k.startswith("idle.") and k.endswith(".ms")]
-        console.print(
-            "GPU idle while the host was in: " + ", ".join(f"{esc(c)} {_ms(v)} ms" for c, v in causes if v >= 0.05)
-        )
+        if entry.get("accounts"):
+            render_accounts(entry["accounts"], console)
         t = Table(title="host work while the GPU waited (per step)", show_header=True, header_style="bold")
         t.add_column("innermost host op / runtime call")
         t.add_column("ms", justify="right")

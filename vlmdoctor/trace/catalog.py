@@ -68,6 +68,8 @@ PLACEHOLDERS: dict[str, tuple[str, str]] = {
     ),
     "cast": ("weight|input|island", "a cast's kind: a weight's, a GEMM input's, an fp32 island's"),
     "knob": ("|".join(_KNOBS), "a knob of the run config (`vlmdoctor profile --help`)"),
+    "account": ("[a-z0-9_]+", "a busy account of trace/families/busy.py (BUSY_ACCOUNTS): gemm_bf16, communication, ..."),
+    "cause": ("[a-z_]+", "a host cause of trace/families/idle.py (HOST_CAUSES): launch, dispatch, allocator, ..."),
 }
 
 
@@ -178,6 +180,12 @@ FACTS: list[Fact] = [
             ("gpu.busy_ms_list", "ms list", "each step's GPU busy time"),
             ("gpu.idle_ms", "ms/step", "step time with no GPU work"),
             ("gpu.busy_frac", "fraction", "GPU busy time over the traced step time"),
+            (
+                "busy.<account>.ms",
+                "ms/step",
+                "GPU busy time given to one account: each moment to the first class running then (compute, then "
+                "copies, then communication); the accounts add up to gpu.busy_ms",
+            ),
         ],
     ),
     *_group(
@@ -192,8 +200,16 @@ FACTS: list[Fact] = [
             ("idle.memcpy.share", "fraction", "share of GPU idle time in cudaMemcpy"),
             ("idle.optimizer_host.ms", "ms/step", "GPU idle during the optimizer's host work"),
             ("idle.optimizer_host.share", "fraction", "share of GPU idle time in the optimizer's host work"),
-            ("idle.other_host.ms", "ms/step", "GPU idle under any other host work (dispatch, Python)"),
-            ("idle.other_host.share", "fraction", "share of GPU idle time under other host work"),
+            ("idle.other_host.ms", "ms/step", "GPU idle under other named host work: the sum of idle.host.<cause>.ms"),
+            ("idle.other_host.share", "fraction", "share of GPU idle time under other named host work"),
+            (
+                "idle.host.<cause>.ms",
+                "ms/step",
+                "GPU idle given to one host cause, in order, from the innermost host event of any thread (a launch, "
+                "an allocator call, a torch op, Python inside a step)",
+            ),
+            ("idle.unattributed.ms", "ms/step", "GPU idle under no host event and outside every step marker"),
+            ("idle.unattributed.share", "fraction", "share of GPU idle time no cause covers"),
             ("idle.op.cudnn_attention.ms", "ms/step", "GPU idle under cuDNN attention ops (plans built on host)"),
             ("idle.top_host_ops", "list", "the innermost host ops the GPU waited on most (op, ms, share)"),
         ],

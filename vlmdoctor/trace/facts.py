@@ -31,6 +31,7 @@ from vlmdoctor.trace.context import (  # noqa: F401  (re-exported: read through 
     part_source,
     token_batches,
 )
+from vlmdoctor.trace.accounts import step_accounts
 from vlmdoctor.trace.families import (
     attention,
     batches,
@@ -202,6 +203,7 @@ def _analyze_file(f: Path, stage: int | None, model: str | None, n_files: int, w
     entry = {
         "file": str(f),
         "facts": facts,
+        "accounts": step_accounts(facts),
         "meta": {k: t.meta[k] for k in ("vlmdoctor", "deviceProperties", "distributedInfo") if k in t.meta},
     }
     if rc.rank is not None and (n_files > 1 or rc.facts):

@@ -1,4 +1,10 @@
-"""GPU busy and idle time: the union of every kernel, copy and memset inside the steps."""
+"""GPU busy and idle time: the union of every kernel, copy and memset inside the steps, and the busy time given
+to one account per moment.
+
+Where streams overlap, the moment goes to the first account below that runs then: compute before
+copies, copies before communication. So `busy.communication` is the communication no compute hid
+(the exposed part, waiting for late ranks included), and the busy accounts add up to GPU busy.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +14,32 @@ import numpy as np
 
 from vlmdoctor.trace.catalog import by_producer
 from vlmdoctor.trace.context import Reading
-from vlmdoctor.trace.intervals import _measure, total
+from vlmdoctor.trace.intervals import _measure, intersect, subtract, total, union
+from vlmdoctor.trace.kernels import LIGER_CLASSES
 
 PRODUCES = by_producer(__name__)
+
+#: the busy accounts, in the order a moment is given: (account, kernel classes of trace/kernels.py, meaning)
+BUSY_ACCOUNTS: dict[str, tuple[tuple[str, ...], str]] = {
+    "gemm_bf16": (("gemm_tensor_core",), "GEMMs on tensor cores (bf16/fp16)"),
+    "gemm_fp8": (("gemm_fp8",), "FP8 GEMMs"),
+    "gemm_tf32": (("gemm_tf32",), "FP32 GEMMs on TF32 tensor cores"),
+    "gemm_fp32": (("gemm_fp32_simt",), "FP32 GEMMs on FMA units (no tensor cores)"),
+    "attention_cudnn": (("attention_cudnn",), "cuDNN fused attention"),
+    "attention_flash": (("attention_flash",), "FlashAttention"),
+    "attention_mem_efficient": (("attention_mem_efficient",), "memory-efficient attention"),
+    "attention_flex": (("attention_flex",), "FlexAttention"),
+    "liger": (LIGER_CLASSES, "Liger fused kernels"),
+    "compiled": (("triton_compiled",), "torch.compile (Inductor) kernels"),
+    "triton": (("triton_other",), "other Triton kernels"),
+    "optimizer": (("optimizer",), "optimizer update kernels"),
+    "softmax": (("softmax",), "softmax and log-softmax"),
+    "elementwise": (("elementwise", "reduction"), "elementwise, indexing and reduction kernels"),
+    "cast": (("cast",), "dtype casts and copy kernels"),
+    "other_kernels": (("other",), "kernels of no known class"),
+    "copy": (("memcpy", "memset"), "memory copies and sets"),
+    "communication": (("nccl",), "communication no compute hid (waiting for late ranks included)"),
+}
 
 
 def produce(r: Reading, facts: dict[str, Any]) -> None:
@@ -20,3 +49,11 @@ def produce(r: Reading, facts: dict[str, Any]) -> None:
     facts["gpu.busy_ms_list"] = [round(x, 3) for x in ((_measure(busy, we) - _measure(busy, ws)) / 1e3).tolist()]
     facts["gpu.idle_ms"] = total(r.idle) / 1e3 / n
     facts["gpu.busy_frac"] = total(busy) / max(total(r.span), 1e-9)
+    g = r.t.gpu
+    cls = g["cls"].astype(str).to_numpy()
+    left = busy
+    for account, (classes, _) in BUSY_ACCOUNTS.items():
+        m = np.isin(cls, classes)
+        hit = intersect(left, union(g["ts"].to_numpy()[m], g["end"].to_numpy()[m]))
+        facts[f"busy.{account}.ms"] = total(hit) / 1e3 / n
+        left = subtract(left, hit)

@@ -1,53 +1,106 @@
-"""Why the GPU waited: its idle time, attributed to what the host was doing meanwhile."""
+"""Why the GPU waited: every moment of its idle time given to one cause, what the host was doing meanwhile.
+
+Causes are tried in order and each takes the idle time it covers that no earlier cause took. The
+first four are spans (a DataLoader call, a sync and the relaunch gap it opens, a blocking copy, the
+optimizer's host work) whatever runs inside them. The rest read what each host thread was doing
+at each moment: its innermost op or runtime call (a launch, an allocator call, cuDNN, compilation,
+a torch op, a recorded range). Idle time under no host event at all, inside a ProfilerStep, is
+Python outside torch ops (the training step's own code); outside any step marker nothing says what
+the host did, and that time is `idle.unattributed`, never given to a cause.
+"""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from vlmdoctor.trace.catalog import by_producer
-from vlmdoctor.trace.context import SYNC_CALLS, Reading, innermost, nesting
+from vlmdoctor.trace.context import PART_RANGES, SYNC_CALLS, Reading, innermost, nesting
 from vlmdoctor.trace.intervals import Intervals, _measure, intersect, subtract, total, union
-from vlmdoctor.trace.tables import Tables
+from vlmdoctor.trace.tables import COMM_OPS, MODULE_PREFIX, Tables
 
 PRODUCES = by_producer(__name__)
 
+#: the span causes, in the order idle time is given: cause -> (its ms fact, its share fact, what it means),
+#: spelled out so that a search for a fact finds where it is computed
+SPAN_CAUSES = {
+    "data_loader": ("idle.data_loader.ms", "idle.data_loader.share", "building or fetching a batch (DataLoader)"),
+    "sync": ("idle.sync.ms", "idle.sync.share", "sync calls and the relaunch gap they open"),
+    "memcpy": ("idle.memcpy.ms", "idle.memcpy.share", "blocking cudaMemcpy calls"),
+    "optimizer_host": ("idle.optimizer_host.ms", "idle.optimizer_host.share", "the optimizer's host work"),
+}
+#: the host causes under `idle.other_host`, in the order idle time is given to them: (cause, what it means)
+HOST_CAUSES = {
+    "ranks": "collectives and barriers (other ranks)",
+    "allocator": "cudaMalloc/cudaFree and pinned allocs",
+    "compile": "torch.compile: compiling, guards, wrappers",
+    "cudnn": "cuDNN calls (plans for new shapes)",
+    "launch": "kernel launch calls",
+    "runtime": "other CUDA runtime calls",
+    "dispatch": "torch ops on the host (dispatch, CPU work)",
+    "python_model": "Python in model code (nn.Module)",
+    "python_range": "Python in a named range or autograd.Function",
+    "python": "the step's code outside torch ops",
+}
+ALLOCATOR = re.compile(
+    r"^(?:cudaMalloc|cudaFree|cuMemAlloc|cuMemFree|cudaMallocHost|cudaFreeHost|cudaHostAlloc|cudaMallocAsync"
+    r"|cudaFreeAsync|cuMem(?:Create|Map|Unmap|Release|AddressReserve|AddressFree|SetAccess)|cudaHostRegister"
+    r"|cudaHostUnregister|cuMemHostAlloc|cuMemFreeHost)"
+)
+LAUNCH = re.compile(r"^(?:cudaLaunchKernel|cuLaunchKernel|cudaLaunchCooperativeKernel|cuLaunchCooperativeKernel|cudaGraphLaunch)")
+COMPILE = re.compile(
+    r"^(?:Torch-Compiled Region|TorchDynamo|CompiledFunction|## Call CompiledFxGraph|Pregraph bytecode|"
+    r"Postgraph bytecode|_compile\.|compile_fx|inductor|dynamo|OutputGraph|fx_codegen|async_compile|cudagraphify)",
+    re.IGNORECASE,
+)
+RANKS = re.compile(r"barrier|ProcessGroup|^(?:" + "|".join(re.escape(p) for p in COMM_OPS) + ")")
+
 
 def produce(r: Reading, facts: dict[str, Any]) -> None:
-    """GPU idle time, attributed to what the host was doing meanwhile, in priority order."""
+    """GPU idle time given to causes in order; what none covers is said as unattributed."""
     t, idle, n = r.t, r.idle, r.n
     ops, rt = t.ops, t.runtime
 
     def spans(df: pd.DataFrame) -> Intervals:
         return union(df["ts"].to_numpy(), df["end"].to_numpy())
 
-    causes = [  # (ms fact, share fact, the host spans), in the order idle time is attributed
-        (
-            "idle.data_loader.ms",
-            "idle.data_loader.share",
-            spans(ops[ops["name"].str.contains("DataLoader", regex=False)]),
-        ),
-        ("idle.sync.ms", "idle.sync.share", _sync_gaps(rt[rt["name"].str.match(SYNC_CALLS)], idle)),
-        ("idle.memcpy.ms", "idle.memcpy.share", spans(rt[rt["name"].str.startswith("cudaMemcpy")])),
-        (
-            "idle.optimizer_host.ms",
-            "idle.optimizer_host.share",
-            spans(ops[ops["name"].str.startswith("Optimizer.step")]),
-        ),
-    ]
+    span_causes = {
+        "data_loader": spans(ops[ops["name"].str.contains("DataLoader", regex=False)]),
+        "sync": _sync_gaps(rt[rt["name"].str.match(SYNC_CALLS)], idle),
+        "memcpy": spans(rt[rt["name"].str.startswith("cudaMemcpy")]),
+        "optimizer_host": spans(ops[ops["name"].str.startswith("Optimizer.step")]),
+    }
+    inner, per_code = _innermost(t, idle)
+    host_causes = {
+        "ranks": union(*(np.concatenate(x) for x in zip(spans(ops[ops["name"].str.contains(RANKS)]), inner["ranks"]))),
+        "allocator": spans(rt[rt["name"].str.match(ALLOCATOR)]),
+        **{c: inner[c] for c in HOST_CAUSES if c not in ("ranks", "allocator", "python")},
+    }
+    # inside a step marker the host runs the step's own code even where no event is open; outside one, nothing
+    # says what it did (unattributed)
+    host_causes["python"] = r.span if len(t.steps) else (np.zeros(0), np.zeros(0))
     left = idle
     idle_total = max(total(idle), 1e-9)
-    for ms_name, share_name, iv in causes:
+    for cause, iv in span_causes.items():
         hit = intersect(left, iv)
-        facts[ms_name] = total(hit) / 1e3 / n
-        facts[share_name] = total(hit) / idle_total
+        ms_fact, share_fact, _ = SPAN_CAUSES[cause]
+        facts[ms_fact] = total(hit) / 1e3 / n
+        facts[share_fact] = total(hit) / idle_total
         left = subtract(left, hit)
-    facts["idle.other_host.ms"] = total(left) / 1e3 / n
-    facts["idle.other_host.share"] = total(left) / idle_total
+    host_ms = 0.0
+    for cause, iv in host_causes.items():
+        hit = intersect(left, iv)
+        facts[f"idle.host.{cause}.ms"] = total(hit) / 1e3 / n
+        host_ms += total(hit)
+        left = subtract(left, hit)
+    facts["idle.other_host.ms"] = host_ms / 1e3 / n
+    facts["idle.other_host.share"] = host_ms / idle_total
+    facts["idle.unattributed.ms"] = total(left) / 1e3 / n
+    facts["idle.unattributed.share"] = total(left) / idle_total
     # the host work running while the GPU waited: the innermost op or runtime call at each moment, any thread
-    per_code = _idle_by_innermost(t, idle)
     cats = t.ops["name"].cat.categories
     cudnn_att = np.flatnonzero(pd.Series(cats).str.contains("_cudnn_attention").to_numpy())
     facts["idle.op.cudnn_attention.ms"] = float(per_code[cudnn_att].sum()) / 1e3 / n  # cuDNN plans built on the host
@@ -74,25 +127,57 @@ def _sync_gaps(sync: pd.DataFrame, idle: Intervals) -> Intervals:
     return union(s, stretched)
 
 
-def _idle_by_innermost(t: Tables, idle: Intervals) -> np.ndarray:
-    """Idle time under each name: between consecutive boundaries the innermost op of a thread is fixed."""
-    cats = t.ops["name"].cat.categories
-    out = np.zeros(len(cats))
-    if len(idle[0]) == 0:
-        return out
+def name_cause(name: str, runtime: bool) -> str:
+    """The host cause of time whose innermost event on a thread is this op or runtime call."""
+    if RANKS.search(name) and not runtime:
+        return "ranks"
+    if COMPILE.search(name):
+        return "compile"
+    if "cudnn" in name.lower():
+        return "cudnn"
+    if runtime:
+        return "launch" if LAUNCH.match(name) else "runtime"
+    if name.startswith(MODULE_PREFIX):
+        return "python_model"
+    if "::" in name and name not in PART_RANGES:
+        return "dispatch"
+    return "python_range"  # a record_function range or an autograd.Function (Liger's): Python inside it
+
+
+def _innermost(t: Tables, idle: Intervals) -> tuple[dict[str, Intervals], np.ndarray]:
+    """What each host thread was doing while the GPU idled: for each host cause, the moments whose innermost
+    event on some thread has that cause; and the idle time under each name (innermost op or call, any thread)."""
+    cats = list(t.ops["name"].cat.categories)
+    per_code = np.zeros(len(cats))
+    op_cause = np.array([name_cause(str(c), False) for c in cats], dtype=object)
+    rt_cause = np.array([name_cause(str(c), True) for c in cats], dtype=object)
+    found: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {c: [] for c in HOST_CAUSES}  # python: no event
     items = pd.concat([t.ops[["name", "tid", "ts", "end"]], t.runtime[["name", "tid", "ts", "end"]]], ignore_index=True)
-    code = items["name"].cat.codes.to_numpy()
-    tid_all = items["tid"].to_numpy()
-    for tid in np.unique(tid_all):
-        sel = np.flatnonzero(tid_all == tid)
-        order = sel[np.lexsort((-items["end"].to_numpy()[sel], items["ts"].to_numpy()[sel]))]
-        ts, end = items["ts"].to_numpy()[order], items["end"].to_numpy()[order]
-        _, par = nesting(ts, end)
-        bounds = np.unique(np.concatenate([ts, end]))
-        if len(bounds) < 2:
-            continue
-        owner = innermost(ts, end, par, bounds[:-1])
-        idle_len = _measure(idle, bounds[1:]) - _measure(idle, bounds[:-1])
-        ok = (owner >= 0) & (idle_len > 0)
-        out += np.bincount(code[order[owner[ok]]], weights=idle_len[ok], minlength=len(cats))
-    return out
+    if len(idle[0]) and len(items):
+        code_all = items["name"].cat.codes.to_numpy()
+        is_rt = np.arange(len(items)) >= len(t.ops)
+        tid_all = items["tid"].to_numpy()
+        for tid in np.unique(tid_all):
+            sel = np.flatnonzero(tid_all == tid)
+            order = sel[np.lexsort((-items["end"].to_numpy()[sel], items["ts"].to_numpy()[sel]))]
+            ts, end = items["ts"].to_numpy()[order], items["end"].to_numpy()[order]
+            _, par = nesting(ts, end)
+            bounds = np.unique(np.concatenate([ts, end]))
+            if len(bounds) < 2:
+                continue
+            owner = innermost(ts, end, par, bounds[:-1])  # between consecutive bounds the innermost item is fixed
+            idle_len = _measure(idle, bounds[1:]) - _measure(idle, bounds[:-1])
+            ok = (owner >= 0) & (idle_len > 0)
+            rows = order[owner[ok]]
+            code = code_all[rows]
+            per_code += np.bincount(code, weights=idle_len[ok], minlength=len(cats))
+            cause = np.where(is_rt[rows], rt_cause[code], op_cause[code])
+            lo, hi = bounds[:-1][ok], bounds[1:][ok]
+            for c in np.unique(cause):
+                m = cause == c
+                found[c].append((lo[m], hi[m]))
+    spans = {
+        c: union(np.concatenate([a for a, _ in v]), np.concatenate([b for _, b in v])) if v else (np.zeros(0), np.zeros(0))
+        for c, v in found.items()
+    }
+    return spans, per_code
