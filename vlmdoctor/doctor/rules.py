@@ -28,6 +28,7 @@ from typing import Any
 from vlmdoctor.errors import UsageError
 from vlmdoctor.run.config import LAYER_NAMES, RunConfig
 from vlmdoctor.trace import catalog
+from vlmdoctor.trace.accounts import ACCOUNT_IDS, WORK, step_accounts
 
 
 def _builtin_rules_dir() -> Path:
@@ -49,6 +50,8 @@ SEVERITIES = ("high", "medium", "low")
 #: a finding's severity from its expected throughput ratio (x1.25: a quarter more tokens/s); below: low.
 #: A rule's own `severity` caps it; a finding whose gain cannot be computed keeps the rule's severity.
 GAIN_SEVERITY = (("high", 1.25), ("medium", 1.05))
+#: an account of the step this large gets a word in every diagnosis: a finding, or "no prescription known"
+MIN_ACCOUNT_SHARE = 0.05
 FUNCTIONS = {"min": min, "max": max, "floor": math.floor, "ceil": math.ceil, "round": round, "abs": abs}
 HAS = "has"  # has(fact.name): whether the trace measured it; never "not evaluated" (see rules/README.md)
 #: how many positional arguments each function takes (no keywords)
@@ -128,6 +131,7 @@ class Rule:
     conflicts: list[str] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)
     detects: str = ""
+    accounts: list[str] = field(default_factory=list)  # the step's accounts (trace/accounts.py) its fix speaks to
 
     @property
     def uses_dist(self) -> bool:
@@ -429,6 +433,13 @@ def _rule_from(path: Path, data: Any) -> Rule:
         raise RuleError(f"{path}: rule {rule.id}: stages must be a list of 1 and/or 2")
     if not isinstance(rule.conflicts, list) or not isinstance(rule.sources, list):
         raise RuleError(f"{path}: rule {rule.id}: conflicts and sources must be lists")
+    unknown = [a for a in rule.accounts if a not in ACCOUNT_IDS] if isinstance(rule.accounts, list) else None
+    if unknown is None or unknown:
+        raise RuleError(
+            f"{path}: rule {rule.id}: accounts must be a list of the step's accounts"
+            + (f"; unknown: {', '.join(map(str, unknown))}" if unknown else "")
+            + f" (known: {', '.join(ACCOUNT_IDS)})"
+        )
     if not isinstance(rule.constants, dict):
         raise RuleError(f"{path}: rule {rule.id}: constants must be a mapping")
     if isinstance(rule.layer, bool) or rule.layer not in range(1, 6):
@@ -666,7 +677,58 @@ def diagnose(
         "not_evaluated": not_evaluated,
         "not_applicable": not_applicable,
         "problems": list(problems or []),
+        "accounts": account_verdicts(facts, kept + superseded + muted),
     }
+
+
+def account_verdicts(facts: dict[str, Any], findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every account of the step that holds at least MIN_ACCOUNT_SHARE of it, with what the diagnosis says of it:
+    the findings that speak to it, or that it is the step's own work, or that no prescription is known. No cost of
+    that size goes unnamed."""
+    acc = step_accounts(facts)
+    if acc is None:
+        return []
+    where = _where(facts)
+    out = []
+    for row in acc["rows"]:
+        if row["share"] < MIN_ACCOUNT_SHARE:
+            continue
+        named = [f["id"] for f in findings if row["account"] in f.get("accounts", ())]
+        verdict = "prescribed" if named else "work" if row["account"] in WORK else "no prescription known"
+        out.append(
+            {
+                "account": row["account"],
+                "meaning": row["meaning"],
+                "ms": row["ms"],
+                "share": row["share"],
+                "verdict": verdict,
+                "findings": named,
+                "where": where.get(row["account"], []),
+            }
+        )
+    if acc["unattributed_share"] >= MIN_ACCOUNT_SHARE:
+        out.append(
+            {
+                "account": "unattributed",
+                "meaning": "GPU idle under no host event, outside every step marker",
+                "ms": acc["unattributed_ms"],
+                "share": acc["unattributed_share"],
+                "verdict": "no prescription known",
+                "findings": [],
+                "where": ["record with a torch.profiler schedule and prof.step() so that steps are marked"],
+            }
+        )
+    return out
+
+
+def _where(facts: dict[str, Any]) -> dict[str, list[str]]:
+    """Where an idle account's time went: the innermost host ops and calls the GPU waited on, by their cause."""
+    out: dict[str, list[str]] = {}
+    for row in facts.get("idle.top_host_ops") or []:
+        cause = row.get("cause") if isinstance(row, dict) else None
+        if isinstance(cause, str) and len(out.get(f"idle.host.{cause}", [])) < 3:
+            out.setdefault(f"idle.host.{cause}", []).append(f"{row['op']} {row['ms']:,.1f} ms")
+    return out
 
 
 def _fire(
@@ -758,6 +820,7 @@ def _fire(
         "_order": equivalent or 0.0,
         "sources": rule.sources,
         "conflicts": rule.conflicts,
+        "accounts": list(rule.accounts),
     }
 
 

@@ -469,6 +469,22 @@ def _gain_cell(f: dict[str, Any]) -> str:
     return f"{text}\n{tail}"
 
 
+def render_unprescribed(diagnosis: dict[str, Any], console: Console) -> None:
+    """Each large account of the step that no finding speaks to, said as seen: no cost of that size goes unnamed."""
+    for a in diagnosis.get("accounts") or []:
+        if a["verdict"] != "no prescription known":
+            continue
+        where = f" (in {', '.join(a['where'])})" if a.get("where") else ""
+        console.print(
+            f"seen: {a['ms']:,.1f} ms/step ({a['share'] * 100:.0f}% of the traced step) in {a['account']}, "
+            f"{a['meaning']}{where}; no prescription known",
+            style="yellow",
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
+        )
+
+
 def render_muted(diagnosis: dict[str, Any], console: Console) -> None:
     """One line naming every muted finding with its expected gain: muted, never silently dropped."""
     muted = diagnosis.get("muted") or []
@@ -537,6 +553,7 @@ def render_findings(
             console.print(f"#{i} {f['id']}, run:", highlight=False, markup=False, soft_wrap=True)
             line = command(patch) if command else knobs
             console.print(f"  {line}", style="cyan", highlight=False, markup=False, soft_wrap=True)
+    render_unprescribed(diagnosis, console)
     render_muted(diagnosis, console)
     for s in diagnosis["superseded"]:
         console.print(f"[dim]superseded: {esc(s['id'])} (covered by {esc(s['superseded_by'])})[/dim]")
@@ -869,6 +886,7 @@ def render_own_findings(diagnosis: dict[str, Any], console: Console) -> None:
                 "   knobs: [cyan]" + esc(", ".join(f"{k}={v}" for k, v in f["config_patch"].items())) + "[/cyan]",
                 highlight=False,
             )
+    render_unprescribed(diagnosis, console)
     render_muted(diagnosis, console)
     for s in diagnosis.get("superseded") or []:
         console.print(f"[dim]superseded: {esc(s['id'])} (covered by {esc(s['superseded_by'])})[/dim]")

@@ -68,7 +68,10 @@ PLACEHOLDERS: dict[str, tuple[str, str]] = {
     ),
     "cast": ("weight|input|island", "a cast's kind: a weight's, a GEMM input's, an fp32 island's"),
     "knob": ("|".join(_KNOBS), "a knob of the run config (`vlmdoctor profile --help`)"),
-    "account": ("[a-z0-9_]+", "a busy account of trace/families/busy.py (BUSY_ACCOUNTS): gemm_bf16, communication, ..."),
+    "account": (
+        "[a-z0-9_]+",
+        "a busy account of trace/families/busy.py (BUSY_ACCOUNTS): gemm_bf16, communication, ...",
+    ),
     "cause": ("[a-z_]+", "a host cause of trace/families/idle.py (HOST_CAUSES): launch, dispatch, allocator, ..."),
 }
 
@@ -211,7 +214,7 @@ FACTS: list[Fact] = [
             ("idle.unattributed.ms", "ms/step", "GPU idle under no host event and outside every step marker"),
             ("idle.unattributed.share", "fraction", "share of GPU idle time no cause covers"),
             ("idle.op.cudnn_attention.ms", "ms/step", "GPU idle under cuDNN attention ops (plans built on host)"),
-            ("idle.top_host_ops", "list", "the innermost host ops the GPU waited on most (op, ms, share)"),
+            ("idle.top_host_ops", "list", "the innermost host ops the GPU waited on most (op, ms, share, cause)"),
         ],
     ),
     *_group(

@@ -17,6 +17,7 @@ import pandas as pd
 
 from vlmdoctor.trace import causes, cudnn_plan, modes
 from vlmdoctor.trace import cpu_facts as cpu_family
+from vlmdoctor.trace.accounts import step_accounts
 from vlmdoctor.trace.catalog import by_producer
 from vlmdoctor.trace.comms import rank_comms
 from vlmdoctor.trace.context import (  # noqa: F401  (re-exported: read through this module too)
@@ -31,7 +32,6 @@ from vlmdoctor.trace.context import (  # noqa: F401  (re-exported: read through 
     part_source,
     token_batches,
 )
-from vlmdoctor.trace.accounts import step_accounts
 from vlmdoctor.trace.families import (
     attention,
     batches,

@@ -32,30 +32,34 @@ SPAN_CAUSES = {
     "memcpy": ("idle.memcpy.ms", "idle.memcpy.share", "blocking cudaMemcpy calls"),
     "optimizer_host": ("idle.optimizer_host.ms", "idle.optimizer_host.share", "the optimizer's host work"),
 }
-#: the host causes under `idle.other_host`, in the order idle time is given to them: (cause, what it means)
+#: the host causes under `idle.other_host`, in the order idle time is given to them: cause -> (its fact, what it
+#: means)
 HOST_CAUSES = {
-    "ranks": "collectives and barriers (other ranks)",
-    "allocator": "cudaMalloc/cudaFree and pinned allocs",
-    "compile": "torch.compile: compiling, guards, wrappers",
-    "cudnn": "cuDNN calls (plans for new shapes)",
-    "launch": "kernel launch calls",
-    "runtime": "other CUDA runtime calls",
-    "dispatch": "torch ops on the host (dispatch, CPU work)",
-    "python_model": "Python in model code (nn.Module)",
-    "python_range": "Python in a named range or autograd.Function",
-    "python": "the step's code outside torch ops",
+    "ranks": ("idle.host.ranks.ms", "collectives and barriers (other ranks)"),
+    "allocator": ("idle.host.allocator.ms", "cudaMalloc/cudaFree and pinned allocs"),
+    "compile": ("idle.host.compile.ms", "torch.compile: compiling, guards, wrappers"),
+    "cudnn": ("idle.host.cudnn.ms", "cuDNN calls (plans for new shapes)"),
+    "launch": ("idle.host.launch.ms", "kernel launch calls"),
+    "runtime": ("idle.host.runtime.ms", "other CUDA runtime calls"),
+    "dispatch": ("idle.host.dispatch.ms", "torch ops on the host (dispatch, CPU work)"),
+    "python_model": ("idle.host.python_model.ms", "Python in model code (nn.Module)"),
+    "python_range": ("idle.host.python_range.ms", "Python in a named range or autograd.Function"),
+    "python": ("idle.host.python.ms", "the step's code outside torch ops"),
 }
 ALLOCATOR = re.compile(
     r"^(?:cudaMalloc|cudaFree|cuMemAlloc|cuMemFree|cudaMallocHost|cudaFreeHost|cudaHostAlloc|cudaMallocAsync"
     r"|cudaFreeAsync|cuMem(?:Create|Map|Unmap|Release|AddressReserve|AddressFree|SetAccess)|cudaHostRegister"
     r"|cudaHostUnregister|cuMemHostAlloc|cuMemFreeHost)"
 )
-LAUNCH = re.compile(r"^(?:cudaLaunchKernel|cuLaunchKernel|cudaLaunchCooperativeKernel|cuLaunchCooperativeKernel|cudaGraphLaunch)")
+LAUNCH = re.compile(
+    r"^(?:cudaLaunchKernel|cuLaunchKernel|cudaLaunchCooperativeKernel|cuLaunchCooperativeKernel|cudaGraphLaunch)"
+)
 COMPILE = re.compile(
     r"^(?:Torch-Compiled Region|TorchDynamo|CompiledFunction|## Call CompiledFxGraph|Pregraph bytecode|"
     r"Postgraph bytecode|_compile\.|compile_fx|inductor|dynamo|OutputGraph|fx_codegen|async_compile|cudagraphify)",
     re.IGNORECASE,
 )
+BACKWARD_NODE = re.compile(r"Backward\d+$")  # a C++ autograd node (MmBackward0); Python Functions end in Backward
 RANKS = re.compile(r"barrier|ProcessGroup|^(?:" + "|".join(re.escape(p) for p in COMM_OPS) + ")")
 
 
@@ -73,7 +77,7 @@ def produce(r: Reading, facts: dict[str, Any]) -> None:
         "memcpy": spans(rt[rt["name"].str.startswith("cudaMemcpy")]),
         "optimizer_host": spans(ops[ops["name"].str.startswith("Optimizer.step")]),
     }
-    inner, per_code = _innermost(t, idle)
+    inner, per_code, code_cause = _innermost(t, idle)
     host_causes = {
         "ranks": union(*(np.concatenate(x) for x in zip(spans(ops[ops["name"].str.contains(RANKS)]), inner["ranks"]))),
         "allocator": spans(rt[rt["name"].str.match(ALLOCATOR)]),
@@ -93,7 +97,7 @@ def produce(r: Reading, facts: dict[str, Any]) -> None:
     host_ms = 0.0
     for cause, iv in host_causes.items():
         hit = intersect(left, iv)
-        facts[f"idle.host.{cause}.ms"] = total(hit) / 1e3 / n
+        facts[HOST_CAUSES[cause][0]] = total(hit) / 1e3 / n
         host_ms += total(hit)
         left = subtract(left, hit)
     facts["idle.other_host.ms"] = host_ms / 1e3 / n
@@ -104,9 +108,14 @@ def produce(r: Reading, facts: dict[str, Any]) -> None:
     cats = t.ops["name"].cat.categories
     cudnn_att = np.flatnonzero(pd.Series(cats).str.contains("_cudnn_attention").to_numpy())
     facts["idle.op.cudnn_attention.ms"] = float(per_code[cudnn_att].sum()) / 1e3 / n  # cuDNN plans built on the host
-    top = np.argsort(-per_code)[:8]
+    top = np.argsort(-per_code)[:12]
     facts["idle.top_host_ops"] = [
-        {"op": str(cats[k]), "ms": float(per_code[k]) / 1e3 / n, "share": float(per_code[k]) / idle_total}
+        {
+            "op": str(cats[k]),
+            "ms": float(per_code[k]) / 1e3 / n,
+            "share": float(per_code[k]) / idle_total,
+            "cause": str(code_cause[k]),
+        }
         for k in top
         if per_code[k] > 0
     ]
@@ -139,16 +148,18 @@ def name_cause(name: str, runtime: bool) -> str:
         return "launch" if LAUNCH.match(name) else "runtime"
     if name.startswith(MODULE_PREFIX):
         return "python_model"
-    if "::" in name and name not in PART_RANGES:
+    if ("::" in name and name not in PART_RANGES) or BACKWARD_NODE.search(name):
         return "dispatch"
     return "python_range"  # a record_function range or an autograd.Function (Liger's): Python inside it
 
 
-def _innermost(t: Tables, idle: Intervals) -> tuple[dict[str, Intervals], np.ndarray]:
+def _innermost(t: Tables, idle: Intervals) -> tuple[dict[str, Intervals], np.ndarray, np.ndarray]:
     """What each host thread was doing while the GPU idled: for each host cause, the moments whose innermost
-    event on some thread has that cause; and the idle time under each name (innermost op or call, any thread)."""
+    event on some thread has that cause; the idle time under each name (innermost op or call, any thread); and
+    each name's cause."""
     cats = list(t.ops["name"].cat.categories)
     per_code = np.zeros(len(cats))
+    code_cause = np.full(len(cats), "python", dtype=object)  # the cause of each name as an innermost event
     op_cause = np.array([name_cause(str(c), False) for c in cats], dtype=object)
     rt_cause = np.array([name_cause(str(c), True) for c in cats], dtype=object)
     found: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {c: [] for c in HOST_CAUSES}  # python: no event
@@ -172,12 +183,15 @@ def _innermost(t: Tables, idle: Intervals) -> tuple[dict[str, Intervals], np.nda
             code = code_all[rows]
             per_code += np.bincount(code, weights=idle_len[ok], minlength=len(cats))
             cause = np.where(is_rt[rows], rt_cause[code], op_cause[code])
+            code_cause[code] = cause
             lo, hi = bounds[:-1][ok], bounds[1:][ok]
             for c in np.unique(cause):
                 m = cause == c
                 found[c].append((lo[m], hi[m]))
     spans = {
-        c: union(np.concatenate([a for a, _ in v]), np.concatenate([b for _, b in v])) if v else (np.zeros(0), np.zeros(0))
+        c: union(np.concatenate([a for a, _ in v]), np.concatenate([b for _, b in v]))
+        if v
+        else (np.zeros(0), np.zeros(0))
         for c, v in found.items()
     }
-    return spans, per_code
+    return spans, per_code, code_cause
