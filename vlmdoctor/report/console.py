@@ -307,6 +307,26 @@ def _ms(v: Any) -> str:
     return f"{v:,.1f}" if isinstance(v, (int, float)) else "n/a"
 
 
+def straggler_cause(f: dict[str, Any]) -> str:
+    """The straggler's cause in words, with the numbers that make it the cause."""
+    cause = str(f["dist.straggler.cause"])
+    grown = f.get("dist.straggler.accounts") or []
+    if cause == "tokens":
+        text = f"tokens ({f['dist.straggler.tokens_excess_frac'] * 100:+.0f}% over the others' mean)"
+    elif cause == "gemm_work":
+        text = (
+            f"gemm work (its GEMMs ran {f['dist.straggler.gemm_excess_frac'] * 100:+.0f}% longer than the others': "
+            "more or longer samples; record_shapes=True counts its tokens)"
+        )
+    elif cause.startswith(("busy.", "idle.")):
+        text = next((f"{g['account']} grew {g['excess_ms']:,.1f} ms/step ({g['meaning']})" for g in grown), cause)
+    else:
+        text = cause.replace("_", " ")
+    if cause not in ("balanced",) and grown and not cause.startswith(("busy.", "idle.")):
+        text += "; accounts above the others': " + ", ".join(f"{g['account']} +{g['excess_ms']:,.1f} ms" for g in grown)
+    return text
+
+
 def render_accounts(acc: dict[str, Any], console: Console, top: int = 12) -> None:
     """The traced step's accounts, largest first, then the unattributed rest: every millisecond of the step."""
     t = Table(
@@ -946,7 +966,7 @@ def render_cross_rank(cross: dict[str, Any], console: Console) -> None:
             f"slowest rank {esc(f['dist.straggler.rank'])}: busy {_ms(f['dist.step_skew_ms'])} ms/step more than the "
             f"fastest ({f.get('dist.step_skew_frac', 0) * 100:.0f}%)"
         )
-        console.print(f"  cause: {esc(str(f['dist.straggler.cause']).replace('_', ' '))}", highlight=False)
+        console.print(f"  cause: {esc(straggler_cause(f))}", highlight=False)
     if "dist.late_wait_ms" in f:
         console.print(
             f"waiting for late ranks in collectives: {_ms(f['dist.late_wait_ms'])} ms/step mean, "

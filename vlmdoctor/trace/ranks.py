@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from vlmdoctor.trace.accounts import step_accounts
 from vlmdoctor.trace.catalog import by_producer
 from vlmdoctor.trace.comms import GRAD_SYNC, RankComms
 
@@ -174,6 +175,11 @@ MEAN_FACTS = (
 
 CAUSE_MIN_SHARE = 0.3  # a cause explains the skew when it accounts for at least this share of it
 BALANCED_SKEW = 0.05  # under 5% of the step the ranks count as balanced: no cause is named
+#: GEMM time above the others' by this share means the rank was given more work (more or longer samples): GEMM
+#: FLOPs grow with tokens, so its GEMM time measures its work where the trace records no token batches
+GEMM_WORK_EXCESS = 0.1
+#: accounts that are waiting for other ranks, not a rank's own work: never the straggler's cause
+WAITING = ("busy.communication", "idle.host.ranks")
 
 
 def _wait_per_step(per: list[RankComms]) -> dict[int, dict[str, float]] | None:
@@ -210,11 +216,20 @@ def _wait_per_step(per: list[RankComms]) -> dict[int, dict[str, float]] | None:
     return out
 
 
-def _straggler(rows: list[dict[str, Any]], busy: list[float], steps: list[float], facts: dict[str, Any]) -> None:
-    """The slowest rank by busy time (step less its wait for late ranks) and which cause explains its excess."""
+def _straggler(
+    rows: list[dict[str, Any]],
+    busy: list[float],
+    steps: list[float],
+    facts: dict[str, Any],
+    rank_facts: list[dict[str, Any]],
+) -> None:
+    """The slowest rank by busy time (step less its wait for late ranks) and which cause explains its excess:
+    more tokens, more GEMM work (a measure of tokens where shapes are not recorded), a slower loader, more host
+    gaps, or, failing those, the account of the step (trace/accounts.py) that grew most on that rank."""
     i = int(np.argmax(busy))
     slow = rows[i]
     others = [x for j, x in enumerate(rows) if j != i] or rows
+    other_f = [f for j, f in enumerate(rank_facts) if j != i] or rank_facts
     mean_busy = float(np.mean(busy))
     facts["dist.straggler.rank"] = slow["rank"]
     facts["dist.step_skew_ms"] = max(busy) - min(busy)
@@ -222,21 +237,51 @@ def _straggler(rows: list[dict[str, Any]], busy: list[float], steps: list[float]
     if steps:
         facts["dist.step_skew_frac"] = facts["dist.step_skew_ms"] / facts["dist.step.ms"]
     causes = {}
+    o_busy = float(np.mean([x["busy_ms"] for x in others]))
     o_tokens = [x["tokens"] for x in others if x["tokens"]]
     if slow["tokens"] and o_tokens:
         facts["dist.straggler.tokens_excess_frac"] = slow["tokens"] / float(np.mean(o_tokens)) - 1
-        o_busy = float(np.mean([x["busy_ms"] for x in others]))
         causes["tokens"] = facts["dist.straggler.tokens_excess_frac"] * o_busy  # compute grows with tokens
+    gemm = [f.get("gemm.ms") for f in (rank_facts[i], *other_f)]
+    if all(isinstance(g, (int, float)) for g in gemm) and np.mean(gemm[1:]) > 0:
+        facts["dist.straggler.gemm_excess_frac"] = gemm[0] / float(np.mean(gemm[1:])) - 1
+        if "tokens" not in causes and facts["dist.straggler.gemm_excess_frac"] >= GEMM_WORK_EXCESS:
+            compute = [f["gpu.busy_ms"] - f.get("busy.communication.ms", 0.0) for f in (rank_facts[i], *other_f)]
+            causes["gemm_work"] = compute[0] - float(np.mean(compute[1:]))  # the GPU work it was given above theirs
     facts["dist.straggler.loader_excess_ms"] = slow["loader_ms"] - float(np.mean([x["loader_ms"] for x in others]))
     facts["dist.straggler.gap_excess_ms"] = slow["gap_ms"] - float(np.mean([x["gap_ms"] for x in others]))
     causes["data_loader"] = facts["dist.straggler.loader_excess_ms"]
     causes["host_gaps"] = facts["dist.straggler.gap_excess_ms"] - max(causes["data_loader"], 0)
+    grown = _accounts_grown(rank_facts[i], other_f)
+    if grown:
+        facts["dist.straggler.accounts"] = grown
     best = max(causes, key=causes.get)
     skew = facts["dist.step_skew_ms"]
     if facts.get("dist.step_skew_frac", 1.0) < BALANCED_SKEW:
         facts["dist.straggler.cause"] = "balanced"
+    elif causes[best] >= CAUSE_MIN_SHARE * skew:
+        facts["dist.straggler.cause"] = best
+    elif grown and grown[0]["excess_ms"] >= CAUSE_MIN_SHARE * skew:
+        facts["dist.straggler.cause"] = grown[0]["account"]
     else:
-        facts["dist.straggler.cause"] = best if causes[best] >= CAUSE_MIN_SHARE * skew else "unexplained"
+        facts["dist.straggler.cause"] = "unexplained"
+
+
+def _accounts_grown(slow: dict[str, Any], others: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The straggler's accounts above the other ranks' mean, largest first (waiting for ranks left out)."""
+    mine = step_accounts(slow)
+    theirs = [step_accounts(f) for f in others]
+    if mine is None or any(a is None for a in theirs):
+        return []
+    other_ms = [{r["account"]: r["ms"] for r in a["rows"]} for a in theirs]
+    grown = []
+    for r in mine["rows"]:
+        if r["account"] in WAITING:
+            continue
+        excess = r["ms"] - float(np.mean([o.get(r["account"], 0.0) for o in other_ms]))
+        if excess > 0:
+            grown.append({"account": r["account"], "excess_ms": excess, "meaning": r["meaning"]})
+    return sorted(grown, key=lambda g: -g["excess_ms"])[:3]
 
 
 def _coverage_notes(per: list[RankComms], facts: dict[str, Any], waits: dict | None) -> list[str]:
@@ -307,7 +352,7 @@ def cross_rank(per: list[RankComms], rank_facts: list[dict[str, Any]]) -> dict[s
         facts["dist.step_ms_spread"] = max(steps) - min(steps)
     busy = [x["busy_ms"] for x in rows]
     if all(b is not None for b in busy) and busy:
-        _straggler(rows, busy, steps, facts)
+        _straggler(rows, busy, steps, facts, rank_facts)
     if waits is not None:
         w = [x["wait_ms"] for x in rows]
         facts["dist.late_wait_ms"] = float(np.mean(w))
