@@ -366,3 +366,46 @@ def test_a_script_that_runs_out_of_host_memory_exits_3(tmp_path, cli_runner):
     assert r.exit_code == 3, r.output
     report = json.loads((tmp_path / "o" / "report.json").read_text())
     assert report["status"] == "oom" and report["error"]["type"] == "OutOfMemoryError"
+
+
+@pytest.mark.parametrize("how", ["w", "replace"])
+def test_a_report_json_the_script_writes_into_out_is_kept(tmp_path, cli_runner, monkeypatch, how):
+    """The script writes OUT/report.json itself, after vlmdoctor's window (in place with open(..., "w"), or as a
+    new file): its file stays byte for byte; vlmdoctor's report goes to a rescue file that the summary names, and
+    the exit code says the report is not where it was asked for."""
+    from vlmdoctor.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "o"
+    script = tmp_path / "train.py"
+    write = (
+        'open(out + "/report.json", "w").write(mine)'
+        if how == "w"
+        else 'open(out + "/r.tmp", "w").write(mine); os.replace(out + "/r.tmp", out + "/report.json")'
+    )
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import os, sys
+            import torch
+            out = sys.argv[1]
+            model = torch.nn.Linear(4, 1)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for i in range(10):
+                model(torch.randn(2, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            mine = '{{"mine": true}}'
+            {write}
+            """
+        )
+    )
+    r = cli_runner.invoke(
+        app, ["run", "--out", str(out), "--warmup", "1", "--steps", "2", "--", sys.executable, str(script), str(out)]
+    )
+    assert (out / "report.json").read_text() == '{"mine": true}', r.output
+    assert r.exit_code == 1, r.output
+    rescued = sorted(Path(tmp_path).glob("vlmdoctor-rescued-*report.json"))
+    assert rescued, r.output
+    assert json.loads(rescued[-1].read_text())["tool"]["name"] == "vlmdoctor"
+    assert str(rescued[-1]) in " ".join(r.output.split())

@@ -33,9 +33,16 @@ from vlmdoctor.errors import EXIT_FAILED_RUN, UsageError, VlmdoctorError
 
 NAME_MAX = 255  # bytes in one path component on Linux/macOS file systems
 #: outputs that did not exist when `check_writable` checked them without --force: where they are -> the
-#: (device, inode) this process wrote there (None before its first write). Another program that makes the
-#: file meanwhile (a second vlmdoctor writing the same output) keeps it: the write refuses, `save` rescues.
-_NEW: dict[str, tuple[int, int] | None] = {}
+#: identity of the file this process wrote there (None before its first write). Another program that makes the
+#: file meanwhile (a second vlmdoctor writing the same output), or writes into it, keeps it: the write refuses,
+#: `save` rescues.
+_NEW: dict[str, tuple[int, int, int, int] | None] = {}
+
+
+def _as_written(st: os.stat_result) -> tuple[int, int, int, int]:
+    """A file as this process left it: device and inode, and its size and modification time, so that a program
+    that rewrites the same inode in place (open(path, "w")) is seen too."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 class WriteError(VlmdoctorError):
@@ -258,6 +265,13 @@ def _key(path: str | os.PathLike) -> str:
         return os.path.abspath(os.fspath(path))
 
 
+def claim(*paths: str | os.PathLike) -> None:
+    """`paths` are this process's outputs from now on: written where absent, replaced only where this process
+    wrote them (or `adopt` took them); a file another program puts there meanwhile is kept."""
+    for path in paths:
+        _NEW[_key(path)] = None
+
+
 def adopt(*paths: str | os.PathLike) -> None:
     """The files at `paths` were written by a child of this command (`run`'s script wrote OUT/report.json): this
     process may replace them, as it may replace what it wrote itself."""
@@ -265,8 +279,7 @@ def adopt(*paths: str | os.PathLike) -> None:
         key = _key(path)
         if key in _NEW:
             with contextlib.suppress(OSError):
-                st = os.stat(key)
-                _NEW[key] = (st.st_dev, st.st_ino)
+                _NEW[key] = _as_written(os.stat(key))
 
 
 def _place(tmp: str, target: Path) -> None:
@@ -279,8 +292,7 @@ def _place(tmp: str, target: Path) -> None:
         return
     ours = _NEW[key]
     try:
-        st = os.stat(target)
-        there = (st.st_dev, st.st_ino)
+        there = _as_written(os.stat(target))
     except FileNotFoundError:
         there = None
     taken = OSError(errno.EEXIST, "another program wrote it while vlmdoctor worked; it is not replaced")
@@ -296,8 +308,7 @@ def _place(tmp: str, target: Path) -> None:
             os.replace(tmp, target)
     else:
         os.replace(tmp, target)
-    st = os.stat(target)
-    _NEW[key] = (st.st_dev, st.st_ino)
+    _NEW[key] = _as_written(os.stat(target))
 
 
 def output_mode() -> int:

@@ -200,6 +200,7 @@ class _Child:
         self.said: set[str] = set()
         self.rescued: Path | None = None  # where the report went when OUT/ could not take it
         self.handed_over = False  # a rank other than 0 whose numbers went to rank 0: it writes nothing
+        self.claimed = False  # OUT's report and page claimed: a file the script puts there is never replaced
         self.stop_raised = False  # --stop-after-window raised its stop into the script
 
     def say(self, what: str, e: BaseException) -> None:
@@ -305,10 +306,17 @@ class _Child:
 
     def _write(self, report: dict[str, Any]) -> bool:
         """OUT/report.json; when that fails, the report is rescued to a file the line names (never lost)."""
-        from vlmdoctor.api import write_outputs
+        from vlmdoctor.api import HTML, REPORT, write_outputs
+        from vlmdoctor.files import claim
 
+        out = Path(self.s["out"])
+        if not self.claimed:
+            claim(out / REPORT, out / HTML)
+            self.claimed = True
         try:
-            write_outputs(report, Path(self.s["out"]), html=self.s.get("html", True))
+            if self.s.get("handoff"):  # the parent's copy first: it reads the report from there, not from OUT/
+                write_outputs(report, Path(self.s["handoff"]), html=self.s.get("html", True))
+            write_outputs(report, out, html=self.s.get("html", True))
             return True
         except Exception as e:
             from vlmdoctor.files import json_text, rescue, save
@@ -635,9 +643,51 @@ def _read_report(path: Path) -> dict[str, Any] | None:
         return None
 
 
+def _write_kept(report: dict[str, Any], folder: Path, copy: str | None) -> Path | None:
+    """OUT/report.json, its page and the --json copy; where OUT/ will not take them (the script wrote a report.json
+    of its own there, a full disk), the report goes to a rescue file the line names: never lost, nothing replaced."""
+    from vlmdoctor.api import REPORT, write_outputs
+    from vlmdoctor.errors import VlmdoctorError
+    from vlmdoctor.files import json_text, rescue
+
+    try:
+        write_outputs(report, folder, copy)
+        return None
+    except (OSError, VlmdoctorError) as e:
+        why = e.message if isinstance(e, VlmdoctorError) else f"{type(e).__name__}: {e}"
+        spot = None
+        try:
+            spot = rescue(REPORT, json_text(report).encode())
+            kept = f"the report was saved to {spot}"
+        except OSError:
+            kept = "the report could not be saved anywhere else either"
+        from vlmdoctor.report.console import plain
+
+        print(plain(f"vlmdoctor: {folder / REPORT}: {why}; {kept}"), file=sys.stderr, flush=True)
+        if copy:
+            from vlmdoctor.files import write_json
+
+            with contextlib.suppress(OSError, VlmdoctorError):
+                write_json(report, copy)
+        return spot or folder / REPORT
+
+
+def _adopt_identical(folder: Path, handoff: Path) -> None:
+    """OUT's report and page become this command's to complete where they are the child's copy byte for byte: a
+    file the script wrote there itself is kept (this command's report then goes to a rescue file it names)."""
+    from vlmdoctor.api import HTML, REPORT
+    from vlmdoctor.files import adopt
+
+    for name in (REPORT, HTML):
+        with contextlib.suppress(OSError):
+            if (folder / name).read_bytes() == (handoff / name).read_bytes():
+                adopt(folder / name)
+
+
 def _interrupted(
     exc: KeyboardInterrupt,
-    report_path: Path,
+    handed: Path,
+    folder: Path,
     log: Path,
     command: Sequence[str],
     warmup: int,
@@ -648,12 +698,12 @@ def _interrupted(
     when the window ends, and again as it stops); nothing measured, the interruption goes on up."""
     from vlmdoctor.api import write_outputs
 
-    report = _read_report(report_path)
+    report = _read_report(handed)
     if report is None:
         raise exc
     report.setdefault("script", {}).update(recorded_command(command, warmup, steps))
     report["interrupted"] = supervise.describe_interruption(exc)
-    write_outputs(report, report_path.parent, json_path if json_path != "-" else None)
+    report_path = write_outputs(report, folder, json_path if json_path != "-" else None)
     from vlmdoctor.report.console import plain
 
     print(
@@ -693,7 +743,7 @@ def run_script(
 
     Under torchrun or accelerate launch every rank starts in the bootstrap (vlmdoctor/launchers.py);
     rank 0 prints and writes the job's report."""
-    from vlmdoctor.api import HTML, REPORT, diagnose_report, output_paths, show, show_summary, write_outputs
+    from vlmdoctor.api import HTML, REPORT
     from vlmdoctor.files import check_writable
     from vlmdoctor.launchers import rank_command
 
@@ -735,7 +785,44 @@ def run_script(
     for p in (report_path, page_path):
         if p.exists():  # --force: an earlier run's report must not pass for this one's
             p.unlink()
+    from vlmdoctor.files import claim
+
+    claim(report_path, page_path)  # from now on a file there is the script's own unless it is the child's copy
+    import shutil
+    import tempfile
+
+    handoff = Path(tempfile.mkdtemp(prefix="vlmdoctor-run-"))  # the child's copy of the report, for this process
+    try:
+        return _run_and_finish(
+            cmd, command, folder, handoff, warmup, steps, trace_steps, stop_after_window, stage,
+            json_path, rules_dirs, quiet, html_path, selection,
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(handoff, ignore_errors=True)
+
+
+def _run_and_finish(
+    cmd: list[str],
+    command: Sequence[str],
+    folder: Path,
+    handoff: Path,
+    warmup: int,
+    steps: int,
+    trace_steps: int,
+    stop_after_window: bool,
+    stage: int | None,
+    json_path: str | None,
+    rules_dirs: Sequence[str],
+    quiet: bool,
+    html_path: str | None,
+    selection: Any,
+) -> tuple[int, dict[str, Any] | None]:
+    """The script under the bootstrap, then its report: read from the child's private copy (`handoff`), never from
+    OUT/, where the script may write a report.json of its own; OUT's files are this command's only where they are
+    the child's copy byte for byte."""
     import time
+
+    from vlmdoctor.api import REPORT, diagnose_report, output_paths, show, show_summary
 
     env = child_env(
         {
@@ -748,6 +835,7 @@ def run_script(
             "rules_dirs": [str(Path(d).resolve()) for d in rules_dirs],
             "selection": selection.to_json() if selection else None,
             "quiet": quiet,
+            "handoff": str(handoff),
         },
         {"VLMDOCTOR_JOB": time.strftime("%Y%m%d-%H%M%S")},  # the ranks' one name for their trace folder
     )
@@ -756,15 +844,15 @@ def run_script(
     from vlmdoctor.files import open_log
 
     log_file = open_log(log)  # through the one writer, before the script starts: a regular file, never a link
-    from vlmdoctor.files import adopt
-
     try:
         with log_file as f:  # the script's output, as it comes, to the terminal and the log
             outcome = supervise.run(cmd, env=env, log=f, echo=sink.buffer, stdin=None)
     except KeyboardInterrupt as e:  # Ctrl-C / SIGTERM: passed on to the script's group, which is stopped
-        adopt(report_path, page_path)  # the script's bootstrap wrote them: this command completes them
-        return _interrupted(e, report_path, log, command, warmup, steps, json_path), _read_report(report_path)
-    adopt(report_path, page_path)
+        _adopt_identical(folder, handoff)  # the script's bootstrap wrote them: this command completes them
+        return _interrupted(e, handoff / REPORT, folder, log, command, warmup, steps, json_path), _read_report(
+            handoff / REPORT
+        )
+    _adopt_identical(folder, handoff)
     rc = outcome.returncode
     if outcome.left_running:
         print(
@@ -779,14 +867,17 @@ def run_script(
 
         line(m)
 
+    rescued: Path | None = None  # where the report went when OUT/ would not take it
+
     def summary() -> None:
         if not quiet:
-            show_summary(report, output_paths(report, folder) | {"log": str(log)}, sink)
+            moved = {"report": str(rescued)} if rescued else {}
+            show_summary(report, output_paths(report, folder) | {"log": str(log)} | moved, sink)
 
-    if not report_path.exists():
+    report = _read_report(handoff / REPORT)
+    if report is None:
         say(f"the script exited with code {rc} and left no report; its output is in {log}")
         return EXIT_FAILED_RUN, None
-    report = json.loads(report_path.read_text())
     report.setdefault("script", {}).update(recorded_command(command, warmup, steps))
     script = report.get("script") or {}
     err = report.get("error") or {}
@@ -806,7 +897,7 @@ def run_script(
         }
         if oom:
             report["status"] = "oom"
-        write_outputs(report, folder, copy)
+        rescued = _write_kept(report, folder, copy)
         summary()
         say(f"the script {'ran out of memory' if oom else 'failed'} (exit code {code}); its output is in {log}")
         return (EXIT_OOM if oom else _exit_code_of(code)), report
@@ -816,7 +907,7 @@ def run_script(
     shown = bool(report.get("diagnosed_while_running"))  # the child printed it when the window ended
     if not shown:
         diagnose_report(report, report.get("audience") or "loop", rules_dirs, selection)
-    write_outputs(report, folder, copy)
+    rescued = _write_kept(report, folder, copy)
     if html_path:
         from vlmdoctor.report.html import profile_html, write_html
 
@@ -824,4 +915,4 @@ def run_script(
     if not quiet and json_path != "-" and not shown:
         show(report)
     summary()
-    return EXIT_OK, report
+    return (EXIT_FAILED_RUN if rescued else EXIT_OK), report
