@@ -22,8 +22,17 @@ import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from typing import Any
 
-from vlmdoctor import SCHEMA_VERSION
 from vlmdoctor.doctor.decide import PairedOptions, interleaved, outliers, ratio_interval, step_throughput
+from vlmdoctor.documents import (
+    MAX_DOCUMENT_BYTES,
+    Env,
+    Finding,
+    RunReport,
+    Script,
+    as_document,
+    as_report,
+    check_measured,
+)
 from vlmdoctor.errors import UsageError
 from vlmdoctor.report.compare import (
     MODEL_KEYS,
@@ -49,110 +58,20 @@ OWN_TRAINING_SOURCES = ("api", "trainer", "script")
 
 
 def load_report(path: str) -> dict[str, Any]:
-    """Read a profile report, refusing anything a comparison would silently misread."""
+    """Read a profile report, refusing anything a comparison would silently misread.
+
+    The report comes back whole, every key kept (`--update-baseline` writes back what it read); the gate reads
+    it by field, through its declaration (vlmdoctor/documents.py)."""
     from vlmdoctor.inputs import read_json
 
-    return validate_report(read_json(path, "report", max_bytes=512 * 2**20), path)
+    return validate_report(read_json(path, "report", max_bytes=MAX_DOCUMENT_BYTES), path)
 
 
 def validate_report(report: Any, name: str) -> dict[str, Any]:
-    """The checks of load_report on a report already in memory (e.g. one just measured)."""
-    if not isinstance(report, dict):
-        raise UsageError(
-            f"{name}: not a vlmdoctor profile report (the JSON is a {type(report).__name__}, not an object)"
-        )
-    kind = report.get("kind")
-    if kind is not None and kind != "profile":
-        raise UsageError(
-            f"{name}: a vlmdoctor {kind} result, not a profile report; "
-            "pass the report JSON written by `vlmdoctor profile --json`"
-        )
-    version = report.get("schema_version")
-    if version is None or isinstance(version, bool) or not isinstance(version, int):
-        raise UsageError(f"{name}: not a vlmdoctor profile report (no schema_version)")
-    if version < 1:
-        raise UsageError(f"{name}: schema_version must be a positive integer, got {version}")
-    if version > SCHEMA_VERSION:
-        raise UsageError(
-            f"{name}: schema_version {version} was written by a newer vlmdoctor "
-            f"(this one reads up to {SCHEMA_VERSION}); upgrade vlmdoctor"
-        )
-    status = report.get("status", "ok")
-    if status != "ok":
-        why = (report.get("error") or {}).get("message")
-        raise UsageError(
-            f"{name}: the run did not finish cleanly (status {status}"
-            + (f": {why}" if why else "")
-            + "); its numbers cannot be compared"
-        )
-    missing = [k for k in ("config", "metrics") if not isinstance(report.get(k), dict)]
-    if missing:
-        raise UsageError(f"{name}: not a vlmdoctor profile report (no {' or '.join(missing)})")
-    _check_fields(report, name)
+    """The checks of load_report on a report already in memory (e.g. one just measured): its declaration, then
+    what a verdict needs of its numbers (`documents.check_measured`)."""
+    check_measured(as_document(report, RunReport, name), name)
     return report
-
-
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _check_fields(report: dict[str, Any], name: str) -> None:
-    """Every field a comparison reads has the type it needs, so a hand-edited report is refused here,
-    with its field named, instead of crashing the judge."""
-    m = report["metrics"]
-    tps = m.get("real_tokens_per_s")
-    if not _is_num(tps) or tps <= 0:
-        raise UsageError(f"{name}: metrics.real_tokens_per_s must be a positive number, got {tps!r}")
-    from vlmdoctor.report.compare import METRICS
-
-    for key in {"peak_mem_gb", "step_ms", "mfu", "final_loss", *(k for k, _, _ in METRICS)}:
-        if m.get(key) is not None and not _is_num(m[key]):
-            raise UsageError(f"{name}: metrics.{key} must be a number or null, got {m[key]!r}")
-        if key != "final_loss" and _is_num(m.get(key)) and m[key] < 0:  # a time, a rate or a size below zero
-            raise UsageError(f"{name}: metrics.{key} must not be negative, got {m[key]!r}")
-    script = report.get("script")
-    if isinstance(script, dict):  # a recorded command's window, which a re-measurement runs again
-        for key in ("warmup", "steps"):
-            v = script.get(key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < (key == "steps")):
-                raise UsageError(f"{name}: script.{key} must be a whole number (the recorded window), got {v!r}")
-    repeats = report.get("repeats")
-    if repeats is not None:
-        if not isinstance(repeats, list) or not all(isinstance(r, dict) for r in repeats):
-            raise UsageError(f"{name}: repeats must be a list of objects")
-        for i, r in enumerate(repeats):
-            if r.get("real_tokens_per_s") is not None and not (
-                _is_num(r["real_tokens_per_s"]) and r["real_tokens_per_s"] > 0
-            ):
-                raise UsageError(f"{name}: repeats[{i}].real_tokens_per_s must be a positive number")
-            for key in ("step_ms", "step_cpu_ms", "step_real_tokens"):
-                v = r.get(key)
-                if v is not None and (not isinstance(v, list) or not all(_is_num(x) and x >= 0 for x in v)):
-                    raise UsageError(f"{name}: repeats[{i}].{key} must be a list of non-negative numbers")
-                if v and key != "step_cpu_ms" and not any(x > 0 for x in v):  # nothing to divide by, or nothing done
-                    raise UsageError(f"{name}: repeats[{i}].{key} are all zero: not a measurement")
-    findings = report.get("findings")
-    if findings is not None and (
-        not isinstance(findings, list)
-        or not all(isinstance(f, dict) and isinstance(f.get("id"), str) for f in findings)
-    ):
-        raise UsageError(f"{name}: findings must be a list of objects with a string id")
-    for key in ("env", "model", "facts"):
-        if report.get(key) is not None and not isinstance(report[key], dict):
-            raise UsageError(f"{name}: {key} must be an object")
-    dist = report.get("distributed")
-    if dist is not None:
-        ws = dist.get("world_size") if isinstance(dist, dict) else None
-        if isinstance(ws, bool) or not isinstance(ws, int) or ws < 1:
-            raise UsageError(f"{name}: distributed.world_size must be a positive integer, got {ws!r}")
-        g = dist.get("global")
-        if g is not None and (
-            not isinstance(g, dict)
-            or not all(g.get(k) is None or _is_num(g[k]) for k in ("slowest_step_ms", "step_imbalance", "slowest_rank"))
-        ):
-            raise UsageError(
-                f"{name}: distributed.global must hold numbers (slowest_rank, slowest_step_ms, step_imbalance)"
-            )
 
 
 def run_current(base: dict[str, Any], diagnose: bool = True, timeout: float | None = None) -> dict[str, Any]:
@@ -160,7 +79,7 @@ def run_current(base: dict[str, Any], diagnose: bool = True, timeout: float | No
     from vlmdoctor.run.config import RunConfig
     from vlmdoctor.run.runner import run_isolated
 
-    source = base["config"].get("source")
+    source = as_report(base).knobs.source
     if source == "script":
         raise UsageError(
             "the baseline measures your own training script: pass --remeasure-baseline to run its recorded "
@@ -192,29 +111,30 @@ def check_comparable(base: dict[str, Any], cur: dict[str, Any], allow_env_change
     slowdown after a torch upgrade says so), config knobs that differ. Only a different GPU model
     is refused (unless `allow_env_change`): its speed is the hardware's, not the code's.
     """
-    model = model_differences(base, cur)
+    b, c = as_report(base, "baseline"), as_report(cur, "current")
+    model = model_differences(b, c)
     if model:
         raise UsageError(
             "baseline and current measure different things ("
             + "; ".join(model)
             + "); a gate compares one model and stage with itself"
         )
-    nb, nc = world_size(base), world_size(cur)
+    nb, nc = world_size(b), world_size(c)
     if nb != nc:
         raise UsageError(
             f"baseline ran on {nb} rank(s), current on {nc}: global tokens/s of different GPU counts "
             "differ by scaling, not by the code. Record the baseline with the same --nproc-per-node "
             "(and --nnodes); for scaling use `vlmdoctor compare` or profile --one-gpu-report"
         )
-    be, ce = base.get("env") or {}, cur.get("env") or {}
-    gpu = [d for d in env_differences(base, cur) if d.startswith("gpu:")]
+    be, ce = b.env or Env(), c.env or Env()
+    gpu = [d for d in env_differences(b, c) if d.startswith("gpu:")]
     cpu: list[str] = []
-    if not gpu and be.get("device_type") == ce.get("device_type") == "cpu":
+    if not gpu and be.device_type == ce.device_type == "cpu":
         # on a CPU run the CPU is the hardware: its model and how many cores the run had
         cpu = [
-            f"{k}: {be.get(k)!r} -> {ce.get(k)!r}"
+            f"{k}: {getattr(be, k)!r} -> {getattr(ce, k)!r}"
             for k in CPU_HARDWARE_KEYS
-            if be.get(k) is not None and ce.get(k) is not None and be.get(k) != ce.get(k)
+            if getattr(be, k) is not None and getattr(ce, k) is not None and getattr(be, k) != getattr(ce, k)
         ]
     if gpu and not allow_env_change:
         raise UsageError(
@@ -230,18 +150,19 @@ def check_comparable(base: dict[str, Any], cur: dict[str, Any], allow_env_change
             + "); a speed change would be the hardware's. Re-record the baseline on this machine, "
             "or pass --allow-env-change to compare anyway"
         )
-    soft = [f"{k}: {be.get(k)!r} -> {ce.get(k)!r}" for k in NAMED_ENV_KEYS if be.get(k) != ce.get(k)]
+    soft = [
+        f"{k}: {getattr(be, k)!r} -> {getattr(ce, k)!r}" for k in NAMED_ENV_KEYS if getattr(be, k) != getattr(ce, k)
+    ]
     notes = [f"GPU changed (allowed): {d}" for d in gpu] + [f"CPU changed (allowed): {d}" for d in cpu]
     notes += [f"environment changed: {d}" for d in soft]
-    if be.get("device_type") == ce.get("device_type") == "cpu" and (be.get("cpu_model") is None) != (
-        ce.get("cpu_model") is None
-    ):
+    if be.device_type == ce.device_type == "cpu" and (be.cpu_model is None) != (ce.cpu_model is None):
         notes.append(
             "the CPU model is recorded on one side only (a report from an older vlmdoctor): "
             "the hardware could not be checked"
         )
-    knobs = sorted((set(base["config"]) | set(cur["config"])) - {*MODEL_KEYS, "stage"})
-    notes += [f"config differs: {d}" for d in _differences(base["config"], cur["config"], knobs)]
+    kb, kc = b.config or {}, c.config or {}
+    knobs = sorted((set(kb) | set(kc)) - {*MODEL_KEYS, "stage"})
+    notes += [f"config differs: {d}" for d in _differences(kb, kc, knobs)]
     return notes
 
 
@@ -409,14 +330,14 @@ def paired_gate(
         if failed
         else "PASSED: " + throughput["detail"]
     )
-    cfg = base["config"]
+    knobs = as_report(base).knobs
     return {
         "passed": not failed,
         "checks": checks,
         "summary": summary,
         "notes": notes,
-        "model": cfg.get("model"),
-        "stage": cfg.get("stage"),
+        "model": knobs.model,
+        "stage": knobs.stage,
         "remeasured": True,
         "reports": {"baseline": arms["baseline"].reports, "current": arms["current"].reports},
     }
@@ -428,8 +349,9 @@ THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 def on_cpu(report: dict[str, Any]) -> bool:
     """The report's runs are on the CPU (its config says so, or an `auto` run found no GPU)."""
-    device = report["config"].get("device")
-    return device == "cpu" or (device in (None, "auto") and (report.get("env") or {}).get("device_type") == "cpu")
+    r = as_report(report)
+    device = r.knobs.device
+    return device == "cpu" or (device in (None, "auto") and r.env is not None and r.env.device_type == "cpu")
 
 
 def remeasure(
@@ -457,7 +379,8 @@ def remeasure(
     from vlmdoctor.run.config import RunConfig
     from vlmdoctor.run.runner import run_isolated
 
-    source = base["config"].get("source")
+    r = as_report(base)
+    source = r.knobs.source
     if source == "script":
         return remeasure_script(
             base,
@@ -481,9 +404,9 @@ def remeasure(
             "run again; record the baseline with `vlmdoctor run -- python train.py ARGS`, which does"
         )
     if diagnose is None:
-        diagnose = base.get("findings") is not None
+        diagnose = r.findings is not None
 
-    cfg = RunConfig.from_dict(base["config"], source="baseline config")
+    cfg = RunConfig.from_dict(r.config or {}, source="baseline config")
     pinned = on_cpu(base) and cpu_threads > 0
     threads = {k: str(cpu_threads) for k in THREAD_VARS} if pinned else {}
     other = bool(baseline_python or baseline_env)  # another install: the checkout we stand in must not shadow it
@@ -519,11 +442,10 @@ def remeasure(
     return result
 
 
-def recorded_command(base: dict[str, Any]) -> dict[str, Any]:
+def recorded_command(base: dict[str, Any]) -> Script:
     """The command a `vlmdoctor run` baseline recorded, or a usage error saying how to record one."""
-    script = base.get("script") if isinstance(base.get("script"), dict) else {}
-    command = script.get("command")
-    if not isinstance(command, list) or not command or not all(isinstance(c, str) for c in command):
+    script = as_report(base).script
+    if script is None or not script.command:
         raise UsageError(
             "the baseline report records no command to run again (written by an older vlmdoctor); "
             "record it again with `vlmdoctor run -- python train.py ARGS`"
@@ -562,7 +484,7 @@ def remeasure_script(
         launcher.recorded_env,
     )
     script = recorded_command(base)
-    command = list(script["command"])
+    command = list(script.command or [])
     cur_command = list(current_command) if current_command else command
     here = os.path.abspath(current_cwd or os.getcwd())
     there = os.path.abspath(baseline_cwd) if baseline_cwd else here
@@ -570,8 +492,9 @@ def remeasure_script(
         raise UsageError(f"--baseline-cwd {baseline_cwd}: no such folder")
     parse_command(command, there)  # a missing script is a usage error now, not a failed run later
     parse_command(cur_command, here)
-    warmup = int(script.get("warmup") or base["config"].get("warmup") or 5)
-    steps = int(script.get("steps") or base["config"].get("steps") or 20)
+    knobs = as_report(base).knobs
+    warmup = next(w for w in (script.warmup, knobs.warmup, 5) if w is not None)
+    steps = script.steps or knobs.steps or 20
     pinned = on_cpu(base) and cpu_threads > 0
     threads = {k: str(cpu_threads) for k in THREAD_VARS} if pinned else {}
     result = paired_gate(
@@ -596,7 +519,7 @@ def remeasure_script(
             "baseline and current ran the same code and command: this measures the noise of the gate "
             "(pass --baseline-cwd with a checkout of the baseline's code)",
         )
-    now, then = recorded_env(), script.get("env") or {}
+    now, then = recorded_env(), script.env or {}
     changed = sorted(k for k in set(now) | set(then) if now.get(k) != then.get(k) and k not in THREAD_VARS)
     if changed:
         notes.append(
@@ -650,18 +573,21 @@ def mann_whitney_u(x: Sequence[float], y: Sequence[float]) -> tuple[float, float
 
 def throughput_samples(report: dict[str, Any], per_step: bool) -> list[float]:
     """Real tokens/s samples: one per timed step when the report records step tokens, else one per repeat."""
-    repeats = report.get("repeats") or []
+    r = as_report(report)
+    repeats = r.repeats or []
     if per_step:
-        return [tok / (ms / 1000) for r in repeats for tok, ms in zip(r["step_real_tokens"], r["step_ms"]) if ms > 0]
-    samples = [r["real_tokens_per_s"] for r in repeats if r.get("real_tokens_per_s") is not None]
-    return samples or [report["metrics"]["real_tokens_per_s"]]
+        return [
+            tok / (ms / 1000) for w in repeats for tok, ms in zip(w.step_real_tokens or [], w.step_ms or []) if ms > 0
+        ]
+    samples = [w.real_tokens_per_s for w in repeats if w.real_tokens_per_s is not None]
+    if not samples and r.metrics is not None and r.metrics.real_tokens_per_s is not None:
+        samples = [r.metrics.real_tokens_per_s]  # a report without windows: its one number
+    return samples
 
 
 def _has_step_tokens(report: dict[str, Any]) -> bool:
-    repeats = report.get("repeats") or []
-    return bool(repeats) and all(
-        len(r.get("step_real_tokens") or []) == len(r.get("step_ms") or []) > 0 for r in repeats
-    )
+    repeats = as_report(report).repeats or []
+    return bool(repeats) and all(len(r.step_real_tokens or []) == len(r.step_ms or []) > 0 for r in repeats)
 
 
 def check_throughput(
@@ -716,7 +642,8 @@ def check_throughput(
 
 def check_memory(base: dict[str, Any], cur: dict[str, Any], max_memory_growth: float = 0.10) -> dict[str, Any]:
     """Memory growth eats the headroom that bigger batches need, so it fails even at equal speed."""
-    mb, mc = base["metrics"].get("peak_mem_gb"), cur["metrics"].get("peak_mem_gb")
+    b, c = as_report(base, "baseline").metrics, as_report(cur, "current").metrics
+    mb, mc = b.peak_mem_gb if b else None, c.peak_mem_gb if c else None
     out: dict[str, Any] = {
         "name": "memory",
         "base_gb": mb,
@@ -745,9 +672,8 @@ def check_memory(base: dict[str, Any], cur: dict[str, Any], max_memory_growth: f
     }
 
 
-def _findings(report: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
-    f = report.get("findings")
-    return None if f is None else {x["id"]: x for x in f}
+def _findings(report: RunReport) -> dict[str, Finding] | None:
+    return None if report.findings is None else {f.id: f for f in report.findings}
 
 
 def check_findings(
@@ -764,11 +690,11 @@ def check_findings(
         from vlmdoctor.doctor.select import mute_report
 
         base, cur = (mute_report(copy.deepcopy(r), selection) for r in (base, cur))
-    fb, fc = _findings(base), _findings(cur)
+    b, c = as_report(base, "baseline"), as_report(cur, "current")
+    fb, fc = _findings(b), _findings(c)
     muted = [
-        {"id": m.get("id"), "severity": m.get("severity"), "muted_by": m.get("muted_by")}
-        for m in (cur.get("muted") or (cur.get("diagnosis") or {}).get("muted") or [])
-        if isinstance(m, dict)
+        {"id": m.id, "severity": m.severity, "muted_by": m.muted_by}
+        for m in (c.muted or (c.diagnosis.muted if c.diagnosis else []))
     ]
     out: dict[str, Any] = {
         "name": "findings",
@@ -789,19 +715,16 @@ def check_findings(
     added = [i for i in fc if i not in fb]
     gone = [i for i in fb if i not in fc]
     failing = [
-        i
-        for i in added
-        if fc[i].get("severity") in SEVERITY_ORDER and SEVERITY_ORDER.index(fc[i]["severity"]) >= threshold
+        i for i in added if fc[i].severity in SEVERITY_ORDER and SEVERITY_ORDER.index(fc[i].severity) >= threshold
     ]
     parts = []
     if failing:
         parts.append(
-            f"new finding(s) of severity {fail_on} or above: "
-            + ", ".join(f"{i} ({fc[i].get('severity')})" for i in failing)
+            f"new finding(s) of severity {fail_on} or above: " + ", ".join(f"{i} ({fc[i].severity})" for i in failing)
         )
     others = [i for i in added if i not in failing]
     if others:
-        parts.append("new, below the bar: " + ", ".join(f"{i} ({fc[i].get('severity')})" for i in others))
+        parts.append("new, below the bar: " + ", ".join(f"{i} ({fc[i].severity})" for i in others))
     if gone:
         parts.append("gone: " + ", ".join(gone))
     if muted:
@@ -869,14 +792,14 @@ def gate(
         summary = "FAILED: " + "; ".join(f"{c['name']}: {c['detail']}" for c in failed)
     else:
         summary = "PASSED: " + checks[0]["detail"]
-    cfg = base["config"]
+    knobs = as_report(base).knobs
     return {
         "passed": not failed,
         "checks": checks,
         "summary": summary,
         "notes": list(notes),
-        "model": cfg.get("model"),
-        "stage": cfg.get("stage"),
+        "model": knobs.model,
+        "stage": knobs.stage,
     }
 
 

@@ -12,6 +12,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from vlmdoctor.documents import Env, Finding, RunReport, as_report
 from vlmdoctor.errors import UsageError
 from vlmdoctor.report.console import esc
 from vlmdoctor.run import throughput
@@ -21,41 +22,53 @@ MODEL_KEYS = ("model", "vision", "llm", "projector", "pixel_shuffle")
 ENV_KEYS = ("gpu", "driver", "torch", "transformers")
 
 
+#: a report as loaded (its dict, every key kept) or as declared
+Report = RunReport | dict[str, Any]
+
+
 def _differences(a: dict[str, Any], b: dict[str, Any], keys: Iterable[str]) -> list[str]:
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
 
 
-def model_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+def _field_differences(a: Any, b: Any, names: Iterable[str]) -> list[str]:
+    """`name: a -> b` for each field of two declared parts that differs."""
+    return [f"{n}: {getattr(a, n)!r} -> {getattr(b, n)!r}" for n in names if getattr(a, n) != getattr(b, n)]
+
+
+def model_differences(a: Report, b: Report) -> list[str]:
     """Model architecture and training stage: what makes two throughputs different quantities."""
-    return _differences(a["config"], b["config"], (*MODEL_KEYS, "stage"))
+    return _field_differences(as_report(a).knobs, as_report(b).knobs, (*MODEL_KEYS, "stage"))
 
 
-def world_size(report: dict[str, Any]) -> int:
+def world_size(report: Report) -> int:
     """How many ranks measured the report (1 for a one-process run)."""
-    return int((report.get("distributed") or {}).get("world_size") or 1)
+    d = as_report(report).distributed
+    return d.world_size if d else 1
 
 
-def ranks_note(a: dict[str, Any], b: dict[str, Any], labels: Sequence[str] = ("A", "B")) -> str | None:
+def ranks_note(a: Report, b: Report, labels: Sequence[str] = ("A", "B")) -> str | None:
     """A different number of ranks, named: throughput is then the job's, and one-to-N is scaling.
 
     When A ran on one GPU in one process and B is the same config on N ranks, the note gives B's
     scaling efficiency against A: B's global tokens/s / (N x A's tokens/s).
     """
-    na, nb = world_size(a), world_size(b)
+    ra, rb = as_report(a), as_report(b)
+    na, nb = world_size(ra), world_size(rb)
     if na == nb:
         return None
-    pa, pb = (a["config"].get("parallel", "none"), b["config"].get("parallel", "none"))
+    pa, pb = ra.knobs.parallel or "none", rb.knobs.parallel or "none"
     text = (
         f"different number of ranks: {labels[0]} {na} ({pa}), {labels[1]} {nb} ({pb}); tokens/s is each job's "
         "global throughput, ms/step the slowest rank's"
     )
     if na == 1 and pa == "none":
-        one, job, n, name = a, b, nb, labels[1]
+        one, job, n, name = ra, rb, nb, labels[1]
     elif nb == 1 and pb == "none":
-        one, job, n, name = b, a, na, labels[0]
+        one, job, n, name = rb, ra, na, labels[0]
     else:
         return text
-    t_one, t_job = one["metrics"].get("real_tokens_per_s"), job["metrics"].get("real_tokens_per_s")
+    t_one = one.metrics.real_tokens_per_s if one.metrics else None
+    t_job = job.metrics.real_tokens_per_s if job.metrics else None
     if t_one and t_job:
         sc = throughput.scaling(
             t_job,
@@ -63,8 +76,8 @@ def ranks_note(a: dict[str, Any], b: dict[str, Any], labels: Sequence[str] = ("A
             t_one,
             "compared",
             {
-                f"{name}'s": (job.get("throughput") or {}).get("unstable_reason"),
-                "one-GPU run's": (one.get("throughput") or {}).get("unstable_reason"),
+                f"{name}'s": job.throughput.unstable_reason if job.throughput else None,
+                "one-GPU run's": one.throughput.unstable_reason if one.throughput else None,
             },
         )
         if sc["doubts"]:
@@ -76,20 +89,17 @@ def ranks_note(a: dict[str, Any], b: dict[str, Any], labels: Sequence[str] = ("A
     return text
 
 
-def slowest_rank(report: dict[str, Any]) -> dict[str, Any] | None:
+def slowest_rank(report: Report) -> dict[str, Any] | None:
     """The slowest rank of a multi-rank report: its rank, median step and the imbalance over the fastest."""
-    g = (report.get("distributed") or {}).get("global")
-    if not g:
+    d = as_report(report).distributed
+    g = d.global_ if d else None
+    if g is None:
         return None
-    return {
-        "rank": g.get("slowest_rank"),
-        "step_ms": g.get("slowest_step_ms"),
-        "imbalance": g.get("step_imbalance"),
-    }
+    return {"rank": g.slowest_rank, "step_ms": g.slowest_step_ms, "imbalance": g.step_imbalance}
 
 
-def env_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    return _differences(a.get("env") or {}, b.get("env") or {}, ENV_KEYS)
+def env_differences(a: Report, b: Report) -> list[str]:
+    return _field_differences(as_report(a).env or Env(), as_report(b).env or Env(), ENV_KEYS)
 
 
 #: (report metric, label, higher is better)
@@ -119,9 +129,10 @@ def _verdict(a: float | None, b: float | None, higher_is_better: bool) -> str:
 
 
 def _metric_rows(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
+    ma, mb = as_report(a).metrics, as_report(b).metrics
     rows = []
     for key, label, higher in METRICS:
-        va, vb = a["metrics"].get(key), b["metrics"].get(key)
+        va, vb = getattr(ma, key, None), getattr(mb, key, None)
         if key == "real_tokens_per_s":  # the one estimator, also for reports written before it
             va, vb = throughput.headline(a), throughput.headline(b)
         rows.append(
@@ -139,8 +150,8 @@ def _metric_rows(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def _facts(report: dict[str, Any]) -> dict[str, Any] | None:
-    f = report.get("facts")
+def _facts(report: RunReport) -> dict[str, Any] | None:
+    f = report.facts
     return f if f and "trace.error" not in f else None
 
 
@@ -157,8 +168,8 @@ def _per_step_rows(fa: dict[str, Any], fb: dict[str, Any], prefix: str, name: st
     return sorted(rows, key=lambda r: (-abs(r["delta_ms"]), r[name]))
 
 
-def _finding_summary(f: dict[str, Any]) -> dict[str, Any]:
-    return {k: f.get(k) for k in ("id", "title", "severity", "layer")}
+def _finding_summary(f: Finding) -> dict[str, Any]:
+    return {"id": f.id, "title": f.title, "severity": f.severity, "layer": f.layer}
 
 
 def _config_rows(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
@@ -177,24 +188,26 @@ def _has_none(labels: list[str], what: str) -> str:
     return f"{labels[0]} has no {what}" if len(labels) == 1 else f"neither {labels[0]} nor {labels[1]} has {what}"
 
 
-def _describe(report: dict[str, Any]) -> dict[str, Any]:
-    env, cfg = report.get("env") or {}, report["config"]
+def _describe(report: RunReport) -> dict[str, Any]:
+    env, knobs = report.env or Env(), report.knobs
     return {
-        "model": cfg.get("model"),
-        "stage": cfg.get("stage"),
-        "device": env.get("gpu") or "CPU",
-        "torch": env.get("torch"),
-        "created_at": report.get("created_at"),
+        "model": knobs.model,
+        "stage": knobs.stage,
+        "device": env.gpu or "CPU",
+        "torch": env.torch,
+        "created_at": report.created_at,
     }
 
 
 def compare(
     a: dict[str, Any], b: dict[str, Any], allow_different: bool = False, labels: Sequence[str] = ("A", "B")
 ) -> dict[str, Any]:
-    """Side-by-side numbers and causes of two profile reports (A is the reference)."""
+    """Side-by-side numbers and causes of two profile reports (A is the reference), read through their declaration
+    (documents.RunReport); `a` and `b` as loaded (gate.load_report)."""
     la, lb = labels
+    ra, rb = as_report(a, la), as_report(b, lb)
     notes: list[str] = []
-    diffs = model_differences(a, b)
+    diffs = model_differences(ra, rb)
     if diffs and not allow_different:
         raise UsageError(
             f"{la} and {lb} are different models or stages ("
@@ -202,11 +215,11 @@ def compare(
             + "); their numbers are not comparable. Pass --allow-different to compare anyway"
         )
     notes += [f"different model or stage (allowed): {d}" for d in diffs]
-    notes += [f"different environment: {d}" for d in env_differences(a, b)]
-    ranks = ranks_note(a, b, labels)
+    notes += [f"different environment: {d}" for d in env_differences(ra, rb)]
+    ranks = ranks_note(ra, rb, labels)
     if ranks:
         notes.append(ranks)
-    for label, r in ((la, a), (lb, b)):
+    for label, r in ((la, ra), (lb, rb)):
         slow = slowest_rank(r)
         if slow and slow["step_ms"] is not None:
             notes.append(
@@ -214,14 +227,14 @@ def compare(
                 + (f", {slow['imbalance'] * 100:.1f}% over the fastest)" if slow["imbalance"] is not None else ")")
             )
 
-    for label, r in ((la, a), (lb, b)):
-        tp = r.get("throughput") or {}
-        if tp.get("stable") is False:
-            notes.append(f"{label}'s timed window is unstable ({tp.get('unstable_reason')}): a difference may be noise")
-        if tp.get("settled") is False:
+    for label, r in ((la, ra), (lb, rb)):
+        tp = r.throughput
+        if tp is not None and tp.stable is False:
+            notes.append(f"{label}'s timed window is unstable ({tp.unstable_reason}): a difference may be noise")
+        if tp is not None and tp.settled is False:
             notes.append(f"{label}'s timed window was still warming up: its tokens/s reads low")
 
-    fa, fb = _facts(a), _facts(b)
+    fa, fb = _facts(ra), _facts(rb)
     kernels = gpu = None
     if fa and fb:
         kernels = _per_step_rows(fa, fb, "kernels", "class")
@@ -239,33 +252,33 @@ def compare(
         )
 
     findings = None
-    if a.get("findings") is not None and b.get("findings") is not None:
-        ia = {f["id"]: f for f in a["findings"]}
-        ib = {f["id"]: f for f in b["findings"]}
+    if ra.findings is not None and rb.findings is not None:
+        ia = {f.id: f for f in ra.findings}
+        ib = {f.id: f for f in rb.findings}
         findings = {
             "added": [_finding_summary(f) for i, f in ib.items() if i not in ia],
             "gone": [_finding_summary(f) for i, f in ia.items() if i not in ib],
             "kept": [i for i in ib if i in ia],
         }
     else:
-        missing = [lbl for lbl, r in ((la, a), (lb, b)) if r.get("findings") is None]
+        missing = [lbl for lbl, r in ((la, ra), (lb, rb)) if r.findings is None]
         notes.append("findings not compared: " + _has_none(missing, "diagnosis"))
 
     return {
         "labels": [la, lb],
-        "a": _describe(a),
-        "b": _describe(b),
+        "a": _describe(ra),
+        "b": _describe(rb),
         "notes": notes,
         "metrics": _metric_rows(a, b),
         "kernels": kernels,
         "gpu": gpu,
         "findings": findings,
-        "config": _config_rows(a["config"], b["config"]),
+        "config": _config_rows(ra.config or {}, rb.config or {}),
         "ranks": {
-            "a": world_size(a),
-            "b": world_size(b),
-            "slowest_a": slowest_rank(a),
-            "slowest_b": slowest_rank(b),
+            "a": world_size(ra),
+            "b": world_size(rb),
+            "slowest_a": slowest_rank(ra),
+            "slowest_b": slowest_rank(rb),
         },
     }
 
