@@ -288,6 +288,12 @@ FACTS: list[Fact] = [
             ("recompute.share", "fraction", "share of GPU time in recompute"),
             ("recompute.kind", "text", "reentrant, non_reentrant or none"),
             ("part.fp32_gemm_parts", "list", "the parts that ran FP32 (non-tensor-core) GEMMs"),
+            ("optimizer.kernels", "count/step", "kernels launched under Optimizer.step (any class)"),
+            (
+                "optimizer.multi_tensor_kernels",
+                "count/step",
+                "of those, multi-tensor (foreach or fused) kernels; the rest are per-parameter kernels",
+            ),
             ("gemm.bf16_llm_ms", "ms/step", "the LLM's bf16 GEMM time (what the fp8 knob converts)"),
         ],
     ),

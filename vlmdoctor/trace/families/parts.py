@@ -96,6 +96,11 @@ def produce(r: Reading, facts: dict[str, Any]) -> None:
         facts["recompute.kind"] = "reentrant" if any("CheckpointFunction" in x for x in names) else "non_reentrant"
     else:
         facts["recompute.kind"] = "none"
+    # kernels launched under Optimizer.step: a fused AdamW launches a few, foreach AdamW a few hundred multi-tensor
+    # kernels, a for-loop AdamW (foreach=False) several plain elementwise kernels per parameter
+    opt = g2["part"] == "optimizer"
+    facts["optimizer.kernels"] = float(opt.sum()) / n
+    facts["optimizer.multi_tensor_kernels"] = float((opt & (g2["cls"] == "optimizer")).sum()) / n
     facts["part.fp32_gemm_parts"] = sorted(set(g2.loc[g2["cls"] == "gemm_fp32_simt", "part"]))
     if facts["part.source"] != "none":  # the LLM's bf16 GEMMs: what the fp8 knob converts (and its LM head, not)
         facts["gemm.bf16_llm_ms"] = (
