@@ -86,6 +86,7 @@ def test_a_healthy_run_is_mostly_gemm_and_attention():
         ("aten::_cudnn_attention_forward", False, "cudnn"),
         ("Torch-Compiled Region: 0/1", False, "compile"),
         ("TorchDynamo Cache Lookup", False, "compile"),
+        ("## Call CompiledFxGraph fa5h2hzu34r6 ##", False, "launch"),
         ("c10d::allreduce_", False, "ranks"),
         ("nccl:all_reduce", False, "ranks"),
         ("aten::copy_", False, "dispatch"),

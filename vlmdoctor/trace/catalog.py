@@ -325,6 +325,9 @@ FACTS: list[Fact] = [
             ("ops.checkpoint_reentrant", "bool", "a reentrant checkpoint (CheckpointFunction) ran"),
             ("host.sync_calls", "calls/step", "runtime calls that made the host wait for the device"),
             ("host.sync_ops", "list", "the aten ops around those syncs (op, calls per step)"),
+            ("host.allocator_calls", "calls/step", "cudaMalloc/cudaFree and pinned-memory calls (a warm step: none)"),
+            ("compile.regions", "calls/step", "calls of torch.compile'd regions (Torch-Compiled Region ranges)"),
+            ("compile.frames", "list", "the compiled frame/version pairs that ran (a version above 0: a recompile)"),
         ],
     ),
     *_group(

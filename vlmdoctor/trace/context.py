@@ -34,6 +34,12 @@ SYNC_CALLS = re.compile(
     r"^(cudaStreamSynchronize|cudaDeviceSynchronize|cudaEventSynchronize|cudaMemcpy|cuStreamSynchronize"
     r"|cuCtxSynchronize|cuEventSynchronize|cuMemcpyDtoH)$"
 )
+#: runtime calls that allocate or free device or pinned host memory (the caching allocator growing, empty_cache)
+ALLOCATOR = re.compile(
+    r"^(?:cudaMalloc|cudaFree|cuMemAlloc|cuMemFree|cudaMallocHost|cudaFreeHost|cudaHostAlloc|cudaMallocAsync"
+    r"|cudaFreeAsync|cuMem(?:Create|Map|Unmap|Release|AddressReserve|AddressFree|SetAccess)|cudaHostRegister"
+    r"|cudaHostUnregister|cuMemHostAlloc|cuMemFreeHost)"
+)
 
 Windows = list[tuple[float, float]]  # the analyzed steps: (start, end) in trace microseconds
 #: the deepest nesting of host ops on one thread that is read (each level is a pass over the thread's ops);

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from vlmdoctor.trace.catalog import by_producer
-from vlmdoctor.trace.context import SYNC_CALLS, Reading
+from vlmdoctor.trace.context import ALLOCATOR, SYNC_CALLS, Reading
 from vlmdoctor.trace.tables import SDPA_OP, Tables
 
 PRODUCES = by_producer(__name__)
@@ -19,7 +19,10 @@ SDPA_BACKENDS = {
     "aten::_scaled_dot_product_attention_math": "math",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "flash_cpu",
 }
-EAGER_SOFTMAX = ("aten::_softmax",)  # attention written out as matmul + softmax (eager / math paths)
+EAGER_SOFTMAX = ("aten::_softmax",)
+#: torch.compile's host range around each call of a compiled frame: `Torch-Compiled Region: 0/1` names the frame
+#: (0) and its compiled version (1): a new version is a recompile
+COMPILE_REGION = "Torch-Compiled Region"  # attention written out as matmul + softmax (eager / math paths)
 
 
 def produce(r: Reading, facts: dict[str, Any]) -> None:
@@ -39,6 +42,12 @@ def produce(r: Reading, facts: dict[str, Any]) -> None:
     facts["host.sync_calls"] = float(syncs.sum()) / n
     if syncs.any():
         facts["host.sync_ops"] = _sync_ops(t, syncs.to_numpy(), n)
+    facts["host.allocator_calls"] = float(t.runtime["name"].str.match(ALLOCATOR).sum()) / n
+    compiled = ops["name"].str.startswith(COMPILE_REGION)
+    facts["compile.regions"] = float(compiled.sum()) / n
+    facts["compile.frames"] = sorted(
+        {str(x).split(": ", 1)[1] for x in ops.loc[compiled, "name"].unique() if ": " in str(x)}
+    )
     facts["attention.eager_softmax_calls"] = float(ops["name"].isin(EAGER_SOFTMAX).sum()) / n
     facts["attention.sdpa_calls"] = float((ops["name"] == SDPA_OP).sum()) / n
 

@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from vlmdoctor.trace.catalog import by_producer
-from vlmdoctor.trace.context import PART_RANGES, SYNC_CALLS, Reading, innermost, nesting
+from vlmdoctor.trace.context import ALLOCATOR, PART_RANGES, SYNC_CALLS, Reading, innermost, nesting
 from vlmdoctor.trace.intervals import Intervals, _measure, intersect, subtract, total, union
 from vlmdoctor.trace.tables import COMM_OPS, MODULE_PREFIX, Tables
 
@@ -39,27 +39,23 @@ HOST_CAUSES = {
     "allocator": ("idle.host.allocator.ms", "cudaMalloc/cudaFree and pinned allocs"),
     "compile": ("idle.host.compile.ms", "torch.compile: compiling, guards, wrappers"),
     "cudnn": ("idle.host.cudnn.ms", "cuDNN calls (plans for new shapes)"),
-    "launch": ("idle.host.launch.ms", "kernel launch calls"),
+    "launch": ("idle.host.launch.ms", "kernel launches (calls, compiled launchers)"),
     "runtime": ("idle.host.runtime.ms", "other CUDA runtime calls"),
     "dispatch": ("idle.host.dispatch.ms", "torch ops on the host (dispatch, CPU work)"),
     "python_model": ("idle.host.python_model.ms", "Python in model code (nn.Module)"),
     "python_range": ("idle.host.python_range.ms", "Python in a named range or autograd.Function"),
     "python": ("idle.host.python.ms", "the step's code outside torch ops"),
 }
-ALLOCATOR = re.compile(
-    r"^(?:cudaMalloc|cudaFree|cuMemAlloc|cuMemFree|cudaMallocHost|cudaFreeHost|cudaHostAlloc|cudaMallocAsync"
-    r"|cudaFreeAsync|cuMem(?:Create|Map|Unmap|Release|AddressReserve|AddressFree|SetAccess)|cudaHostRegister"
-    r"|cudaHostUnregister|cuMemHostAlloc|cuMemFreeHost)"
-)
 LAUNCH = re.compile(
     r"^(?:cudaLaunchKernel|cuLaunchKernel|cudaLaunchCooperativeKernel|cuLaunchCooperativeKernel|cudaGraphLaunch)"
 )
 COMPILE = re.compile(
-    r"^(?:Torch-Compiled Region|TorchDynamo|CompiledFunction|## Call CompiledFxGraph|Pregraph bytecode|"
+    r"^(?:Torch-Compiled Region|TorchDynamo|CompiledFunction|Pregraph bytecode|"
     r"Postgraph bytecode|_compile\.|compile_fx|inductor|dynamo|OutputGraph|fx_codegen|async_compile|cudagraphify)",
     re.IGNORECASE,
 )
 BACKWARD_NODE = re.compile(r"Backward\d+$")  # a C++ autograd node (MmBackward0); Python Functions end in Backward
+COMPILED_LAUNCHER = "## Call CompiledFxGraph"
 RANKS = re.compile(r"barrier|ProcessGroup|^(?:" + "|".join(re.escape(p) for p in COMM_OPS) + ")")
 
 
@@ -140,6 +136,8 @@ def name_cause(name: str, runtime: bool) -> str:
     """The host cause of time whose innermost event on a thread is this op or runtime call."""
     if RANKS.search(name) and not runtime:
         return "ranks"
+    if name.startswith(COMPILED_LAUNCHER):  # Inductor's generated code launching its kernels one by one
+        return "launch"
     if COMPILE.search(name):
         return "compile"
     if "cudnn" in name.lower():
