@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
-import resource
 import statistics
 import sys
 import time
@@ -38,8 +36,9 @@ from torch import nn
 from vlmdoctor import SCHEMA_VERSION, __version__
 from vlmdoctor.invisible import kept
 from vlmdoctor.report import progress
-from vlmdoctor.run import one_profiler, throughput
+from vlmdoctor.run import metrics, one_profiler, throughput
 from vlmdoctor.run.flopcount import StepFlops, describe_counted, peak_of, per_step
+from vlmdoctor.run.metrics import Blocks
 
 IGNORE_INDEX = -100
 
@@ -499,25 +498,21 @@ class Recorder:
         losses = [float(x) for r in recs[first:last] for x in r["losses"]]
         lengths = [[int(x) for x in c["lengths"].tolist()] for r in recs[first:last] for c in r["counts"]]
         wall = sum(step_s)
-        real = sum(t[0] for t in toks)
-        padded = sum(t[2] for t in toks)
         step_ms = [s * 1e3 for s in step_s]
-        real_steps = [t[0] for t in toks] if real else None
+        real_steps = [t[0] for t in toks]
         loss_steps = [t[1] for t in toks] if toks and all(t[4] for t in toks) else None
+        padded_steps = [t[2] for t in toks]
         w: dict[str, Any] = {
             "steps": last - first,
             "wall_s": wall,
-            "real_tokens_per_s": throughput.rate(real_steps, step_ms),
-            "loss_tokens_per_s": throughput.rate(loss_steps, step_ms),
-            "pad_fraction": 1.0 - real / padded if padded else None,
+            # the FLOPs come later, counted on the traced steps (_build_report asks again with them)
+            **metrics.window_numbers(step_ms, real_steps, loss_steps, padded_steps, None, None),
             "step_ms": step_ms,
             # the process's CPU time per step: a one-thread CPU run's work, which a neighbour's load does not stretch
             "step_cpu_ms": [c * 1e3 for c in step_cpu] if None not in step_cpu else None,
-            "step_real_tokens": [t[0] for t in toks],
+            "step_real_tokens": real_steps,
             "step_loss_tokens": loss_steps,
-            "step_padded_tokens": [t[2] for t in toks],
-            "model_tflops_per_s": None,
-            "mfu": None,
+            "step_padded_tokens": padded_steps,
             "losses": losses,
             "rows_per_step": statistics.median([t[3] for t in toks]) if toks else None,
             "forwards_per_step": statistics.median([t[5] for t in toks]) if toks else None,
@@ -630,7 +625,7 @@ class Recorder:
         if self.window is not None:  # the timed window's measurements, so `analyze` of this trace sees them too
             from vlmdoctor.run.capture import measured_metadata
 
-            meta["metrics"] = measured_metadata(_metrics(self.window, self.device))
+            meta["metrics"] = measured_metadata(_blocks(self.window, self.device, None).metrics)
         self.prof.add_metadata_json("vlmdoctor", json.dumps(meta, default=str))
 
     def _stop_profiler(self) -> None:
@@ -801,36 +796,30 @@ class Recorder:
             }
             report["notes"] = notes
             return report
+        step_flops = per_step(self.flops.total, self.flops_padded, window.get("step_padded_tokens") or [])
+        if step_flops is not None:
+            window["step_flops"] = step_flops if isinstance(step_flops, list) else [step_flops] * window["steps"]
+        window |= metrics.window_numbers(
+            window["step_ms"],
+            window["step_real_tokens"],
+            window.get("step_loss_tokens"),
+            window.get("step_padded_tokens"),
+            window.get("step_flops"),
+            peak,
+        )
         if window["real_tokens_per_s"] is None:
             notes.append(
                 "no tokens seen: the model was not called with input_ids / attention_mask keyword "
                 "arguments (with vlmdoctor.Doctor, pass the batch: doc.step(batch))"
             )
-        step_flops = per_step(self.flops.total, self.flops_padded, window.get("step_padded_tokens") or [])
-        if step_flops is not None:
-            window["step_flops"] = step_flops if isinstance(step_flops, list) else [step_flops] * window["steps"]
-        est = throughput.window_stats(
-            window["step_ms"],
-            window["step_real_tokens"] if window["real_tokens_per_s"] is not None else None,
-            window.get("step_loss_tokens"),
-            window.get("step_flops"),
-            peak,
-        )
-        window["model_tflops_per_s"], window["mfu"] = est["model_tflops_per_s"], est["mfu"]
-        report["metrics"] = _metrics(window, self.device)
-        report["metrics"]["flops_per_step"] = (
-            sum(window["step_flops"]) / len(window["step_flops"]) if window.get("step_flops") else None
-        )
-        if est["mfu"] is None:
-            report["metrics"]["mfu_reason"] = no_peak or f"FLOPs {report['flops']['formula']}"
-        report["throughput"] = est
+        mfu_reason = no_peak or f"FLOPs {report['flops']['formula']}"
+        report["metrics"], report["stats"], report["throughput"] = _blocks(window, self.device, peak, mfu_reason)
         report["warmup"] = {
             "asked": self.warmup_asked,
             "steps": self.warmup,
             "settle_steps": self.warmup - self.warmup_asked,
             "settled": self.settled,
         }
-        report["stats"] = _stats(window)
         report["repeats"] = [
             {k: v for k, v in window.items() if k != "losses"}
             | {"final_loss": window["losses"][-1] if window["losses"] else None}
@@ -849,51 +838,16 @@ class Recorder:
         return report
 
 
-_percentile = throughput.percentile
-
-
-def _metrics(w: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """The same metric names as vlmdoctor's own runs, so gate, compare and HTML read both."""
-    ms = w["step_ms"]
-    losses = w["losses"]
-    total = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
-    return {
-        "real_tokens_per_s": w["real_tokens_per_s"],
-        "loss_tokens_per_s": w["loss_tokens_per_s"],
-        "pad_fraction": w["pad_fraction"],
-        "model_tflops_per_s": w.get("model_tflops_per_s"),
-        "mfu": w.get("mfu"),
-        "step_ms": statistics.median(ms),
-        "step_ms_p10": _percentile(ms, 0.1),
-        "step_ms_p90": _percentile(ms, 0.9),
-        "peak_mem_gb": w.get("peak_mem_gb"),
-        "peak_mem_reserved_gb": w.get("peak_mem_reserved_gb"),
-        "device_mem_total_gb": total,
-        "host_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-        "final_loss": losses[-1] if losses else None,
-        "loss_finite": all(math.isfinite(x) for x in losses) if losses else None,
-        "repeats": 1,
-        "steps_per_repeat": w["steps"],
-    }
-
-
-def _stats(w: dict[str, Any]) -> dict[str, Any]:
-    ms = w["step_ms"]
-    out: dict[str, Any] = {
-        "step_ms": {
-            "median": statistics.median(ms),
-            "min": min(ms),
-            "max": max(ms),
-            "n": len(ms),
-            "p10": _percentile(ms, 0.1),
-            "p90": _percentile(ms, 0.9),
-            "n_repeats": 1,
-        }
-    }
-    for k in ("real_tokens_per_s", "loss_tokens_per_s", "pad_fraction"):
-        if w.get(k) is not None:
-            out[k] = {"median": w[k], "min": w[k], "max": w[k], "n": 1}
-    return out
+def _blocks(w: dict[str, Any], device: torch.device, peak: float | None, mfu_reason: str | None = None) -> Blocks:
+    """The report's metrics, stats and throughput of the one timed window, by the one writer (run/metrics.py):
+    the same names and meanings as vlmdoctor's own runs, so gate, compare and HTML read both."""
+    return metrics.write(
+        [w],
+        peak=peak,
+        device_total_gb=metrics.device_total_gb(device),
+        spread_of=metrics.SPREAD_USER,
+        mfu_reason=mfu_reason,
+    )
 
 
 # --- from a measured report to prescriptions ---------------------------------------------------

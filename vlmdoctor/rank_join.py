@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vlmdoctor.run import throughput
+from vlmdoctor.run import metrics
 
 #: a rank's file is waited for this long at least, plus twice the timed window's wall time
 WAIT_S = 30.0
@@ -109,14 +109,6 @@ def _row(rank: int, report: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _per_step(reps: list[dict[str, Any]], key: str, n: int) -> list[float] | None:
-    """Per step, the ranks' amounts summed; None when a rank did not count it."""
-    cols = [r.get(key) for r in reps]
-    if any(not isinstance(c, list) or len(c) < n for c in cols):
-        return None
-    return [sum(float(c[i]) for c in cols) for i in range(n)]
-
-
 def join(report: dict[str, Any], out: Path, world: int, wait_s: float | None = None) -> dict[str, Any]:
     """Rank 0's report becomes the job's, in place, from the ranks' files (those that came in time)."""
     others = [part_path(out, r) for r in range(1, world)]
@@ -162,55 +154,37 @@ def join(report: dict[str, Any], out: Path, world: int, wait_s: float | None = N
     return report
 
 
+#: the job's own numbers, by the one writer over the job's steps; the others of `metrics` stay rank 0's (its own
+#: process: its device and host memory, its loss, its FLOPs per step, why it has no MFU)
+JOB_METRICS = (*metrics.RATES, "step_ms", "step_ms_p10", "step_ms_p90")
+#: the job's steps, in place of rank 0's in its `repeats` entry
+JOB_STEPS = ("steps", "step_ms", "step_real_tokens", "step_loss_tokens", "step_padded_tokens", "step_flops")
+
+
 def _job_numbers(report: dict[str, Any], reps: list[dict[str, Any]], rows: list[dict[str, Any]], world: int) -> None:
-    """The job's metrics over its steps: per step the slowest rank's time, all ranks' tokens and FLOPs."""
-    windows = [r["repeats"][0] for r in reps]
-    n = min(len(w["step_ms"]) for w in windows)
-    step_ms = [max(float(w["step_ms"][i]) for w in windows) for i in range(n)]
-    real = _per_step(windows, "step_real_tokens", n)
-    loss = _per_step(windows, "step_loss_tokens", n)
-    padded = _per_step(windows, "step_padded_tokens", n)
-    flops = _per_step(windows, "step_flops", n)
+    """The job's metrics over its steps: per step the slowest rank's time, all ranks' tokens and FLOPs
+    (run/metrics.py: `joined`, then the one writer over that window)."""
     peak = (report.get("flops") or {}).get("peak_flops")
-    est = throughput.window_stats(step_ms, real, loss, flops, peak * world if peak else None)
+    job = metrics.joined([r["repeats"][0] for r in reps], peak * world if peak else None)
     m = report["metrics"]
+    blocks = metrics.write(
+        [job],
+        peak=peak * world if peak else None,
+        device_total_gb=m.get("device_mem_total_gb"),
+        spread_of=metrics.SPREAD_JOB,
+    )
+    m.update({k: blocks.metrics[k] for k in JOB_METRICS})
     m.update(
-        real_tokens_per_s=est["real_tokens_per_s"] if real and any(real) else None,
-        loss_tokens_per_s=est["loss_tokens_per_s"],
-        model_tflops_per_s=est["model_tflops_per_s"],
-        mfu=est["mfu"],
-        step_ms=est["step_ms"],
-        step_ms_p10=est["step_ms_p10"],
-        step_ms_p90=est["step_ms_p90"],
-        pad_fraction=1.0 - sum(real) / sum(padded) if real and padded and sum(padded) else m.get("pad_fraction"),
+        pad_fraction=job["pad_fraction"] if job["pad_fraction"] is not None else m.get("pad_fraction"),
         peak_mem_gb=max((r["peak_mem_gb"] for r in rows if r["peak_mem_gb"] is not None), default=None),
         loss_finite=all(r["loss_finite"] is not False for r in rows),
-        steps_per_repeat=n,
+        steps_per_repeat=job["steps"],
     )
     if m.get("mfu") is None and m.get("mfu_reason") is None:
         m["mfu_reason"] = "not every rank counted its FLOPs"
-    report["repeats"][0] |= {
-        "steps": n,
-        "step_ms": step_ms,
-        "step_real_tokens": real,
-        "step_loss_tokens": loss,
-        "step_padded_tokens": padded,
-        "step_flops": flops,
-        "real_tokens_per_s": m["real_tokens_per_s"],
-        "loss_tokens_per_s": m["loss_tokens_per_s"],
-    }
-    report["throughput"] = est
-    report["stats"] = {
-        "step_ms": {
-            "median": est["step_ms"],
-            "min": min(step_ms),
-            "max": max(step_ms),
-            "n": n,
-            "p10": est["step_ms_p10"],
-            "p90": est["step_ms_p90"],
-            "n_repeats": 1,
-        }
-    }
+    report["repeats"][0] |= {k: job[k] for k in JOB_STEPS} | {k: m[k] for k in metrics.RATES[:2]}
+    report["throughput"] = blocks.throughput
+    report["stats"] = blocks.stats
     timed = [r for r in rows if r["step_ms"] is not None]
     slowest = max(timed, key=lambda r: (r["step_ms"], -r["rank"]))
     fastest = min(timed, key=lambda r: (r["step_ms"], r["rank"]))

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import statistics
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
@@ -388,30 +387,12 @@ def param_digest(model: nn.Module) -> list[float]:
     return [total, squares]
 
 
-def combine(ranks: list[dict[str, Any]], peak_flops: float | None) -> dict[str, Any]:
-    """The job's numbers from every rank's: global real tokens/s over the slowest rank's wall time.
-
-    Per timed window: all ranks' real tokens / the longest rank's wall time; the median over windows,
-    as for one process. MFU is the ranks' model FLOPs over (that wall time x peak x ranks).
-    """
-    world = len(ranks)
-    n_windows = len(ranks[0]["windows"])
-    tps, mfu, tflops, ltps = [], [], [], []
-    for w in range(n_windows):
-        wall = max(r["windows"][w]["wall_s"] for r in ranks)
-        tokens = sum(r["windows"][w]["real_tokens"] for r in ranks)
-        fl = sum(r["windows"][w]["model_flops"] for r in ranks)
-        tps.append(tokens / wall)
-        ltps.append(sum(r["windows"][w]["loss_tokens"] for r in ranks) / wall)
-        tflops.append(fl / wall / 1e12)
-        mfu.append(fl / wall / (peak_flops * world) if peak_flops else None)
+def combine(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The job's ranks side by side: their tokens, the slowest and fastest rank, the largest peak memory. The job's
+    rates are the one writer's (run/metrics.py: `joined`, `job_by_totals`)."""
     slowest = max(ranks, key=lambda r: (r["step_ms"], -r["rank"]))
     fastest = min(ranks, key=lambda r: (r["step_ms"], r["rank"]))
     return {
-        "real_tokens_per_s": statistics.median(tps),
-        "loss_tokens_per_s": statistics.median(ltps),
-        "model_tflops_per_s": statistics.median(tflops),
-        "mfu": statistics.median(mfu) if peak_flops else None,
         "real_tokens": sum(r["real_tokens"] for r in ranks),
         "slowest_rank": slowest["rank"],
         "slowest_step_ms": slowest["step_ms"],

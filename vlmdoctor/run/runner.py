@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import re
-import resource
 import statistics
 import sys
 import time
@@ -30,7 +28,7 @@ import torch
 
 from vlmdoctor import SCHEMA_VERSION, __version__, supervise
 from vlmdoctor.errors import EXIT_FAILED_RUN, EXIT_NAN, EXIT_OK, EXIT_OOM, UsageError, is_out_of_memory
-from vlmdoctor.run import distributed, envinfo, flops, fp8, modes, native, throughput
+from vlmdoctor.run import distributed, envinfo, flops, fp8, metrics, modes, native, throughput
 from vlmdoctor.run.capture import TraceOptions, capture, lost_note, measured_metadata, trace_path
 from vlmdoctor.run.compile import compile_vlm, compiled, graphs_compiled, mark_lengths_dynamic
 from vlmdoctor.run.config import RunConfig
@@ -647,7 +645,7 @@ def _window(p: Patient, steps: int, peak: float | None, progress: Progress, labe
     """Timed steps; every step ends with a device synchronize."""
     if p.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(p.device)
-    step_s, step_tokens, step_loss, step_flops, losses, real, padded = [], [], [], [], [], 0, 0
+    step_s, step_tokens, step_loss, step_padded, step_flops, losses = [], [], [], [], [], []
     step_cpu: list[float] = []
     for i in range(steps):
         t0, c0 = time.perf_counter(), time.process_time()
@@ -656,22 +654,18 @@ def _window(p: Patient, steps: int, peak: float | None, progress: Progress, labe
         step_s.append(time.perf_counter() - t0)
         step_cpu.append(time.process_time() - c0)
         losses.append(loss)
-        real += c["real_tokens"]
-        step_tokens.append(c["real_tokens"])
+        step_tokens.append(c["real_tokens"])  # every micro-batch of the optimizer step
         step_loss.append(c["loss_tokens"])
-        padded += c["padded_tokens"]
+        step_padded.append(c["padded_tokens"])
         step_flops.append(p.step_flops(c))
         progress(label, i + 1, steps)
     wall = sum(step_s)
     loss_values = torch.stack(losses).float().cpu().tolist()
     step_ms = [s * 1e3 for s in step_s]
-    est = throughput.window_stats(step_ms, step_tokens, step_loss, step_flops, peak)
     w = {
         "steps": steps,
         "wall_s": wall,
-        "real_tokens_per_s": est["real_tokens_per_s"],
-        "loss_tokens_per_s": est["loss_tokens_per_s"],
-        "pad_fraction": 1.0 - real / padded,
+        **metrics.window_numbers(step_ms, step_tokens, step_loss, step_padded, step_flops, peak),
         "step_ms": step_ms,
         "step_real_tokens": step_tokens,  # with step_ms: a throughput sample per step (the estimator, the gate)
         "step_loss_tokens": step_loss,
@@ -679,8 +673,6 @@ def _window(p: Patient, steps: int, peak: float | None, progress: Progress, labe
         # CPU time of the process per step: on a shared CPU host the work of a single-threaded step,
         # which a neighbour's load does not stretch the way it stretches the wall time (the CPU gate)
         "step_cpu_ms": [s * 1e3 for s in step_cpu],
-        "model_tflops_per_s": est["model_tflops_per_s"],
-        "mfu": est["mfu"],
         "losses": loss_values,
     }
     if p.device.type == "cuda":
@@ -689,65 +681,23 @@ def _window(p: Patient, steps: int, peak: float | None, progress: Progress, labe
     return w
 
 
-def _spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
-
-
-_percentile = throughput.percentile
-
-
-def _device_total_gb(device: torch.device) -> float | None:
-    return torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
-
-
-def pooled(windows: list[dict[str, Any]], peak: float | None = None) -> dict[str, Any]:
-    """The estimator over every timed step of the windows (the report's headline, `report.throughput`)."""
-    cat = lambda key: [x for w in windows for x in (w.get(key) or [])]  # noqa: E731
-    ms = cat("step_ms")
-    same = lambda xs: xs if len(xs) == len(ms) else None  # noqa: E731
-    return throughput.window_stats(
-        ms, same(cat("step_real_tokens")), same(cat("step_loss_tokens")), same(cat("step_flops")), peak
-    )
-
-
 def summarize(
-    windows: list[dict[str, Any]], device_total_gb: float | None, peak: float | None = None
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Per-window numbers -> metrics (the estimator over all timed steps) and the spread over windows."""
-    keys = ["real_tokens_per_s", "loss_tokens_per_s", "pad_fraction", "model_tflops_per_s"]
-    if windows[0]["mfu"] is not None:
-        keys.append("mfu")
-    stats = {k: _spread([w[k] for w in windows]) for k in keys if all(w[k] is not None for w in windows)}
-    est = pooled(windows, peak)
-    all_steps = [s for w in windows for s in w["step_ms"]]
-    stats["step_ms"] = {
-        **_spread(all_steps),
-        "p10": est["step_ms_p10"],
-        "p90": est["step_ms_p90"],
-        "n_repeats": len(windows),
-    }
-    final_losses = [w["losses"][-1] for w in windows]
-    metrics: dict[str, Any] = {k: est[k] for k in ("real_tokens_per_s", "loss_tokens_per_s", "model_tflops_per_s")}
-    metrics["pad_fraction"] = stats["pad_fraction"]["median"]
-    metrics["mfu"] = est["mfu"]
-    flops_steps = [x for w in windows for x in w.get("step_flops") or []]
-    metrics["flops_per_step"] = sum(flops_steps) / len(flops_steps) if flops_steps else None
-    metrics["step_ms"] = est["step_ms"]
-    metrics["step_ms_p10"] = est["step_ms_p10"]
-    metrics["step_ms_p90"] = est["step_ms_p90"]
-    if "peak_mem_gb" in windows[0]:
-        metrics["peak_mem_gb"] = max(w["peak_mem_gb"] for w in windows)
-        metrics["peak_mem_reserved_gb"] = max(w["peak_mem_reserved_gb"] for w in windows)
-    else:
-        metrics["peak_mem_gb"] = None
-        metrics["peak_mem_reserved_gb"] = None
-    metrics["device_mem_total_gb"] = device_total_gb
-    metrics["host_peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    metrics["final_loss"] = final_losses[-1]
-    metrics["loss_finite"] = all(math.isfinite(x) for w in windows for x in w["losses"])
-    metrics["repeats"] = len(windows)
-    metrics["steps_per_repeat"] = windows[0]["steps"]
-    return metrics, stats
+    windows: list[dict[str, Any]],
+    device_total_gb: float | None,
+    peak: float | None = None,
+    warmup: dict[str, Any] | None = None,
+    mfu_reason: str | None = None,
+) -> metrics.Blocks:
+    """The timed windows -> the report's metrics, stats and throughput, by the one writer (run/metrics.py): the
+    estimator over every step of the `repeats` windows, each window's numbers spread over the windows."""
+    return metrics.write(
+        windows,
+        peak=peak,
+        device_total_gb=device_total_gb,
+        spread_of=metrics.SPREAD_OWN,
+        warmup=warmup,
+        mfu_reason=mfu_reason,
+    )
 
 
 def _traced_window(
@@ -867,7 +817,7 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
                     if k in env
                 },
                 # the timed windows' measurements: `analyze` of this trace merges them as profile does
-                "metrics": measured_metadata(summarize(windows, _device_total_gb(device), peak)[0]),
+                "metrics": measured_metadata(summarize(windows, metrics.device_total_gb(device), peak).metrics),
             }
             try:
                 report["trace"] = _traced_window(step, trace, cfg, dist, device, meta, progress)
@@ -894,18 +844,19 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
             },
         )
         return report
-    metrics, stats = summarize(windows, _device_total_gb(device), peak)
-    metrics["warmup_s"] = report.get("warmup", {}).get("warmup_s")
-    metrics["compile_s"] = report.get("warmup", {}).get("compile_s") if compiled(cfg) else None
-    if metrics["mfu"] is None:
-        from vlmdoctor.run.flopcount import device_name
+    from vlmdoctor.run.flopcount import device_name
 
-        metrics["mfu_reason"] = f"no peak known for {device_name(env)}"
-    report["metrics"] = metrics
-    report["stats"] = stats
-    report["throughput"] = pooled(windows, peak)
+    warm = report.get("warmup", {})
+    blocks = summarize(
+        windows,
+        metrics.device_total_gb(device),
+        peak,
+        warmup={"warmup_s": warm.get("warmup_s"), "compile_s": warm.get("compile_s") if compiled(cfg) else None},
+        mfu_reason=f"no peak known for {device_name(env)}",
+    )
+    report["metrics"], report["stats"], report["throughput"] = blocks
     if "trace" in report:  # profiler overhead, visible next to the untraced numbers it stayed out of
-        report["trace"]["untraced_step_ms_median"] = metrics["step_ms"]
+        report["trace"]["untraced_step_ms_median"] = blocks.metrics["step_ms"]
     report["repeats"] = [
         {k: v for k, v in w.items() if k != "losses"} | {"final_loss": w["losses"][-1]} for w in windows
     ]
@@ -915,8 +866,7 @@ def run_profile(cfg: RunConfig, progress: Progress = _quiet, trace: TraceOptions
         report.setdefault("warnings", []).append(warning)
     if dist is not None:
         _merge_ranks(report, dist, patient, windows, peak)
-        metrics = report["metrics"]
-    if not metrics["loss_finite"]:
+    if not report["metrics"]["loss_finite"]:
         report["status"] = "nan_loss"
         report["error"] = {"type": "NonFiniteLoss", "message": "the loss was NaN or inf in a timed step"}
     if interrupted is not None:  # the caller keeps the measured report and ends as interrupted
@@ -956,7 +906,7 @@ def _merge_ranks(
     """Every rank's numbers to every rank; the report's metrics become the job's.
 
     metrics.real_tokens_per_s, model_tflops_per_s and mfu are global (all ranks' tokens over the
-    slowest rank's wall time), step_ms is the slowest rank's median step, peak_mem_gb the largest;
+    slowest rank's time, run/metrics.py), step_ms is the slowest rank's median step, peak_mem_gb the largest;
     `repeats` holds global per-step samples (tokens summed over ranks, the longest rank's step
     time), so that the gate's significance test judges the job. Each rank's own numbers are kept
     under distributed.ranks.
@@ -968,62 +918,42 @@ def _merge_ranks(
     own["loss_finite"] = report["metrics"]["loss_finite"]
     own["param_digest"] = distributed.param_digest(patient.vlm)
     ranks = distributed.gather(own)
-    whole = distributed.combine(ranks, peak)
+    # the job's steps, window by window: per step the slowest rank's time and all ranks' tokens
+    job = [metrics.joined([r["windows"][w] for r in ranks]) for w in range(len(windows))]
+    job_blocks = metrics.write(job, peak=None, device_total_gb=None, spread_of=("real_tokens_per_s",))
+    # the job's headline by the one estimator over them; loss tokens and FLOPs follow it (metrics.job_by_totals)
+    numbers = metrics.job_by_totals(ranks, job_blocks.throughput["real_tokens_per_s"], peak)
+    whole = {k: numbers[k] for k in metrics.RATES} | distributed.combine(ranks)
+    slow = [r for r in ranks if r["rank"] == whole["slowest_rank"]][0]
+    slow_blocks = metrics.write(slow["windows"], peak=None, device_total_gb=None, spread_of=())  # its step times
     m = report["metrics"]
     m.update(
-        real_tokens_per_s=whole["real_tokens_per_s"],
-        model_tflops_per_s=whole["model_tflops_per_s"],
-        mfu=whole["mfu"],
-        step_ms=whole["slowest_step_ms"],
+        numbers,
+        step_ms=slow_blocks.metrics["step_ms"],
+        step_ms_p10=slow_blocks.metrics["step_ms_p10"],
+        step_ms_p90=slow_blocks.metrics["step_ms_p90"],
         peak_mem_gb=whole["peak_mem_gb"],
         loss_finite=all(r["loss_finite"] for r in ranks),
     )
-    m["loss_tokens_per_s"] = whole["loss_tokens_per_s"]
-    m["pad_fraction"] = 1.0 - sum(r["real_tokens"] for r in ranks) / sum(
-        r["real_tokens"] / (1.0 - r["pad_fraction"]) if r["pad_fraction"] < 1 else 0 for r in ranks
-    )
-    slow = [r for r in ranks if r["rank"] == whole["slowest_rank"]][0]
-    steps_all = [s for w in slow["windows"] for s in w["step_ms"]]
-    m["step_ms_p10"], m["step_ms_p90"] = _percentile(steps_all, 0.1), _percentile(steps_all, 0.9)
-    report["repeats"] = []
-    for w in range(len(windows)):
-        per = [r["windows"][w] for r in ranks]
-        step_ms = [max(r["step_ms"][i] for r in per) for i in range(len(per[0]["step_ms"]))]
-        step_tok = [sum(r["step_real_tokens"][i] for r in per) for i in range(len(per[0]["step_real_tokens"]))]
-        wall = max(r["wall_s"] for r in per)
-        report["repeats"].append(
-            {
-                "steps": windows[w]["steps"],
-                "wall_s": wall,
-                "real_tokens_per_s": throughput.rate(step_tok, step_ms),
-                "step_ms": step_ms,
-                "step_real_tokens": step_tok,
-                "final_loss": windows[w]["losses"][-1],
-            }
-        )
-    # the job's headline by the one estimator, over the global per-step samples; FLOPs scale with the tokens
-    est = throughput.window_stats(
-        [x for r in report["repeats"] for x in r["step_ms"]],
-        [x for r in report["repeats"] for x in r["step_real_tokens"]],
-    )
-    scale = est["real_tokens_per_s"] / whole["real_tokens_per_s"] if whole["real_tokens_per_s"] else 1.0
-    for key in ("real_tokens_per_s", "loss_tokens_per_s", "model_tflops_per_s", "mfu"):
-        m[key] = m[key] * scale if m.get(key) is not None else None
+    report["repeats"] = [
+        {
+            "steps": windows[w]["steps"],
+            "wall_s": max(r["windows"][w]["wall_s"] for r in ranks),
+            "real_tokens_per_s": job[w]["real_tokens_per_s"],
+            "step_ms": job[w]["step_ms"],
+            "step_real_tokens": job[w]["step_real_tokens"],
+            "final_loss": windows[w]["losses"][-1],
+        }
+        for w in range(len(windows))
+    ]
+    est = job_blocks.throughput
     est.update(model_tflops_per_s=m["model_tflops_per_s"], mfu=m["mfu"], loss_tokens_per_s=m["loss_tokens_per_s"])
-    for key in ("real_tokens_per_s", "loss_tokens_per_s", "model_tflops_per_s", "mfu"):
-        whole[key] = m[key]  # one headline: the job's numbers are the estimator's, wherever they are shown
     report["throughput"] = est
     stats = report.get("stats") or {}
-    for key in ("real_tokens_per_s", "loss_tokens_per_s", "model_tflops_per_s", "mfu", "pad_fraction"):
+    for key in metrics.SPREAD_OWN:
         stats.pop(key, None)  # rank 0's spread would pass for the job's
-    stats["real_tokens_per_s"] = _spread([r["real_tokens_per_s"] for r in report["repeats"]])
-    stats["step_ms"] = {
-        **_spread(steps_all),
-        "p10": m["step_ms_p10"],
-        "p90": m["step_ms_p90"],
-        "n_repeats": len(windows),
-        "rank": whole["slowest_rank"],
-    }
+    stats["real_tokens_per_s"] = job_blocks.stats["real_tokens_per_s"]
+    stats["step_ms"] = slow_blocks.stats["step_ms"] | {"rank": whole["slowest_rank"]}
     report["distributed"] = {
         "world_size": dist.world,
         "nproc_per_node": patient.cfg.nproc_per_node,
