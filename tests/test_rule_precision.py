@@ -62,8 +62,8 @@ def test_labels_name_real_traces_and_rules():
     recorded = {
         str(p.relative_to(rp.FIXTURES)).removesuffix(".pt.trace.json.gz")
         for p in rp.FIXTURES.rglob("*.pt.trace.json.gz")
-        if "dist_cpu" not in p.parts
-    } | {f"dist_cpu/{d.name}" for d in (rp.FIXTURES / "dist_cpu").iterdir() if d.is_dir()}
+        if "dist_cpu" not in p.parts and "dist_gpu" not in p.parts
+    } | {f"{top}/{d.name}" for top in ("dist_cpu", "dist_gpu") for d in (rp.FIXTURES / top).iterdir() if d.is_dir()}
     assert recorded <= set(LABELS["traces"]), sorted(recorded - set(LABELS["traces"]))
     for key, rules in KNOWN.items():
         assert key in LABELS["traces"] and all(r in RULES for r in rules), key

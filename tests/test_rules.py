@@ -46,7 +46,7 @@ def test_shipped_rules_load_cleanly():
 
 
 #: rules whose fix is a change to the user's loop that no knob of vlmdoctor's own runs expresses
-USER_CODE_ONLY = {"system-allocator-churn"}
+USER_CODE_ONLY = {"system-allocator-churn", "system-launch-blocking", "system-dtoh-copies", "system-compile-host"}
 
 
 # rule id -> (a fixture where it fires, a fixture where it does not)
@@ -137,10 +137,14 @@ MODE_CASES = {
 # rules of the memory wall: tested both ways on the H100 traces with allocations (tests/test_memory_wall.py)
 MEMORY_CASES = {"batching-memory-wall-logits"}
 
+# rules of the corpus recorded on two H200s: fire on the run that plants their cause, silent on every other run
+# (tests/test_corpus.py)
+CORPUS_CASES = {"fusion-sdpa-math-fallback", "system-launch-blocking", "system-pageable-h2d", "system-dtoh-copies"}
+
 
 def test_every_rule_has_a_case():
     assert set(CASES) | set(SUPERSEDED_CASES) | set(VARIATION_CASES) | CPU_CASES | DIST_CASES | MODE_CASES | (
-        MEMORY_CASES
+        MEMORY_CASES | CORPUS_CASES
     ) == {r.id for r in RULES}
 
 

@@ -256,10 +256,12 @@ def _straggler(
     if grown:
         facts["dist.straggler.accounts"] = grown
     best = max(causes, key=causes.get)
+    if "gemm_work" in causes and "tokens" not in causes:  # more work given: its host work (plans, launches for
+        best = "gemm_work"  # longer shapes) grows with it, so the work is the cause, not what grew beside it
     skew = facts["dist.step_skew_ms"]
     if facts.get("dist.step_skew_frac", 1.0) < BALANCED_SKEW:
         facts["dist.straggler.cause"] = "balanced"
-    elif causes[best] >= CAUSE_MIN_SHARE * skew:
+    elif best == "gemm_work" or causes[best] >= CAUSE_MIN_SHARE * skew:
         facts["dist.straggler.cause"] = best
     elif grown and grown[0]["excess_ms"] >= CAUSE_MIN_SHARE * skew:
         facts["dist.straggler.cause"] = grown[0]["account"]

@@ -51,7 +51,8 @@ LAUNCH = re.compile(
 )
 COMPILE = re.compile(
     r"^(?:Torch-Compiled Region|TorchDynamo|CompiledFunction|Pregraph bytecode|"
-    r"Postgraph bytecode|_compile\.|compile_fx|inductor|dynamo|OutputGraph|fx_codegen|async_compile|cudagraphify)",
+    r"Postgraph bytecode|_compile\.|compile_fx|inductor|dynamo|OutputGraph|fx_codegen|async_compile|cudagraphify"
+    r"|PythonDispatchMode|.*\(dynamo_timed\)$)",
     re.IGNORECASE,
 )
 BACKWARD_NODE = re.compile(r"Backward\d+$")  # a C++ autograd node (MmBackward0); Python Functions end in Backward
