@@ -33,6 +33,7 @@ TRACES = [
     (FIX / "dist_cpu" / "ddp_loader", None),
     (FIX / "user_h100" / "llava_s2_modules.pt.trace.json.gz", None),
     (FIX / "traces" / "liger_fce_s2.pt.trace.json.gz", None),  # Liger's FusedCE with shapes
+    (FIX / "dist_gpu" / "ddp_long_rank1", None),  # two H200 ranks over NCCL, one given longer texts
 ]
 
 

@@ -590,13 +590,11 @@ FACTS: list[Fact] = [
                 "dist.straggler.gemm_excess_frac",
                 "fraction",
                 "the straggler's GEMM time above the others' mean (its work, where tokens are not recorded)",
-                "needs GPU rank traces: the committed rank folders (fixtures/dist_cpu) are CPU traces",
             ),
             (
                 "dist.straggler.accounts",
                 "list",
                 "the straggler's step accounts above the others' mean, largest first (account, excess_ms, meaning)",
-                "needs GPU rank traces: the committed rank folders (fixtures/dist_cpu) are CPU traces",
             ),
             (
                 "dist.straggler.cause",

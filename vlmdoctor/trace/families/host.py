@@ -19,6 +19,14 @@ SDPA_BACKENDS = {
     "aten::_scaled_dot_product_attention_math": "math",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "flash_cpu",
 }
+#: each backend's calls fact, spelled out so that a search for a fact finds where it is computed
+BACKEND_FACTS = {
+    "cudnn": "attention.backend.cudnn.calls",
+    "flash": "attention.backend.flash.calls",
+    "efficient": "attention.backend.efficient.calls",
+    "math": "attention.backend.math.calls",
+    "flash_cpu": "attention.backend.flash_cpu.calls",
+}
 EAGER_SOFTMAX = ("aten::_softmax",)
 #: torch.compile's host range around each call of a compiled frame: `Torch-Compiled Region: 0/1` names the frame
 #: (0) and its compiled version (1): a new version is a recompile
@@ -32,7 +40,7 @@ def produce(r: Reading, facts: dict[str, Any]) -> None:
     counts = counts[counts > 0]
     ran = {backend: float(counts[op]) / n for op, backend in SDPA_BACKENDS.items() if op in counts.index}
     for backend, calls in ran.items():
-        facts[f"attention.backend.{backend}.calls"] = calls
+        facts[BACKEND_FACTS.get(backend) or f"attention.backend.{backend}.calls"] = calls
     if facts.get("kernels.attention_flex.count"):  # compiled FlexAttention: Triton kernels, no SDPA op
         ran["flex"] = facts["kernels.attention_flex.count"]
     facts["attention.backends"] = sorted(ran)
