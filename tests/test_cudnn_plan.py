@@ -100,7 +100,12 @@ def test_launch_bound_gain_leaves_the_planning_idle_out():
     plan, step = f["cudnn_plan.idle_ms"], f["step.ms"]
     assert gain == pytest.approx(step / (plan + (step - plan) / factor))
     assert gain < factor - 0.2  # most of the x1.48 claimed before was cuDNN planning
-    assert findings(facts_of("qwen25vl_fp32_s2"))[LAUNCH]["expected_gain"]["throughput_x"] == pytest.approx(factor)
+    # a step without planning keeps the whole factor (gemma3_eager_s2 plans 0.04 ms a step)
+    assert findings(facts_of("gemma3_eager_s2"))[LAUNCH]["expected_gain"]["throughput_x"] == pytest.approx(
+        factor, rel=1e-3
+    )
+    # an FP32 step whose kernels queue 4 ms is paced by the GPU: no launch-bound finding at all
+    assert LAUNCH not in findings(facts_of("qwen25vl_fp32_s2"))
 
 
 def test_a_wrapper_and_its_inner_op_are_one_call():

@@ -39,6 +39,7 @@ def produce(r: Reading, facts: dict[str, Any]) -> None:
     counts = ops["name"].value_counts()
     counts = counts[counts > 0]
     ran = {backend: float(counts[op]) / n for op, backend in SDPA_BACKENDS.items() if op in counts.index}
+    facts[BACKEND_FACTS["math"]] = ran.get("math", 0.0)  # measured either way: a rule reads its absence too
     for backend, calls in ran.items():
         facts[BACKEND_FACTS.get(backend) or f"attention.backend.{backend}.calls"] = calls
     if facts.get("kernels.attention_flex.count"):  # compiled FlexAttention: Triton kernels, no SDPA op
