@@ -3,6 +3,7 @@ GPUs (fixtures/), and the causes given by what the host was doing."""
 
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -26,9 +27,15 @@ TRACES = [
 ]
 
 
+@cache
+def analyzed(trace: str) -> dict:
+    """One trace's first file entry, analyzed once for every test of this module."""
+    return analyze(FIX / trace)["files"][0]
+
+
 @pytest.fixture(scope="module", params=TRACES)
 def entry(request) -> dict:
-    return analyze(FIX / request.param)["files"][0]
+    return analyzed(request.param)
 
 
 def test_the_accounts_add_up_to_the_step(entry):
@@ -49,7 +56,7 @@ def test_the_accounts_add_up_to_the_step(entry):
 def test_a_trace_without_step_markers_says_what_no_cause_covers():
     """No ProfilerStep: outside every step marker nothing says the host ran the step, so the idle time under no
     host event is unattributed, not given to Python."""
-    acc = analyze(FIX / "user_traces/qwen2vl_fp32_autocast_s2.pt.trace.json.gz")["files"][0]["accounts"]
+    acc = analyzed("user_traces/qwen2vl_fp32_autocast_s2.pt.trace.json.gz")["accounts"]
     assert 0 < acc["unattributed_share"] <= MAX_UNATTRIBUTED
     assert "idle.host.python" not in {r["account"] for r in acc["rows"]}
 
@@ -65,7 +72,7 @@ def test_a_trace_without_step_markers_says_what_no_cause_covers():
     ],
 )
 def test_the_planted_cost_is_its_own_account(trace, account, least):
-    acc = analyze(FIX / trace)["files"][0]["accounts"]
+    acc = analyzed(trace)["accounts"]
     share = {r["account"]: r["share"] for r in acc["rows"]}
     assert share.get(account, 0.0) >= least, share
 
@@ -114,7 +121,7 @@ def test_a_cpu_trace_has_no_gpu_accounts():
 def test_every_large_account_is_named_in_the_diagnosis(trace):
     from vlmdoctor.doctor.rules import MIN_ACCOUNT_SHARE, diagnose, load_rules
 
-    entry = analyze(FIX / trace)["files"][0]
+    entry = analyzed(trace)
     rules, _ = load_rules()
     d = diagnose(entry["facts"], rules)
     said = {a["account"]: a for a in d["accounts"]}
@@ -132,7 +139,7 @@ def test_a_tiny_models_host_bound_step_is_prescribed_whatever_its_launch_count()
     Python hold most of the step, and the host-bound finding names them (it once needed 1,000 launches)."""
     from vlmdoctor.doctor.rules import diagnose, load_rules
 
-    f = analyze(FIX / "user_h100/llava_s2_plain.pt.trace.json.gz")["files"][0]["facts"]
+    f = analyzed("user_h100/llava_s2_plain.pt.trace.json.gz")["facts"]
     assert f["launch.kernels"] < 1000
     d = diagnose(f, load_rules()[0])
     host = {a["account"]: a for a in d["accounts"]}["idle.host.dispatch"]

@@ -58,6 +58,12 @@ RUNS = sorted(p.name.removesuffix(".pt.trace.json.gz") for p in ONE.glob("*.pt.t
 
 
 @cache
+def dist_facts(job: str) -> dict[str, Any]:
+    """A job's ranks joined (its cross-rank facts)."""
+    return analyze(DIST / job)["cross_rank"]["facts"]
+
+
+@cache
 def entry(run: str) -> dict[str, Any]:
     """One run's analysis and diagnosis (a folder of rank traces: the first rank's facts and the ranks joined)."""
     doc = analyze(DIST / run.split(":", 1)[1] if run.startswith("dist:") else ONE / f"{run}.pt.trace.json.gz")
@@ -103,9 +109,8 @@ def test_every_millisecond_is_in_an_account_and_every_large_one_is_named(run):
 
 def test_the_slower_rank_is_explained_by_the_work_it_was_given():
     """Rank 1 got texts twice as long; shapes were not recorded, so its GEMM time (+32%) measures its work."""
-    doc = analyze(DIST / "ddp_long_rank1")
-    f = doc["cross_rank"]["facts"]
+    f = dist_facts("ddp_long_rank1")
     assert f["dist.straggler.rank"] == 1 and f["dist.straggler.cause"] == "gemm_work"
     assert f["dist.straggler.gemm_excess_frac"] > 0.2
-    slow = analyze(DIST / "ddp_slow_loader_rank1")["cross_rank"]["facts"]
+    slow = dist_facts("ddp_slow_loader_rank1")
     assert slow["dist.straggler.rank"] == 1 and slow["dist.straggler.cause"] == "data_loader"
