@@ -409,3 +409,32 @@ def test_a_report_json_the_script_writes_into_out_is_kept(tmp_path, cli_runner, 
     assert rescued, r.output
     assert json.loads(rescued[-1].read_text())["tool"]["name"] == "vlmdoctor"
     assert str(rescued[-1]) in " ".join(r.output.split())
+
+
+def test_html_and_json_inside_a_new_out_folder_are_accepted(tmp_path, cli_runner, monkeypatch):
+    """`run --out o --html o/report.html` on a folder that does not exist yet: --out creates it, so an output
+    inside it is no missing folder (it was refused: 'the folder o does not exist; create it first')."""
+    from vlmdoctor.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch
+            model = torch.nn.Linear(4, 1)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for i in range(8):
+                model(torch.randn(2, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            """
+        )
+    )
+    r = cli_runner.invoke(
+        app,
+        ["run", "--out", "o", "--html", "o/page.html", "--json", "o/copy.json", "--warmup", "1", "--steps", "2",
+         "--quiet", "--", sys.executable, str(script)],
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "o" / "page.html").is_file() and (tmp_path / "o" / "copy.json").is_file()

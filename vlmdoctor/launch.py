@@ -672,6 +672,13 @@ def _write_kept(report: dict[str, Any], folder: Path, copy: str | None) -> Path 
         return spot or folder / REPORT
 
 
+def _inside(path: str | None, folder: Path) -> bool:
+    """`path` (an output file, '-' or None) is a file directly in `folder`."""
+    if not path or path == "-":
+        return False
+    return Path(path).parent.resolve() == folder.resolve()
+
+
 def _adopt_identical(folder: Path, handoff: Path) -> None:
     """OUT's report and page become this command's to complete where they are the child's copy byte for byte: a
     file the script wrote there itself is kept (this command's report then goes to a rescue file it names)."""
@@ -770,6 +777,8 @@ def run_script(
     for path in (report_path, page_path, log):  # the rule of every output: a regular file, replaced with --force
         if folder.is_dir():
             check_writable(path, force, "--out")
+    if not folder.exists() and any(_inside(p, folder) for p in (json_path, html_path)):
+        folder.mkdir(parents=True)  # --out creates its folder: a --json or --html inside it is no missing folder
     check_writable(json_path, force, "--json")
     check_writable(html_path, force, "--html")
     scripts = [a for a in command if str(a).endswith(".py") and Path(a).is_file()]  # under a launcher too
