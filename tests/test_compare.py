@@ -159,3 +159,24 @@ def test_environment_differences_are_noted():
     b["env"]["driver"] = "590.1"
     r = compare(a, b)
     assert r["notes"][0] == ("different environment: driver: '580.159.04' -> '590.1'")
+
+
+def test_two_runs_report_json_get_columns_that_tell_them_apart(tmp_path):
+    """Two runs' reports are both report.json: the columns are headed by the shortest paths that differ."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from vlmdoctor.cli import app, compare_labels
+
+    assert compare_labels("runs/a/report.json", "runs/b/report.json") == ("a/report.json", "b/report.json")
+    assert compare_labels("x.json", "y.json") == ("x.json", "y.json")
+    src = Path(__file__).resolve().parents[1] / "fixtures" / "traces" / "bf16_s2.report.json"
+    for side in ("before", "after"):
+        (tmp_path / side).mkdir()
+        shutil.copy(src, tmp_path / side / "report.json")
+    r = CliRunner().invoke(
+        app, ["compare", str(tmp_path / "before" / "report.json"), str(tmp_path / "after" / "report.json")]
+    )
+    assert r.exit_code == 0, r.output
+    assert "before/report.json" in r.output and "after/report.json" in r.output

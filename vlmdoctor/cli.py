@@ -6,6 +6,7 @@ import inspect
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -368,6 +369,17 @@ def _check_profile_outputs(
         },
         {"--json": json_path, "--html": html_path, "--save-config": save_config},
     )
+
+
+def compare_labels(a: str, b: str) -> tuple[str, str]:
+    """Column heads for two reports: their file names, or, where those are the same (two runs' report.json),
+    the shortest trailing paths that tell them apart."""
+    pa, pb = Path(a), Path(b)
+    for depth in range(1, max(len(pa.parts), len(pb.parts)) + 1):
+        la, lb = str(Path(*pa.parts[-depth:])), str(Path(*pb.parts[-depth:]))
+        if la != lb:
+            return la, lb
+    return a, b
 
 
 def _kept_elsewhere(report: dict[str, Any], json_path: str | None) -> str:
@@ -1388,7 +1400,6 @@ def compare(
     force: bool = typer.Option(False, "--force", help="overwrite an existing --json file"),
 ) -> None:
     """Side by side: metrics, GPU time by kernel class, idle causes, findings added or gone, knobs changed."""
-    from pathlib import Path
 
     from vlmdoctor.ci.gate import load_report
     from vlmdoctor.files import check_inputs_kept, check_writable, json_text, save, write_json
@@ -1398,7 +1409,7 @@ def compare(
     with _user_errors():
         check_writable(json_path, force, "--json")
         check_inputs_kept({"report A": a, "report B": b}, {"--json": json_path})
-        result = diff(load_report(a), load_report(b), allow_different, labels=(Path(a).name, Path(b).name))
+        result = diff(load_report(a), load_report(b), allow_different, labels=compare_labels(a, b))
         if json_path == "-":
             write_json(result, "-")
             return
