@@ -644,7 +644,16 @@ def analyze(
             failures.append(save(html_path, analyze_html(doc), "HTML report"))
         if json_path != "-":
             render_facts(result, out)
+            said: dict[str, str] = {}  # a diagnosis already printed -> the file it was printed for
             for entry in result["files"]:
+                name = Path(entry["file"]).name
+                if len(result["files"]) > 1:  # several ranks: one diagnosis each, an identical one said once
+                    key = json.dumps(entry["diagnosis"], sort_keys=True, default=str)
+                    if key in said:
+                        out.print(f"{esc(name)}: the same diagnosis as {esc(said[key])}", highlight=False)
+                        continue
+                    said[key] = name
+                    out.print(f"[bold]{esc(name)}[/bold]:", highlight=False)
                 cfg = {k.removeprefix("config."): v for k, v in entry["facts"].items() if k.startswith("config.")}
                 for k in ("stage", "model"):
                     if f"run.{k}" in entry["facts"]:
