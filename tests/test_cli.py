@@ -326,3 +326,10 @@ def test_trace_dir_writes_profiled_window(cli_runner, tmp_path):
     assert report["trace"]["untraced_step_ms_median"] == report["metrics"]["step_ms"]
     parts = {e["name"] for e in data["traceEvents"] if e.get("cat") == "user_annotation"}
     assert {"vlmdoctor::vision", "vlmdoctor::projector", "vlmdoctor::llm"} <= parts
+
+
+def test_small_rates_keep_their_digits():
+    """A tiny model's TFLOP/s and GFLOP per step read as their significant digits, never as 0.00."""
+    from vlmdoctor.report.console import _fmt_small
+
+    assert _fmt_small(0.0042) == "0.0042" and _fmt_small(12.345) == "12.35" and _fmt_small(None) == "n/a"

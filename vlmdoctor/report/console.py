@@ -124,6 +124,13 @@ class SafeConsole(Console):
         return super()._render_buffer(_shown(buffer))
 
 
+def _fmt_small(v: float | None, unit: str = "", digits: int = 2) -> str:
+    """A rate that may be far below one (a tiny model's TFLOP/s): its significant digits, never "0.00"."""
+    if isinstance(v, float) and v != 0 and abs(v) < 1:
+        return f"{v:.{digits}g}{unit}"
+    return _fmt(v, unit, digits)
+
+
 def _fmt(v: Any, unit: str = "", digits: int = 1) -> str:
     if v is None:
         return "n/a"
@@ -203,7 +210,7 @@ def render(report: dict[str, Any], console: Console) -> None:
         _fmt(m["mfu"] * 100 if m["mfu"] is not None else None, " %"),
         spread("mfu", "", 3) if m["mfu"] is not None else esc(m.get("mfu_reason") or ""),
     )
-    t.add_row("model TFLOP/s", _fmt(m["model_tflops_per_s"], "", 2), "")
+    t.add_row("model TFLOP/s", _fmt_small(m["model_tflops_per_s"]), "")
     if m.get("peak_mem_gb") is not None:
         t.add_row(
             "peak memory allocated / reserved",
@@ -799,6 +806,8 @@ def render_own(report: dict[str, Any], console: Console) -> None:
     _flop_rows(t, m, report.get("flops") or {})
     if m.get("peak_mem_gb") is not None:
         t.add_row("peak memory allocated", _fmt(m["peak_mem_gb"], " GiB", 2))
+    elif m.get("host_peak_rss_gb") is not None:  # a CPU run: its memory is the process's
+        t.add_row("host peak RSS", _fmt(m["host_peak_rss_gb"], " GiB", 2))
     if m.get("final_loss") is not None:
         t.add_row("last loss", _fmt(m["final_loss"], "", 4))
     facts = report.get("facts") or {}
@@ -824,7 +833,7 @@ def render_own(report: dict[str, Any], console: Console) -> None:
 def _flop_rows(t: Table, m: dict[str, Any], flops: dict[str, Any]) -> None:
     """FLOPs per step and MFU of a user's model: counted from a real step; MFU null says why."""
     fps = m.get("flops_per_step")
-    t.add_row("FLOPs/step", f"{fps / 1e9:,.2f} GFLOP (counted)" if fps else esc(flops.get("formula") or "n/a"))
+    t.add_row("FLOPs/step", f"{_fmt_small(fps / 1e9)} GFLOP (counted)" if fps else esc(flops.get("formula") or "n/a"))
     mfu = m.get("mfu")
     t.add_row(
         "MFU", _fmt(mfu * 100, " %", 2) if mfu is not None else f"n/a: {esc(m.get('mfu_reason') or 'not computed')}"
