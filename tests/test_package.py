@@ -23,7 +23,16 @@ def _layer(module: str) -> str:
     parts = module.split(".")
     if parts[0] != "vlmdoctor":
         raise ValueError(module)
-    if len(parts) == 1 or parts[1] in ("errors", "files", "inputs", "supervise", "invisible", "documents", "__init__"):
+    if len(parts) == 1 or parts[1] in (
+        "errors",
+        "files",
+        "inputs",
+        "supervise",
+        "invisible",
+        "documents",
+        "docgen",
+        "__init__",
+    ):
         return "base"
     if parts[1] in ("cli", "__main__", "api", "callback", "launch", "launchers", "rank_join"):  # the ways in
         return "cli"

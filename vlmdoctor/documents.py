@@ -1,12 +1,12 @@
 """The documents vlmdoctor writes, each declared once: the run report, the trace analysis, the diagnosis, the treat
 result, the gate verdict and the comparison.
 
-A reader loads a document through its declaration (`read_report`, `read_analysis`, ...): the value is checked once,
-field by field, and a bad one is refused with one line naming the field (`DocumentError`, exit 2), so readers use
-fields, not `.get(...) or {}` chains. Keys a declaration does not name are ignored and every field a writer may
-leave out is optional, so a baseline written by an older or newer vlmdoctor still loads. A number has one name and
-one meaning wherever a document holds it (`RealTokensPerS`, `StepMs`, ...). The field table of docs/files.md is
-generated from these declarations (`markdown_fields`; `python -m vlmdoctor.documents` rewrites it).
+A reader loads a document through its declaration (`read_document`, or `as_document` for a parsed one): the value is
+checked once, field by field, and a bad one is refused with one line naming the field (`DocumentError`, exit 2), so
+readers use fields, not `.get(...) or {}` chains. Keys a declaration does not name are ignored and every field a
+writer may leave out is optional, so a baseline written by an older or newer vlmdoctor still loads. A number has one
+name and one meaning wherever a document holds it (`RealTokensPerS`, `StepMs`, ...). The field table of
+docs/files.md is generated from these declarations (`markdown_fields`; `python -m vlmdoctor.documents` rewrites it).
 
 Open-ended mappings stay mappings: `facts` (a fact name -> its value, docs/analysis.md), `config` (a knob name -> its
 value; the knobs read by name are `RecordedConfig`), `mode`, `split`, `accounts`.
@@ -22,7 +22,7 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 from msgspec import Meta
 
-from vlmdoctor import SCHEMA_VERSION
+from vlmdoctor import SCHEMA_VERSION, docgen
 from vlmdoctor.errors import UsageError
 
 #: the largest report, analysis or treat result a reader takes (a report holds facts and per-step lists)
@@ -897,34 +897,20 @@ def _json(source: str | os.PathLike | bytes, name: str | None, what: str) -> tup
     return inputs.read_json(source, what, max_bytes=MAX_DOCUMENT_BYTES), name or str(source)
 
 
+def read_document(source: str | os.PathLike | bytes, cls: type[D], what: str, name: str | None = None) -> D:
+    """A document (a path, or its bytes) checked against its declaration `cls`; `what` names it in errors."""
+    value, where = _json(source, name, what)
+    return as_document(value, cls, where)
+
+
 def read_report(source: str | os.PathLike | bytes, name: str | None = None) -> RunReport:
     """A report.json (a path, or its bytes), checked against its declaration."""
-    value, where = _json(source, name, "report")
-    return as_document(value, RunReport, where)
+    return read_document(source, RunReport, "report", name)
 
 
 def read_analysis(source: str | os.PathLike | bytes, name: str | None = None) -> Analysis:
     """An `analyze --json` result, checked against its declaration."""
-    value, where = _json(source, name, "analysis")
-    return as_document(value, Analysis, where)
-
-
-def read_treat(source: str | os.PathLike | bytes, name: str | None = None) -> TreatResult:
-    """A treat.json, checked against its declaration."""
-    value, where = _json(source, name, "treat result")
-    return as_document(value, TreatResult, where)
-
-
-def read_verdict(source: str | os.PathLike | bytes, name: str | None = None) -> GateVerdict:
-    """A `gate --json` verdict, checked against its declaration."""
-    value, where = _json(source, name, "gate verdict")
-    return as_document(value, GateVerdict, where)
-
-
-def read_comparison(source: str | os.PathLike | bytes, name: str | None = None) -> Comparison:
-    """A `compare --json` result, checked against its declaration."""
-    value, where = _json(source, name, "comparison")
-    return as_document(value, Comparison, where)
+    return read_document(source, Analysis, "analysis", name)
 
 
 def as_report(report: RunReport | dict[str, Any], name: str = "report") -> RunReport:
@@ -1009,11 +995,7 @@ _END = "<!-- end of the generated fields table -->\n"
 
 def with_generated(text: str) -> str:
     """docs/files.md's text with its field table rewritten from the declarations."""
-    if _BEGIN not in text or _END not in text:
-        raise ValueError(f"no generated fields table (markers {_BEGIN.strip()} ... {_END.strip()})")
-    head, rest = text.split(_BEGIN, 1)
-    _, tail = rest.split(_END, 1)
-    return head + _BEGIN + markdown_fields() + _END + tail
+    return docgen.with_generated(text, _BEGIN, _END, markdown_fields(), "fields table")
 
 
 if __name__ == "__main__":  # rewrite docs/files.md's field table: python -m vlmdoctor.documents

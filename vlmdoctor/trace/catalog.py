@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
+from vlmdoctor import docgen
 from vlmdoctor.run.config import RunConfig
 from vlmdoctor.trace.kernels import KERNEL_CLASSES
 
@@ -754,12 +755,9 @@ _END = "<!-- end of the generated {} table -->\n"
 
 def with_generated(text: str, which: str) -> str:
     """A doc's text with its generated table rewritten from the catalogue."""
-    begin, end = _BEGIN.format(which), _END.format(which)
-    if begin not in text or end not in text:
-        raise ValueError(f"no generated {which} table (markers {begin.strip()} ... {end.strip()})")
-    head, rest = text.split(begin, 1)
-    _, tail = rest.split(end, 1)
-    return head + begin + GENERATED[which][1]() + end + tail
+    return docgen.with_generated(
+        text, _BEGIN.format(which), _END.format(which), GENERATED[which][1](), f"{which} table"
+    )
 
 
 if __name__ == "__main__":  # rewrite the docs' generated tables: python -m vlmdoctor.trace.catalog
