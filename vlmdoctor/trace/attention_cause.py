@@ -73,7 +73,7 @@ def attention_cause_facts(t: Tables, ctx: pd.DataFrame, tree: OpTree, n: int) ->
     soft = np.flatnonzero(tree.names == SOFTMAX)
     if not len(soft):  # measured: no softmax, so nothing written out
         none = {name: 0.0 for k in KINDS for name in KIND_FACTS[k][:2]}
-        return {**none, "attention.eager.model_ms": 0.0, "attention.written_out.source": source}
+        return _with_math_fp32(t, n, {**none, "attention.eager.model_ms": 0.0, "attention.written_out.source": source})
     qlen = _query_lengths(t)
     children = _children(tree)
     bwd = backward_nodes(tree, ctx["in_bwd"].to_numpy())
@@ -109,6 +109,21 @@ def attention_cause_facts(t: Tables, ctx: pd.DataFrame, tree: OpTree, n: int) ->
     # what attn_implementation="sdpa" would fuse: the model's eager attention, pooling heads left out
     facts["attention.eager.model_ms"] = facts["attention.eager.ms"] - facts.get("attention.eager.head_ms", 0.0)
     facts["attention.written_out.source"] = source
+    return _with_math_fp32(t, n, facts) if tree.gpu else facts
+
+
+def _with_math_fp32(t: Tables, n: int, facts: dict[str, Any]) -> dict[str, Any]:
+    """Whether the step's FP32 GEMMs are SDPA's math path's (a GPU trace): it computes attention in FP32 for bf16
+    inputs, so FP32 GEMM time that fits inside the math attention's time, beside bf16 GEMMs of the rest of the
+    model, says nothing of the weights' dtype."""
+    if t.gpu.empty:
+        return facts
+    g = t.gpu
+    fp32 = float(g.loc[g["cls"] == "gemm_fp32_simt", "dur"].sum()) / 1e3 / n
+    bf16 = float(g.loc[g["cls"] == "gemm_tensor_core", "dur"].sum()) / 1e3 / n
+    facts["gemm.fp32_from_math_attention"] = bool(
+        facts["attention.math.blocks"] > 0 and fp32 <= facts["attention.math.ms"] and bf16 > fp32
+    )
     return facts
 
 

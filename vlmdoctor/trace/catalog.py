@@ -386,6 +386,11 @@ FACTS: list[Fact] = [
             ("attention.<written>.head_ms", "ms/step", "the pooling heads' time"),
             ("attention.eager.model_ms", "ms/step", "eager attention time less the pooling heads' (what SDPA fuses)"),
             ("attention.written_out.source", "text", "GPU kernels, or host ops (CPU trace)"),
+            (
+                "gemm.fp32_from_math_attention",
+                "bool",
+                "the FP32 GEMMs fit in SDPA's math-path attention, bf16 GEMMs elsewhere (GPU): not the weights'",
+            ),
         ],
     ),
     *_group(
