@@ -3,6 +3,11 @@ of the same file and against traceinsight (HTA), measured in one run; the table 
 
     python bench/make_big_trace.py fixtures/traces/default_s2.pt.trace.json.gz /tmp/big/trace.json --min-gb 1.0
     python bench/analysis_speed.py /tmp/big/trace.json --runs 3 --hta-runs 1 --doc docs/benchmarks.md
+    gzip -9 -k /tmp/big/trace.json   # torch.profiler writes .json.gz at gzip's level 9
+    python bench/analysis_speed.py /tmp/big/trace.json.gz --runs 3 --hta-runs 0 --doc docs/benchmarks.md --section gz
+
+A .json.gz trace is compared with `json.load(gzip.open(...))`, which pays the same inflation (zlib) as the
+analyzer; the row `inflate only` is that zlib time alone, so the two can be told apart.
 
 Every measurement is its own process (a fresh interpreter), run one after the other; the rounds
 interleave json.load and the analyzer so that a change in the machine's load touches both. Peak
@@ -28,10 +33,17 @@ from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-START, END = "<!-- analysis-speed:start -->", "<!-- analysis-speed:end -->"
+MARK = "<!-- analysis-speed{}:{} -->"  # the doc's markers: start and end, one pair per --section
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
-JSON_LOAD = "import json, sys\nwith open(sys.argv[1]) as f:\n    json.load(f)\n"
+JSON_LOAD = (  # a .gz file through gzip.open: the same inflation the analyzer pays
+    "import gzip, json, sys\nopen_ = gzip.open if sys.argv[1].endswith('.gz') else open\n"
+    "with open_(sys.argv[1], 'rb') as f:\n    json.load(f)\n"
+)
+INFLATE = (  # the zlib time of a .gz trace alone: every byte inflated, nothing decoded
+    "import gzip, sys, shutil, os\nwith gzip.open(sys.argv[1], 'rb') as f, open(os.devnull, 'wb') as out:\n"
+    "    shutil.copyfileobj(f, out, 1 << 21)\n"
+)
 ONE_PROCESS = (  # the same command, its analysis held to one process
     "import sys\nimport vlmdoctor.trace.facts as f\nf.cpus = lambda: 1\nfrom vlmdoctor.cli import main\n"
     "sys.argv = ['vlmdoctor', 'analyze', sys.argv[1], '--json', sys.argv[2], '--force']\nmain()\n"
@@ -64,11 +76,11 @@ def _tree_rss(pid: int) -> int:
     return total
 
 
-def measure(cmd: list[str]) -> dict:
+def measure(cmd: list[str], cwd: Path = ROOT) -> dict:
     """Wall time, CPU time (user + system) and peak resident memory of the process tree."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
     peak = 0
     while proc.poll() is None:
         peak = max(peak, _tree_rss(proc.pid))
@@ -95,12 +107,27 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3, help="rounds of json.load and the analyzer")
     ap.add_argument("--hta-runs", type=int, default=1, help="traceinsight runs (0: skip; minutes each on 1 GB)")
     ap.add_argument("--doc", help="write the table into this Markdown file, between the analysis-speed markers")
+    ap.add_argument("--section", default="", help="which markers of --doc: <!-- analysis-speed:NAME:start -->")
+    ap.add_argument("--title", default="", help="the table's heading (default: says the file's size)")
+    ap.add_argument("--no-one-process", action="store_true", help="skip the `analyze, one process` rows")
+    ap.add_argument(
+        "--baseline-tree",
+        help="a copy of an older vlmdoctor (a folder holding its vlmdoctor/ package and rules/): its `analyze` "
+        "runs in the same rounds (row `analyze (baseline)`), so old and new meet the same load",
+    )
     ap.add_argument("--out", help="write every measurement here as JSON")
     args = ap.parse_args()
     trace = Path(args.trace).resolve()
-    gib = trace.stat().st_size / 2**30
+    gib = json_gib(trace)
     load_before = os.getloadavg()
-    rows: dict[str, list[dict]] = {"json.load": [], "analyze": [], "analyze, one process": []}
+    gz = trace.name.endswith(".gz")
+    rows: dict[str, list[dict]] = {"json.load": [], "analyze": []}
+    if args.baseline_tree:
+        rows["analyze (baseline)"] = []
+    if not args.no_one_process:
+        rows["analyze, one process"] = []
+    if gz:
+        rows["inflate only"] = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.runs):
             rows["json.load"].append(measure([sys.executable, "-c", JSON_LOAD, str(trace)]))
@@ -108,15 +135,48 @@ def main() -> None:
             rows["analyze"].append(
                 measure([sys.executable, "-m", "vlmdoctor", "analyze", str(trace), "--json", a, "--force"])
             )
-            rows["analyze, one process"].append(measure([sys.executable, "-c", ONE_PROCESS, str(trace), b]))
+            if args.baseline_tree:  # `-m` imports the package from the working folder: the old tree's
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "vlmdoctor",
+                    "analyze",
+                    str(trace),
+                    "--json",
+                    f"{tmp}/c{r}.json",
+                    "--force",
+                ]
+                rows["analyze (baseline)"].append(measure(cmd, Path(args.baseline_tree)))
+            if not args.no_one_process:
+                rows["analyze, one process"].append(measure([sys.executable, "-c", ONE_PROCESS, str(trace), b]))
+            if gz:
+                rows["inflate only"].append(measure([sys.executable, "-c", INFLATE, str(trace)]))
             print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]['wall_s']:.1f} s" for k, v in rows.items()), flush=True)
         facts = json.loads(Path(f"{tmp}/a0.json").read_text())["files"][0]["facts"]
-        same = facts == json.loads(Path(f"{tmp}/b0.json").read_text())["files"][0]["facts"]
+        same = args.no_one_process or facts == json.loads(Path(f"{tmp}/b0.json").read_text())["files"][0]["facts"]
+        # the old analyzer's whole document (facts, accounts, findings) against the new one's, every round
+        old_same = None
+        if args.baseline_tree:
+            old_same = all(
+                Path(f"{tmp}/a{r}.json").read_bytes() == Path(f"{tmp}/c{r}.json").read_bytes() for r in range(args.runs)
+            )
     report = _report(rows, trace, gib, facts, same, load_before)
+    report["baseline_outputs_identical"] = old_same
     _save(args, report)  # the rounds now; again with traceinsight's runs when they end
     if args.hta_runs:
         rows["traceinsight"] = [measure([sys.executable, "-c", HTA, str(trace.parent)]) for _ in range(args.hta_runs)]
-        _save(args, _report(rows, trace, gib, facts, same, load_before))
+        _save(args, {**_report(rows, trace, gib, facts, same, load_before), "baseline_outputs_identical": old_same})
+
+
+def _cpu_model() -> str:
+    """The CPU's model name, as /proc/cpuinfo gives it (Linux)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 def _report(rows: dict, trace: Path, gib: float, facts: dict, same: bool, load_before: tuple) -> dict:
@@ -129,6 +189,8 @@ def _report(rows: dict, trace: Path, gib: float, facts: dict, same: bool, load_b
         "trace_gib": gib,
         "steps": facts.get("trace.steps"),
         "cores": os.cpu_count(),
+        "cpu": _cpu_model(),
+        "trace_on_disk_gib": trace.stat().st_size / 2**30,
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
         "analyze_outputs_identical": same,
@@ -151,52 +213,81 @@ def _save(args: argparse.Namespace, result: dict) -> None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     if args.doc:
-        _write_doc(Path(args.doc), result, " ".join(sys.argv[1:]))
+        _write_doc(Path(args.doc), result, " ".join(sys.argv[1:]), args.section, args.title)
 
 
-def _write_doc(doc: Path, r: dict, argv: str) -> None:
-    gib, med, base = r["trace_gib"], r["median"], r["median"]["json.load"]["wall_s"]
+def _write_doc(doc: Path, r: dict, argv: str, section: str = "", title: str = "") -> None:
+    """The table between this section's markers of `doc` (appended with its markers where they are missing)."""
+    gib, med, base = r["trace_gib"], r["median"], r["median"]["json.load"]
+    gz = r["trace"].endswith(".gz")
+    start, end = (MARK.format(f":{section}" if section else "", k) for k in ("start", "end"))
     lines = [
-        START,
-        f"## Issue 26: analyzing a 1 GiB trace ({r['cores']}-core CPU machine, {r['date'][:10]})",
+        start,
+        f"### {title or f'Analyzing a {gib:.2f} GiB trace'} ({r['cores']}-core CPU machine, {r['date'][:10]})",
         "",
-        "| | runs | wall time (median) | s per GiB | x json.load's time | CPU time (user+sys) | peak RSS "
-        "(all processes) | peak RSS / trace size |",
+        "| | runs | wall time (median) | s per GiB of JSON | x json.load's wall time | CPU time (user+sys) | "
+        "x json.load's CPU time | peak RSS (all processes) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for k, m in med.items():
         lines.append(
-            f"| {k} | {r['runs'][k]} | {m['wall_s']:.1f} s | {m['wall_s'] / gib:.1f} | {m['wall_s'] / base:.2f} | "
-            f"{m['cpu_s']:.1f} s | {m['peak_rss_gb']:.2f} GB | {m['peak_rss_gb'] * 1e9 / 2**30 / gib:.2f} |"
+            f"| {k} | {r['runs'][k]} | {m['wall_s']:.1f} s | {m['wall_s'] / gib:.1f} | "
+            f"{m['wall_s'] / base['wall_s']:.2f} | {m['cpu_s']:.1f} s | {m['cpu_s'] / base['cpu_s']:.2f} | "
+            f"{m['peak_rss_gb']:.2f} GB |"
         )
     v = r["versions"]
+    what = (
+        f"{r['trace_on_disk_gib']:.3f} GiB gzip (level 9, as torch.profiler writes it) of {gib:.2f} GiB of JSON; "
+        "json.load reads it through gzip.open, so both pay the inflation; `inflate only` is that zlib time alone"
+        if gz
+        else f"{gib:.2f} GiB of plain JSON"
+    )
     lines += [
         "",
-        f"Device: a {r['cores']}-core CPU machine, shared: load average {r['load_average_before'][0]:.1f} "
+        f"Machine: {r['cores']} cores ({r['cpu']}), shared: load average {r['load_average_before'][0]:.1f} "
         f"(1 min) when the runs started and {r['load_average_after'][0]:.1f} when they ended, so wall times "
         "carry the other work's share of the cores; CPU time is the process tree's own. Trace: "
-        f"{gib:.2f} GiB uncompressed, {r['steps']} steps, built by `bench/make_big_trace.py` from the recorded "
-        "default-config H100 trace. `analyze` is the command (one process per core); `analyze, one process` is "
-        "the same command with its analysis held to one process; their facts were "
-        f"{'identical' if r['analyze_outputs_identical'] else 'NOT identical'}. Versions: Python {v['python']}, "
-        f"vlmdoctor {v['vlmdoctor']} (commit {r['commit']}), msgspec {v['msgspec']}, pandas {v['pandas']}, "
-        f"numpy {v['numpy']}, traceinsight {v['traceinsight']}. Each row is the median of its runs; rounds "
-        "interleave json.load and the analyzer. Commands:",
+        f"{what}, {r['steps']} steps, built by `bench/make_big_trace.py` from the recorded default-config H100 trace. "
+        "`analyze` is the command (one process per core); `analyze, one process` (where given) is the same "
+        "command with its analysis held to one process"
+        + (
+            f"; their facts were {'identical' if r['analyze_outputs_identical'] else 'NOT identical'}"
+            if "analyze, one process" in med
+            else ""
+        )
+        + (
+            ""
+            if r.get("baseline_outputs_identical") is None
+            else "; `analyze (baseline)` is the analyzer before this change, run in the same rounds: its JSON "
+            f"output was {'byte for byte the same' if r['baseline_outputs_identical'] else 'NOT the same'}"
+        )
+        + f". Versions: Python {v['python']}, vlmdoctor {v['vlmdoctor']} (commit {r['commit']} plus the working "
+        f"tree), msgspec {v['msgspec']}, pandas {v['pandas']}, numpy {v['numpy']}, traceinsight {v['traceinsight']}. "
+        "Each row is the median of its runs; rounds interleave json.load and the analyzer. Command:",
         "",
         "```bash",
-        f"python bench/make_big_trace.py fixtures/traces/default_s2.pt.trace.json.gz {r['trace']} --min-gb 1.0",
         f"python bench/analysis_speed.py {argv}",
         "```",
-        END,
+        end,
     ]
     text = doc.read_text()
     block = "\n".join(lines)
-    if START in text:
-        a, b = text.index(START), text.index(END) + len(END)
-        text = text[:a] + block + text[b:]
+    if start in text:
+        i, j = text.index(start), text.index(end) + len(end)
+        text = text[:i] + block + text[j:]
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     doc.write_text(text)
+
+
+def json_gib(trace: Path) -> float:
+    """GiB of JSON text in the trace: its size, or for .gz the size gzip's trailer records (ISIZE: exact
+    under 4 GiB for one gzip member, as torch.profiler writes)."""
+    if not trace.name.endswith(".gz"):
+        return trace.stat().st_size / 2**30
+    with open(trace, "rb") as f:
+        f.seek(-4, os.SEEK_END)
+        return int.from_bytes(f.read(4), "little") / 2**30
 
 
 if __name__ == "__main__":

@@ -43,10 +43,21 @@ def trace_path(key: str) -> Path:
     return folder if folder.is_dir() else FIXTURES / f"{key}.pt.trace.json.gz"
 
 
-@cache
 def fired(key: str) -> frozenset[str]:
     """The rules that matched on one trace: its findings and superseded findings, ranks joined."""
-    from vlmdoctor.doctor.rules import diagnose, load_rules
+    return outcome(key)[0]
+
+
+def contradicted(key: str) -> tuple[tuple[str, str], ...]:
+    """The findings on one trace whose title its own facts contradict: (rule, what contradicts it), per rank."""
+    return outcome(key)[1]
+
+
+@cache
+def outcome(key: str) -> tuple[frozenset[str], tuple[tuple[str, str], ...], int]:
+    """What the rules did on one trace, ranks and the joined ranks each diagnosed: the rules that matched, the
+    findings a `contradicted_by` check of their rule says are contradicted, and how many findings there were."""
+    from vlmdoctor.doctor.rules import CONTRADICTED, diagnose, load_rules
     from vlmdoctor.trace.facts import analyze, merge_measured
 
     rules, _ = load_rules()
@@ -54,17 +65,23 @@ def fired(key: str) -> frozenset[str]:
     result = analyze(path)
     report = FIXTURES / f"{key}.report.json"
     out: set[str] = set()
+    bad: list[tuple[str, str]] = []
+    found = 0
+    diagnoses = []
     for entry in result["files"]:
         facts = entry["facts"]
         if report.is_file() and len(result["files"]) == 1:
             facts = merge_measured(facts, json.loads(report.read_text()))
-        d = diagnose(facts, rules)
-        out |= {f["id"] for f in d["findings"] + d["superseded"]}
+        diagnoses.append(diagnose(facts, rules))
     cross = result.get("cross_rank") or {}
     if "facts" in cross:
-        d = diagnose(cross["facts"], [r for r in rules if r.uses_dist])
-        out |= {f["id"] for f in d["findings"] + d["superseded"]}
-    return frozenset(out)
+        diagnoses.append(diagnose(cross["facts"], [r for r in rules if r.uses_dist]))
+    for d in diagnoses:
+        for f in d["findings"] + d["superseded"]:
+            out.add(f["id"])
+            found += 1
+            bad += [(f["id"], e.removeprefix(CONTRADICTED)) for e in f["evidence"] if e.startswith(CONTRADICTED)]
+    return frozenset(out), tuple(bad), found
 
 
 def confusion(labels: dict[str, Any], keys: list[str]) -> tuple[dict[str, Counter], list[dict[str, str]]]:
@@ -146,8 +163,11 @@ def _pct(x: float | None) -> str:
 
 
 def markdown(labels: dict[str, Any], keys: list[str], seconds: float) -> str:
-    """The doc section: corpus size, the per-rule and per-layer tables, the targets and the misses."""
+    """The doc section: corpus size, the per-rule and per-layer tables, the targets, the misses, and the titles
+    contradicted by their own evidence."""
     per, misses = confusion(labels, keys)
+    against = Counter(rule for k in keys for rule, _ in contradicted(k))
+    findings = sum(outcome(k)[2] for k in keys)
     rows = rule_table(per)
     s = corpus_summary(labels, keys)
     known = labels.get("known_misses") or {}
@@ -163,13 +183,13 @@ def markdown(labels: dict[str, Any], keys: list[str], seconds: float) -> str:
         "",
         "Model classes: " + "; ".join(s["classes"]) + ".",
         "",
-        "| rule | layer | severity | TP | FP | FN | TN | precision | recall |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| rule | layer | severity | TP | FP | FN | TN | precision | recall | contradicted |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| `{r['id']}` | {r['layer']} | {r['severity']} | {r['tp']} | {r['fp']} | {r['fn']} | {r['tn']} | "
-            f"{_pct(r['precision'])} | {_pct(r['recall'])} |"
+            f"{_pct(r['precision'])} | {_pct(r['recall'])} | {against[r['id']]} |"
         )
     lines += ["", "| layer | TP | FP | FN | TN | precision | recall |", "|---|---|---|---|---|---|---|"]
     for r in layer_table(rows):
@@ -187,6 +207,16 @@ def markdown(labels: dict[str, Any], keys: list[str], seconds: float) -> str:
         f"({'met' if not low_r else 'missed by ' + ', '.join(low_r)}).",
         "",
     ]
+    lines += [
+        f"Titles contradicted by their own evidence (a finding whose rule's `contradicted_by` check holds on the "
+        f"same facts): {sum(against.values())} of {findings} findings on every trace, every rank and the joined "
+        f"ranks (target 0){'.' if not against else ':'}",
+        "",
+    ]
+    for k in keys:
+        lines += [f"- `{rule}` on `{k}`: {why}" for rule, why in contradicted(k)]
+    if against:
+        lines.append("")
     if misses:
         lines += ["Misses, each with its cause:", ""]
         for m in misses:

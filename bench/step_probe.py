@@ -18,8 +18,11 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from vlmdoctor.run.checks import resolve_device  # noqa: E402
 from vlmdoctor.run.config import RunConfig  # noqa: E402
-from vlmdoctor.run.runner import _sync, build_patient, resolve_device, train_step  # noqa: E402
+from vlmdoctor.run.patient import build_patient  # noqa: E402
+from vlmdoctor.run.patient import sync as _sync  # noqa: E402
+from vlmdoctor.run.runner import train_step  # noqa: E402
 
 
 def main() -> None:

@@ -5,8 +5,11 @@
     torchrun --standalone --nproc-per-node 2 examples/train_ddp.py --steps 30 --api   # Doctor on every rank
 
 One process per rank (gloo on the CPU, nccl on GPUs), each rank its own shard of the data
-(DistributedSampler), the model wrapped in DistributedDataParallel. With --api, vlmdoctor.Doctor
-measures on every rank and rank 0 alone prints and writes the job's report.
+(DistributedSampler), the model wrapped in DistributedDataParallel the way most scripts write it,
+`model = DistributedDataParallel(model)`: its attributes are then `model.module.<...>`, and its
+forward is what synchronizes the gradients. With --api, vlmdoctor.Doctor measures on every rank and
+rank 0 alone prints and writes the job's report. The tests paste vlmdoctor's fixes into it and check
+that the ranks' weights stay identical (tests/test_advice_ddp.py).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ def main() -> None:
     dist.barrier()
     model = LlavaForConditionalGeneration.from_pretrained(checkpoint(args.size)).to(device)
     model.model.vision_tower.requires_grad_(False)
-    ddp = DistributedDataParallel(model, device_ids=[local] if cuda else None)
+    model = DistributedDataParallel(model, device_ids=[local] if cuda else None)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     ds = Samples(32 * args.batch_size, args.size)
     loader = DataLoader(ds, batch_size=args.batch_size, sampler=DistributedSampler(ds, seed=0), collate_fn=collate)
@@ -54,12 +57,12 @@ def main() -> None:
     if args.api:
         import vlmdoctor
 
-        doc = vlmdoctor.Doctor(ddp, out=args.out, warmup=2, steps=4, trace_steps=1, force=True)
+        doc = vlmdoctor.Doctor(model, out=args.out, warmup=2, steps=4, trace_steps=1, force=True)
         doc.__enter__()
-    ddp.train()
+    model.train()
     for step, batch in zip(range(args.steps), itertools.chain.from_iterable(itertools.repeat(loader))):
         batch = {k: v.to(device) for k, v in batch.items()}
-        loss = ddp(**batch).loss
+        loss = model(**batch).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

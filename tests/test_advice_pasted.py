@@ -73,12 +73,12 @@ def _rules() -> dict:
 
 @functools.cache
 def _context(script: str) -> dict:
-    """What a run of the example showed (api.describe_model, trainer_args.sample_lengths): its context."""
+    """What a run of the example showed (own/model.py describe_model, trainer_args.sample_lengths): its context."""
     sys.path.insert(0, str(EXAMPLES))
     from train_llava_loop import build_model
     from train_llava_trainer import RawSamples
 
-    from vlmdoctor.api import describe_model
+    from vlmdoctor.own.model import describe_model
     from vlmdoctor.run.trainer_args import sample_lengths
 
     ctx = {"batch_size": 4, "device": "cpu", "paths": describe_model(build_model())["paths"]}

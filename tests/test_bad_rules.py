@@ -137,7 +137,7 @@ def test_rule_text_is_never_read_as_console_markup(tmp_path):
     text = rule(id="user-markup", evidence="[/bold] busy [red]{gpu.busy_frac:pct}")
     (d / "markup.yaml").write_text(text.replace("title: test rule", "title: '[/] closes nothing'"))
     (d / "broken.yaml").write_text(rule(id="user-broken", when="[1] * 2 == [/x]"))
-    r = invoke(["analyze", TRACE, "--rules", d])
+    r = invoke(["analyze", TRACE, "--rules", d, "--verbose"])  # the evidence too
     assert r.exit_code == 0, r.output
     assert "[/] closes" in r.stdout and "[/bold]" in r.stdout and "[red]" in r.stdout
     listed = invoke(["rules", "list", "--rules", d])

@@ -28,7 +28,7 @@ from rich.table import Table
 from rich.text import Text
 
 from vlmdoctor.report import console as con
-from vlmdoctor.report.console import SafeConsole, esc, plain
+from vlmdoctor.report.text import SafeConsole, esc, plain
 
 ROOT = Path(__file__).resolve().parents[1]
 #: a user's GPU trace (H100, recorded by torch.profiler): host ops, kernels, findings with advice

@@ -34,6 +34,7 @@ TRACES = [
     (FIX / "user_h100" / "llava_s2_modules.pt.trace.json.gz", None),
     (FIX / "traces" / "liger_fce_s2.pt.trace.json.gz", None),  # Liger's FusedCE with shapes
     (FIX / "dist_gpu" / "ddp_long_rank1", None),  # two H200 ranks over NCCL, one given longer texts
+    (FIX / "corpus_h200" / "qwen3vlmoe_tiny_batch.pt.trace.json.gz", None),  # MoE expert GEMMs with shapes
 ]
 
 

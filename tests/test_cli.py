@@ -13,7 +13,8 @@ import pytest
 import torch
 import yaml
 
-from vlmdoctor.cli import app, knob_flags
+from vlmdoctor.cli import app
+from vlmdoctor.commands.knobs import knob_flags
 from vlmdoctor.errors import UsageError
 from vlmdoctor.run.config import RunConfig
 from vlmdoctor.run.zoo import presets
@@ -330,6 +331,6 @@ def test_trace_dir_writes_profiled_window(cli_runner, tmp_path):
 
 def test_small_rates_keep_their_digits():
     """A tiny model's TFLOP/s and GFLOP per step read as their significant digits, never as 0.00."""
-    from vlmdoctor.report.console import _fmt_small
+    from vlmdoctor.report.text import fmt_small as _fmt_small
 
     assert _fmt_small(0.0042) == "0.0042" and _fmt_small(12.345) == "12.35" and _fmt_small(None) == "n/a"

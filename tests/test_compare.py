@@ -139,8 +139,13 @@ def test_cpu_metrics_without_mfu_or_memory_are_na():
     b = copy.deepcopy(a)
     for r in (a, b):
         r["metrics"]["mfu"] = r["metrics"]["peak_mem_gb"] = None
+        r["metrics"]["host_peak_rss_gb"] = 0.84
+    b["metrics"]["host_peak_rss_gb"] = 0.65
     m = rows(compare(a, b))
-    assert m["mfu"]["verdict"] == m["peak_mem_gb"]["verdict"] == "n/a"
+    assert m["mfu"]["verdict"] == "n/a"
+    # no device memory: the process's resident memory is the row, labelled as such
+    assert "peak_mem_gb" not in m and m["host_peak_rss_gb"]["label"] == "host peak RSS (GiB)"
+    assert m["host_peak_rss_gb"]["verdict"] == "better"
 
 
 def test_different_stage_or_model_refused_unless_allowed():
@@ -150,7 +155,7 @@ def test_different_stage_or_model_refused_unless_allowed():
     with pytest.raises(UsageError, match="model"):
         compare(fixture("healthy_s2"), fixture("healthy_1.5b_s2"))
     r = compare(fixture("healthy_s2"), fixture("healthy_1.5b_s2"), allow_different=True)
-    assert any("model: '0.5b' -> '1.5b'" in n for n in r["notes"])
+    assert any("model: 0.5b -> 1.5b" in n for n in r["notes"])
 
 
 def test_environment_differences_are_noted():
@@ -158,7 +163,7 @@ def test_environment_differences_are_noted():
     b = copy.deepcopy(a)
     b["env"]["driver"] = "590.1"
     r = compare(a, b)
-    assert r["notes"][0] == ("different environment: driver: '580.159.04' -> '590.1'")
+    assert r["notes"][0] == ("different environment: driver: 580.159.04 -> 590.1")
 
 
 def test_two_runs_report_json_get_columns_that_tell_them_apart(tmp_path):
@@ -167,7 +172,8 @@ def test_two_runs_report_json_get_columns_that_tell_them_apart(tmp_path):
 
     from typer.testing import CliRunner
 
-    from vlmdoctor.cli import app, compare_labels
+    from vlmdoctor.cli import app
+    from vlmdoctor.commands.compare import compare_labels
 
     assert compare_labels("runs/a/report.json", "runs/b/report.json") == ("a/report.json", "b/report.json")
     assert compare_labels("x.json", "y.json") == ("x.json", "y.json")
@@ -180,3 +186,21 @@ def test_two_runs_report_json_get_columns_that_tell_them_apart(tmp_path):
     )
     assert r.exit_code == 0, r.output
     assert "before/report.json" in r.output and "after/report.json" in r.output
+    assert "before -> after" in r.output  # the table's columns: the folders, not report.json twice
+
+
+def test_values_are_written_as_a_reader_writes_them():
+    """No Python spellings in the comparison: a missing value is none, a list its items."""
+    from vlmdoctor.report.compare import shown
+
+    assert [shown(None), shown(["a", "b"]), shown([]), shown(True), shown(4)] == ["none", "a, b", "none", "True", "4"]
+    a = fixture("bf16_s2")
+    b = copy.deepcopy(a)
+    b["config"]["lora_targets"] = ["q", "v"]
+    b["env"]["gpu"] = None
+    r = compare(a, b)
+    console = Console(record=True, width=80)
+    render_compare(r, console)
+    text = console.export_text()
+    assert "None" not in text and "[" not in text.replace("[95%", "")
+    assert "gpu: NVIDIA H100 80GB HBM3 -> none" in " ".join(text.split())

@@ -20,7 +20,8 @@ import torch
 from rich.console import Console
 from typer.testing import CliRunner
 
-from vlmdoctor.cli import app, knob_flags, run_command
+from vlmdoctor.cli import app
+from vlmdoctor.commands.knobs import knob_flags, run_command
 from vlmdoctor.doctor.rules import diagnose, load_rules, rule_page
 from vlmdoctor.report.console import render_findings
 from vlmdoctor.run.config import RunConfig
@@ -189,7 +190,9 @@ def test_run_command_is_the_runs_own_command_with_the_patch():
     assert "--weight-dtype" not in cmd
 
 
-def test_patch_commands_are_whole_lines_at_80_columns(traces):
+def test_patch_commands_paste_whole_at_80_columns(traces):
+    """Each patch's command fits 80 columns, broken only between flags with a shell continuation: read back
+    as the shell reads it (backslash-newline joins the lines), it is the whole command."""
     rules, _ = load_rules()
     facts = {
         **_facts(traces["bf16"]),
@@ -212,7 +215,9 @@ def test_patch_commands_are_whole_lines_at_80_columns(traces):
     ).to_dict()
     console = Console(width=80, record=True, color_system=None)
     render_findings(d, console, lambda patch: run_command(cfg, patch))
-    lines = [line.strip() for line in console.export_text().splitlines()]
+    text = console.export_text()
+    assert all(len(line) <= 80 for line in text.splitlines())
+    lines = [" ".join(line.split()) for line in text.replace(" \\\n", " ").splitlines()]
     for f in d["findings"]:
         cmd = run_command(cfg, f["config_patch"])
         assert cmd in lines, (cmd, lines)

@@ -11,11 +11,22 @@ The noise model is this host's, as measured: a run's throughput is the true valu
 from __future__ import annotations
 
 import math
+import types
 
 import numpy as np
 import pytest
 
-from vlmdoctor.doctor.decide import PairedOptions, interleaved, ratio_interval, t_quantile, verdict
+import vlmdoctor.doctor.decide as decide
+from vlmdoctor.doctor.decide import (
+    PairedOptions,
+    interleaved,
+    pooled_log_sd,
+    pooled_verdict,
+    ratio_interval,
+    sign_pairs,
+    t_quantile,
+    verdict,
+)
 
 
 def host(
@@ -81,7 +92,100 @@ def test_interval_is_geometric_and_symmetric_in_log():
 )
 def test_verdict_classes(ratios, outcome):
     assert verdict(ratios, 0.02)["outcome"] == outcome
-    assert verdict(ratios, 0.02, final=True)["outcome"] == ("no_gain" if outcome == "undecided" else outcome)
+    # at the limit an open interval is never "no gain": [1.10, 0.95, 1.20] has a pair below 1, so no lean
+    assert verdict(ratios, 0.02, final=True)["outcome"] == outcome
+
+
+def test_sign_pairs_is_the_least_n_for_the_confidence():
+    assert sign_pairs(0.95) == 6 and 2 * 0.5**6 <= 0.05 < 2 * 0.5**5
+    assert sign_pairs(0.99) == 8
+
+
+def test_one_wild_pair_does_not_hide_a_gain_seen_on_every_pair():
+    """x1.14-1.31 on every pair and one load-burst pair at x2.4: the t-interval reaches 1, the sign test decides."""
+    ratios = [1.16, 1.31, 1.14, 2.4, 1.2, 1.18]
+    _, lo, _ = ratio_interval(ratios)
+    assert lo < 1.02  # the interval alone would leave it open
+    d = verdict(ratios)
+    assert d["outcome"] == "kept" and d["how"].startswith("sign test: all 6 pairs")
+    assert verdict(ratios, sign=False)["outcome"] == "undecided"
+    assert verdict([1 / r for r in ratios])["outcome"] == "harmful"
+    assert verdict(ratios[:5])["outcome"] == "undecided"  # five pairs: 2 x 0.5^5 = 6% > 5%
+
+
+def test_at_the_limit_a_gain_on_every_pair_is_likely_not_no_gain():
+    """The issue's batch round: "no_gain 1.20 [0.91-1.58]" at the pair limit while every pair showed a gain."""
+    d = verdict([1.14, 1.31, 1.08], final=True)  # x1.17 [0.92-1.50]
+    assert d["ci_low"] < 1 and d["outcome"] == "likely_gain" and d["p_sign"] == 0.125
+    assert verdict([0.9, 0.8, 0.95], final=True)["outcome"] == "likely_loss"
+    assert verdict([1.015, 1.01, 1.012], final=True)["outcome"] == "no_gain"  # shown under the bar: no gain
+    assert verdict([1.3, 0.99, 1.25], final=True)["outcome"] == "undecided"  # a pair says otherwise
+
+
+def test_a_comparison_the_time_cut_at_two_pairs_is_read_for_its_lean():
+    arms = {"cur": lambda: {"status": "ok", "repeats": [{"real_tokens_per_s": 100.0}]}}
+    vals = iter([114.0, 131.0])
+    arms["cand"] = lambda: {"status": "ok", "repeats": [{"real_tokens_per_s": next(vals)}]}
+    runs = []
+    r = interleaved(
+        {k: (lambda f=f: (runs.append(1), f())[1]) for k, f in arms.items()},
+        "cur",
+        PairedOptions(),
+        time_left=lambda: 100.0 if len(runs) < 4 else -1.0,
+    )
+    d = r["decisions"]["cand"]
+    assert d["outcome"] == "likely_gain" and d["pairs"] == 2 and "before the time ran out" in d["why"]
+
+
+def test_the_reserve_is_spent_only_on_a_comparison_that_gains_on_every_pair(monkeypatch):
+    """450 s, 100 s of them reserved: after round 1 a round of two 100 s runs fits only in the reserve."""
+
+    def run(values):
+        it = iter(values)
+        return lambda: {"status": "ok", "repeats": [{"real_tokens_per_s": next(it)}]}
+
+    clock = {"t": 0.0}
+    monkeypatch.setattr(decide, "time", types.SimpleNamespace(time=lambda: clock["t"]))
+
+    def timed(f):
+        def go():
+            clock["t"] += 100.0
+            return f()
+
+        return go
+
+    for cand, rounds in (([120.0, 125.0, 118.0], 2), ([90.0, 120.0, 118.0], 1)):
+        clock["t"] = 0.0
+        r = interleaved(
+            {"cur": timed(run([100.0] * 3)), "cand": timed(run(cand))},
+            "cur",
+            PairedOptions(large_effect=0),
+            time_left=lambda: 450.0 - clock["t"],
+            reserve_s=100.0,
+        )
+        # after round 1 (200 s) 250 s are left, 150 outside the reserve: only a gaining comparison goes on
+        assert r["rounds"] == rounds
+
+
+def test_pooled_spread_gives_one_pair_an_interval():
+    sd, df = pooled_log_sd([[1.1, 1.12, 1.08], [0.95, 0.97], [1.3]])
+    assert df == 3 and 0 < sd < 0.03
+    d = pooled_verdict([1.4], (sd, df))
+    assert d["outcome"] == "kept" and d["ci_low"] > 1.2 and "pooled" in d["how"]
+    assert pooled_verdict([1.01], (sd, df))["outcome"] == "undecided"
+    assert pooled_log_sd([[1.2]]) is None
+
+
+def test_a_same_config_at_the_limit_is_rarely_a_likely_gain():
+    """The price of reading a lean: under this host's noise, a same-config comparison the limit cuts at two
+    pairs is called a likely gain in 8% of cases, at three pairs in 3%; a true +20% is called kept or a
+    likely gain in 95% or more. Measured: docs/treat.md ("At the limit")."""
+    for pairs, same_limit, gain_floor in ((2, 0.12, 0.9), (3, 0.05, 0.9)):
+        opts = PairedOptions(min_pairs=pairs, max_pairs=pairs, large_effect=0)
+        same = simulate(0.0, 600, seed=21, opts=opts)
+        real = simulate(0.2, 300, seed=22, opts=opts)
+        assert same.get("likely_gain", 0) < same_limit and same.get("kept", 0) < 0.01, same
+        assert real.get("likely_gain", 0) + real.get("kept", 0) > gain_floor, real
 
 
 def test_same_config_is_kept_in_under_1_percent():
@@ -227,10 +331,6 @@ def test_a_large_gain_is_decided_on_two_pairs_and_a_small_one_is_not():
 
 def test_the_next_round_is_sized_without_the_first_compile(monkeypatch):
     """A compiled arm's first run pays its compilation; later runs find the graph in the cache."""
-    import types
-
-    import vlmdoctor.doctor.decide as decide
-
     assert decide.next_run_s(140.0, {"metrics": {"compile_s": 100.0}}) == pytest.approx(
         140.0 - 100.0 + decide.CACHE_HIT_S
     )

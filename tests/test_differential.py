@@ -212,7 +212,7 @@ def test_a_stop_swallowed_by_a_bare_except_still_stops_and_says_so(tmp_path: Pat
 def test_the_users_interpreter_and_its_options_are_kept(tmp_path, monkeypatch, command, interpreter, rest):
     """`vlmdoctor run` runs the interpreter the user named with every option given (none dropped, none
     added), and vlmdoctor's bootstrap, then the script's own arguments untouched."""
-    from vlmdoctor.launch import BOOTSTRAP, child_command
+    from vlmdoctor.own.launch import BOOTSTRAP, child_command
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "t.py").write_text("")
@@ -222,7 +222,7 @@ def test_the_users_interpreter_and_its_options_are_kept(tmp_path, monkeypatch, c
 
 
 def test_a_folder_with_main_runs_as_python_runs_it(tmp_path, monkeypatch):
-    from vlmdoctor.launch import split_command
+    from vlmdoctor.own.launch import split_command
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "app").mkdir()

@@ -55,6 +55,7 @@ def test_the_dist_rules_load_and_are_the_ones_that_read_dist_facts():
         "system-ddp-near-memory",
         "system-accum-sync",
         "batching-sharded-batch",
+        "system-straggler-data-loader",
     }
 
 
@@ -159,11 +160,14 @@ def test_sharding_that_frees_memory_gets_a_larger_batch_from_the_measurement():
     assert "batching-sharded-batch" not in fired(with_memory("ddp", "default_s2"))
 
 
-def test_memory_rules_on_cpu_traces_are_not_evaluated_and_name_the_profiler_option():
+def test_memory_rules_on_cpu_traces_are_not_applicable_and_say_why():
+    """GPU memory is a fact of GPU runs (the catalogue says so): on a gloo trace the memory rules do not
+    apply, and no profiler option would make them (not "not evaluated" with a profile_memory hint)."""
     d = run(facts("fsdp2"))
-    ne = {n["id"]: n for n in d["not_evaluated"]}
-    assert ne["batching-sharded-batch"]["missing"] == ["memory.peak_reserved_frac"]
-    assert "profile_memory" in ne["batching-sharded-batch"]["hint"]
+    na = {n["id"]: n for n in d["not_applicable"]}
+    assert "memory.peak_reserved_frac" in na["batching-sharded-batch"]["why"]
+    assert "CPU" in na["batching-sharded-batch"]["why"]
+    assert "batching-sharded-batch" not in {n["id"] for n in d["not_evaluated"]}
 
 
 def test_one_trace_alone_makes_the_dist_rules_not_applicable_not_unevaluated():

@@ -165,7 +165,7 @@ def llama_module_restored():
 
 def test_liger_patches_the_llama_llm(tiny_dino, llama_module_restored):
     pytest.importorskip("liger_kernel.transformers")
-    from vlmdoctor.run.runner import _apply_liger
+    from vlmdoctor.run.patient import _apply_liger
 
     _, vlm = tiny_dino
     llm = build_model(resolve("tiny-dino")).llm

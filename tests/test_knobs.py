@@ -15,6 +15,8 @@ import typer.main
 import yaml
 
 import vlmdoctor.cli as cli
+from vlmdoctor.commands.knobs import knob_flags
+from vlmdoctor.commands.treat import TREAT_KNOBS
 from vlmdoctor.doctor.advice import ADVICE, LIGER_KNOBS, advise
 from vlmdoctor.errors import UsageError
 from vlmdoctor.run.config import FLAGS, RunConfig, _base_type, flag, idle_qualifiers, override, panel
@@ -41,7 +43,7 @@ def test_every_knob_is_a_profile_flag_generated_from_its_declaration():
         "liger_fused_linear_cross_entropy": "--liger-fused-ce",
         "checkpoint_use_reentrant": "--checkpoint-reentrant",
     }
-    assert cli.knob_flags()["checkpoint_use_reentrant"] == ("--checkpoint-reentrant", "--no-checkpoint-reentrant")
+    assert knob_flags()["checkpoint_use_reentrant"] == ("--checkpoint-reentrant", "--no-checkpoint-reentrant")
 
 
 def test_help_says_each_knobs_default_and_choices(cli_runner):
@@ -57,15 +59,22 @@ def test_help_says_each_knobs_default_and_choices(cli_runner):
     assert "timed steps per repeat [default: 10]" in treat and "timed windows" in treat  # treat's shorter window
 
 
-def _option_flags(func: ast.FunctionDef) -> set[str]:
-    """The flags a command's hand-written typer options name."""
+def _option_flags(tree: ast.AST) -> set[str]:
+    """The flags the hand-written typer options of a module name (its aliases and its functions)."""
     found = set()
-    for node in ast.walk(func):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "Option":
             found |= {
                 a.value.split("/")[0] for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)
             }
     return found
+
+
+def _generated(param) -> bool:
+    """A command's option made from the knob's declaration (commands/knobs.py): a knob's name, no default of
+    its own, the knob's help."""
+    field = RunConfig.__dataclass_fields__.get(param.name)
+    return field is not None and param.default is None and param.help.startswith(field.metadata["help"])
 
 
 def test_no_command_retypes_a_knob():
@@ -74,12 +83,15 @@ def test_no_command_retypes_a_knob():
     a trace), `run`'s --stage, --steps and --warmup (the window of the user's own script), `sweep`'s
     --stage (which stages of a grid to run, repeatable)."""
     theirs = {"analyze": {"--stage", "--model"}, "run": {"--stage", "--steps", "--warmup"}, "sweep": {"--stage"}}
-    tree = ast.parse(Path(cli.__file__).read_text())
-    knob_flags = {flag(k) for k in KNOBS}
-    for func in tree.body:
-        if isinstance(func, ast.FunctionDef):
-            assert _option_flags(func) & knob_flags == theirs.get(func.name, set()), func.name
-    for command, names in (("profile", KNOBS), ("treat", cli.TREAT_KNOBS), ("sweep", ("nproc_per_node", "parallel"))):
+    spelled = {flag(k) for k in KNOBS}
+    for command, click_command in COMMANDS.items():
+        typed = {o for p in click_command.params for o in p.opts if o in spelled and not _generated(p)}
+        assert typed == theirs.get(command, set()), command
+    written = set()  # and in the source: no hand-written option anywhere in the commands spells another knob
+    for path in Path(cli.__file__).parent.joinpath("commands").glob("*.py"):
+        written |= _option_flags(ast.parse(path.read_text())) & spelled
+    assert written == set().union(*theirs.values())
+    for command, names in (("profile", KNOBS), ("treat", TREAT_KNOBS), ("sweep", ("nproc_per_node", "parallel"))):
         params = _params(command)
         for name in names:
             assert params[name].opts == [flag(name)] and params[name].help.startswith(

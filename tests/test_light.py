@@ -58,8 +58,8 @@ def test_a_liger_config_without_liger_kernel_names_the_extra(monkeypatch):
     """On a CUDA device (no kernel runs: preflight refuses first), with liger-kernel not importable."""
     import torch
 
+    from vlmdoctor.run.checks import preflight
     from vlmdoctor.run.config import RunConfig
-    from vlmdoctor.run.runner import preflight
     from vlmdoctor.run.zoo import resolve
 
     monkeypatch.setitem(sys.modules, "liger_kernel", None)  # import liger_kernel... -> ImportError, installed or not

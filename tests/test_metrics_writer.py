@@ -1,5 +1,5 @@
 """One metrics writer for every way in (run/metrics.py): the same timed steps give the same report numbers whether
-vlmdoctor's runner or the user's loop (api.Recorder) timed them, and a rate is computed nowhere else."""
+vlmdoctor's runner or the user's loop (own/recorder.py) timed them, and a rate is computed nowhere else."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from vlmdoctor import api, rank_join
+from vlmdoctor.own import clock as own_clock
+from vlmdoctor.own import rank_join, recorder
+from vlmdoctor.own import report as own_report
 from vlmdoctor.run import metrics, runner
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,10 +96,11 @@ def _api_report(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, micro: int, nog
     step (tokens per optimizer step), `nograd` forwards under no_grad per step (not training: not counted)."""
     clock = Clock()
     fake = SimpleNamespace(perf_counter=clock.perf_counter, process_time=clock.process_time, strftime=lambda *a: "t")
-    monkeypatch.setattr(api, "time", fake)
-    monkeypatch.setattr(api, "peak_of", lambda env: (PEAK, "test", None))
+    monkeypatch.setattr(own_clock, "time", fake)
+    monkeypatch.setattr(own_report, "time", fake)
+    monkeypatch.setattr(own_report, "peak_of", lambda env: (PEAK, "test", None))
     model = Tiny().train()
-    rec = api.Recorder(model, tmp_path, warmup=1, steps=len(STEPS), trace_steps=0)
+    rec = recorder.Recorder(model, tmp_path, warmup=1, steps=len(STEPS), trace_steps=0)
     rec.attach()
     clock.t = 1000.0
     for ms, real, loss, padded, value in [WARMUP, *STEPS]:
@@ -109,7 +112,7 @@ def _api_report(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, micro: int, nog
         for i, (r, lo) in enumerate(parts):
             out = model(**_micro(r, lo, padded // micro), value=value if i == micro - 1 else 0.0)
         rec.step(loss=out.loss)
-    rec.flops.total, rec.flops_padded = FLOPS_PER_PADDED * COUNTED_PADDED, COUNTED_PADDED  # as the trace counts them
+    rec.traced.flops.total, rec.traced.flops_padded = FLOPS_PER_PADDED * COUNTED_PADDED, COUNTED_PADDED  # as traced
     return rec.finish()
 
 

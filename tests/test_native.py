@@ -280,12 +280,12 @@ def test_findings_with_refused_knobs_are_set_aside_for_native_presets():
 @pytest.mark.parametrize("model", ["tiny-llava", "tiny-qwen2-vl", "tiny-smolvlm"])
 def test_the_labeled_only_head_of_a_native_class_is_the_same_loss_and_head_gradient(model):
     """lm_head_labeled_only on a native class: its base model, then the head and loss on the labeled rows only."""
-    from vlmdoctor.run.runner import _to_device, build_patient
+    from vlmdoctor.run.patient import build_patient, to_device
 
     out = []
     for labeled in (False, True):
         p = build_patient(_cfg(model, stage=2, batch_size=3, lm_head_labeled_only=labeled), torch.device("cpu"))
-        batch = _to_device(next(p.batches), torch.device("cpu"), torch.float32)
+        batch = to_device(next(p.batches), torch.device("cpu"), torch.float32)
         counts = batch.pop("counts")
         assert ("loss_index" in batch) == labeled
         if labeled:

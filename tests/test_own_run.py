@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from vlmdoctor.errors import UsageError
-from vlmdoctor.launchers import ENTRY, rank_command
+from vlmdoctor.own.launchers import ENTRY, rank_command
 
 ROOT = Path(__file__).resolve().parent.parent
 DDP = ROOT / "examples" / "train_ddp.py"
@@ -239,7 +239,7 @@ def test_lines_go_around_a_live_tqdm_bar():
 
 def test_metrics_go_with_the_next_log_when_no_trainer_is_at_hand():
     """Without the calling Trainer, on_log adds the metrics to the next log entry and its log_history row."""
-    from vlmdoctor.callback import DoctorCallback, trainer_metrics
+    from vlmdoctor.own.callback import DoctorCallback, trainer_metrics
 
     report = {"metrics": {"real_tokens_per_s": 1234.5, "mfu": None, "step_ms": 80.0}, "findings": [{}, {}]}
     metrics = trainer_metrics(report)

@@ -16,7 +16,8 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from vlmdoctor.cli import app
-from vlmdoctor.doctor.rules import GAIN_SEVERITY, diagnose, gain_ratio, gain_severity, load_rules, rank_findings
+from vlmdoctor.doctor.gain import GAIN_SEVERITY, gain_ratio, gain_severity
+from vlmdoctor.doctor.rules import diagnose, load_rules, rank_findings
 from vlmdoctor.doctor.select import Selection, build_selection
 from vlmdoctor.errors import UsageError
 from vlmdoctor.report.console import render_findings

@@ -295,14 +295,15 @@ def test_html_report_holds_the_cross_rank_section(tmp_path):
     assert "Cross-rank: 2 ranks of 2, ddp over gloo" in page and "data_loader" in page
 
 
-def test_identical_rank_diagnoses_are_printed_once():
-    """Two CPU ranks with nothing to prescribe: rank 1's diagnosis is said to be rank 0's, not printed again."""
-    from typer.testing import CliRunner
-
-    from vlmdoctor.cli import app
-
-    r = CliRunner().invoke(app, ["analyze", str(Path(__file__).resolve().parents[1] / "fixtures/dist_cpu/ddp")])
+@pytest.mark.parametrize("verbose", [[], ["--verbose"]], ids=["compact", "verbose"])
+def test_identical_rank_diagnoses_are_printed_once(verbose):
+    """Two CPU ranks and the job with nothing to prescribe: the ranks' and the job's diagnoses are one list,
+    "no rule fired" said once, and a warning both ranks' traces carry said once (compact)."""
+    folder = str(Path(__file__).resolve().parents[1] / "fixtures/dist_cpu/ddp")
+    r = CliRunner().invoke(app, ["analyze", folder, *verbose], env={"COLUMNS": "80"})
     assert r.exit_code == 0, r.output
     text = " ".join(r.output.split())
-    assert "trace_rank1.json.gz: the same diagnosis as trace_rank0.json.gz" in text
-    assert text.count("no prescriptions: no rule fired") == 2  # rank 0's, and the job's (the joined ranks)
+    assert text.count("no prescriptions: no rule fired") == 1
+    assert "cross-rank: 2 ranks of 2, ddp over gloo" in text
+    if not verbose:
+        assert text.count("no GPU kernels in the trace") == 1

@@ -142,7 +142,8 @@ def test_parts_read_by_several_processes_join_into_the_whole(tmp_path, monkeypat
     assert len(spans) == 3 and spans[-1][1] is None
     n = sum(len(ev) for span in spans for _, ev, _ in iter_batches(p, span=span))
     assert n == sum(1 for _ in iter_events(p))
-    monkeypatch.setattr(tables, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(tables, "SPLIT_MIN_BYTES", 0)
+    monkeypatch.setattr(tables, "idle_cores", lambda: 4)  # whatever else the machine runs
     _same_tables(load_tables(p, workers=3), _reference(p))
 
 
@@ -162,7 +163,8 @@ def test_a_cut_inside_a_string_is_caught_and_the_file_read_whole(tmp_path, monke
         for span in spans:
             for _ in iter_batches(p, span=span):
                 pass
-    monkeypatch.setattr(tables, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(tables, "SPLIT_MIN_BYTES", 0)
+    monkeypatch.setattr(tables, "idle_cores", lambda: 4)  # whatever else the machine runs
     _same_tables(load_tables(p, workers=2), _reference(p))
 
 
@@ -172,6 +174,82 @@ def test_a_rank_folder_analyzed_in_parallel_equals_the_serial_analysis(monkeypat
     monkeypatch.setattr(facts_mod, "PARALLEL_MIN_BYTES", 0)
     monkeypatch.setattr(facts_mod, "cpus", lambda: 2)
     _same(facts_mod.analyze(folder, workers=2), serial)
+
+
+def test_soft_parts_meet_without_a_gap_or_an_overlap_wherever_the_cut_falls(tmp_path):
+    """A soft span's end and the next one's start are found by two readers from the same offset: wherever
+    that offset falls (inside a name, a number, the separator), the parts hold every event once, in order."""
+    doc = _doc()
+    doc["traceEvents"] = doc["traceEvents"][:400]
+    for layout in ("indented", "compact"):
+        p = _write(tmp_path / f"{layout}.json", doc, layout)
+        size = p.stat().st_size
+        for at in [*range(size // 2, size // 2 + 300, 5), size // 3]:
+            spans = [read.Span(-1, at, exact=False), read.Span(at, None, exact=False)]
+            got = [e for s in spans for _, evs, _ in iter_batches(p, span=s, block=1 << 14) for e in evs]
+            assert got == doc["traceEvents"], (layout, at)
+
+
+def test_a_gzip_trace_read_in_parts_joins_into_the_whole(tmp_path, monkeypatch):
+    """A .gz trace is split like a plain one, at offsets of its inflated text (from gzip's trailer): the
+    parts join into the tables one process reads."""
+    plain = _write(tmp_path / "t.json", _doc(), "indented")
+    p = tmp_path / "t.json.gz"
+    p.write_bytes(gzip.compress(plain.read_bytes()))
+    assert read.json_size(p) == plain.stat().st_size
+    spans = split_points(p, 3)
+    assert [s.exact for s in spans] == [False] * 3 and spans[0].start == -1 and spans[-1].end is None
+    monkeypatch.setattr(read, "BLOCK", 1 << 14)  # parts of a small file: reads smaller than a part
+    assert sum(len(ev) for s in spans for _, ev, _ in iter_batches(p, span=s)) == sum(1 for _ in iter_events(p))
+    monkeypatch.setattr(tables, "SPLIT_MIN_BYTES", 0)
+    monkeypatch.setattr(tables, "idle_cores", lambda: 4)  # whatever else the machine runs
+    assert tables._read_parts(p, 3) is not None  # read in parts, not whole after a failed part
+    _same_tables(load_tables(p, workers=3), load_tables(p))
+    monkeypatch.setattr(tables, "idle_cores", lambda: 1)  # a busy machine: one process reads it all
+    assert tables._read_parts(p, 3) is None
+
+
+def test_a_gzip_part_cut_inside_a_string_is_caught_and_the_file_read_whole(tmp_path, monkeypatch):
+    doc = _doc()
+    evs = doc["traceEvents"]
+    evs[len(evs) // 2]["name"] = "},{" * 400_000
+    p = tmp_path / "t.json.gz"
+    p.write_bytes(gzip.compress(json.dumps(doc).encode()))
+    with pytest.raises(SplitError):
+        for span in split_points(p, 2):
+            for _ in iter_batches(p, span=span):
+                pass
+    monkeypatch.setattr(tables, "SPLIT_MIN_BYTES", 0)
+    monkeypatch.setattr(tables, "idle_cores", lambda: 4)  # whatever else the machine runs
+    assert tables._read_parts(p, 2) is None
+    _same_tables(load_tables(p, workers=2), load_tables(p))
+
+
+def test_a_gzip_rank_folder_counts_its_inflated_size(monkeypatch):
+    """Whether a rank folder is worth a process per file is decided on its JSON text, not on its gzip
+    size (a fifteenth of it): ranks of a few MB of .gz each are analyzed side by side."""
+    folder = ROOT / "fixtures" / "dist_cpu" / "ddp"
+    files = read.trace_files(folder)
+    on_disk, text = sum(f.stat().st_size for f in files), sum(map(read.json_size, files))
+    assert text > 5 * on_disk
+    pooled = []
+    monkeypatch.setattr(facts_mod, "PARALLEL_MIN_BYTES", (on_disk + text) // 2)
+    monkeypatch.setattr(facts_mod, "cpus", lambda: 2)
+    monkeypatch.setattr(
+        facts_mod, "run_pool", lambda calls, limit: pooled.append(limit) or [c[0](*c[1]) for c in calls]
+    )
+    facts_mod.analyze(folder, workers=2)
+    assert pooled == [2]
+
+
+def test_the_pool_keeps_the_order_and_raises_the_first_error():
+    from vlmdoctor.trace.worker import run_pool
+
+    calls = [(pow, (2, k)) for k in range(5)]
+    assert run_pool(calls, 3) == [1, 2, 4, 8, 16]
+    assert run_pool(calls, 1) == [1, 2, 4, 8, 16]
+    with pytest.raises(ZeroDivisionError):
+        run_pool([(pow, (2, 1)), (divmod, (1, 0)), (pow, (2, 3))], 2)
 
 
 _EVENT = {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 1.0, "dur": 2.0, "pid": 1, "tid": 1}

@@ -44,6 +44,8 @@ SUBSET = [
     "mem_h100/wall_plain_ce_b40",
     "mem_h100/spare_fce_b16",
 ]
+#: the folders whose jobs hold one trace per rank: each job is one labelled entry (its folder)
+RANK_FOLDERS = ("dist_cpu", "dist_gpu", "dist_gpu4")
 #: layer-1 rules whose fix is a dtype: none may fire on a run whose weights are all bf16
 DTYPE_KNOBS = {"weight_dtype", "autocast", "allow_tf32", "dpo_reference_dtype"}
 
@@ -62,8 +64,8 @@ def test_labels_name_real_traces_and_rules():
     recorded = {
         str(p.relative_to(rp.FIXTURES)).removesuffix(".pt.trace.json.gz")
         for p in rp.FIXTURES.rglob("*.pt.trace.json.gz")
-        if "dist_cpu" not in p.parts and "dist_gpu" not in p.parts
-    } | {f"{top}/{d.name}" for top in ("dist_cpu", "dist_gpu") for d in (rp.FIXTURES / top).iterdir() if d.is_dir()}
+        if not set(RANK_FOLDERS) & set(p.parts)
+    } | {f"{top}/{d.name}" for top in RANK_FOLDERS for d in (rp.FIXTURES / top).iterdir() if d.is_dir()}
     assert recorded <= set(LABELS["traces"]), sorted(recorded - set(LABELS["traces"]))
     for key, rules in KNOWN.items():
         assert key in LABELS["traces"] and all(r in RULES for r in rules), key

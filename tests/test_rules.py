@@ -46,7 +46,15 @@ def test_shipped_rules_load_cleanly():
 
 
 #: rules whose fix is a change to the user's loop that no knob of vlmdoctor's own runs expresses
-USER_CODE_ONLY = {"system-allocator-churn", "system-launch-blocking", "system-dtoh-copies", "system-compile-host"}
+USER_CODE_ONLY = {
+    "system-allocator-churn",
+    "system-launch-blocking",
+    "system-dtoh-copies",
+    "system-compile-host",
+    "system-eval-in-step",
+    "system-deterministic-algorithms",
+    "system-ddp-find-unused",
+}
 
 
 # rule id -> (a fixture where it fires, a fixture where it does not)
@@ -82,7 +90,7 @@ VARIATION_CASES = {
     "fusion-head-dim": ("healthy_1.5b_s2", {"attention.backends": ["flash"]}),
     # host-bound steps hide sync gaps (17.5 syncs cost 0.2% of the step in sync_s2); a GPU-bound
     # step would show them as idle time
-    "system-sync-calls": ("sync_s2", {"idle.sync.ms": 40.0}),
+    "system-sync-calls": ("sync_s2", {"idle.sync.ms": 40.0, "idle.sync.loop_ms": 40.0}),
     # on this host caching paid (3.2 ms of copies vs a 6.2 ms tower forward); a slower link or a
     # bigger feature map would turn it around
     "system-vision-cache-h2d": ("cache_s1", {"memcpy.HtoD.ms": 8.0}),
@@ -139,7 +147,18 @@ MEMORY_CASES = {"batching-memory-wall-logits"}
 
 # rules of the corpus recorded on two H200s: fire on the run that plants their cause, silent on every other run
 # (tests/test_corpus.py)
-CORPUS_CASES = {"fusion-sdpa-math-fallback", "system-launch-blocking", "system-pageable-h2d", "system-dtoh-copies"}
+CORPUS_CASES = {
+    "fusion-sdpa-math-fallback",
+    "system-launch-blocking",
+    "system-pageable-h2d",
+    "system-dtoh-copies",
+    "system-eval-in-step",
+    "system-deterministic-algorithms",
+    "precision-fp16-grad-scaler",
+    "batching-moe-tokens-per-expert",
+    "system-ddp-find-unused",
+    "system-straggler-data-loader",
+}
 
 
 def test_every_rule_has_a_case():

@@ -7,10 +7,12 @@ import math
 import pytest
 import torch
 
+import vlmdoctor.run.patient as patient
 import vlmdoctor.run.runner as runner
 from vlmdoctor.errors import EXIT_FAILED_RUN, EXIT_NAN, EXIT_OK, EXIT_OOM, UsageError
 from vlmdoctor.run.data import BatchSampler, SyntheticVQA
 from vlmdoctor.run.runner import build_patient, exit_code, run_profile, train_step
+from vlmdoctor.run.zoo import resolve
 
 CPU = torch.device("cpu")
 
@@ -165,7 +167,7 @@ def test_compile_helpers_mark_lengths_dynamic_and_name_cache_folders(tmp_path):
 def test_report_token_counts_come_from_the_real_batches(ok_report):
     """Pad fraction and the loss/real token ratio equal what the sampler's timed batches hold."""
     cfg, r = ok_report
-    spec = runner.resolve("tiny")
+    spec = resolve("tiny")
     ds = SyntheticVQA(spec, cfg.num_samples, cfg.seed)
     batches = list(BatchSampler(ds.lengths, cfg.batch_size, bucketed=False, seed=cfg.seed))
     warm = r["warmup"]["steps"]  # the warm-up asked, or longer where its steps had not settled
@@ -360,7 +362,7 @@ def test_tiny_with_device_auto_runs_on_cpu(tiny_cfg):
 def _loss_and_head_grad(cfg) -> tuple[float, torch.Tensor, dict, dict]:
     """One batch through a fresh patient: the loss, the LM head's gradient, the batch and its counts."""
     p = build_patient(cfg, CPU)
-    batch = runner._to_device(next(p.batches), CPU, torch.float32)
+    batch = patient.to_device(next(p.batches), CPU, torch.float32)
     counts = batch.pop("counts")
     loss = p.model(**batch).loss
     loss.backward()
@@ -402,7 +404,7 @@ def test_the_labeled_head_traces_inside_a_whole_model_graph(tiny_cfg):
     """Dynamo (eager backend: tracing only, no Inductor) goes through the labeled head's path: its
     dynamic mark is skipped while compiling, where dynamo forbids it."""
     p = build_patient(tiny_cfg(stage=2, lm_head_labeled_only=True, gradient_checkpointing=False), CPU)
-    batch = runner._to_device(next(p.batches), CPU, torch.float32)
+    batch = patient.to_device(next(p.batches), CPU, torch.float32)
     batch.pop("counts")
     eager = float(p.vlm(**batch).loss)
     traced = torch.compile(p.vlm, backend="eager", fullgraph=False)(**batch).loss
@@ -418,7 +420,7 @@ def test_labeled_only_head_counts_fewer_model_flops(tiny_cfg):
 def test_input_require_grads_makes_the_frozen_tower_build_a_graph(tiny_cfg):
     for flag, no_grad, graph in ((False, False, False), (True, False, True), (True, True, False)):
         p = build_patient(tiny_cfg(input_require_grads=flag, vision_no_grad=no_grad), CPU)
-        batch = runner._to_device(next(p.batches), CPU, torch.float32)
+        batch = patient.to_device(next(p.batches), CPU, torch.float32)
         feats = p.vlm.encode_images(batch["pixel_values"])
         assert feats.requires_grad == graph, (flag, no_grad)
         assert not any(q.requires_grad for q in p.vlm.vision.parameters())
@@ -446,7 +448,7 @@ def test_regional_compilation_finds_the_stacks_of_any_model():
     from vlmdoctor.run.compile import compile_regions, repeated_blocks
     from vlmdoctor.run.model import build_model
 
-    vlm = build_model(runner.resolve("tiny"))
+    vlm = build_model(resolve("tiny"))
     blocks = repeated_blocks(vlm)
     decoder, tower = list(vlm.llm.model.layers), [m for m in blocks if m not in list(vlm.llm.model.layers)]
     assert all(any(b is d for b in blocks) for d in decoder) and len(tower) >= 2
@@ -456,7 +458,7 @@ def test_regional_compilation_finds_the_stacks_of_any_model():
     assert n == len(blocks) + 1 and all(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)
     assert vlm.head_loss is not eager_loss and getattr(vlm.head_loss, "_torchdynamo_orig_callable", None) is eager_loss
 
-    fused = build_model(runner.resolve("tiny"))
+    fused = build_model(resolve("tiny"))
     fused.fused_ce = True  # Liger's kernel takes the head and the loss: nothing to compile there
     assert compile_regions(fused, "default") == len(repeated_blocks(fused)) and fused.head_loss is eager_loss
 

@@ -196,7 +196,7 @@ def fake_python(tmp_path, monkeypatch):
 @pytest.mark.parametrize("side", ["profile run (sweep, treat, gate)", "script run (gate --remeasure-baseline)"])
 def test_a_timed_out_run_leaves_no_temporary_folder(fake_python, tmp_path, side):
     """A run killed outright (it ignores SIGTERM) made its temporary folder inside the supervisor's, which goes."""
-    from vlmdoctor.launch import measure_script
+    from vlmdoctor.own.launch import measure_script
     from vlmdoctor.run.config import RunConfig
     from vlmdoctor.run.runner import run_isolated
 

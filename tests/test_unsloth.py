@@ -15,7 +15,7 @@ from vlmdoctor.cli import app
 from vlmdoctor.doctor.rules import _eval, _tree, diagnose, load_rules
 from vlmdoctor.doctor.treat import compose
 from vlmdoctor.errors import UsageError
-from vlmdoctor.run import runner
+from vlmdoctor.run import checks
 from vlmdoctor.run.config import RunConfig
 from vlmdoctor.run.zoo import resolve
 
@@ -55,7 +55,7 @@ def _cfg(**kw) -> RunConfig:
 
 def test_unsloth_needs_a_gpu():
     with pytest.raises(UsageError, match="needs a CUDA GPU"):
-        runner.preflight(_cfg(device="cpu"), resolve("dino-135m"), torch.device("cpu"))
+        checks.preflight(_cfg(device="cpu"), resolve("dino-135m"), torch.device("cpu"))
 
 
 def test_unsloth_not_importable_is_one_clear_line(monkeypatch):
@@ -68,7 +68,7 @@ def test_unsloth_not_importable_is_one_clear_line(monkeypatch):
         lambda name, *a: None if name in ("unsloth", "bitsandbytes") else real(name, *a),
     )
     with pytest.raises(UsageError) as e:
-        runner.preflight(_cfg(), resolve("dino-135m"), GPU)
+        checks.preflight(_cfg(), resolve("dino-135m"), GPU)
     missing = e.value.message.split("but ")[1].split(" cannot be imported")[0].split(", ")
     assert {"unsloth", "bitsandbytes"} <= set(missing) and "peft" not in missing  # peft is installed here
     assert "pip install unsloth" in e.value.message
@@ -79,21 +79,21 @@ def test_supported_llm_classes_pass_preflight_when_unsloth_is_there(monkeypatch,
     import importlib.util
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
-    runner.preflight(_cfg(model=model), resolve(model), GPU)
+    checks.preflight(_cfg(model=model), resolve(model), GPU)
 
 
 def test_other_llm_families_and_native_presets_are_refused():
     spec = resolve("0.5b")
     other = dataclasses.replace(spec, llm={**spec.llm, "family": "mistral"})
     with pytest.raises(UsageError, match="not mistral"):
-        runner.preflight(_cfg(model="0.5b"), other, GPU)
+        checks.preflight(_cfg(model="0.5b"), other, GPU)
     with pytest.raises(UsageError, match="native preset"):
-        runner.check_unsloth(_cfg(model="tiny-llava"), runner.resolve_model(_cfg(model="tiny-llava")), GPU)
+        checks.check_unsloth(_cfg(model="tiny-llava"), checks.resolve_model(_cfg(model="tiny-llava")), GPU)
 
 
 def test_unsloth_needs_16_bit_weights(monkeypatch):
     with pytest.raises(UsageError, match="--weight-dtype bf16"):
-        runner.preflight(_cfg(weight_dtype="fp32"), resolve("dino-135m"), GPU)
+        checks.preflight(_cfg(weight_dtype="fp32"), resolve("dino-135m"), GPU)
 
 
 @pytest.mark.parametrize(

@@ -42,9 +42,9 @@ from torch.profiler import profile, schedule
 out = sys.argv[1]
 WINDOW = dict(warmup=1, steps=2, trace_steps=1, quiet=True)
 N = 12
-import vlmdoctor.api, vlmdoctor.run.envinfo
+import vlmdoctor.own.outputs, vlmdoctor.run.envinfo
 # the conflict is the subject, not the diagnosis nor the CPU's matmul probe
-vlmdoctor.api.diagnose_report = lambda report, *a, **k: report
+vlmdoctor.own.outputs.diagnose_report = lambda report, *a, **k: report
 vlmdoctor.run.envinfo.collect = lambda device: {"device_type": device.type}
 
 def user_profile(name, **plan):
@@ -155,8 +155,8 @@ def test_one_profiler_at_a_time_and_the_loop_goes_on(conflicts, scenario, traced
 DOCTOR_SCRIPT = (
     LOOP_IMPORT
     + """
-import sys, vlmdoctor, vlmdoctor.api, vlmdoctor.run.envinfo
-vlmdoctor.api.diagnose_report = lambda report, *a, **k: report
+import sys, vlmdoctor, vlmdoctor.own.outputs, vlmdoctor.run.envinfo
+vlmdoctor.own.outputs.diagnose_report = lambda report, *a, **k: report
 vlmdoctor.run.envinfo.collect = lambda device: {"device_type": device.type}
 # a shorter window than run's: the Doctor reaches its traced window first, run's recorder is the one refused
 with vlmdoctor.Doctor(Tiny(), out=sys.argv[1], warmup=0, steps=2, trace_steps=1, quiet=True) as doc:
@@ -193,26 +193,26 @@ N = 8
 
 #: (what is broken, the ways in that reach it): each raises RuntimeError("injected") when called
 TARGETS = {
-    "vlmdoctor.api.describe_model": ("doctor", "callback", "run"),
-    "vlmdoctor.api.Recorder.attach": ("doctor", "callback", "run"),
-    "vlmdoctor.api.Recorder.begin": ("doctor", "callback", "run"),
-    "vlmdoctor.api.Recorder._on_forward": ("doctor", "callback", "run"),
-    "vlmdoctor.api.Recorder._on_output": ("doctor", "callback", "run"),
-    "vlmdoctor.api.count_tokens": ("doctor", "callback", "run"),
-    "vlmdoctor.api.Recorder._step": ("doctor", "callback", "run"),
-    "vlmdoctor.api.Recorder._summarize": ("doctor", "callback", "run"),
-    "vlmdoctor.api.Recorder.window_done": ("doctor", "callback", "run"),  # a property, read after every step
-    "vlmdoctor.api.Recorder._start_profiler": ("doctor", "callback", "run"),
-    "vlmdoctor.api.Recorder._add_metadata": ("doctor", "callback", "run"),
-    "vlmdoctor.api.Recorder._build_report": ("doctor", "callback", "run"),
-    "vlmdoctor.run.one_profiler.claim": ("doctor", "callback", "run"),
-    "vlmdoctor.api.Recorder._count_flops": ("doctor", "callback", "run"),
+    "vlmdoctor.own.recorder.describe_model": ("doctor", "callback", "run"),
+    "vlmdoctor.own.recorder.Recorder.attach": ("doctor", "callback", "run"),
+    "vlmdoctor.own.recorder.Recorder.begin": ("doctor", "callback", "run"),
+    "vlmdoctor.own.tokens.TokenCounter.on_forward": ("doctor", "callback", "run"),
+    "vlmdoctor.own.tokens.TokenCounter.on_output": ("doctor", "callback", "run"),
+    "vlmdoctor.own.tokens.count_tokens": ("doctor", "callback", "run"),
+    "vlmdoctor.own.recorder.Recorder._step": ("doctor", "callback", "run"),
+    "vlmdoctor.own.clock.StepClock.summarize": ("doctor", "callback", "run"),
+    "vlmdoctor.own.recorder.Recorder.window_done": ("doctor", "callback", "run"),  # a property, read after every step
+    "vlmdoctor.own.traced.TracedWindow._start_profiler": ("doctor", "callback", "run"),
+    "vlmdoctor.own.traced.TracedWindow.add_metadata": ("doctor", "callback", "run"),
+    "vlmdoctor.own.recorder.build_report": ("doctor", "callback", "run"),
+    "vlmdoctor.own.one_profiler.claim": ("doctor", "callback", "run"),
+    "vlmdoctor.own.traced.TracedWindow._count_flops": ("doctor", "callback", "run"),
     "torch.profiler.record_function": ("doctor", "callback", "run"),  # inside the part marks, in the forward
-    "vlmdoctor.api.diagnose_report": ("doctor", "callback", "run"),
-    "vlmdoctor.api.write_outputs": ("doctor", "callback", "run"),
-    "vlmdoctor.api.show": ("doctor", "callback", "run"),
-    "vlmdoctor.callback.training_args_config": ("callback",),
-    "vlmdoctor.launch.find_model": ("run",),
+    "vlmdoctor.own.outputs.diagnose_report": ("doctor", "callback", "run"),
+    "vlmdoctor.own.outputs.write_outputs": ("doctor", "callback", "run"),
+    "vlmdoctor.own.outputs.show": ("doctor", "callback", "run"),
+    "vlmdoctor.own.callback.training_args_config": ("callback",),
+    "vlmdoctor.own.child.find_model": ("run",),
 }
 
 
@@ -261,7 +261,7 @@ def _doctor(out: Path) -> list[float]:
 def _callback(out: Path) -> list[float]:
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
-    from vlmdoctor.callback import DoctorCallback
+    from vlmdoctor.own.callback import DoctorCallback
 
     cb = DoctorCallback(out=out, warmup=1, steps=2, trace_steps=1)
     args = TrainingArguments(output_dir=str(out / "trainer"), report_to=[], per_device_train_batch_size=4)
@@ -283,7 +283,7 @@ def _callback(out: Path) -> list[float]:
 def _run_hook(out: Path) -> list[float]:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    from vlmdoctor.launch import _Child, finish_child
+    from vlmdoctor.own.child import _Child, finish_child
 
     child = _Child({"out": str(out), "warmup": 1, "steps": 2, "trace_steps": 1, "argv": ["train.py"]})
     handle = register_optimizer_step_post_hook(child.on_step)
@@ -306,11 +306,11 @@ def reference() -> list[float]:
 @pytest.fixture
 def fast_reports(monkeypatch):
     """The report's environment without the CPU matmul probe, and no diagnosis (the hooks are the subject)."""
-    import vlmdoctor.api
+    import vlmdoctor.own.outputs
     import vlmdoctor.run.envinfo
 
     monkeypatch.setattr(vlmdoctor.run.envinfo, "collect", lambda device: {"device_type": device.type})
-    monkeypatch.setattr(vlmdoctor.api, "diagnose_report", lambda report, *a, **k: report)
+    monkeypatch.setattr(vlmdoctor.own.outputs, "diagnose_report", lambda report, *a, **k: report)
 
 
 @pytest.mark.parametrize("target, way", CASES)

@@ -339,14 +339,15 @@ def test_api_qwen2vl_tokens_from_the_forward_hook(api_qwen2vl_hook):
 
 def test_hook_counts_match_the_batch():
     """Tokens read by the hook equal those of the batch passed by hand (same data, same model)."""
-    from vlmdoctor.api import Recorder, count_tokens
+    from vlmdoctor.own.recorder import Recorder
+    from vlmdoctor.own.tokens import count_tokens
 
     model = build_model()
     rec = Recorder(model, warmup=0, steps=1)
     rec.attach()
     batch = next(batches(3))
     model(**batch)
-    c = rec.pending[0]
+    c = rec.tokens.pending[0]
     direct = count_tokens(batch)
     assert int(c["real"]) == int(direct["real"]) == int(batch["attention_mask"].sum())
     assert int(c["loss"]) == int((batch["labels"] != -100).sum())
@@ -414,7 +415,7 @@ def _way(request, way: str):
 def test_progress_lines_and_the_end_summary(way, request):
     """One line at each window boundary, in order; the report; then the summary, last, whose numbers are the
     report's (the one estimator with its spread), its top finding the biggest expected win, and its paths real."""
-    from vlmdoctor.report.html import by_gain
+    from vlmdoctor.report.html_sections import by_gain
 
     report, out, printed, said = _way(request, way)
     flat = " ".join((said + printed).split())  # wrapped to 80 columns; the script's output is all on stdout
@@ -501,7 +502,7 @@ def test_the_html_page_speaks_of_the_users_run(api_llava, trainer_llava):
 
 
 def by_gain_top(report):
-    from vlmdoctor.report.html import by_gain
+    from vlmdoctor.report.html_sections import by_gain
 
     return by_gain(report["findings"])[0]
 
@@ -557,7 +558,7 @@ def test_export_and_html_read_a_user_report(api_llava, tmp_path, cli_runner):
 
 def test_internal_errors_do_not_stop_the_loop(tmp_path, monkeypatch, capsys):
     import vlmdoctor
-    from vlmdoctor.api import Recorder
+    from vlmdoctor.own.recorder import Recorder
 
     def broken(*_a, **_k):
         raise KeyError("vlmdoctor bug")
@@ -778,7 +779,7 @@ def test_regional_compile_is_said_as_block_compiles():
 
 
 def test_guess_sampler_reads_the_lengths_inside_batches():
-    from vlmdoctor.api import guess_sampler
+    from vlmdoctor.own.tokens import guess_sampler
 
     lengths = [(i * 37) % 200 + 20 for i in range(64)]  # a spread of lengths, in no order
     random_batches = [lengths[i : i + 8] for i in range(0, 64, 8)]

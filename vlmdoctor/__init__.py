@@ -15,12 +15,10 @@ def __getattr__(name: str):
     """`vlmdoctor.Doctor` and `vlmdoctor.DoctorCallback`, imported on first use (torch and transformers are heavy);
     the import leaves the user's random streams as it found them (a library imported then may draw)."""
     if name in ("Doctor", "DoctorCallback"):
-        from vlmdoctor.invisible import kept
-
-        with kept():
+        with _kept():
             if name == "Doctor":
-                from vlmdoctor.api import Doctor as found
+                from vlmdoctor.own.api import Doctor as found  # deferred: the recorder imports torch
             else:
-                from vlmdoctor.callback import DoctorCallback as found
+                from vlmdoctor.own.callback import DoctorCallback as found  # deferred: transformers
         return found
     raise AttributeError(f"module 'vlmdoctor' has no attribute {name!r}")

@@ -34,3 +34,9 @@ def is_out_of_memory(exc: BaseException) -> bool:
     if any(cls.__name__ == "OutOfMemoryError" for cls in type(exc).__mro__):
         return True
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in HOST_OOM_MESSAGES)
+
+
+def first_line(e: BaseException) -> str:
+    """An error's message in one line (its first, at most 500 characters), or its class name when it says nothing."""
+    text = str(e).strip()
+    return text.splitlines()[0][:500] if text else type(e).__name__

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gzip
 import json
 import math
 import os
+import shutil
 import stat
 import sys
 import tempfile
@@ -480,9 +482,6 @@ def export_via(path: str | os.PathLike, export: Callable[[str], None]) -> None:
         own = tmp + ".tmp"
         export(tmp)
         if target.name.endswith(".gz"):
-            import gzip
-            import shutil
-
             with (
                 open(tmp, "rb") as src,
                 atomic_writer(target) as raw,

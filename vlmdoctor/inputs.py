@@ -16,6 +16,8 @@ import stat
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import yaml
+
 from vlmdoctor.errors import UsageError
 
 NAME_MAX = 255
@@ -184,7 +186,6 @@ def _yaml_loader():
     a key written twice in one mapping (YAML would silently keep the last), and nesting deeper
     than MAX_DEPTH are each refused with the line they are on.
     """
-    import yaml
 
     class Loader(yaml.SafeLoader):
         depth = 0
@@ -246,7 +247,6 @@ _LOADER = None
 def parse_yaml(text: str, where: str) -> Any:
     """The value of a YAML text through the one bounded loader; every way this fails is one line that
     starts with `where` (the file, or the flag) and says the line."""
-    import yaml
 
     global _LOADER
     if _LOADER is None:

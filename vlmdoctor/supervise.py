@@ -3,7 +3,6 @@
 Every child starts in a session of its own, so that it and everything it starts form one process
 group that vlmdoctor alone signals (a terminal's Ctrl-C reaches vlmdoctor only; vlmdoctor passes
 it on). The promises (docs/files.md, "Child processes"):
-
 - SIGINT, SIGTERM and SIGHUP to vlmdoctor reach the whole group, and processes the child started in
   sessions of their own (torchrun's ranks); whatever still runs `GRACE_S` seconds later is killed;
 - when the child exits, processes it left running are stopped the same way, and its output is no
@@ -34,9 +33,12 @@ from pathlib import Path
 from typing import IO
 
 from vlmdoctor.errors import UsageError
+from vlmdoctor.files import check_output_dir
 
 #: seconds between the polite signal (SIGINT / SIGTERM) and SIGKILL; tests lower it
 GRACE_S = 10.0
+#: seconds one run of a configuration may take by default (sweep --timeout, gate --timeout, treat --trial-timeout)
+RUN_TIMEOUT_S = 900
 #: seconds the output of a child that exited is still read (from processes it left that are not in its group)
 DRAIN_S = 1.0
 #: seconds between two looks at a running child
@@ -132,7 +134,6 @@ def check_room(path: str | os.PathLike | None, flag: str = "", need: int | None 
 
 def check_folder(path: str | os.PathLike | None, flag: str = "") -> None:
     """A folder a child will write into: a folder (or creatable), writable, with room on its disk."""
-    from vlmdoctor.files import check_output_dir
 
     check_output_dir(path, flag)
     check_room(path, flag)
@@ -147,7 +148,6 @@ def check_file_folders(**outputs: str | os.PathLike | None) -> None:
 
 def check_temp() -> None:
     """The temp folder, where each child run writes its report (and its trace when diagnosed): writable, with room."""
-    from vlmdoctor.files import check_output_dir
 
     temp = tempfile.gettempdir()
     check_output_dir(temp, "the temp folder (TMPDIR)")

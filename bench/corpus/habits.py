@@ -31,6 +31,7 @@ import zlib
 
 HABITS = {
     "healthy": "control: bf16 weights, sdpa, fused AdamW, DataLoader(num_workers=2, pin_memory=True)",
+    "tuned": "tuned control: healthy, and every batch padded to one fixed length (no new shapes, ~5% padding)",
     "empty_cache": "torch.cuda.empty_cache() after every optimizer step",
     "cudnn_benchmark": "torch.backends.cudnn.benchmark=True with native-resolution images: new conv shapes every step",
     "sdpa_math": "flash, memory-efficient and cuDNN SDPA switched off (torch.backends.cuda.enable_*_sdp(False))",
@@ -242,6 +243,8 @@ def make_loader(spec, args, habit, bsz, dtype, device):
     # the longest row drawn per step, or, for compile_static, one length before the window and a new
     # one at each active step
     def longest(step):
+        if habit == "tuned":  # one padded length for every batch: a tuned user's fixed-shape collate
+            return hi - 1
         if habit == "compile_static":
             drop = max(1, (hi - lo) // 8)
             return max(lo + 1, hi - 1 - max(0, step - (warm + 1)) * drop)

@@ -65,6 +65,7 @@ LANE_A=(
     "qwen3vlmoe_tiny_batch      qwen3_vl_moe  moe_tiny_batch"
     "idefics2_spare_ckpt        idefics2      spare_checkpointing"
     "qwen3vl_tiny_ops           qwen3_vl      tiny_ops            --max-text=640 --batch-size=4"
+    "idefics2_tuned             idefics2      tuned"
 )
 LANE_B=(
     "qwen3vl_healthy            qwen3_vl      healthy             --record-shapes"
@@ -80,6 +81,8 @@ LANE_B=(
     "mistral3_loader_python     mistral3      loader_python"
     "idefics2_logits_to_cpu     idefics2      logits_to_cpu"
     "qwen3vlmoe_healthy         qwen3_vl_moe  healthy"
+    "qwen3vl_tuned              qwen3_vl      tuned               --record-shapes"
+    "mistral3_tuned             mistral3      tuned"
 )
 
 t_start=0  # seconds since the script started (bash's SECONDS)

@@ -49,7 +49,7 @@ args = TrainingArguments(
 )
 callbacks = []
 if os.environ.get("CORPUS_WAY") == "callback":
-    from vlmdoctor.callback import DoctorCallback
+    from vlmdoctor import DoctorCallback
 
     callbacks.append(DoctorCallback(out=os.environ["CORPUS_OUT"], quiet=True, **WINDOW))
 torch.manual_seed(12)

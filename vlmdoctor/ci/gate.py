@@ -23,8 +23,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from vlmdoctor.doctor.decide import PairedOptions, interleaved, outliers, ratio_interval, step_throughput
+from vlmdoctor.doctor.gain import SEVERITIES
+from vlmdoctor.doctor.select import mute_report
+from vlmdoctor.doctor.settings import ALPHA, FAIL_ON, MAX_MEMORY_GROWTH, MAX_PAIRS, MAX_REGRESSION, MIN_PAIRS
 from vlmdoctor.documents import (
     MAX_DOCUMENT_BYTES,
+    OWN_SOURCES,
     Env,
     Finding,
     RunReport,
@@ -34,6 +38,7 @@ from vlmdoctor.documents import (
     check_measured,
 )
 from vlmdoctor.errors import UsageError
+from vlmdoctor.inputs import read_json
 from vlmdoctor.report.compare import (
     MODEL_KEYS,
     _differences,
@@ -42,16 +47,13 @@ from vlmdoctor.report.compare import (
     slowest_rank,
     world_size,
 )
-from vlmdoctor.report.console import plain
+from vlmdoctor.report.text import plain
+from vlmdoctor.run.config import RunConfig
 
-#: environment keys that change speed on their own; a difference here is not the pull request's doing
-#: config keys that define the model architecture; comparing different ones is meaningless
 #: severities, lowest first, so "at or above" is an index comparison
-SEVERITY_ORDER = ("low", "medium", "high")
+SEVERITY_ORDER = SEVERITIES[::-1]
 #: below this many samples a side the Mann-Whitney normal approximation is too coarse
 MIN_SAMPLES_FOR_TEST = 8
-#: config["source"] of reports of the user's own training (vlmdoctor.Doctor, DoctorCallback, `vlmdoctor run`)
-OWN_TRAINING_SOURCES = ("api", "trainer", "script")
 
 
 # --- loading ----------------------------------------------------------------------------------
@@ -61,8 +63,7 @@ def load_report(path: str) -> dict[str, Any]:
     """Read a profile report, refusing anything a comparison would silently misread.
 
     The report comes back whole, every key kept (`--update-baseline` writes back what it read); the gate reads
-    it by field, through its declaration (vlmdoctor/documents.py)."""
-    from vlmdoctor.inputs import read_json
+    it by field, through its declaration (vlmdoctor/documents/)."""
 
     return validate_report(read_json(path, "report", max_bytes=MAX_DOCUMENT_BYTES), path)
 
@@ -76,8 +77,7 @@ def validate_report(report: Any, name: str) -> dict[str, Any]:
 
 def run_current(base: dict[str, Any], diagnose: bool = True, timeout: float | None = None) -> dict[str, Any]:
     """Re-measure the baseline's own config in a fresh process, so only the code under test differs."""
-    from vlmdoctor.run.config import RunConfig
-    from vlmdoctor.run.runner import run_isolated
+    from vlmdoctor.run.runner import run_isolated  # deferred: the runner imports torch
 
     source = as_report(base).knobs.source
     if source == "script":
@@ -86,7 +86,7 @@ def run_current(base: dict[str, Any], diagnose: bool = True, timeout: float | No
             "command again on both sides, alternating (docs/ci.md), or record the current run the same way "
             "and pass --current"
         )
-    if source in OWN_TRAINING_SOURCES:
+    if source in OWN_SOURCES:
         raise UsageError(
             f"the baseline measures your own training (recorded by the {source} way in), which "
             "vlmdoctor cannot re-run by itself; record the current run the same way and pass --current"
@@ -168,6 +168,8 @@ def check_comparable(base: dict[str, Any], cur: dict[str, Any], allow_env_change
 
 # --- the paired gate: baseline re-measured in the same job ------------------------------------
 
+#: two-sided level of the interval whose lower bound above 1 - max_regression passes
+CONFIDENCE = 0.98
 #: two-sided level of the interval whose upper bound must be below 1 for "slower". The gate looks
 #: after every pair from the 3rd to the 16th, and each look is a chance of a false alarm: at 98% a
 #: look (1% one-sided) the same config failed 1.0-1.7% of gates on the measured noise of the CI host
@@ -182,8 +184,8 @@ EXTENDED_CONFIDENCE = 0.998
 
 def slowdown_verdict(
     ratios: Sequence[float],
-    max_regression: float = 0.05,
-    confidence: float = 0.98,
+    max_regression: float = MAX_REGRESSION,
+    confidence: float = CONFIDENCE,
     final: bool = False,
     slower_confidence: float = SLOWER_CONFIDENCE,
     max_pairs: int | None = None,
@@ -235,12 +237,12 @@ def slowdown_verdict(
 def paired_gate(
     run_baseline: Any,
     run_current: Any,
-    max_regression: float = 0.05,
-    confidence: float = 0.98,
-    min_pairs: int = 3,
-    max_pairs: int = 16,
-    max_memory_growth: float = 0.10,
-    fail_on: str = "high",
+    max_regression: float = MAX_REGRESSION,
+    confidence: float = CONFIDENCE,
+    min_pairs: int = MIN_PAIRS,
+    max_pairs: int = MAX_PAIRS,
+    max_memory_growth: float = MAX_MEMORY_GROWTH,
+    fail_on: str = FAIL_ON,
     allow_env_change: bool = False,
     notify: Any = lambda _: None,
     cpu_time: bool = False,
@@ -376,8 +378,7 @@ def remeasure(
     On a shared host a multi-threaded run waits at every parallel region for a thread the
     scheduler gave to a neighbour: on the 2-core CI machine at load 10 the tiny preset ran
     ~1,000 real tokens/s on one thread and ~150 on two, with 13 s steps among 80 ms ones."""
-    from vlmdoctor.run.config import RunConfig
-    from vlmdoctor.run.runner import run_isolated
+    from vlmdoctor.run.runner import run_isolated  # deferred: the runner imports torch
 
     r = as_report(base)
     source = r.knobs.source
@@ -398,7 +399,7 @@ def remeasure(
             "--baseline-cwd and --current-command apply to a baseline recorded by `vlmdoctor run`; "
             "for a vlmdoctor config use --baseline-python/--baseline-env"
         )
-    if source in OWN_TRAINING_SOURCES:
+    if source in OWN_SOURCES:
         raise UsageError(
             f"the baseline measures your own training through the {source} way in, which records no command to "
             "run again; record the baseline with `vlmdoctor run -- python train.py ARGS`, which does"
@@ -474,7 +475,7 @@ def remeasure_script(
     A relative script path resolves in each side's folder, so each runs its own copy of the code.
     On CPU both run on `cpu_threads` threads and, on one, are judged on their steps' CPU time.
 
-    `launcher` is `vlmdoctor.launch` (what starts a script under the step hook; the CLI passes it, since a
+    `launcher` is `vlmdoctor.own.launch` (what starts a script under the step hook; the CLI passes it, since a
     gate sits upstream of the ways in): its `measure_script`, `parse_command` and `recorded_env`."""
     if launcher is None:
         raise UsageError("the gate on a training script needs the launcher of `vlmdoctor run`")
@@ -591,7 +592,7 @@ def _has_step_tokens(report: dict[str, Any]) -> bool:
 
 
 def check_throughput(
-    base: dict[str, Any], cur: dict[str, Any], max_regression: float = 0.05, alpha: float = 0.01
+    base: dict[str, Any], cur: dict[str, Any], max_regression: float = MAX_REGRESSION, alpha: float = ALPHA
 ) -> dict[str, Any]:
     """Fail only on a drop that is both large (ratio) and real (significant), as asv does."""
     per_step = _has_step_tokens(base) and _has_step_tokens(cur)
@@ -640,7 +641,9 @@ def check_throughput(
     }
 
 
-def check_memory(base: dict[str, Any], cur: dict[str, Any], max_memory_growth: float = 0.10) -> dict[str, Any]:
+def check_memory(
+    base: dict[str, Any], cur: dict[str, Any], max_memory_growth: float = MAX_MEMORY_GROWTH
+) -> dict[str, Any]:
     """Memory growth eats the headroom that bigger batches need, so it fails even at equal speed."""
     b, c = as_report(base, "baseline").metrics, as_report(cur, "current").metrics
     mb, mc = b.peak_mem_gb if b else None, c.peak_mem_gb if c else None
@@ -677,7 +680,7 @@ def _findings(report: RunReport) -> dict[str, Finding] | None:
 
 
 def check_findings(
-    base: dict[str, Any], cur: dict[str, Any], fail_on: str = "high", selection: Any = None
+    base: dict[str, Any], cur: dict[str, Any], fail_on: str = FAIL_ON, selection: Any = None
 ) -> dict[str, Any]:
     """A new prescription (FP32 GEMMs back on the step, say) is a regression even before it shows in speed.
 
@@ -687,8 +690,6 @@ def check_findings(
     if fail_on not in SEVERITY_ORDER:
         raise UsageError(f"fail_on={fail_on!r} is not valid; choose one of: {', '.join(reversed(SEVERITY_ORDER))}")
     if selection:
-        from vlmdoctor.doctor.select import mute_report
-
         base, cur = (mute_report(copy.deepcopy(r), selection) for r in (base, cur))
     b, c = as_report(base, "baseline"), as_report(cur, "current")
     fb, fc = _findings(b), _findings(c)
@@ -741,7 +742,9 @@ def check_findings(
     }
 
 
-def check_slowest_rank(base: dict[str, Any], cur: dict[str, Any], max_regression: float = 0.05) -> dict[str, Any]:
+def check_slowest_rank(
+    base: dict[str, Any], cur: dict[str, Any], max_regression: float = MAX_REGRESSION
+) -> dict[str, Any]:
     """Multi-rank reports: every rank waits for the slowest one, so a rank falling behind is a regression.
 
     Throughput (global tokens/s over the slowest rank's time) already judges the job; this check
@@ -772,10 +775,10 @@ def check_slowest_rank(base: dict[str, Any], cur: dict[str, Any], max_regression
 def gate(
     base: dict[str, Any],
     cur: dict[str, Any],
-    max_regression: float = 0.05,
-    alpha: float = 0.01,
-    max_memory_growth: float = 0.10,
-    fail_on: str = "high",
+    max_regression: float = MAX_REGRESSION,
+    alpha: float = ALPHA,
+    max_memory_growth: float = MAX_MEMORY_GROWTH,
+    fail_on: str = FAIL_ON,
     notes: Sequence[str] = (),
     selection: Any = None,
 ) -> dict[str, Any]:

@@ -9,12 +9,15 @@ again for each preset). Or the grid is the product of
 from __future__ import annotations
 
 import csv
+import io
 import itertools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vlmdoctor.errors import UsageError
+from vlmdoctor.errors import UsageError, VlmdoctorError
+from vlmdoctor.files import append_text, json_text, save, write_text
+from vlmdoctor.inputs import read_yaml
 from vlmdoctor.run.config import RunConfig
 
 Plan = list[tuple[str, RunConfig]]
@@ -30,7 +33,6 @@ def grid_rows(
     """(row index, name, config) for every row, model and stage of a grid file.
 
     Bad knobs are user errors naming the row."""
-    from vlmdoctor.inputs import read_yaml
 
     grid = read_yaml(path, "grid file")
     if not isinstance(grid, dict) or not isinstance(grid.get("runs"), list):
@@ -132,9 +134,7 @@ def run_sweep(
     and `problems` gets a line saying where. `rows` (the caller's list) gets each run's row as it
     ends, so that an interruption (Ctrl-C, SIGTERM: the run in flight is stopped) keeps the finished ones.
     """
-    from vlmdoctor.errors import VlmdoctorError
-    from vlmdoctor.files import append_text, json_text, save
-    from vlmdoctor.run.runner import run_isolated
+    from vlmdoctor.run.runner import run_isolated  # deferred: the runner imports torch
 
     rows = [] if rows is None else rows
     for i, (name, cfg) in enumerate(plan, start=1):
@@ -166,8 +166,6 @@ def csv_cell(value: Any) -> Any:
 
 
 def csv_text(rows: list[dict[str, Any]]) -> str:
-    import io
-
     buf = io.StringIO(newline="")
     w = csv.DictWriter(buf, fieldnames=list(rows[0]) if rows else ["name"])
     w.writeheader()
@@ -177,6 +175,5 @@ def csv_text(rows: list[dict[str, Any]]) -> str:
 
 def write_csv(rows: list[dict[str, Any]], path: str) -> None:
     """Through the one writer: a full disk leaves the old file (or none), never a 0-byte one."""
-    from vlmdoctor.files import write_text
 
     write_text(path, csv_text(rows))

@@ -83,19 +83,33 @@ def _attention(v: Any) -> list[str]:
     ]
 
 
-def _lm_head(v: Any, trainer: bool) -> list[str]:
-    """The LM head and the loss on the labeled positions only: the same loss, fewer rows through the head."""
+def _lm_head(v: Any, trainer: bool, ctx: dict[str, Any]) -> list[str]:
+    """The LM head and the loss on the labeled positions only: the same loss, fewer rows through the head.
+
+    One process: the model without its head (`model.model`), then the head on the kept rows. Under DDP the
+    model's attributes are on `model.module`, and calling `model.module.model` would skip DDP's forward, which
+    is what synchronizes the gradients: there the wrapped model runs whole, with one logit row
+    (`logits_to_keep=1`), and the head reads the final hidden states (the Trainer passes the wrapped model
+    to compute_loss too)."""
     if not v:
         return ["loss = model(**batch).loss  # the LM head over every position"]
-    body = [
-        'labels = batch["labels"]',
-        'x = {k: v for k, v in batch.items() if k != "labels"}',
-        "out = model.model(**x)  # the model without its LM head",
-        "keep = labels[:, 1:] != -100  # the next token is a label",
-        "h = out.last_hidden_state[:, :-1][keep]",
-        "logits = model.lm_head(h).float()",
-        "loss = F.cross_entropy(logits, labels[:, 1:][keep])",
-    ]
+    body = ['labels = batch["labels"]', 'x = {k: v for k, v in batch.items() if k != "labels"}']
+    if _wrapped(ctx):
+        body += [
+            f"inner = {UNWRAP}  # the model inside DDP",
+            "out = model(**x, logits_to_keep=1, output_hidden_states=True)",
+            "keep = labels[:, 1:] != -100  # the next token is a label",
+            "h = out.hidden_states[-1][:, :-1][keep]  # after the final norm",
+            "logits = inner.lm_head(h).float()",
+        ]
+    else:
+        body += [
+            "out = model.model(**x)  # the model without its LM head",
+            "keep = labels[:, 1:] != -100  # the next token is a label",
+            "h = out.last_hidden_state[:, :-1][keep]",
+            "logits = model.lm_head(h).float()",
+        ]
+    body.append("loss = F.cross_entropy(logits, labels[:, 1:][keep])")
     if not trainer:
         return ["import torch.nn.functional as F", "# in place of loss = model(**batch).loss:", *body]
     return [
@@ -107,13 +121,15 @@ def _lm_head(v: Any, trainer: bool) -> list[str]:
     ]
 
 
-def _fp8(v: Any) -> list[str]:
+def _fp8(v: Any, ctx: dict[str, Any]) -> list[str]:
     if v == "off":
         return ["# train the linear layers in bf16 (no convert_to_float8_training)"]
+    llm = (ctx.get("paths") or {}).get("llm") or "model.language_model"
     return [
         "from torchao.float8 import convert_to_float8_training, Float8LinearConfig",
         "# before torch.compile and the optimizer; not the LM head:",
-        "convert_to_float8_training(model.model.language_model,",
+        *([f"inner = {UNWRAP}  # the model inside DDP"] if _wrapped(ctx) else []),
+        f"convert_to_float8_training({'inner' if _wrapped(ctx) else 'model'}.{llm},",
         "    module_filter_fn=lambda m, fqn: m.in_features % 16 == 0",
         "    and m.out_features % 16 == 0,",
         f"    config=Float8LinearConfig.from_recipe_name({v!r}))",
@@ -266,11 +282,14 @@ ADVICE: dict[str, Say] = {
     "vision_no_grad": Say(lambda v, ctx: _vision_no_grad(v, ctx), context=True),
     "allow_tf32": Say(lambda v: [f"torch.backends.cuda.matmul.allow_tf32 = {bool(v)}"]),
     "input_require_grads": Say(
-        _lines(["model.enable_input_require_grads()"], ["# drop model.enable_input_require_grads()"])
+        lambda v, ctx: (
+            [f"{_root(ctx)}.enable_input_require_grads()"] if v else ["# drop model.enable_input_require_grads()"]
+        ),
+        context=True,
     ),
     "dpo_reference_dtype": Say(lambda v: [f"ref_model.to({_DTYPE[v]})  # or load it with dtype={_DTYPE[v]}"]),
     "dpo_reference_no_grad": _both(_dpo_reference_no_grad),
-    "fp8": Say(_fp8),
+    "fp8": Say(lambda v, ctx: _fp8(v, ctx), context=True),
     # layer 2: batching
     "batch_size": Say(lambda v: [f"DataLoader(..., batch_size={v})"]),
     "grad_accum": Say(lambda v: [f"# accumulate {v} micro-batches per optimizer step"]),
@@ -287,7 +306,7 @@ ADVICE: dict[str, Say] = {
     ),
     # layer 4: kernel fusion
     "attention": Say(_attention),
-    "lm_head_labeled_only": _both(_lm_head),
+    "lm_head_labeled_only": Say(lambda v, ctx: _lm_head(v, False, ctx), lambda v, ctx: _lm_head(v, True, ctx), True),
     "compile": Say(_compile),
     "compile_regions": Say(lambda v: ["model = torch.compile(model)  # the whole model"]),  # on: in advise()
     "compile_vision": Say(
@@ -314,9 +333,15 @@ ADVICE: dict[str, Say] = {
         )
     ),
     # layer 5: system tuning
-    "gradient_checkpointing": Say(lambda v: [f"model.{_ckpt_name()}_{'enable' if v else 'disable'}()"]),
+    "gradient_checkpointing": Say(
+        lambda v, ctx: [f"{_root(ctx)}.{_ckpt_name()}_{'enable' if v else 'disable'}()"], context=True
+    ),
     "checkpoint_use_reentrant": Say(
-        lambda v: [f"model.{_ckpt_name()}_enable(", f"    {_ckpt_name()}_kwargs={{'use_reentrant': {bool(v)}}})"]
+        lambda v, ctx: [
+            f"{_root(ctx)}.{_ckpt_name()}_enable(",
+            f"    {_ckpt_name()}_kwargs={{'use_reentrant': {bool(v)}}})",
+        ],
+        context=True,
     ),
     "num_workers": Say(
         lambda v: [
@@ -361,15 +386,40 @@ def _device(ctx: dict[str, Any]) -> str:
     return str(ctx.get("device") or "cuda")
 
 
+#: the model inside DDP (`model.module`) or FSDP1's wrapper; the model itself in one process and under FSDP2
+UNWRAP = 'getattr(model, "module", model)'
+
+
+def _wrapped(ctx: dict[str, Any]) -> bool:
+    """Is the user's `model` possibly a DDP/FSDP wrapper? Said so by the run (its `parallel`, its ranks), or not
+    known (`analyze` of a trace: no run to ask), where the lines must work both ways."""
+    parallel = ctx.get("parallel")
+    return parallel not in (None, "none") or (ctx.get("world_size") or 1) > 1 or "device" not in ctx
+
+
+def _root(ctx: dict[str, Any]) -> str:
+    """How the user's code reaches the model's own attributes: `model`, or through a DDP wrapper."""
+    return UNWRAP if _wrapped(ctx) else "model"
+
+
 def _path(ctx: dict[str, Any], part: str, default: str) -> str:
-    """`model.<where the model keeps this part>`, as the run found it (api.describe_model)."""
-    return "model." + str((ctx.get("paths") or {}).get(part) or default)
+    """`model.<where the model keeps this part>`, as the run found it (own.model.describe_model), through a wrapper."""
+    return _root(ctx) + "." + str((ctx.get("paths") or {}).get(part) or default)
 
 
 def _sampler_loop(v: Any, ctx: dict[str, Any]) -> list[str]:
     if v != "length_bucketed":
         return ["DataLoader(..., shuffle=True)"]
     b = ctx.get("batch_size") or "batch_size"
+    if _wrapped(ctx):  # each rank keeps its own shard, as DistributedSampler gave it, with lengths grouped
+        return [
+            "from transformers.trainer_pt_utils import DistributedLengthGroupedSampler",
+            "# each sample's length; a collator that tokenizes: collate([x])",
+            'lengths = [len(x["input_ids"]) for x in ds]  # ds: your dataset',
+            "# in place of DistributedSampler: still a shard per rank, lengths grouped",
+            f"sampler = DistributedLengthGroupedSampler({b}, lengths=lengths)",
+            "DataLoader(..., sampler=sampler, shuffle=False)  # set_epoch() each epoch",
+        ]
     return [
         "from transformers.trainer_pt_utils import LengthGroupedSampler",
         "# each sample's length; a collator that tokenizes: collate([x])",

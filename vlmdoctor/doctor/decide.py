@@ -22,11 +22,27 @@ deviations: a load burst during one of its runs) is set aside before the interva
 keeps every ratio, so that can be checked.
 
 The decision, with the interval at `confidence` (two-sided 95% by default):
-    kept     when  lower bound > 1 + min_gain
-    harmful  when  upper bound < 1
-    no gain  when  upper bound < 1 + min_gain (it cannot pay what a config line costs) or
-                   no more pairs are allowed
+    kept     when  lower bound > 1 + min_gain, or every one of n >= `sign_pairs` pairs is above
+                   1 + min_gain (the sign test: a 2 x 0.5^n chance with no gain, 3.1% at n = 6)
+    harmful  when  upper bound < 1, or every one of n >= `sign_pairs` pairs is below 1
+    no gain  when  upper bound < 1 + min_gain (it cannot pay what a config line costs)
     undecided otherwise: another pair is measured while `max_pairs` and the time allow.
+
+Why the sign test beside the interval: one pair measured during a load burst (x2.4 among x1.14-1.31)
+widens the t-interval until it reaches 1, while every pair still says "gain"; the sign test reads
+only which side of the bar each pair is on, so one wild pair cannot hide a gain seen on all of them.
+It can only start to decide at `sign_pairs` pairs, and "all n on one side" cannot become true later
+once a pair fell on the other side, so its repeated looks add at most one test's error.
+
+At the limit (no more pairs: `max_pairs` or the time), an interval that is still open is never
+turned into "no gain": that would throw away a gain seen on every pair for want of time. It is
+    likely_gain  when every pair (2 at least) is above 1 + min_gain (the sign test's side, on
+                 fewer pairs than it needs to decide),
+    likely_loss  when every pair is below 1,
+    undecided    otherwise,
+with the evidence kept (`p_sign`: the chance that every pair falls on that side with no effect,
+0.5^n). "likely" is a decision under a budget, not a test at `confidence`: `treat` adopts a likely
+gain, says so, and never calls it kept. Its rate under no effect is in tests/test_decide.py.
 
 A large effect is decided on two pairs (`large_effect`): when both pair ratios are above 1.5 (or
 both below 1/1.5), the third pair is skipped (the t-interval of two pairs, t(1) = 12.7, is
@@ -61,6 +77,7 @@ class PairedOptions:
     min_pairs: int = 3  # the least evidence a decision is made on (two pairs' spread is often tiny by luck)
     max_pairs: int = 10  # adaptive extra pairs stop here
     large_effect: float = 1.5  # two pairs both beyond this factor (either way) decide without a third
+    sign: bool = True  # every one of `sign_pairs` pairs or more on one side decides too (the sign test)
 
 
 # --- Student t quantile, without scipy --------------------------------------------------------
@@ -165,20 +182,57 @@ def ratio_interval(
     return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
-def verdict(
-    ratios: Sequence[float], min_gain: float = 0.02, confidence: float = 0.95, final: bool = False
-) -> dict[str, Any]:
-    """kept / harmful / no_gain / undecided, with the interval that decided it.
+#: the fewest pairs a "likely" lean at the limit is read from: one pair has no side to agree with
+LEAN_MIN_PAIRS = 2
 
-    `final`: no more pairs will come, so an undecided interval is a no gain.
-    """
+
+def sign_pairs(confidence: float) -> int:
+    """The fewest pairs whose all lying on one side is evidence at `confidence` (two-sided sign test): 6 at 95%.
+
+    With no effect each pair falls on either side with chance 1/2, so all n on one given side has chance
+    0.5^n, and on either side 2 x 0.5^n; the least n with 2 x 0.5^n <= 1 - confidence."""
+    return math.ceil(math.log2(2 / (1 - confidence)))
+
+
+def lean(ratios: Sequence[float], min_gain: float) -> str:
+    """likely_gain / likely_loss / undecided: which way every pair points when no more pairs will come."""
+    if len(ratios) < LEAN_MIN_PAIRS:
+        return "undecided"
+    if all(r > 1 + min_gain for r in ratios):
+        return "likely_gain"
+    if all(r < 1 for r in ratios):
+        return "likely_loss"
+    return "undecided"
+
+
+def verdict(
+    ratios: Sequence[float],
+    min_gain: float = 0.02,
+    confidence: float = 0.95,
+    final: bool = False,
+    sign: bool = True,
+) -> dict[str, Any]:
+    """kept / harmful / no_gain / undecided, with the interval (or the sign test) that decided it.
+
+    `final`: no more pairs will come, so an interval still open is read for its lean (likely_gain,
+    likely_loss), never called no gain. `sign`: the sign test decides beside the interval."""
     ratio, lo, hi = ratio_interval(ratios, confidence)
+    n = len(ratios)
+    signed = sign and n >= sign_pairs(confidence)
+    how = "t-interval"
     if lo > 1 + min_gain:
         outcome = "kept"
+    elif signed and all(r > 1 + min_gain for r in ratios):
+        outcome, how = "kept", f"sign test: all {n} pairs above x{1 + min_gain:g}"
     elif hi < 1:
         outcome = "harmful"
-    elif hi < 1 + min_gain or final:
+    elif signed and all(r < 1 for r in ratios):
+        outcome, how = "harmful", f"sign test: all {n} pairs below x1"
+    elif hi < 1 + min_gain:
         outcome = "no_gain"
+    elif final:
+        outcome = lean(ratios, min_gain)
+        how = "every pair's side, at the limit" if outcome != "undecided" else how
     else:
         outcome = "undecided"
     return {
@@ -187,10 +241,64 @@ def verdict(
         "gain": ratio - 1,
         "ci_low": lo,
         "ci_high": hi,
+        "pairs": n,
+        "ratios": list(ratios),
+        "confidence": confidence,
+        "min_gain": min_gain,
+        "how": how,
+        "p_sign": 0.5**n,
+    }
+
+
+def pooled_log_sd(groups: Sequence[Sequence[float]]) -> tuple[float, int] | None:
+    """The spread of one pair's log ratio, pooled over comparisons: (sd, degrees of freedom), None with none.
+
+    Each comparison of n >= 2 pairs gives n - 1 degrees of freedom about its own mean (its effect is
+    its own; the noise of a pair is the host's). Used where an arm has too few pairs to estimate its own
+    spread (an ablation arm the time left at one pair): the assumption, said where it is used, is that
+    the pairs of one treatment share one noise level."""
+    ss, df = 0.0, 0
+    for g in groups:
+        if len(g) < 2:
+            continue
+        logs = [math.log(r) for r in g]
+        m = statistics.fmean(logs)
+        ss += sum((x - m) ** 2 for x in logs)
+        df += len(logs) - 1
+    return (math.sqrt(ss / df), df) if df else None
+
+
+def pooled_verdict(
+    ratios: Sequence[float], pooled: tuple[float, int], min_gain: float = 0.02, confidence: float = 0.95
+) -> dict[str, Any]:
+    """The verdict of a few pairs whose spread is the treatment's pooled one: exp(mean +- t(df) sd / sqrt(n)).
+
+    Open intervals are read for their lean, as at the limit: no more pairs come for these arms."""
+    sd, df = pooled
+    logs = [math.log(r) for r in ratios]
+    mean = statistics.fmean(logs)
+    half = t_quantile(1 - (1 - confidence) / 2, df) * sd / math.sqrt(len(logs))
+    lo, hi = math.exp(mean - half), math.exp(mean + half)
+    if lo > 1 + min_gain:
+        outcome = "kept"
+    elif hi < 1:
+        outcome = "harmful"
+    elif hi < 1 + min_gain:
+        outcome = "no_gain"
+    else:
+        outcome = lean(ratios, min_gain)
+    return {
+        "outcome": outcome,
+        "ratio": math.exp(mean),
+        "gain": math.exp(mean) - 1,
+        "ci_low": lo,
+        "ci_high": hi,
         "pairs": len(ratios),
         "ratios": list(ratios),
         "confidence": confidence,
         "min_gain": min_gain,
+        "how": f"sd pooled over the treatment's pairs ({df} degrees of freedom)",
+        "p_sign": 0.5 ** len(ratios),
     }
 
 
@@ -266,6 +374,8 @@ def interleaved(
     notify: Callable[[str], None] = lambda _: None,
     on_round: Callable[[dict[str, ArmResult]], None] = lambda _: None,
     value: Callable[[Report], float | None] = throughput,
+    reserve_s: float = 0.0,
+    first_s: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """Measure the arms in rounds, each arm once per round, and decide each candidate against the reference.
 
@@ -280,17 +390,24 @@ def interleaved(
     (OOM, crash, timeout) leaves the comparison with that outcome; when the reference fails, nothing
     can be decided. `on_round` sees the results after every round (treat uses it to keep what was
     measured on Ctrl-C). `value` reads a run's throughput from its report (None: the run failed); the
-    gate takes the median step.
+    gate takes the median step. `reserve_s`: seconds of `time_left()` kept for later work (treat's
+    ablation), spent here only while some undecided candidate has shown a gain on every pair so far:
+    that comparison is the one worth finishing. `first_s`: the seconds each `first` report took, so
+    that the next round is sized from it.
+
+    A candidate left with fewer than `min_pairs` pairs (2 at least) is read for its lean
+    (`verdict`'s likely_gain / likely_loss) unless the caller judges; a pair never decides alone.
     """
     early = judge is None  # a large effect may be decided on two pairs (not by a caller's own judge)
     if judge is None:
 
         def judge(ratios: list[float], final: bool) -> dict[str, Any]:
-            return verdict(ratios, opts.min_gain, opts.confidence, final)
+            return verdict(ratios, opts.min_gain, opts.confidence, final, opts.sign)
 
     names = [reference, *[n for n in arms if n != reference]]
     res = {n: ArmResult(n, [], []) for n in names}
-    next_s: dict[str, float] = {}  # each arm's expected time for its next run
+    # each arm's expected time for its next run (a `first` report's from what it took)
+    next_s = {n: next_run_s(s, (first or {})[n]) for n, s in (first_s or {}).items() if n in (first or {})}
     rounds = 0
     decisions: dict[str, dict[str, Any]] = {}
     while True:
@@ -304,7 +421,9 @@ def interleaved(
         order = [n for n in names if n == reference or n in undecided]
         known = statistics.fmean(next_s.values()) if next_s else 0.0  # an arm reused from `first` has no timing
         round_s = sum(next_s.get(n, known) for n in order)
-        if rounds >= opts.max_pairs or time_left() <= 0 or (rounds > 0 and round_s > time_left()):
+        gaining = any(rounds and all(r > 1 for r in _ratios(res[n], res[reference], contribution)) for n in undecided)
+        avail = time_left() - (0.0 if gaining else reserve_s)
+        if rounds >= opts.max_pairs or time_left() <= 0 or (rounds > 0 and round_s > avail):
             break  # the time budget is a hard limit, also before min_pairs: then there is no decision
         k = rounds % len(order)
         order = order[k:] + order[:k]
@@ -352,12 +471,13 @@ def interleaved(
             if decisions.get(n, {}).get("outcome", "undecided") != "undecided" and len(ratios) < opts.min_pairs:
                 out["decisions"][n] = decisions[n]  # a large effect, decided on two pairs
             elif len(ratios) < opts.min_pairs:
-                out["decisions"][n] = {
-                    "outcome": "undecided",
-                    "pairs": len(ratios),
-                    "ratios": ratios,
-                    "why": f"{len(ratios)} pair(s) measured before the time ran out",
-                }
+                why = {"why": f"{len(ratios)} pair(s) measured before the time ran out"}
+                if early and len(ratios) >= LEAN_MIN_PAIRS:  # too few to decide: read for its lean
+                    out["decisions"][n] = verdict(ratios, opts.min_gain, opts.confidence, True, False) | why
+                    if out["decisions"][n]["outcome"] not in ("likely_gain", "likely_loss"):
+                        out["decisions"][n]["outcome"] = "undecided"  # never kept or dropped on so few
+                else:
+                    out["decisions"][n] = {"outcome": "undecided", "pairs": len(ratios), "ratios": ratios} | why
             else:
                 out["decisions"][n] = judge(ratios, True)
     return out

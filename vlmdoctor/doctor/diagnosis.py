@@ -11,9 +11,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vlmdoctor.doctor.rules import diagnose, load_rules
-from vlmdoctor.errors import VlmdoctorError
+from vlmdoctor.doctor.rules import account_verdicts, diagnose, in_apply_order, load_rules, rank_findings
+from vlmdoctor.errors import UsageError, VlmdoctorError
+from vlmdoctor.run.zoo import refuse_composite_only
+from vlmdoctor.trace.accounts import step_accounts
 from vlmdoctor.trace.facts import analyze, merge_measured
+from vlmdoctor.trace.split import step_split
 
 
 def remove_temporary_trace(report: dict[str, Any]) -> None:
@@ -66,6 +69,23 @@ def measured_from_trace(entry: dict[str, Any]) -> dict[str, Any]:
     return entry
 
 
+def cover_rank_accounts(result: dict[str, Any]) -> None:
+    """Each rank's account verdicts again, in place, with the findings on the joined ranks (`cross_rank.diagnosis`).
+
+    A rank that waits for a straggler holds that wait in its own accounts (idle.host.ranks, busy.communication),
+    but its cause is on the other rank, so no rule on its own facts names it: the job's finding does. Call it once
+    every rank and the joined ranks are diagnosed, as `vlmdoctor analyze` of a rank folder does.
+    """
+    job = (result.get("cross_rank") or {}).get("diagnosis")
+    if not job:
+        return
+    covering = job["findings"] + job["superseded"] + job["muted"]
+    for entry in result["files"]:
+        d = entry.get("diagnosis")
+        if d and "trace.error" not in entry["facts"]:
+            d["accounts"] = account_verdicts(entry["facts"], d["findings"] + d["superseded"] + d["muted"], covering)
+
+
 def examine(
     report: dict[str, Any], rules_dirs: Sequence[str] = (), prescribe: bool = True, selection: Any = None
 ) -> dict[str, Any]:
@@ -78,9 +98,6 @@ def examine(
         return report
     report["facts"] = facts
     if "trace.error" not in facts:
-        from vlmdoctor.trace.accounts import step_accounts
-        from vlmdoctor.trace.split import step_split
-
         report["split"] = step_split(facts)
         report["accounts"] = step_accounts(facts)
     if prescribe and "trace.error" not in facts:
@@ -94,8 +111,6 @@ def examine(
 
 def _set_aside_refused(diagnosis: dict[str, Any], model: str | None) -> None:
     """Findings whose knobs the run's preset refuses (composite-only knobs on a native class) do not apply."""
-    from vlmdoctor.errors import UsageError
-    from vlmdoctor.run.zoo import refuse_composite_only
 
     if not model:
         return
@@ -109,7 +124,5 @@ def _set_aside_refused(diagnosis: dict[str, Any], model: str | None) -> None:
                 {"id": f["id"], "why": e.message, "measured": True, "evidence": f["evidence"]}
             )
     if len(kept) < len(diagnosis["findings"]):  # numbered again: ranks and the order of application stay 1..n
-        from vlmdoctor.doctor.rules import in_apply_order, rank_findings
-
         kept = rank_findings(in_apply_order(kept))
     diagnosis["findings"] = kept

@@ -5,7 +5,7 @@ run.stage == 2`), parsed with Python's `ast` and evaluated by walking only white
 comparisons, and/or/not, arithmetic, literals, a few math functions. There is no `eval`.
 A rule that needs a fact the trace does not hold is reported as not evaluated, never as fired.
 
-A finding's severity follows its expected gain (`GAIN_SEVERITY`, capped by the rule's own
+A finding's severity follows its expected gain (doctor/gain.py, capped by the rule's own
 `severity`), and findings are listed biggest expected gain first (`rank`); the layer (1 precision
 ... 5 system tuning) is the order in which the fixes are applied (`apply_order`). A finding whose
 config patch contradicts or repeats an earlier-applied one's, or that names it under `conflicts`,
@@ -20,20 +20,24 @@ import math
 import operator
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from vlmdoctor.doctor.gain import SEVERITIES, gain_ratio, gain_severity
 from vlmdoctor.errors import UsageError
+from vlmdoctor.inputs import read_yaml
 from vlmdoctor.run.config import LAYER_NAMES, RunConfig
 from vlmdoctor.trace import catalog
 from vlmdoctor.trace.accounts import ACCOUNT_IDS, WORK, step_accounts
+from vlmdoctor.trace.families.idle import SYNC_CODE
 
 
 def _builtin_rules_dir() -> Path:
     """The shipped rules: package data in an installed wheel, the top-level rules/ in a source checkout."""
-    from importlib import resources
 
     try:
         found = resources.files("vlmdoctor.builtin_rules")
@@ -46,12 +50,11 @@ def _builtin_rules_dir() -> Path:
 
 
 RULES_DIR = _builtin_rules_dir()
-SEVERITIES = ("high", "medium", "low")
-#: a finding's severity from its expected throughput ratio (x1.25: a quarter more tokens/s); below: low.
-#: A rule's own `severity` caps it; a finding whose gain cannot be computed keeps the rule's severity.
-GAIN_SEVERITY = (("high", 1.25), ("medium", 1.05))
 #: an account of the step this large gets a word in every diagnosis: a finding, or "no prescription known"
 MIN_ACCOUNT_SHARE = 0.05
+#: how a finding's evidence says that one of its rule's `contradicted_by` checks holds: its title is contradicted
+#: by the run's own facts (bench/rule_precision.py counts these over the corpus; the target is none)
+CONTRADICTED = "contradicted by its own evidence: "
 FUNCTIONS = {"min": min, "max": max, "floor": math.floor, "ceil": math.ceil, "round": round, "abs": abs}
 HAS = "has"  # has(fact.name): whether the trace measured it; never "not evaluated" (see rules/README.md)
 #: how many positional arguments each function takes (no keywords)
@@ -132,6 +135,8 @@ class Rule:
     sources: list[str] = field(default_factory=list)
     detects: str = ""
     accounts: list[str] = field(default_factory=list)  # the step's accounts (trace/accounts.py) its fix speaks to
+    #: the facts that would contradict the title: each {when: expression, says: text with {fact} placeholders}
+    contradicted_by: list[dict[str, str]] = field(default_factory=list)
 
     @property
     def uses_dist(self) -> bool:
@@ -147,6 +152,8 @@ class Rule:
         ]
         exprs += [v for v in self.patch.values() if isinstance(v, str) and _looks_like_expr(v)]
         exprs += [m.group(1) for e in self.evidence for m in _PLACEHOLDER.finditer(e)]
+        for c in self.contradicted_by:
+            exprs += [c["when"], *(m.group(1) for m in _PLACEHOLDER.finditer(c["says"]))]
         return {n for e in exprs if e for n in _names(_parse(e, self)) if not n.isupper()}
 
 
@@ -446,6 +453,7 @@ def _rule_from(path: Path, data: Any) -> Rule:
         raise RuleError(f"{path}: layer must be 1-5 (1 precision ... 5 system tuning), got {rule.layer!r}")
     if rule.severity not in SEVERITIES:
         raise RuleError(f"{path}: severity must be one of {', '.join(SEVERITIES)}")
+    _check_contradictions(rule, path)
     gains = _alternatives(rule.gain.get("saves_ms")) + _alternatives(rule.gain.get("speedup"))
     for c in (rule.when, rule.unless, *gains):
         if c:
@@ -469,6 +477,38 @@ def _rule_from(path: Path, data: Any) -> Rule:
     if set(rule.patch) - knobs:
         raise RuleError(f"{path}: rule {rule.id} patches unknown knob(s) {', '.join(sorted(set(rule.patch) - knobs))}")
     return rule
+
+
+def _check_contradictions(rule: Rule, path: Path) -> None:
+    """`contradicted_by`: a list of {when, says}, each `when` an expression over known facts and rule constants."""
+    if not isinstance(rule.contradicted_by, list) or not all(
+        isinstance(c, dict) and set(c) == {"when", "says"} and all(isinstance(v, str) for v in c.values())
+        for c in rule.contradicted_by
+    ):
+        raise RuleError(f"{path}: rule {rule.id}: contradicted_by must be a list of {{when: expression, says: text}}")
+    for c in rule.contradicted_by:
+        names = _names(_parse(c["when"], rule))
+        bad = sorted(n for n in names if not n.isupper() and not any(p.fullmatch(n) for p in KNOWN_FACTS))
+        undefined = sorted(n for n in names if n.isupper() and n not in rule.constants)
+        if bad or undefined:
+            unknown = ", ".join(bad + undefined)
+            raise RuleError(f"{path}: rule {rule.id}: contradicted_by uses unknown fact(s) or constant(s) {unknown}")
+
+
+def contradictions(rule: Rule, env: dict[str, Any]) -> list[str]:
+    """What of a finding's own facts contradicts its title: each `contradicted_by` check that holds, in words.
+
+    A check whose facts the trace lacks cannot contradict anything and is skipped.
+    """
+    out = []
+    for c in rule.contradicted_by:
+        try:
+            holds = bool(_eval(_tree(c["when"]), env))
+        except _Missing:
+            continue
+        if holds:
+            out.append(_render(c["says"], env))
+    return out
 
 
 def _check_values(rule: Rule, path: Path) -> None:
@@ -515,8 +555,6 @@ def load_rules(*dirs: str | Path) -> tuple[list[Rule], list[str]]:
                 problems.append(f"{path}: not a file")
                 continue
             try:
-                from vlmdoctor.inputs import read_yaml
-
                 rule = _rule_from(path, read_yaml(path, "rule file"))
             except UsageError as e:
                 problems.append(e.message)
@@ -564,6 +602,9 @@ def _fmt(value: Any, spec: str | None) -> str:
     why = check_spec(spec)
     if why:
         raise RuleEvalError(why)
+    if isinstance(value, list) and value and all(isinstance(v, dict) and "code" in v for v in value):
+        # whose code synced (idle.sync.by_code): each with its idle time and calls
+        return _cut(", ".join(f"{v['code']} {v.get('ms', 0):.1f} ms (x{v.get('calls', 0):g})" for v in value[:5]))
     if isinstance(value, list) and value and all(isinstance(v, dict) and "op" in v for v in value):
         # host ops: the top five with their time or call count
         return _cut(
@@ -681,10 +722,13 @@ def diagnose(
     }
 
 
-def account_verdicts(facts: dict[str, Any], findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def account_verdicts(
+    facts: dict[str, Any], findings: list[dict[str, Any]], job: Sequence[dict[str, Any]] = ()
+) -> list[dict[str, Any]]:
     """Every account of the step that holds at least MIN_ACCOUNT_SHARE of it, with what the diagnosis says of it:
     the findings that speak to it, or that it is the step's own work, or that no prescription is known. No cost of
-    that size goes unnamed."""
+    that size goes unnamed. `job`: the findings on the joined ranks, for one rank's accounts: a rank's wait for the
+    others is caused on another rank, so only the job's finding (the straggler's loader, its extra tokens) names it."""
     acc = step_accounts(facts)
     if acc is None:
         return []
@@ -694,6 +738,7 @@ def account_verdicts(facts: dict[str, Any], findings: list[dict[str, Any]]) -> l
         if row["share"] < MIN_ACCOUNT_SHARE:
             continue
         named = [f["id"] for f in findings if row["account"] in f.get("accounts", ())]
+        named += [f["id"] for f in job if row["account"] in f.get("accounts", ()) and f["id"] not in named]
         verdict = "prescribed" if named else "work" if row["account"] in WORK else "no prescription known"
         out.append(
             {
@@ -728,6 +773,10 @@ def _where(facts: dict[str, Any]) -> dict[str, list[str]]:
         cause = row.get("cause") if isinstance(row, dict) else None
         if isinstance(cause, str) and len(out.get(f"idle.host.{cause}", [])) < 3:
             out.setdefault(f"idle.host.{cause}", []).append(f"{row['op']} {row['ms']:,.1f} ms")
+    for row in facts.get("idle.sync.by_code") or []:  # the sync account: whose code made the syncs
+        if isinstance(row, dict) and isinstance(row.get("ms"), (int, float)) and row["ms"] > 0:
+            code = row.get("code")
+            out.setdefault("idle.sync", []).append(f"{SYNC_CODE.get(code, code)} {row['ms']:,.1f} ms")
     return out
 
 
@@ -750,7 +799,7 @@ def _fire(
                     "(analyze a folder of per-rank traces)",
                 }
             )
-        elif facts.get("trace.cpu_only") and GPU_ONLY.fullmatch(m.name):
+        elif facts.get("trace.cpu_only") and catalog.gpu_only(m.name):
             not_applicable.append(
                 {"id": rule.id, "why": f"needs {m.name}, a fact of GPU runs (this trace ran on the CPU)"}
             )
@@ -805,7 +854,7 @@ def _fire(
         "severity": severity,
         "severity_from": basis,
         "rule_severity": rule.severity,
-        "evidence": _evidence(rule, env),
+        "evidence": _evidence(rule, env) + [CONTRADICTED + c for c in contradictions(rule, env)],
         "fix": rule.fix,
         "config_patch": patch,
         "expected_gain": {
@@ -822,29 +871,6 @@ def _fire(
         "conflicts": rule.conflicts,
         "accounts": list(rule.accounts),
     }
-
-
-def gain_ratio(gain: dict[str, Any] | None) -> float | None:
-    """The expected throughput ratio of a finding (x1.25: a quarter more tokens/s), or None where not computable.
-
-    A speedup where the rule gives one, else the saved share of the step (1 / (1 - share)).
-    """
-    gain = gain or {}
-    x = gain.get("throughput_x")
-    if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0:
-        return float(x)
-    share = gain.get("share_of_step")
-    if isinstance(share, (int, float)) and not isinstance(share, bool) and math.isfinite(share) and share < 1:
-        return 1 / (1 - share)
-    return None
-
-
-def gain_severity(ratio: float | None, cap: str) -> tuple[str, str]:
-    """(severity, "gain" or "rule"): the severity the expected gain earns, never above the rule's own."""
-    if ratio is None:
-        return cap, "rule"
-    earned = next((sev for sev, at_least in GAIN_SEVERITY if ratio >= at_least), "low")
-    return max(earned, cap, key=SEVERITIES.index), "gain"
 
 
 def rank_findings(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -885,12 +911,3 @@ def _gain(rule: Rule, key: str, env: dict[str, Any]) -> float | None:
         if math.isfinite(value):
             return value
     return None
-
-
-#: facts only GPU kernels give: on a CPU-only trace a rule that needs one does not apply (it is not unmeasured)
-GPU_ONLY = re.compile(
-    r"(gpu|kernels|idle|cudnn_plan|launch|liger|gemm|phase|memcpy|recompute|triton_compiled|optimizer|device|casts)\..*"
-    r"|attention\.(fp32_kernels|kernel_share|[a-z]+\.(forward|backward|recompute)_ms|[a-z]+\.head_dim.*)"
-    r"|part\.[a-z_]+\.(ms|share|forward_ms|backward_ms|recompute_ms)|part\.fp32_gemm_parts"
-    r"|memory\.live\..*"
-)

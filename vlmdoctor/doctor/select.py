@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from vlmdoctor.doctor.gain import SEVERITIES
 from vlmdoctor.errors import UsageError
 from vlmdoctor.run.config import LAYER_NAMES
 
@@ -47,8 +48,6 @@ def suggest(token: str, candidates: Sequence[str], n: int = 3) -> list[str]:
 
 def check_tokens(tokens: Sequence[str], rule_ids: Sequence[str], where: str) -> None:
     """Every token names a rule (or a glob of ids), a layer or a severity; else one line with the closest names."""
-    from vlmdoctor.doctor.rules import SEVERITIES
-
     words = [*layer_aliases(), *SEVERITIES]
     for t in tokens:
         if t in rule_ids or t in words:

@@ -20,22 +20,34 @@ import os
 from pathlib import Path
 from typing import Any
 
+from vlmdoctor.doctor.gain import SEVERITIES
 from vlmdoctor.errors import UsageError
+from vlmdoctor.inputs import read_text
 
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-#: every key the table may hold: (what it takes, in words)
 MAX_TOML_BYTES = 2**22  # a pyproject.toml is a few KB
+#: the gate's thresholds where neither the command line nor the table sets one: the severity of a new finding
+#: that fails it, the real tokens/s drop allowed, the peak memory growth allowed
+FAIL_ON = "high"
+MAX_REGRESSION = 0.05
+MAX_MEMORY_GROWTH = 0.10
+#: the gate's significance level of the Mann-Whitney U test on per-step throughput (`--alpha`; not in the table)
+ALPHA = 0.01
+#: the paired gate's runs (`--remeasure-baseline`; not in the table): pairs before any verdict, and at most
+MIN_PAIRS = 3
+MAX_PAIRS = 16
+#: every key the table may hold: (what it takes, in words)
 KEYS = {
     "select": "rule ids, layers or severities",
     "ignore": "rule ids, layers or severities",
     "extend-ignore": "rule ids, layers or severities (added to ignore)",
     "rules": "folders of rule files",
     "extend-rules": "folders of rule files (added to rules)",
-    "fail-on": "high, medium or low",
+    "fail-on": f"{', '.join(SEVERITIES[:-1])} or {SEVERITIES[-1]}",
     "max-regression": "a fraction, 0 to 1",
     "max-memory-growth": "a fraction, 0 to 100",
 }
@@ -62,8 +74,6 @@ def find_pyproject(start: str | os.PathLike | None = None) -> Path | None:
 
 def _load(path: Path) -> dict[str, Any]:
     """One pyproject.toml, parsed by the one TOML parser (tomllib); an unreadable or invalid one said."""
-    from vlmdoctor.inputs import read_text
-
     try:
         return tomllib.loads(read_text(path, "pyproject.toml", max_bytes=MAX_TOML_BYTES))
     except tomllib.TOMLDecodeError as e:
@@ -109,8 +119,8 @@ def read_settings(path: str | os.PathLike) -> dict[str, Any]:
         elif key in ("rules", "extend-rules"):
             out.setdefault("rules", []).extend(str(path.parent / d) for d in _strings(path, key, value))
         elif key == "fail-on":
-            if value not in ("high", "medium", "low"):
-                raise UsageError(f"{path}: [tool.vlmdoctor] fail-on must be high, medium or low, got {value!r}")
+            if value not in SEVERITIES:
+                raise UsageError(f"{path}: [tool.vlmdoctor] fail-on must be {KEYS[key]}, got {value!r}")
             out["fail-on"] = value
         else:
             out[key] = _number(path, key, value, 1 if key == "max-regression" else 100)

@@ -1,34 +1,37 @@
-"""Compose the prescriptions, verify the composition, confirm each change by ablation.
+"""Compose the prescriptions, verify the composition, measure each change's own worth by ablation.
 
 A doctor whose advice is never checked is a blog post. Trying prescriptions one at a time (what
 `treat` did first) spends a whole time budget on the first few rungs and judges each change
 in a config where the others are missing (bf16 weights measured no gain at batch 4, where the
-step was host-bound, and +30% at batch 48). So a round of `treat`:
+step was host-bound, and +30% at batch 48). So `treat` is a state machine (`_Treatment`; each
+visit, its seconds and runs are kept in the result's `states` and `budget`):
 
-1. diagnoses the current config and applies every prescription it supports at once, in layer
-   order (a finding the diagnosis marked superseded stays out); where two findings are declared
-   alternatives (torch.compile and Liger's kernels), both compositions are built and measured;
-2. compares each composition with the current config on paired evidence
-   (`vlmdoctor.doctor.decide`: interleaved fresh-process runs, a t-interval on the paired
-   ratio) and adopts the best one that is kept;
-3. re-diagnoses the adopted config and repeats while prescriptions, time and `--max-trials` last.
-   Before it stops for want of prescriptions, the adopted config is run once more with a trace and
-   diagnosed again (one diagnosed run decides whether a noisy threshold trips: on the H100 the 0.5b
-   batch-22 config ran 82-86% GPU busy against the batch rule's 85%), and wherever the measured
-   peak memory leaves room for a larger batch, the batch ceiling is probed (`MemoryModel`) whatever
-   the busy share says;
-4. then confirms each adopted change by leave-one-out ablation in the final config: the final
-   config minus that change, paired against the final config. A change whose own contribution is
-   shown to stay below `min_gain` is dropped; one whose interval the time or the pairs left open
-   stays, marked undecided (the composition it came in was measured to pay).
+1. start: the start config measured and diagnosed;
+2. compose: every prescription the diagnosis supports applied at once, in layer order (a finding
+   the diagnosis marked superseded stays out); where two findings are declared alternatives
+   (torch.compile and Liger's kernels), both compositions are built and measured;
+3. size (where runs measure memory): each composition's batch sized in its own round, from the
+   memory its first run measured (`MemoryModel`, bisected on out of memory), not a round later;
+4. compare: each composition against the current config on paired evidence
+   (`vlmdoctor.doctor.decide`: interleaved fresh-process runs, a t-interval and a sign test on
+   the paired ratio) and adopt the best one that is kept or likely; then compose again;
+5. rediagnose: before it stops for want of prescriptions, the adopted config is run once more with
+   a trace and diagnosed again (one diagnosed run decides whether a noisy threshold trips: on the
+   H100 the 0.5b batch-22 config ran 82-86% GPU busy against the batch rule's 85%), and wherever
+   the measured peak memory leaves room for a larger batch, the batch ceiling is probed;
+6. ablate: each adopted change's own contribution by leave-one-out in the final config, every
+   change given a pair where the time holds one each (a share of the budget is kept for it once a
+   change is adopted: `reserve`), few pairs judged with the treatment's pooled spread. A change
+   shown to stay below `min_gain` is dropped; one whose interval is still open stays.
 
-"kept" means the paired interval excludes no gain (its lower bound is above 1). A composition taken
-on two pairs both beyond 1.5x (`decide.large_effect`, to save a third run of a slow config) whose
-two-pair interval still reaches below 1 is "adopted": the ladder moves on with it, and its changes
-are undecided until an ablation decides them.
+"kept" means the gain is shown (the interval's lower bound above 1, or the sign test). A
+composition taken on two pairs both beyond 1.5x (`decide.large_effect`) whose interval still
+reaches below 1, or a likely gain at the limit (every pair above the bar, too few to decide), is
+"adopted": the ladder moves on with it and its changes stay for the ablation to measure.
 
-A trial is one arm of a comparison (a composition, or one ablation). Ctrl-C ends the treatment
-and keeps what was measured.
+A trial is one arm of a comparison (a composition, or one ablation); each keeps the rules' expected
+gain beside the measured one (`expected_x`, and the result's `calibration`). Ctrl-C ends the
+treatment and keeps what was measured.
 """
 
 from __future__ import annotations
@@ -42,7 +45,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vlmdoctor import SCHEMA_VERSION, __version__
-from vlmdoctor.doctor.decide import ArmResult, PairedOptions, interleaved, throughput
+from vlmdoctor.doctor.decide import (
+    ArmResult,
+    interleaved,
+    pooled_log_sd,
+    pooled_verdict,
+    throughput,
+)
+from vlmdoctor.doctor.treat_options import TreatOptions  # the limits, declared in a light module
 from vlmdoctor.errors import EXIT_USAGE, UsageError
 from vlmdoctor.run.config import RunConfig
 
@@ -74,21 +84,19 @@ BROKEN_WITHOUT = {
 NOT_ABLATED = "not ablated: --max-trials or the time budget left no room"
 #: a one-change composition adopted on two pairs whose interval still reaches below 1: the ablation may decide it
 ADOPTED_OPEN = "the composition, adopted on two pairs beyond 1.5x; its interval does not exclude no gain"
-
-
-@dataclass
-class TreatOptions:
-    max_trials: int = 24
-    time_budget_s: float | None = 540.0  # 9 minutes: with the runs' own limit, one treatment ends within 10
-    min_gain: float = 0.02
-    trial_timeout_s: float = 900.0
-    rules_dirs: list[str] = field(default_factory=list)
-    confidence: float = 0.95
-    min_pairs: int = 3
-    max_pairs: int = 6
-
-    def paired(self) -> PairedOptions:
-        return PairedOptions(self.min_gain, self.confidence, self.min_pairs, self.max_pairs)
+#: a one-change composition adopted as a likely gain at the limit (every pair above the bar, too few to decide)
+ADOPTED_LIKELY = "the composition, adopted as a likely gain: every pair above the bar, too few pairs to decide"
+#: the contributions the final ablation measures: what no comparison of that change alone decided
+TO_ABLATE = (NOT_ABLATED, ADOPTED_OPEN, ADOPTED_LIKELY)
+#: what a comparison left open at its limit leans to (decide.lean)
+LIKELY = ("likely_gain", "likely_loss")
+#: the least degrees of freedom of the treatment's pooled spread before an ablation arm with fewer than min_pairs
+#: pairs is judged with it (two comparisons of three pairs): below, its few pairs stay undecided or likely
+POOLED_MIN_DF = 4
+#: the most runs a composition's batch sizing takes: its first run, one raised to the ceiling, one bisection
+SIZE_MAX_RUNS = 3
+#: a rule's estimate this far from the measured ratio, either way, is called far off in the calibration
+FAR_OFF = 1.25
 
 
 def tokens(report: dict[str, Any]) -> list[float]:
@@ -363,7 +371,7 @@ def _outcome(decision: dict[str, Any], arm: ArmResult) -> str:
     o = decision.get("outcome", "error")
     failed = arm.failed or {}
     if (
-        o not in ("kept", "harmful", "no_gain", "undecided", "reference_failed")
+        o not in ("kept", "harmful", "no_gain", "undecided", *LIKELY, "reference_failed")
         and failed.get("status") == "error"
         and (failed.get("error") or {}).get("exit_code") == EXIT_USAGE
     ):
@@ -371,12 +379,31 @@ def _outcome(decision: dict[str, Any], arm: ArmResult) -> str:
     return o
 
 
+def _shown(decision: dict[str, Any]) -> bool:
+    """A kept decision that excludes no gain: its interval's lower bound above 1, or the sign test."""
+    by_sign = str(decision.get("how") or "").startswith("sign test")
+    return decision.get("outcome") == "kept" and ((decision.get("ci_low") or 0.0) > 1 or by_sign)
+
+
 def _adopted(outcome: str, decision: dict[str, Any]) -> str:
-    """ "kept" only when the interval excludes no gain; a large effect decided on two pairs whose interval does
-    not is "adopted": the ladder moves on with it, without calling it shown."""
-    if outcome == "kept" and (decision.get("ci_low") or 0.0) <= 1:
+    """ "kept" only when the gain is shown; a large effect decided on two pairs whose interval does not exclude
+    no gain, or a likely gain at the limit (every pair above the bar, too few to decide), is "adopted": the
+    ladder moves on with it, without calling it shown."""
+    if (outcome == "kept" and not _shown(decision)) or outcome == "likely_gain":
         return "adopted"
     return outcome
+
+
+def _likely_why(decision: dict[str, Any]) -> dict[str, Any]:
+    """The words a likely gain is adopted with: its evidence, and that it is not shown."""
+    if decision.get("outcome") != "likely_gain":
+        return {}
+    n, bar = decision["pairs"], 1 + decision["min_gain"]
+    words = (
+        f"likely gain: all {n} pairs above x{bar:g} (a {0.5**n:.0%} chance with no effect); "
+        f"the {decision['confidence']:.0%} interval does not exclude no gain"
+    )
+    return {"why": "; ".join(w for w in (decision.get("why"), words) if w)}
 
 
 def _nothing_left(out: dict[str, Any], found: list[dict[str, Any]], cfg: RunConfig, mem: MemoryModel) -> str:
@@ -406,6 +433,62 @@ def _nothing_left(out: dict[str, Any], found: list[dict[str, Any]], cfg: RunConf
     return "; ".join(parts)
 
 
+# --- the treatment as a state machine ------------------------------------------------------------------
+
+#: the states of a treatment; each visit is kept in the result (`states`) with its round, seconds and runs
+START = "start"  # measure and diagnose the start config
+COMPOSE = "compose"  # build the round's compositions from the current diagnosis (no run)
+SIZE = "size"  # run each composition once and size its batch from the memory that run measured
+COMPARE = "compare"  # paired runs of the compositions against the current config; adopt the best
+REDIAGNOSE = "rediagnose"  # nothing new to try: the adopted config diagnosed again, with a trace
+ABLATE = "ablate"  # each adopted change's own contribution, leave-one-out in the final config
+DONE = "done"
+#: why a treatment stopped, as a code beside `stopped_because`'s sentence
+STOP_NOTHING_LEFT = "nothing_left"
+STOP_TIME = "time_budget"
+STOP_TRIALS = "max_trials"
+STOP_START_FAILED = "start_failed"
+STOP_INTERRUPTED = "interrupted"
+#: the decision rule, in the words treat.json keeps
+DECISION_RULE = (
+    "paired: candidate and current run alternately in fresh processes; the ratio candidate/current of each "
+    "pair; kept when the lower bound of the t-interval on the mean log ratio is above 1 + min_gain, or when "
+    "every one of 6 or more pairs (the sign test at 95%) is; harmful when its upper bound is below 1 (or every "
+    "such pair is); no gain when its upper bound is below 1 + min_gain; at the limit, an open interval with "
+    "every pair above 1 + min_gain is a likely gain, adopted but not kept; changes of an adopted composition "
+    "are measured by leave-one-out ablation in the final config"
+)
+
+
+@dataclass
+class Machine:
+    """The states a treatment passed through: each visit's round, start, seconds, runs and the state it led to,
+    and the seconds spent per state (the treat result's `states` and `budget.spent_s`)."""
+
+    t0: float
+    runs: Callable[[], int]
+    visits: list[dict[str, Any]] = field(default_factory=list)
+    runs_at: int = 0
+
+    def enter(self, state: str, round_: int) -> None:
+        self.close()
+        self.runs_at = self.runs()
+        self.visits.append({"state": state, "round": round_, "started_s": time.time() - self.t0, "spent_s": 0.0})
+
+    def close(self) -> None:
+        """The open visit's seconds and runs so far (called again, it counts again from its start)."""
+        if self.visits:
+            v = self.visits[-1]
+            v["spent_s"] = time.time() - self.t0 - v["started_s"]
+            v["runs"] = self.runs() - self.runs_at
+
+    def spent(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for v in self.visits:
+            out[v["state"]] = out.get(v["state"], 0.0) + v["spent_s"]
+        return out
+
+
 def treat(
     cfg: RunConfig,
     run: Runner,
@@ -420,67 +503,150 @@ def treat(
     """
     if validate is None:
         from vlmdoctor.run.runner import check as validate
-    t0 = time.time()
-    po = opts.paired()
-    out: dict[str, Any] = {
-        "schema_version": SCHEMA_VERSION,
-        "kind": "treat",
-        "tool": {"name": "vlmdoctor", "version": __version__},
-        "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "start_config": cfg.to_dict(),
-        "decision": {
-            "min_gain": opts.min_gain,
-            "confidence": opts.confidence,
-            "min_pairs": opts.min_pairs,
-            "max_pairs": opts.max_pairs,
-            "rule": "paired: candidate and current run alternately in fresh processes; the ratio "
-            "candidate/current of each pair; kept when the lower bound of the t-interval on the "
-            "mean log ratio is above 1 + min_gain, harmful when its upper bound is below 1; "
-            "changes of a kept composition are confirmed by leave-one-out ablation",
-        },
-        "ladder": [],
-        "trials": [],
-        "rounds": [],
-        "skipped": [],
-        "interrupted": False,
-    }
+    return _Treatment(cfg, run, opts, notify, validate).go()
 
-    def time_left() -> float:
-        return math.inf if opts.time_budget_s is None else opts.time_budget_s - (time.time() - t0)
 
-    run_s: list[float] = []  # wall time of each run, to size what still fits in the budget
-    mem = MemoryModel()  # peak memory against the batch, from every run: where the batch ceiling is
+class _Treatment:
+    """One treatment as a state machine: each state is a method that does its work and returns the next state.
 
-    def runner(c: RunConfig, diagnose: bool) -> Callable[[], dict[str, Any]]:
+    start -> compose -> [size ->] compare -> compose ... ; compose -> rediagnose -> compose when nothing new is
+    left (once per config); compose -> ablate when nothing is left, or the trials, the time or the budget kept
+    for the ablation say stop; ablate -> done. `size` runs only where runs measure memory (a GPU)."""
+
+    def __init__(
+        self, cfg: RunConfig, run: Runner, opts: TreatOptions, notify: Notify, validate: Callable[[RunConfig], Any]
+    ) -> None:
+        self.cfg, self.run, self.opts, self.notify, self.validate = cfg, run, opts, notify, validate
+        self.t0 = time.time()
+        self.po = opts.paired()
+        self.out: dict[str, Any] = {
+            "schema_version": SCHEMA_VERSION,
+            "kind": "treat",
+            "tool": {"name": "vlmdoctor", "version": __version__},
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "start_config": cfg.to_dict(),
+            "decision": {
+                "min_gain": opts.min_gain,
+                "confidence": opts.confidence,
+                "min_pairs": opts.min_pairs,
+                "max_pairs": opts.max_pairs,
+                "rule": DECISION_RULE,
+            },
+            "ladder": [],
+            "trials": [],
+            "rounds": [],
+            "skipped": [],
+            "interrupted": False,
+        }
+        self.run_s: list[float] = []  # wall time of each run, to size what still fits in the budget
+        self.mem = MemoryModel()  # peak memory against the batch, from every run: where the batch ceiling is
+        self.current_cfg = cfg
+        self.current: dict[str, Any] = {}
+        self.speedup = 1.0
+        self.tried: set[str] = set()
+        self.rediagnosed: set[str] = set()  # configs diagnosed a second time before the treatment could stop on them
+        self.pending: list[dict[str, Any]] = []  # a composition to retry with a smaller batch after an OOM
+        self.adopted: list[list[dict[str, Any]]] = []  # each adopted round's changes, in order
+        self.live: dict[str, Any] = {}  # what the round in flight has measured, for Ctrl-C
+        self.comps: list[dict[str, Any]] = []  # the round's compositions
+        self.first: dict[str, dict[str, Any]] = {}  # a composition's sizing run: its first run of the comparison
+        self.first_s: dict[str, float] = {}
+        self.reserved = 0.0  # the most seconds kept for the ablation
+        self.machine = Machine(self.t0, lambda: len(self.run_s))
+
+    # --- the clock and the runs ---
+
+    def time_left(self) -> float:
+        return math.inf if self.opts.time_budget_s is None else self.opts.time_budget_s - (time.time() - self.t0)
+
+    def mean_run_s(self) -> float:
+        return statistics.fmean(self.run_s) if self.run_s else 0.0
+
+    def runner(self, c: RunConfig, diagnose: bool) -> Callable[[], dict[str, Any]]:
         def go() -> dict[str, Any]:
-            left = time_left()
-            limit = opts.trial_timeout_s if math.isinf(left) else max(30.0, min(opts.trial_timeout_s, left + 60))
+            left = self.time_left()
+            limit = self.opts.trial_timeout_s
+            if not math.isinf(left):
+                limit = max(30.0, min(limit, left + 60))
             t = time.time()
-            rep = run(c, diagnose, limit)
-            run_s.append(time.time() - t)
-            mem.observe(c, rep)
+            rep = self.run(c, diagnose, limit)
+            self.run_s.append(time.time() - t)
+            self.mem.observe(c, rep)
             return rep
 
         return go
 
-    current_cfg = cfg
-    speedup = 1.0
-    tried: set[str] = set()
-    rediagnosed: set[str] = set()  # configs diagnosed a second time before the treatment could stop on them
-    pending: list[dict[str, Any]] = []  # a composition to retry with a smaller batch after an OOM
-    adopted: list[list[dict[str, Any]]] = []  # each adopted round's changes, in order
-    live: dict[str, Any] = {}  # what the round in flight has measured, for Ctrl-C
-    try:
-        notify("measuring the start config")
-        current = runner(cfg, True)()
+    def reserve(self) -> float:
+        """Seconds kept for the final ablation: its share of the budget, at most what ablating every adopted change
+        in min_pairs pairs takes at the mean run so far; none before a change is adopted, or without a budget."""
+        if self.opts.time_budget_s is None or not self.run_s:
+            return 0.0
+        k = sum(c["contribution"]["how"] in TO_ABLATE for changes in self.adopted for c in changes)
+        p = self.opts.min_pairs
+        kept = (
+            min(self.opts.ablation_share * self.opts.time_budget_s, (k * p + p - 1) * self.mean_run_s()) if k else 0.0
+        )
+        self.reserved = max(self.reserved, kept)
+        return kept
+
+    def stop(self, code: str, why: str) -> str:
+        self.out["stop_reason"], self.out["stopped_because"] = code, why
+        return ABLATE
+
+    def _budget_words(self) -> str:
+        return f"--time-budget {self.opts.time_budget_s:.0f} s"
+
+    # --- the machine ---
+
+    def go(self) -> dict[str, Any]:
+        out = self.out
+        handlers = {
+            START: self.start,
+            COMPOSE: self.compose,
+            SIZE: self.size,
+            COMPARE: self.compare,
+            REDIAGNOSE: self.rediagnose,
+            ABLATE: self.ablate,
+        }
+        state = START
+        try:
+            while state != DONE:
+                self.machine.enter(state, len(out["rounds"]))
+                state = handlers[state]()
+                self.machine.visits[-1]["next"] = state
+        except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM (the child run was stopped with it): keep what was measured
+            from vlmdoctor.supervise import describe_interruption, interrupted_exit_code
+
+            out["interrupted"] = True
+            out["stop_reason"] = STOP_INTERRUPTED
+            out["stopped_because"] = describe_interruption(e)
+            out["exit_code"] = interrupted_exit_code(e)
+            if self.live.get("arms"):
+                out["interrupted_round"] = {n: [v for v in a.values] for n, a in self.live["arms"].items()}
+        self.machine.close()
+        out["states"] = self.machine.visits
+        out["budget"] = {
+            "budget_s": self.opts.time_budget_s,
+            "ablation_share": self.opts.ablation_share,
+            "reserved_for_ablation_s": self.reserved,
+            "spent_s": self.machine.spent(),
+        }
+        out["calibration"] = calibration(out["trials"])
+        out["final_config"] = self.current_cfg.to_dict()
+        out["wall_s"] = time.time() - self.t0
+        return out
+
+    def start(self) -> str:
+        out = self.out
+        self.notify("measuring the start config")
+        current = self.runner(self.cfg, True)()
         out["env"] = current.get("env")
         out["start"] = summary(current)
         if current.get("status") != "ok" or throughput(current) is None:
             why = (current.get("error") or {}).get("message") or "it measured no throughput"
+            out["stop_reason"] = STOP_START_FAILED
             out["stopped_because"] = f"the start config did not run ({current.get('status') or 'no report'}): {why}"
-            out["final_config"] = cfg.to_dict()
-            out["wall_s"] = time.time() - t0
-            return out
+            return DONE
         out["ladder"].append(
             {
                 "step": 0,
@@ -489,162 +655,285 @@ def treat(
                 "config_patch": {},
                 **summary(current),
                 "speedup": 1.0,
-                "elapsed_s": time.time() - t0,
+                "elapsed_s": time.time() - self.t0,
             }
         )
-        out["stopped_because"] = "no prescription left"
-        while True:
-            budget = opts.max_trials - len(out["trials"])
-            if budget <= 0:
-                out["stopped_because"] = f"--max-trials {opts.max_trials} reached"
-                break
-            if time_left() <= 0:
-                out["stopped_because"] = f"--time-budget {opts.time_budget_s:.0f} s spent"
-                break
-            found = pending or with_probe(
-                compose(current_cfg, current, out["skipped"], validate), current_cfg, mem, validate, tried
+        self.current = current
+        out["stop_reason"], out["stopped_because"] = STOP_NOTHING_LEFT, "no prescription left"
+        return COMPOSE
+
+    def compose(self) -> str:
+        out, opts = self.out, self.opts
+        budget = opts.max_trials - len(out["trials"])
+        if budget <= 0:
+            return self.stop(STOP_TRIALS, f"--max-trials {opts.max_trials} reached")
+        if self.time_left() <= 0:
+            return self.stop(STOP_TIME, f"{self._budget_words()} spent")
+        found = self.pending or with_probe(
+            compose(self.current_cfg, self.current, out["skipped"], self.validate),
+            self.current_cfg,
+            self.mem,
+            self.validate,
+            self.tried,
+        )
+        self.pending = []
+        comps = [c for c in found if _key(c["config"]) not in self.tried][:budget]
+        if not comps:
+            if _key(self.current_cfg) in self.rediagnosed:
+                return self.stop(STOP_NOTHING_LEFT, _nothing_left(out, found, self.current_cfg, self.mem))
+            if self.run_s and self.time_left() - self.reserve() < 2 * self.mean_run_s():
+                return self.stop(
+                    STOP_TIME,
+                    f"{self._budget_words()}: too little left to diagnose the adopted config again and measure "
+                    "another round",
+                )
+            return REDIAGNOSE
+        if not self._round_fits(comps):
+            return self.stop(
+                STOP_TIME,
+                f"{self._budget_words()}: a round of {len(comps)} new composition(s) does not fit beside the "
+                f"{self.reserve():.0f} s kept for the ablation",
             )
-            pending = []
-            comps = [c for c in found if _key(c["config"]) not in tried][:budget]
-            if not comps:
-                if _key(current_cfg) in rediagnosed:
-                    out["stopped_because"] = _nothing_left(out, found, current_cfg, mem)
-                    break
-                if run_s and time_left() < 2 * statistics.fmean(run_s):
-                    out["stopped_because"] = (
-                        f"--time-budget {opts.time_budget_s:.0f} s: too little left to diagnose the adopted config "
-                        "again and measure another round"
-                    )
-                    break
-                # one diagnosed run decided that nothing is left: diagnose the adopted config again, with a trace
-                rediagnosed.add(_key(current_cfg))
-                notify("nothing new to try: diagnosing the adopted config again, with a trace")
-                again = runner(current_cfg, True)()
-                if again.get("status") == "ok" and again.get("findings") is not None and throughput(again):
-                    current = again
-                    out.setdefault("rediagnosed", []).append(
-                        {"round": len(out["rounds"]), "findings": [f["id"] for f in again["findings"]]}
-                    )
-                continue
-            rnd: dict[str, Any] = {
+        self.comps, self.first, self.first_s = comps, {}, {}
+        out["rounds"].append(
+            {
                 "round": len(out["rounds"]) + 1,
-                "started_s": time.time() - t0,
-                "current_config": current_cfg.to_dict(),
+                "started_s": time.time() - self.t0,
+                "current_config": self.current_cfg.to_dict(),
                 "compositions": [],
             }
-            out["rounds"].append(rnd)
-            for c in comps:
-                tried.add(_key(c["config"]))
-            # 1. the compositions against the current config
-            arms = {"current": runner(current_cfg, False)}
-            arms.update({c["name"]: _first_diagnosed(runner, c["config"]) for c in comps})
-            notify(f"round {rnd['round']}: " + "; ".join(f"{c['name']} ({len(c['changes'])} changes)" for c in comps))
-            live.clear()
-            res = interleaved(
-                arms,
-                "current",
-                po,
-                time_left,
-                first={"current": current},
-                notify=notify,
-                on_round=lambda r, comps=comps: live.update(arms=r, kind="composition", comps=comps),
-            )
-            live.clear()
-            best = None
-            for c in comps:
-                d, arm = res["decisions"][c["name"]], res["arms"][c["name"]]
-                entry = _trial(out, "composition", c["name"], c["changes"], _adopted(_outcome(d, arm), d), d, arm)
-                rnd["compositions"].append(entry["trial"])
-                if entry["outcome"] in ("kept", "adopted") and (best is None or d["ratio"] > best[1]["ratio"]):
-                    best = (c, d, arm)
-                probe = next((ch for ch in c["changes"] if ch["rule"] == PROBE_RULE), None)
-                if probe and len(c["changes"]) == 1 and entry["outcome"] not in ("kept", "adopted", "oom"):
-                    mem.flat[_family(current_cfg)] = probe["config_patch"]["batch_size"]  # a larger batch did not pay
-            if best is None:
-                rnd["adopted"] = None
-                oom = next((c for c in comps if res["decisions"][c["name"]].get("outcome") == "oom"), None)
-                retry = _smaller_batch(current_cfg, oom) if oom else None
-                if retry is not None:
-                    # the batch was sized from the current config's memory; the composition's other changes (no
-                    # checkpointing, say) need more per sample: halve the batch step and measure again
-                    pending = [retry]
-                    out["stopped_because"] = "no composition paid off"
-                    continue
-                if any(res["decisions"][c["name"]].get("outcome") == "undecided" for c in comps):
-                    out["stopped_because"] = f"--time-budget {opts.time_budget_s:.0f} s: too little left to decide"
-                    break
-                out["stopped_because"] = "no composition paid off"
-                continue  # the same diagnosis yields nothing new: compose() finds every config tried and stops
-            comp, d, arm = best
-            composed_cfg = comp["config"]
-            # its diagnosed run: the next round composes from its findings
-            composed_report = next(
-                (r for r in arm.reports if r.get("findings") is not None),
-                next(r for r in reversed(arm.reports) if r.get("status") == "ok"),
-            )
-            speedup *= d["ratio"]
-            rnd["adopted"] = comp["name"]
-            rnd["ended_s"] = time.time() - t0
-            changes = []
-            for ch in comp["changes"]:
-                if len(comp["changes"]) == 1:  # its own contribution is the composition's
-                    k = {
-                        "outcome": "kept" if d["ci_low"] > 1 else "undecided",
-                        "ratio": d["ratio"],
-                        "ci_low": d["ci_low"],
-                        "ci_high": d["ci_high"],
-                        "pairs": d["pairs"],
-                        "how": "the composition" if d["ci_low"] > 1 else ADOPTED_OPEN,
-                    }
-                else:
-                    k = {"outcome": "undecided", "how": NOT_ABLATED}
-                changes.append({**ch, "contribution": k})
-            out["ladder"].append(
+        )
+        for c in comps:
+            self.tried.add(_key(c["config"]))
+        return SIZE if self.mem.total_gb else COMPARE
+
+    def _round_fits(self, comps: list[dict[str, Any]]) -> bool:
+        """A later round of new compositions starts only when its pairs fit beside the ablation's reserve: two
+        pairs where every composition is expected to beat the large-effect factor, else min_pairs. Round 1
+        always starts (nothing is adopted yet, so nothing is reserved)."""
+        if self.opts.time_budget_s is None or not self.run_s or not self.adopted:
+            return True
+        large = all((_composed_x(c["changes"]) or 1.0) >= self.po.large_effect for c in comps)
+        pairs = 2 if large and self.po.large_effect > 1 else self.po.min_pairs
+        need = (len(comps) * pairs + pairs - 1) * self.mean_run_s()
+        return need <= self.time_left() - self.reserve()
+
+    def size(self) -> str:
+        """Each composition's batch sized in its own round: the memory model's ceiling for the composition's own
+        family (its first run's peak), bisected on out of memory, not a round later."""
+        self.out["rounds"][-1]["sizing"] = []
+        sized = []
+        for comp in self.comps:
+            got = self._size(comp)
+            if got is None:
+                sized.append(comp)
+                continue
+            comp, rep, took = got
+            sized.append(comp)
+            self.first[comp["name"]], self.first_s[comp["name"]] = rep, took
+        self.comps = sized
+        return COMPARE
+
+    def _size(self, comp: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], float] | None:
+        """The composition at the batch its memory allows, with that run's report and seconds (None: no run fitted).
+
+        Its first run, at the batch the rules chose, measures its family's memory; where the ceiling is 25% or more
+        above that batch, the batch is raised to it and run again; an out-of-memory run is bisected between the
+        largest batch that ran and it (or its batch step halved). The comparison pairs the largest batch that ran
+        (the runs it took stay in the round's `sizing`)."""
+        best = last = None
+        for _ in range(SIZE_MAX_RUNS):
+            if self.time_left() <= 0:
+                break
+            b = comp["config"].batch_size
+            self.notify(f"round {len(self.out['rounds'])}: sizing {comp['name']} at batch {b}")
+            t = time.time()
+            rep = self.runner(comp["config"], False)()
+            last = (comp, rep, time.time() - t)
+            self.out["rounds"][-1]["sizing"].append(
                 {
-                    "step": len(out["ladder"]),
-                    "change": _label(_merged(comp["changes"])),
-                    "rule": ", ".join(ch["rule"] for ch in comp["changes"]),
-                    "config_patch": _merged(comp["changes"]),
-                    **summary(composed_report),
-                    "real_tokens_per_s": throughput(composed_report),
-                    "speedup": speedup,
-                    "paired_ratio": d["ratio"],
-                    "ci": [d["ci_low"], d["ci_high"]],
-                    "speedup_how": "paired ratio of the composition vs the rung before",
-                    "composed_of": [ch["rule"] for ch in comp["changes"]],
-                    "dropped": [],
-                    "changes": changes,
-                    "elapsed_s": time.time() - t0,
+                    "name": comp["name"],
+                    "batch_size": b,
+                    "status": rep.get("status"),
+                    "peak_mem_gb": (rep.get("metrics") or {}).get("peak_mem_gb"),
                 }
             )
-            adopted.append(changes)
-            current_cfg, current = composed_cfg, composed_report
-        # 3. each change's own contribution, in the final config: without it, against the final config
-        current_cfg = _final_ablation(
-            out,
-            cfg,
-            adopted,
-            current_cfg,
-            current,
-            runner,
-            opts,
-            time_left,
-            run_s,
-            notify,
-            live,
-            lambda: time.time() - t0,
-        )
-    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM (the child run was stopped with it): keep what was measured
-        from vlmdoctor.supervise import describe_interruption, interrupted_exit_code
+            ran = rep.get("status") == "ok" and throughput(rep) is not None
+            if ran:
+                best = last
+            elif rep.get("status") != "oom":
+                break  # a failure other than memory: the comparison records it
+            nxt = self._resized(comp, ran)
+            if nxt is None:
+                break
+            self.tried.add(_key(nxt["config"]))
+            comp = nxt
+        return best or last
 
-        out["interrupted"] = True
-        out["stopped_because"] = describe_interruption(e)
-        out["exit_code"] = interrupted_exit_code(e)
-        if live.get("arms"):
-            out["interrupted_round"] = {n: [v for v in a.values] for n, a in live["arms"].items()}
-    out["final_config"] = current_cfg.to_dict()
-    out["wall_s"] = time.time() - t0
-    return out
+    def _resized(self, comp: dict[str, Any], ran: bool) -> dict[str, Any] | None:
+        """The composition at its next batch to try, or None: after a run, the ceiling when it is a step worth
+        pairs; after an out-of-memory run, the middle between what ran and what did not, else half the step."""
+        cfg = comp["config"]
+        fam = _family(cfg)
+        ceiling = self.mem.ceiling(cfg)
+        if ran:
+            if fam in self.mem.flat and self.mem.flat[fam] > cfg.batch_size:
+                return None  # a larger batch of this family was measured and did not pay
+            if ceiling is None or ceiling[0] < math.ceil(PROBE_MIN_STEP * cfg.batch_size):
+                return None
+            return self._with_batch(comp, *ceiling)
+        if ceiling is not None and self.current_cfg.batch_size < ceiling[0] < cfg.batch_size:
+            return self._with_batch(comp, *ceiling)
+        smaller = _smaller_batch(self.current_cfg, comp)
+        return smaller if smaller is not None and _key(smaller["config"]) not in self.tried else None
+
+    def _with_batch(self, comp: dict[str, Any], target: int, how: str) -> dict[str, Any] | None:
+        """The composition with the batch set to `target`: on the change that sets the batch (its rule's estimate
+        was for the batch it chose: `sized` says so), else as a batch probe."""
+        changes, found = [], False
+        for ch in comp["changes"]:
+            if "batch_size" in ch["config_patch"]:
+                found = True
+                was = (ch.get("sized") or {}).get("from", ch["config_patch"]["batch_size"])
+                ch = {
+                    **ch,
+                    "config_patch": {**ch["config_patch"], "batch_size": target},
+                    "sized": {"from": was, "to": target, "how": how},
+                }
+            changes.append(ch)
+        if not found:
+            probe = {
+                "rule": PROBE_RULE,
+                "layer": 2,
+                "title": "the batch this composition's measured memory allows",
+                "config_patch": {"batch_size": target},
+                "expected_gain": None,
+                "why": how,
+            }
+            changes = sorted([*changes, probe], key=lambda ch: ch["layer"])
+        try:
+            config = apply(self.current_cfg, changes)
+            self.validate(config)
+        except UsageError:
+            return None
+        if _key(config) in self.tried:
+            return None
+        base = comp["name"].split(" (batch")[0]
+        return {"name": f"{base} (batch {target}, sized from memory)", "changes": changes, "config": config}
+
+    def compare(self) -> str:
+        out, opts, comps = self.out, self.opts, self.comps
+        rnd = out["rounds"][-1]
+        arms = {"current": self.runner(self.current_cfg, False)}
+        arms.update({c["name"]: _first_diagnosed(self.runner, c["config"]) for c in comps})
+        self.notify(f"round {rnd['round']}: " + "; ".join(f"{c['name']} ({len(c['changes'])} changes)" for c in comps))
+        self.live.clear()
+        res = interleaved(
+            arms,
+            "current",
+            self.po,
+            self.time_left,
+            first={"current": self.current, **self.first},
+            first_s=self.first_s,
+            notify=self.notify,
+            on_round=lambda r: self.live.update(arms=r, kind="composition", comps=comps),
+            reserve_s=self.reserve(),
+        )
+        self.live.clear()
+        best = None
+        for c in comps:
+            d, arm = res["decisions"][c["name"]], res["arms"][c["name"]]
+            d = d | _likely_why(d)
+            entry = _trial(out, "composition", c["name"], c["changes"], _adopted(_outcome(d, arm), d), d, arm)
+            rnd["compositions"].append(entry["trial"])
+            if entry["outcome"] in ("kept", "adopted") and (best is None or d["ratio"] > best[1]["ratio"]):
+                best = (c, d, arm)
+            probe = next((ch for ch in c["changes"] if ch["rule"] == PROBE_RULE), None)
+            if probe and len(c["changes"]) == 1 and entry["outcome"] not in ("kept", "adopted", "oom"):
+                self.mem.flat[_family(self.current_cfg)] = probe["config_patch"]["batch_size"]  # it did not pay
+        if best is None:
+            rnd["adopted"] = None
+            oom = next((c for c in comps if res["decisions"][c["name"]].get("outcome") == "oom"), None)
+            retry = _smaller_batch(self.current_cfg, oom) if oom else None
+            if retry is not None and _key(retry["config"]) not in self.tried:
+                # the batch was sized from the current config's memory; the composition's other changes (no
+                # checkpointing, say) need more per sample: halve the batch step and measure again
+                self.pending = [retry]
+                out["stopped_because"] = "no composition paid off"
+                return COMPOSE
+            open_ = any(res["decisions"][c["name"]].get("outcome") == "undecided" for c in comps)
+            if open_ and opts.time_budget_s is not None and res["rounds"] < self.po.max_pairs:
+                return self.stop(STOP_TIME, f"{self._budget_words()}: too little left to decide")
+            out["stopped_because"] = "no composition paid off"
+            return COMPOSE  # the same diagnosis yields nothing new: compose() finds every config tried and stops
+        self._adopt(*best)
+        return COMPOSE
+
+    def _adopt(self, comp: dict[str, Any], d: dict[str, Any], arm: ArmResult) -> None:
+        out = self.out
+        rnd = out["rounds"][-1]
+        # its diagnosed run: the next round composes from its findings
+        composed_report = next(
+            (r for r in arm.reports if r.get("findings") is not None),
+            next(r for r in reversed(arm.reports) if r.get("status") == "ok"),
+        )
+        self.speedup *= d["ratio"]
+        rnd["adopted"] = comp["name"]
+        rnd["ended_s"] = time.time() - self.t0
+        changes = []
+        for ch in comp["changes"]:
+            if len(comp["changes"]) == 1:  # its own contribution is the composition's
+                shown = _shown(d)
+                how = "the composition" if shown else ADOPTED_LIKELY if d["outcome"] == "likely_gain" else ADOPTED_OPEN
+                k = {
+                    "outcome": "kept" if shown else "likely_gain" if d["outcome"] == "likely_gain" else "undecided",
+                    "ratio": d["ratio"],
+                    "ci_low": d["ci_low"],
+                    "ci_high": d["ci_high"],
+                    "pairs": d["pairs"],
+                    "how": how,
+                }
+            else:
+                k = {"outcome": "undecided", "how": NOT_ABLATED}
+            changes.append({**ch, "contribution": k})
+        out["ladder"].append(
+            {
+                "step": len(out["ladder"]),
+                "change": _label(_merged(comp["changes"])),
+                "rule": ", ".join(ch["rule"] for ch in comp["changes"]),
+                "config_patch": _merged(comp["changes"]),
+                **summary(composed_report),
+                "real_tokens_per_s": throughput(composed_report),
+                "speedup": self.speedup,
+                "paired_ratio": d["ratio"],
+                "ci": [d["ci_low"], d["ci_high"]],
+                "speedup_how": "paired ratio of the composition vs the rung before",
+                "composed_of": [ch["rule"] for ch in comp["changes"]],
+                "dropped": [],
+                "changes": changes,
+                "elapsed_s": time.time() - self.t0,
+            }
+        )
+        self.adopted.append(changes)
+        self.current_cfg, self.current = comp["config"], composed_report
+
+    def rediagnose(self) -> str:
+        """One diagnosed run decided that nothing is left: diagnose the adopted config again, with a trace (one
+        diagnosed run decides whether a noisy threshold trips)."""
+        self.rediagnosed.add(_key(self.current_cfg))
+        self.notify("nothing new to try: diagnosing the adopted config again, with a trace")
+        again = self.runner(self.current_cfg, True)()
+        if again.get("status") == "ok" and again.get("findings") is not None and throughput(again):
+            self.current = again
+            self.out.setdefault("rediagnosed", []).append(
+                {"round": len(self.out["rounds"]), "findings": [f["id"] for f in again["findings"]]}
+            )
+        return COMPOSE
+
+    def ablate(self) -> str:
+        if self.current:
+            self.current_cfg = _final_ablation(self, self.cfg, self.adopted, self.current_cfg, self.current)
+        return DONE
 
 
 def _rebuild(start: RunConfig, adopted: list[list[dict[str, Any]]], leave_out: list[dict[str, Any]]) -> RunConfig:
@@ -658,32 +947,30 @@ def _rebuild(start: RunConfig, adopted: list[list[dict[str, Any]]], leave_out: l
 
 
 def _final_ablation(
-    out: dict[str, Any],
+    tr: _Treatment,
     start: RunConfig,
     adopted: list[list[dict[str, Any]]],
     final_cfg: RunConfig,
     final_report: dict[str, Any],
-    runner: Callable[[RunConfig, bool], Callable[[], dict[str, Any]]],
-    opts: TreatOptions,
-    time_left: Callable[[], float],
-    run_s: list[float],
-    notify: Notify,
-    live: dict[str, Any],
-    elapsed: Callable[[], float],
 ) -> RunConfig:
     """Each adopted change's own contribution, by leave-one-out in the final config; the config without
-    the changes that did not pay.
+    the changes shown not to pay.
 
     In the final config, not in the round that adopted it: a change's worth depends on the others
     (bf16 weights measured no gain at batch 4 and +30% at batch 48 on the H100), and ablating after
     every round spent a 0.5b ladder's budget (400 of 535 s, one H100, 2026-11-23) before the round
-    that would have raised the batch 6x. A change whose interval is still open when the pairs or the
-    time run out stays: the composition it came in was measured to pay.
+    that would have raised the batch 6x. Every change gets an arm when one pair each fits (the
+    budget plan keeps time for it); the comparison goes on while the time lasts, each arm until it
+    is decided. An arm left with fewer than min_pairs pairs is judged with the spread pooled over the
+    treatment's pairs (`decide.pooled_verdict`, at POOLED_MIN_DF degrees of freedom or more): the
+    assumption, said in `decided_by`, is that the pairs of one treatment share one noise level.
+    A change whose interval is still open stays: the composition it came in was measured to pay.
     """
+    out, opts = tr.out, tr.opts
     everything = [c for changes in adopted for c in changes]
     cands: list[tuple[dict[str, Any], RunConfig]] = []
     for c in everything:
-        if c["contribution"]["how"] not in (NOT_ABLATED, ADOPTED_OPEN):
+        if c["contribution"]["how"] not in TO_ABLATE:
             continue
         try:
             without = _rebuild(start, adopted, [c])
@@ -697,27 +984,26 @@ def _final_ablation(
             c["contribution"] = {"outcome": "superseded", "how": "a later round set its knobs again"}
             continue
         cands.append((c, without))
-    cands = _ablations_that_fit(
-        cands,
-        max(0, opts.max_trials - len(out["trials"])),
-        opts,
-        (time_left() / statistics.fmean(run_s)) if run_s else math.inf,
-    )
+    runs_left = (tr.time_left() / tr.mean_run_s()) if tr.run_s and tr.mean_run_s() > 0 else math.inf
+    cands = _ablations_that_fit(cands, max(0, opts.max_trials - len(out["trials"])), runs_left)
     if not cands:
         return final_cfg
-    arms = {"final": runner(final_cfg, False)}
-    arms.update({f"without {c['rule']}": runner(w, False) for c, w in cands})
-    notify(f"ablation of {len(cands)} changes in the final config")
+    arms = {"final": tr.runner(final_cfg, False)}
+    arms.update({f"without {c['rule']}": tr.runner(w, False) for c, w in cands})
+    tr.notify(f"ablation of {len(cands)} changes in the final config")
     ab = interleaved(
         arms,
         "final",
-        opts.paired(),
-        time_left,
+        tr.po,
+        tr.time_left,
         contribution=True,
         first={"final": final_report},
-        notify=notify,
-        on_round=lambda r: live.update(arms=r, kind="ablation"),
+        notify=tr.notify,
+        on_round=lambda r: tr.live.update(arms=r, kind="ablation"),
     )
+    spreads = [t["ratios"] for t in out["trials"] if t.get("ratios")]
+    spreads += [ab["decisions"][f"without {c['rule']}"].get("ratios") or [] for c, _ in cands]
+    pooled = pooled_log_sd(spreads)
     trials = []
     for c, _ in cands:
         name = f"without {c['rule']}"
@@ -727,16 +1013,23 @@ def _final_ablation(
         # memory without compile, whose fused loss never holds the fp32 logits (an 11.8 GiB allocation)
         broke = BROKEN_WITHOUT.get(o)
         why = {"why": broke} if broke else {}
-        if o == "kept" and not broke and (dd.get("ci_low") or 0.0) <= 1:
-            o = "undecided"  # two pairs beyond 1.5x, but their interval does not exclude no gain: not shown to pay
+        few = dd.get("ratios") and len(dd["ratios"]) < opts.min_pairs
+        if not broke and few and pooled and pooled[1] >= POOLED_MIN_DF and o in ("kept", "undecided", *LIKELY):
+            dd = pooled_verdict(dd["ratios"], pooled, opts.min_gain, opts.confidence) | {"why": dd.get("why")}
+            o = dd["outcome"]
+        if o == "kept" and not broke and not _shown(dd):
+            o = "likely_gain"  # two pairs beyond 1.5x, but their interval does not exclude no gain: not shown
         o = "kept" if broke else o
-        if o == "no_gain" and (dd.get("ci_high") or 0.0) >= 1 + opts.min_gain:
-            o = "undecided"  # the pairs or the time ran out with the interval still open
         entry = _trial(out, "ablation", name, [c], o, dd | why, a)
         trials.append(entry["trial"])
+        prior = c["contribution"]
+        if o == "undecided" and prior.get("ratio") is not None:  # its composition's own pairs say more
+            prior["ablation"] = f"trial {entry['trial']}: undecided in {dd.get('pairs') or 0} pair(s)"
+            continue
         c["contribution"] = (
             {k: dd.get(k) for k in ("ratio", "ci_low", "ci_high", "pairs", "ratios")}
             | {"outcome": o, "how": "leave-one-out ablation in the final config", "trial": entry["trial"]}
+            | {"decided_by": dd.get("how")}
             | why
         )
     dropped: list[dict[str, Any]] = []
@@ -748,7 +1041,12 @@ def _final_ablation(
             continue
         rung["dropped"] = [c["rule"] for c in out_]
         dropped += out_
-    out["final_ablation"] = {"trials": trials, "dropped": [c["rule"] for c in dropped]}
+    out["final_ablation"] = {
+        "trials": trials,
+        "dropped": [c["rule"] for c in dropped],
+        "pooled_log_sd": pooled[0] if pooled else None,
+        "pooled_df": pooled[1] if pooled else None,
+    }
     if not dropped:
         return final_cfg
     cfg = _rebuild(start, adopted, dropped)
@@ -768,32 +1066,62 @@ def _final_ablation(
         "speedup": last["speedup"] * adjust,
         "speedup_how": "the last rung's speedup times 1/contribution of each dropped change",
         "dropped": [c["rule"] for c in dropped],
-        "elapsed_s": elapsed(),
+        "elapsed_s": time.time() - tr.t0,
     }
     out["ladder"].append(rung)
     return cfg
 
 
 def _ablations_that_fit(
-    cands: list[tuple[dict[str, Any], RunConfig]], most: int, opts: TreatOptions, runs_left: float
+    cands: list[tuple[dict[str, Any], RunConfig]], most: int, runs_left: float
 ) -> list[tuple[dict[str, Any], RunConfig]]:
-    """The ablations to run: as many as --max-trials and the time allow, the most doubtful first.
+    """The ablations to run: every change when --max-trials and one pair each fit (k arms take k runs: the
+    final config's first run is the last round's), else as many as fit: the changes no comparison measured
+    alone first, then the largest expected gain first (one pair resolves only a large contribution). An
+    ablation that decides nothing leaves a one-change round's own evidence standing. The comparison then
+    measures more pairs while the time lasts. Before, ablations were sized for three pairs each: on the
+    H100 a 0.5b ladder ended with 183 s left at 39 s a run and ablated nothing, and in every ladder most
+    of round 1's changes stayed "undecided": the user never learned which change mattered."""
+    # a change no comparison measured alone first (a one-change round's own pairs already say something)
+    order = sorted(cands, key=lambda cw: (cw[0]["contribution"].get("ratio") is not None, -_expected_x(cw[0])))
+    n = most if math.isinf(runs_left) else min(most, int(runs_left))
+    return order[: max(0, n)]
 
-    k arms decided in p pairs take k*p runs plus p-1 of the final config (its first run is the last
-    round's). With room for min_pairs pairs, the changes with the smallest expected gain go first:
-    they are the ones a composition may carry without paying. With room for two pairs only, a pair
-    of rounds decides nothing under 1.5x, so only changes expected to be worth that much are ablated,
-    the largest first: on the H100 a 0.5b ladder ended with 183 s left at 39 s a run, room for one
-    arm in two pairs and none in three, and ablated nothing.
-    """
 
-    def arms(pairs: int) -> int:
-        return max(0, min(most, int((runs_left - (pairs - 1)) // pairs))) if not math.isinf(runs_left) else most
+# --- calibration: the rules' expected gains against what was measured ------------------------------------------
 
-    if arms(opts.min_pairs) >= 1 or opts.min_pairs <= 2:
-        return sorted(cands, key=lambda cw: _expected_x(cw[0]))[: arms(opts.min_pairs)]
-    large = [cw for cw in cands if _expected_x(cw[0]) >= opts.paired().large_effect]
-    return sorted(large, key=lambda cw: -_expected_x(cw[0]))[: arms(2)]
+
+def _composed_x(changes: list[dict[str, Any]]) -> float | None:
+    """The throughput factor the rules expected of these changes together (the product of theirs), None where a
+    change has no estimate (a batch probe)."""
+    xs = [(c.get("expected_gain") or {}).get("throughput_x") for c in changes]
+    return math.prod(xs) if xs and all(x for x in xs) else None
+
+
+def calibration(trials: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each measured trial's expected gain (a change's rule's estimate; a composition's, the product of its
+    changes') beside its paired ratio: `off` = measured / expected, far off beyond FAR_OFF either way."""
+    rows = []
+    for t in trials:
+        exp, got = t.get("expected_x"), t.get("ratio")
+        if not exp or not got:
+            continue
+        rows.append(
+            {
+                "trial": t["trial"],
+                "kind": t["kind"],
+                "rule": t["rule"],
+                "expected_x": exp,
+                "measured_x": got,
+                "ci_low": t.get("ci_low"),
+                "ci_high": t.get("ci_high"),
+                "pairs": t.get("pairs"),
+                "outcome": t["outcome"],
+                "off": got / exp,
+                "far_off": not 1 / FAR_OFF <= got / exp <= FAR_OFF,
+            }
+        )
+    return rows
 
 
 def _smaller_batch(cfg: RunConfig, comp: dict[str, Any]) -> dict[str, Any] | None:
@@ -869,11 +1197,14 @@ def _trial(
         "title": changes[0]["title"] if len(changes) == 1 else name,
         "config_patch": _merged(changes),
         "expected_gain": changes[0].get("expected_gain") if len(changes) == 1 else None,
+        "expected_x": _composed_x(changes),
         **_arm_numbers(arm),
         "outcome": outcome,
     }
-    for k in ("ratio", "gain", "ci_low", "ci_high", "pairs", "ratios", "why"):
-        if k in decision:
+    for k in ("ratio", "gain", "ci_low", "ci_high", "pairs", "ratios", "why", "p_sign"):
+        if decision.get(k) is not None:
             entry[k] = decision[k]
+    if decision.get("how"):
+        entry["decided_by"] = decision["how"]
     out["trials"].append(entry)
     return entry

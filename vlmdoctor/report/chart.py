@@ -7,6 +7,8 @@ from typing import IO, Any
 
 from PIL import Image, ImageDraw, ImageFont
 
+from vlmdoctor.files import atomic_writer
+
 W, H = 1000, 560
 LEFT, RIGHT, TOP, BOTTOM = 90, 30, 60, 170
 KEPT, REJECTED, FAILED, INK, GRID = (
@@ -83,8 +85,6 @@ def ladder_png(result: dict[str, Any], path: Path | IO[bytes]) -> None:
         font=small,
     )
     if isinstance(path, (str, Path)):
-        from vlmdoctor.files import atomic_writer
-
         with atomic_writer(path) as f:
             img.save(f, format="PNG")
     else:  # a file object (bytes in memory, written by the caller)

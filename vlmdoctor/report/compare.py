@@ -6,15 +6,17 @@ and config knobs say why, which is what one needs before keeping or reverting a 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import PurePath
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from vlmdoctor.documents import Env, Finding, RunReport, as_report
+from vlmdoctor.documents import Comparison, Env, Finding, RunReport, as_document, as_report
 from vlmdoctor.errors import UsageError
-from vlmdoctor.report.console import esc
+from vlmdoctor.report.text import esc
 from vlmdoctor.run import throughput
 from vlmdoctor.run.config import knob_table
 
@@ -26,18 +28,29 @@ ENV_KEYS = ("gpu", "driver", "torch", "transformers")
 Report = RunReport | dict[str, Any]
 
 
+def shown(value: Any) -> str:
+    """A knob's or a field's value as a reader writes it: none for a missing one, a list as its items."""
+    if value is None:
+        return "none"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(shown(v) for v in value) or "none"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={shown(v)}" for k, v in value.items()) or "none"
+    return str(value)
+
+
 def _differences(a: dict[str, Any], b: dict[str, Any], keys: Iterable[str]) -> list[str]:
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
 
 
-def _field_differences(a: Any, b: Any, names: Iterable[str]) -> list[str]:
-    """`name: a -> b` for each field of two declared parts that differs."""
-    return [f"{n}: {getattr(a, n)!r} -> {getattr(b, n)!r}" for n in names if getattr(a, n) != getattr(b, n)]
+def _field_differences(a: Any, b: Any, names: Iterable[str], say: Callable[[Any], str] = repr) -> list[str]:
+    """`name: a -> b` for each field of two declared parts that differs (gate's lines: repr; compare's: shown)."""
+    return [f"{n}: {say(getattr(a, n))} -> {say(getattr(b, n))}" for n in names if getattr(a, n) != getattr(b, n)]
 
 
-def model_differences(a: Report, b: Report) -> list[str]:
+def model_differences(a: Report, b: Report, say: Callable[[Any], str] = repr) -> list[str]:
     """Model architecture and training stage: what makes two throughputs different quantities."""
-    return _field_differences(as_report(a).knobs, as_report(b).knobs, (*MODEL_KEYS, "stage"))
+    return _field_differences(as_report(a).knobs, as_report(b).knobs, (*MODEL_KEYS, "stage"), say)
 
 
 def world_size(report: Report) -> int:
@@ -98,8 +111,8 @@ def slowest_rank(report: Report) -> dict[str, Any] | None:
     return {"rank": g.slowest_rank, "step_ms": g.slowest_step_ms, "imbalance": g.step_imbalance}
 
 
-def env_differences(a: Report, b: Report) -> list[str]:
-    return _field_differences(as_report(a).env or Env(), as_report(b).env or Env(), ENV_KEYS)
+def env_differences(a: Report, b: Report, say: Callable[[Any], str] = repr) -> list[str]:
+    return _field_differences(as_report(a).env or Env(), as_report(b).env or Env(), ENV_KEYS, say)
 
 
 #: (report metric, label, higher is better)
@@ -111,6 +124,8 @@ METRICS: tuple[tuple[str, str, bool], ...] = (
     ("peak_mem_gb", "peak memory (GiB)", False),
     ("pad_fraction", "pad fraction", False),
 )
+#: a CPU run's memory row, in place of the device's
+HOST_RSS = ("host_peak_rss_gb", "host peak RSS (GiB)", False)
 #: a relative change smaller than this is reported as "same": single runs do not resolve less
 SAME_WITHIN = 0.01
 
@@ -131,7 +146,11 @@ def _verdict(a: float | None, b: float | None, higher_is_better: bool) -> str:
 def _metric_rows(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
     ma, mb = as_report(a).metrics, as_report(b).metrics
     rows = []
-    for key, label, higher in METRICS:
+    metrics = METRICS
+    if getattr(ma, "peak_mem_gb", None) is None and getattr(mb, "peak_mem_gb", None) is None:
+        # CPU runs: no device memory; the process's resident memory is what they measured
+        metrics = tuple(HOST_RSS if key == "peak_mem_gb" else m for m in METRICS for key in [m[0]])
+    for key, label, higher in metrics:
         va, vb = getattr(ma, key, None), getattr(mb, key, None)
         if key == "real_tokens_per_s":  # the one estimator, also for reports written before it
             va, vb = throughput.headline(a), throughput.headline(b)
@@ -199,23 +218,11 @@ def _describe(report: RunReport) -> dict[str, Any]:
     }
 
 
-def compare(
-    a: dict[str, Any], b: dict[str, Any], allow_different: bool = False, labels: Sequence[str] = ("A", "B")
-) -> dict[str, Any]:
-    """Side-by-side numbers and causes of two profile reports (A is the reference), read through their declaration
-    (documents.RunReport); `a` and `b` as loaded (gate.load_report)."""
+def _run_notes(ra: RunReport, rb: RunReport, labels: Sequence[str]) -> list[str]:
+    """What to know of each run before reading the difference: its ranks, the slowest one, an unstable or unsettled
+    timed window."""
     la, lb = labels
-    ra, rb = as_report(a, la), as_report(b, lb)
     notes: list[str] = []
-    diffs = model_differences(ra, rb)
-    if diffs and not allow_different:
-        raise UsageError(
-            f"{la} and {lb} are different models or stages ("
-            + "; ".join(diffs)
-            + "); their numbers are not comparable. Pass --allow-different to compare anyway"
-        )
-    notes += [f"different model or stage (allowed): {d}" for d in diffs]
-    notes += [f"different environment: {d}" for d in env_differences(ra, rb)]
     ranks = ranks_note(ra, rb, labels)
     if ranks:
         notes.append(ranks)
@@ -233,6 +240,42 @@ def compare(
             notes.append(f"{label}'s timed window is unstable ({tp.unstable_reason}): a difference may be noise")
         if tp is not None and tp.settled is False:
             notes.append(f"{label}'s timed window was still warming up: its tokens/s reads low")
+    return notes
+
+
+def _findings_diff(ra: RunReport, rb: RunReport, la: str, lb: str, notes: list[str]) -> dict[str, Any] | None:
+    """The findings new in B, gone from A and kept; None (and a note that says why) when a report has no diagnosis."""
+    if ra.findings is not None and rb.findings is not None:
+        ia = {f.id: f for f in ra.findings}
+        ib = {f.id: f for f in rb.findings}
+        return {
+            "added": [_finding_summary(f) for i, f in ib.items() if i not in ia],
+            "gone": [_finding_summary(f) for i, f in ia.items() if i not in ib],
+            "kept": [i for i in ib if i in ia],
+        }
+    missing = [lbl for lbl, r in ((la, ra), (lb, rb)) if r.findings is None]
+    notes.append("findings not compared: " + _has_none(missing, "diagnosis"))
+    return None
+
+
+def compare(
+    a: dict[str, Any], b: dict[str, Any], allow_different: bool = False, labels: Sequence[str] = ("A", "B")
+) -> dict[str, Any]:
+    """Side-by-side numbers and causes of two profile reports (A is the reference), read through their declaration
+    (documents.RunReport); `a` and `b` as loaded (gate.load_report)."""
+    la, lb = labels
+    ra, rb = as_report(a, la), as_report(b, lb)
+    notes: list[str] = []
+    diffs = model_differences(ra, rb, shown)
+    if diffs and not allow_different:
+        raise UsageError(
+            f"{la} and {lb} are different models or stages ("
+            + "; ".join(diffs)
+            + "); their numbers are not comparable. Pass --allow-different to compare anyway"
+        )
+    notes += [f"different model or stage (allowed): {d}" for d in diffs]
+    notes += [f"different environment: {d}" for d in env_differences(ra, rb, shown)]
+    notes += _run_notes(ra, rb, labels)
 
     fa, fb = _facts(ra), _facts(rb)
     kernels = gpu = None
@@ -251,18 +294,7 @@ def compare(
             + " (profiled with --no-diagnose, or the trace failed)"
         )
 
-    findings = None
-    if ra.findings is not None and rb.findings is not None:
-        ia = {f.id: f for f in ra.findings}
-        ib = {f.id: f for f in rb.findings}
-        findings = {
-            "added": [_finding_summary(f) for i, f in ib.items() if i not in ia],
-            "gone": [_finding_summary(f) for i, f in ia.items() if i not in ib],
-            "kept": [i for i in ib if i in ia],
-        }
-    else:
-        missing = [lbl for lbl, r in ((la, ra), (lb, rb)) if r.findings is None]
-        notes.append("findings not compared: " + _has_none(missing, "diagnosis"))
+    findings = _findings_diff(ra, rb, la, lb, notes)
 
     return {
         "labels": [la, lb],
@@ -297,7 +329,7 @@ def _num(key: str, v: Any) -> str:
         return f"{v * 100:.1f} %"
     if key.endswith("tokens_per_s"):
         return f"{v:,.0f}"
-    if key == "peak_mem_gb":
+    if key in ("peak_mem_gb", "host_peak_rss_gb"):
         return f"{v:.2f}"
     return f"{v:,.1f}"
 
@@ -309,7 +341,7 @@ def _delta(key: str, d: float | None) -> str:
         return f"{d * 100:+.2f} pt"
     if key.endswith("tokens_per_s"):
         return f"{d:+,.0f}"
-    return f"{d:+,.2f}" if key == "peak_mem_gb" else f"{d:+,.1f}"
+    return f"{d:+,.2f}" if key in ("peak_mem_gb", "host_peak_rss_gb") else f"{d:+,.1f}"
 
 
 def _pct(rel: float | None, a: float | None = None, b: float | None = None) -> str:
@@ -319,23 +351,33 @@ def _pct(rel: float | None, a: float | None = None, b: float | None = None) -> s
 
 
 def _short(text: Any, width: int = 28) -> str:
-    s = str(text)
+    s = shown(text)
     return s if len(s) <= width else s[: width - 1] + "\u2026"
 
 
-def render_compare(result: dict[str, Any], console: Console) -> None:
+def column_labels(labels: Sequence[str]) -> tuple[str, str]:
+    """Column heads for two reports: their labels without the file name both share (two runs' report.json
+    are headed by their folders, `before` and `after`), else the labels."""
+    pa, pb = (PurePath(x) for x in labels)
+    if pa.name == pb.name and len(pa.parts) > 1 and len(pb.parts) > 1 and pa.parent != pb.parent:
+        return str(pa.parent), str(pb.parent)
+    return labels[0], labels[1]
+
+
+def render_compare(result: Comparison | dict[str, Any], console: Console) -> None:
     """Tables sized for a terminal: the headline metrics first, the explanations after."""
-    la, lb = (esc(_short(x, 24)) for x in result["labels"])  # file names: shown as text in headers and titles
-    for label, side in ((la, result["a"]), (lb, result["b"])):
+    c = as_document(result, Comparison, "comparison") if isinstance(result, dict) else result
+    for label, side in zip(c.labels, (c.a, c.b)):  # file names: shown as text in headers and titles
         console.print(
-            f"[bold]{label}[/bold]: {esc(side['model'])} stage {esc(side['stage'])} on {esc(side['device'])}, "
-            f"torch {esc(side['torch'])}" + (f", {esc(side['created_at'])}" if side.get("created_at") else ""),
+            f"[bold]{esc(label)}[/bold]: {esc(side.model)} stage {esc(side.stage)} on {esc(side.device)}, "
+            f"torch {esc(side.torch)}" + (f", {esc(side.created_at)}" if side.created_at else ""),
             highlight=False,
         )
-    for n in result["notes"]:
+    for n in c.notes:
         console.print(f"[yellow]note:[/yellow] {esc(n)}", highlight=False)
+    la, lb = (esc(_short(x, 20)) for x in column_labels(c.labels))
 
-    t = Table(title=f"{la} -> {lb}", header_style="bold")
+    t = Table(title=f"{la} -> {lb}", header_style="bold", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     for col, just in (
         ("metric", "left"),
         (la, "right"),
@@ -344,20 +386,20 @@ def render_compare(result: dict[str, Any], console: Console) -> None:
         ("%", "right"),
         ("", "left"),
     ):
-        t.add_column(col, justify=just, no_wrap=col != "metric", min_width=12 if col == "metric" else None)
-    for r in result["metrics"]:
-        color = _COLOR[r["verdict"]]
+        t.add_column(col, justify=just, no_wrap=col != "metric")
+    for r in c.metrics:
+        color = _COLOR[r.verdict]
         t.add_row(
-            esc(r["label"]),
-            _num(r["key"], r["a"]),
-            _num(r["key"], r["b"]),
-            _delta(r["key"], r["delta"]),
-            _pct(r["rel"]),
-            f"[{color}]{esc(r['verdict'])}[/{color}]",
+            esc(r.label),
+            _num(r.key, r.a),
+            _num(r.key, r.b),
+            _delta(r.key, r.delta),
+            _pct(r.rel),
+            f"[{color}]{esc(r.verdict)}[/{color}]",
         )
     console.print(t)
 
-    gpu = result["gpu"]
+    gpu = c.gpu
     if gpu is not None:
         busy = gpu["gpu.busy_frac"]
         if busy["a"] is not None and busy["b"] is not None:
@@ -366,33 +408,27 @@ def render_compare(result: dict[str, Any], console: Console) -> None:
                 f"({_num('step_ms', gpu['step.ms']['a'])} -> {_num('step_ms', gpu['step.ms']['b'])} ms)"
             )
         _ms_table(console, "GPU idle by host cause (ms per step)", "cause", gpu["idle"], la, lb, limit=8)
-    if result["kernels"] is not None:
-        _ms_table(
-            console,
-            "kernel classes (GPU ms per step, biggest change first)",
-            "class",
-            result["kernels"],
-            la,
-            lb,
-        )
+    if c.kernels is not None:
+        _ms_table(console, "kernel classes (GPU ms per step, biggest change first)", "class", c.kernels, la, lb)
 
-    f = result["findings"]
+    f = c.findings
     if f is not None:
-        if not f["added"] and not f["gone"]:
-            console.print(f"findings: the same in both ({len(f['kept'])})")
-        for word, rows, color in (("new in " + lb, f["added"], "red"), ("gone in " + lb, f["gone"], "green")):
+        if not f.added and not f.gone:
+            console.print(f"findings: the same in both ({len(f.kept)})")
+        for word, rows, color in (("new in " + lb, f.added, "red"), ("gone in " + lb, f.gone, "green")):
             for x in rows:
                 console.print(
-                    f"[{color}]{word}:[/{color}] {esc(x['id'])} ({esc(x['severity'])}): {esc(x['title'])}",
-                    highlight=False,
+                    f"[{color}]{word}:[/{color}] {esc(x.id)} ({esc(x.severity)}): {esc(x.title)}", highlight=False
                 )
 
-    if result["config"]:
-        t = Table(title="config knobs that differ", header_style="bold")
+    if c.config:
+        t = Table(
+            title="config knobs that differ", header_style="bold", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False
+        )
         for col in ("layer", "knob", la, lb):
-            t.add_column(col, justify="right" if col == "layer" else "left")
-        for r in result["config"]:
-            t.add_row(esc(r["layer"] or ""), esc(r["knob"]), esc(_short(r["a"])), esc(_short(r["b"])))
+            t.add_column(col, justify="right" if col == "layer" else "left", no_wrap=col in ("layer", "knob"))
+        for r in c.config:
+            t.add_row(esc(r.layer or ""), esc(r.knob), esc(_short(r.a)), esc(_short(r.b)))
         console.print(t)
     else:
         console.print("config: identical")
@@ -401,13 +437,13 @@ def render_compare(result: dict[str, Any], console: Console) -> None:
 def _ms_table(
     console: Console, title: str, name: str, rows: list[dict[str, Any]], la: str, lb: str, limit: int = 12
 ) -> None:
-    shown = [r for r in rows if abs(r["a_ms"]) >= 0.05 or abs(r["b_ms"]) >= 0.05][:limit]
-    if not shown:
+    kept = [r for r in rows if abs(r["a_ms"]) >= 0.05 or abs(r["b_ms"]) >= 0.05][:limit]
+    if not kept:
         return
-    t = Table(title=title, header_style="bold")
+    t = Table(title=title, header_style="bold", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     for col in (name, la, lb, "change", "%"):
-        t.add_column(col, justify="left" if col == name else "right", no_wrap=col != name)
-    for r in shown:
+        t.add_column(col, justify="left" if col == name else "right", no_wrap=True)
+    for r in kept:
         color = "red" if r["delta_ms"] > 0 else "green" if r["delta_ms"] < 0 else "dim"
         t.add_row(
             esc(r[name]),
@@ -417,5 +453,5 @@ def _ms_table(
             _pct(r["rel"], r["a_ms"], r["b_ms"]),
         )
     console.print(t)
-    if len(rows) > len(shown):
-        console.print(f"[dim]({len(rows) - len(shown)} more with smaller changes)[/dim]")
+    if len(rows) > len(kept):
+        console.print(f"[dim]({len(rows) - len(kept)} more with smaller changes)[/dim]")

@@ -1,145 +1,52 @@
-"""The console report: rich tables of metrics, facts, findings, ladders and sweeps.
+"""The console report: rich tables of metrics, findings, ladders and sweeps; a trace's analysis (its tables:
+analysis_tables.py) and the prescriptions (prescriptions.py) as `vlmdoctor analyze` prints them; a report of the
+user's own training.
 
-Text is text. Names, paths and messages come from traces, reports, rule files and the command line, so
-whatever they hold is shown, never acted on: every console vlmdoctor prints through is a `SafeConsole`
-(control characters become visible escapes, no hyperlinks, markup that does not parse is shown as it is),
-and data placed inside a markup string goes through `esc` (its `[` shown, not read as a style).
+Text is text: every console vlmdoctor prints through is a `SafeConsole`, and data placed inside a markup string
+goes through `esc` (text.py says how).
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from typing import Any
 
+import msgspec
 from rich import box
 from rich.console import Console
-from rich.errors import MarkupError
 from rich.padding import Padding
-from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
-from vlmdoctor import files
+from vlmdoctor.documents import (
+    Analysis,
+    Diagnosis,
+    TreatResult,
+    as_document,
+)
+from vlmdoctor.report.analysis_tables import (
+    comm_line,
+    file_head,
+    render_accounts_brief,
+    render_cross_rank,
+    render_facts,
+    step_line,
+)
+from vlmdoctor.report.prescriptions import (
+    Prescribed,
+    analysis_prescriptions,
+    gain_text,
+    render_muted,
+    render_not_prescribed,
+    render_prescriptions,
+    render_unprescribed,
+)
+from vlmdoctor.report.text import esc, fill, fmt, fmt_ms, fmt_small, print_text
 from vlmdoctor.run import throughput
 from vlmdoctor.run.config import RunConfig, knob_table
 
-#: what a terminal acts on instead of showing: C0 controls but the newline (ESC starts clear-screen, window
-#: title and OSC 8 hyperlink sequences), DEL, C1 controls (CSI and OSC as one byte), and the Unicode bidi
-#: controls that reorder what is shown
-CONTROL = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 
-
-def plain(value: Any) -> str:
-    """Any value as text a terminal only shows: each control character as its visible escape (\\x1b, \\u202e)."""
-    return CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), str(value))
-
-
-#: a `[` with the backslashes before it, and whether Rich would read a tag there (rich.markup.RE_TAGS)
-_BRACKET = re.compile(r"(\\*)\[")
-_TAG_AT = re.compile(r"\[[a-z#/@][^[]*?]")
-
-
-def _bracket(m: re.Match[str]) -> str:
-    slashes = m.group(1)
-    if _TAG_AT.match(m.string, m.end() - 1):  # a tag: each backslash doubled, and one to escape it (as escape())
-        return slashes * 2 + "\\["
-    return slashes + ("\\" if slashes else "") + "["  # Rich turns a plain backslash-bracket into a bracket
-
-
-def esc(value: Any) -> str:
-    """A value from a trace, report, rule or path, for a markup string: `plain`, and every `[` and backslash
-    shown as written (rich.markup.escape leaves a backslash before a `[` that opens no tag to be eaten)."""
-    text = _BRACKET.sub(_bracket, plain(value))
-    tail = len(text) - len(text.rstrip("\\"))
-    return text + "\\" * tail  # backslashes at the end must not escape the tag that follows
-
-
-def _shown(segments: Iterable[Segment]) -> Iterator[Segment]:
-    for seg in segments:
-        if seg.control:  # rich's own cursor moves (progress bars), never text from an input
-            yield seg
-            continue
-        style = seg.style.update_link(None) if seg.style is not None and seg.style.link else seg.style
-        yield Segment(plain(seg.text) if CONTROL.search(seg.text) else seg.text, style)
-
-
-class _Guarded:
-    """A console's stream that printing can never fail on after the work: text its encoding cannot hold (an
-    ASCII-only stdout) is shown replaced, and a reader that went away ends the printing, not the command."""
-
-    def __init__(self, stream: Any) -> None:
-        self._stream = stream
-
-    def write(self, text: str) -> int:
-        try:
-            return self._stream.write(text)
-        except UnicodeEncodeError:
-            encoding = getattr(self._stream, "encoding", None) or "ascii"
-            return self._stream.write(text.encode(encoding, "replace").decode(encoding))
-        except BrokenPipeError:
-            files.reader_gone(self._stream)
-            return len(text)
-
-    def flush(self) -> None:
-        try:
-            self._stream.flush()
-        except BrokenPipeError:
-            files.reader_gone(self._stream)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stream, name)
-
-
-class SafeConsole(Console):
-    """The console every vlmdoctor command, `Doctor` and `vlmdoctor run` print through: the boundary where text
-    from inputs meets the terminal. Control characters in any text become visible escapes, hyperlinks are
-    dropped (vlmdoctor prints none), emoji codes stay text, and markup that does not parse is printed as it
-    is, so that printing never fails after the work is done (nor does a stream that cannot encode a character,
-    or a reader that went away: `_Guarded`)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("emoji", False)
-        super().__init__(*args, **kwargs)
-
-    @property
-    def file(self) -> Any:
-        stream = Console.file.fget(self)  # type: ignore[attr-defined]  # sys.stdout as it is now, unless given
-        guard = self.__dict__.get("_guard")
-        if guard is None or guard._stream is not stream:  # one wrapper per stream, not one per write
-            guard = self.__dict__["_guard"] = _Guarded(stream)
-        return guard
-
-    @file.setter
-    def file(self, new_file: Any) -> None:
-        Console.file.fset(self, new_file)  # type: ignore[attr-defined]
-
-    def render_str(self, text: str, **kwargs: Any) -> Text:
-        try:
-            return super().render_str(text, **kwargs)
-        except MarkupError:
-            return super().render_str(text, **{**kwargs, "markup": False})
-
-    def _render_buffer(self, buffer: Iterable[Segment]) -> str:
-        return super()._render_buffer(_shown(buffer))
-
-
-def _fmt_small(v: float | None, unit: str = "", digits: int = 2) -> str:
-    """A rate that may be far below one (a tiny model's TFLOP/s): its significant digits, never "0.00"."""
-    if isinstance(v, float) and v != 0 and abs(v) < 1:
-        return f"{v:.{digits}g}{unit}"
-    return _fmt(v, unit, digits)
-
-
-def _fmt(v: Any, unit: str = "", digits: int = 1) -> str:
-    if v is None:
-        return "n/a"
-    if isinstance(v, float):
-        return f"{v:,.{digits}f}{unit}"
-    return f"{esc(v)}{unit}"
-
-
-def _changed_knobs(config: dict[str, Any]) -> list[str]:
+def changed_knobs(config: dict[str, Any]) -> list[str]:
     defaults = RunConfig().to_dict()
     layer = {row["name"]: row["layer"] for row in knob_table()}
     # the measurement window (steps, warmup, repeats) is shown in the table; model and stage in the title
@@ -151,7 +58,7 @@ def render(report: dict[str, Any], console: Console) -> None:
     cfg, env, model = report["config"], report.get("env", {}), report.get("model", {})
     where = env.get("gpu") or f"CPU ({env.get('cpu_count')} cores)"
     title = f"vlmdoctor profile: {esc(cfg['model'])} stage {esc(cfg['stage'])} on {esc(where)}"
-    changed = _changed_knobs(cfg)
+    changed = changed_knobs(cfg)
     console.print(f"[bold]{title}[/bold]")
     console.print(
         f"model: {esc(model.get('vision'))} + {esc(model.get('projector'))} + {esc(model.get('llm'))}; "
@@ -175,10 +82,34 @@ def render(report: dict[str, Any], console: Console) -> None:
         if err.get("requested_gb") is not None:
             console.print(
                 f"asked for {err['requested_gb']:.2f} GiB more; peak before failure "
-                f"{_fmt(err.get('peak_mem_gb_before_failure'), ' GiB', 2)} of "
-                f"{_fmt(err.get('device_mem_total_gb'), ' GiB', 1)}"
+                f"{fmt(err.get('peak_mem_gb_before_failure'), ' GiB', 2)} of "
+                f"{fmt(err.get('device_mem_total_gb'), ' GiB', 1)}"
             )
         return
+    m = report["metrics"]
+    console.print(_metrics_table(report))
+    render_measurement_notes(report, console)
+    if report.get("distributed"):
+        render_ranks(report["distributed"], console)
+    versions = ", ".join(f"{k} {env.get(k)}" for k in ("torch", "transformers", "liger_kernel") if env.get(k))
+    console.print(f"[dim]{esc(versions)}; driver {esc(env.get('driver') or 'n/a')}[/dim]", highlight=False)
+    tr = report.get("trace")
+    if tr and tr.get("lost"):  # the measurement above stands; the warning line says why the trace is gone
+        console.print(f"trace: lost ({esc(tr['lost'])})", highlight=False)
+    elif tr:
+        traced = fmt_ms(sorted(tr["traced_step_ms"])[len(tr["traced_step_ms"]) // 2] if tr["traced_step_ms"] else None)
+        where = tr["path"] or "analyzed, not kept (--trace-dir DIR keeps it)"
+        console.print(
+            f"trace: {esc(where)} ({esc(tr['steps'])} steps; traced step {traced} ms vs untraced median "
+            f"{fmt_ms(m['step_ms'])} ms)",
+            highlight=False,
+        )
+    if report["status"] == "nan_loss":
+        console.print("[bold red]the loss was NaN or inf in a timed step[/bold red]")
+
+
+def _metrics_table(report: dict[str, Any]) -> Table:
+    """A profile report's numbers, each with its spread over the repeats."""
     m, stats = report["metrics"], report.get("stats", {})
     t = Table(show_header=True, header_style="bold")
     t.add_column("metric")
@@ -189,57 +120,39 @@ def render(report: dict[str, Any], console: Console) -> None:
         s = stats.get(key)
         if not s or s["n"] < 2:
             return ""
-        return f"{_fmt(s['min'], unit, digits)} .. {_fmt(s['max'], unit, digits)}"
+        return f"{fmt(s['min'], unit, digits)} .. {fmt(s['max'], unit, digits)}"
 
     tp = report.get("throughput") or {}
     t.add_row(
         "real tokens/s",
-        _fmt(throughput.headline(report), "", 0),
+        fmt(throughput.headline(report), "", 0),
         throughput.spread_text(tp) or spread("real_tokens_per_s", "", 0),
     )
-    t.add_row("loss tokens/s", _fmt(m["loss_tokens_per_s"], "", 0), spread("loss_tokens_per_s", "", 0))
-    t.add_row("pad fraction", _fmt(m["pad_fraction"] * 100, " %"), "")
+    t.add_row("loss tokens/s", fmt(m["loss_tokens_per_s"], "", 0), spread("loss_tokens_per_s", "", 0))
+    t.add_row("pad fraction", fmt(m["pad_fraction"] * 100, " %"), "")
     step = stats.get("step_ms", {})
     t.add_row(
         "ms/step (median)",
-        _fmt(m["step_ms"], " ms"),
-        f"p10 {_fmt(m['step_ms_p10'])} / p90 {_fmt(m['step_ms_p90'])} (n={esc(step.get('n'))})",
+        fmt(m["step_ms"], " ms"),
+        f"p10 {fmt(m['step_ms_p10'])} / p90 {fmt(m['step_ms_p90'])} (n={esc(step.get('n'))})",
     )
     t.add_row(
         "MFU",
-        _fmt(m["mfu"] * 100 if m["mfu"] is not None else None, " %"),
+        fmt(m["mfu"] * 100 if m["mfu"] is not None else None, " %"),
         spread("mfu", "", 3) if m["mfu"] is not None else esc(m.get("mfu_reason") or ""),
     )
-    t.add_row("model TFLOP/s", _fmt_small(m["model_tflops_per_s"]), "")
+    t.add_row("model TFLOP/s", fmt_small(m["model_tflops_per_s"]), "")
     if m.get("peak_mem_gb") is not None:
         t.add_row(
             "peak memory allocated / reserved",
-            f"{_fmt(m['peak_mem_gb'], ' GiB', 2)} / {_fmt(m['peak_mem_reserved_gb'], ' GiB', 2)}",
-            f"of {_fmt(m['device_mem_total_gb'], ' GiB')}",
+            f"{fmt(m['peak_mem_gb'], ' GiB', 2)} / {fmt(m['peak_mem_reserved_gb'], ' GiB', 2)}",
+            f"of {fmt(m['device_mem_total_gb'], ' GiB')}",
         )
     else:
-        t.add_row("host peak RSS", _fmt(m["host_peak_rss_gb"], " GiB", 2), "")
+        t.add_row("host peak RSS", fmt(m["host_peak_rss_gb"], " GiB", 2), "")
     loss = m["final_loss"]
-    t.add_row("final loss", _fmt(loss, "", 4) if m["loss_finite"] else f"[red]{esc(loss)} (not finite)[/red]", "")
-    console.print(t)
-    render_measurement_notes(report, console)
-    if report.get("distributed"):
-        render_ranks(report["distributed"], console)
-    versions = ", ".join(f"{k} {env.get(k)}" for k in ("torch", "transformers", "liger_kernel") if env.get(k))
-    console.print(f"[dim]{esc(versions)}; driver {esc(env.get('driver') or 'n/a')}[/dim]", highlight=False)
-    tr = report.get("trace")
-    if tr and tr.get("lost"):  # the measurement above stands; the warning line says why the trace is gone
-        console.print(f"trace: lost ({esc(tr['lost'])})", highlight=False)
-    elif tr:
-        traced = _ms(sorted(tr["traced_step_ms"])[len(tr["traced_step_ms"]) // 2] if tr["traced_step_ms"] else None)
-        where = tr["path"] or "analyzed, not kept (--trace-dir DIR keeps it)"
-        console.print(
-            f"trace: {esc(where)} ({esc(tr['steps'])} steps; traced step {traced} ms vs untraced median "
-            f"{_ms(m['step_ms'])} ms)",
-            highlight=False,
-        )
-    if report["status"] == "nan_loss":
-        console.print("[bold red]the loss was NaN or inf in a timed step[/bold red]")
+    t.add_row("final loss", fmt(loss, "", 4) if m["loss_finite"] else f"[red]{esc(loss)} (not finite)[/red]", "")
+    return t
 
 
 def render_ranks(d: dict[str, Any], console: Console) -> None:
@@ -252,15 +165,16 @@ def render_ranks(d: dict[str, Any], console: Console) -> None:
         mark = " *" if r.get("rank") == g.get("slowest_rank") else ""
         t.add_row(
             f"{esc(r.get('rank'))}{mark}",
-            _fmt(r.get("step_ms")),
-            _fmt(r.get("real_tokens_per_s"), "", 0),
+            fmt(r.get("step_ms")),
+            fmt(r.get("real_tokens_per_s"), "", 0),
             esc(r.get("real_tokens")),
-            _fmt(r.get("peak_mem_gb"), "", 2),
+            fmt(r.get("peak_mem_gb"), "", 2),
             esc(str(r.get("host", ""))[:20]),
         )
     console.print(t)
+    how = ", ".join(esc(x) for x in (d.get("parallel"), d.get("backend")) if x)  # a user's run may not say
     line = (
-        f"{esc(d.get('world_size'))} ranks ({esc(d.get('parallel'))}, {esc(d.get('backend'))}): the job's numbers "
+        f"{esc(d.get('world_size'))} ranks" + (f" ({how})" if how else "") + ": the job's numbers "
         f"are the table's above, each row here one rank's own (* the slowest, rank {esc(g.get('slowest_rank'))}"
     )
     if g.get("step_imbalance") is not None:
@@ -272,12 +186,12 @@ def render_ranks(d: dict[str, Any], console: Console) -> None:
             "[bold yellow]scaling efficiency not measured:[/bold yellow] "
             + esc("; ".join(sc["doubts"]))
             + f" (it read {sc['efficiency'] * 100:.0f}%, {sc['speedup']:.2f}x one GPU's "
-            f"{_fmt(sc['one_gpu_real_tokens_per_s'], '', 0)} tokens/s); {esc(sc.get('remedy') or '')}"
+            f"{fmt(sc['one_gpu_real_tokens_per_s'], '', 0)} tokens/s); {esc(sc.get('remedy') or '')}"
         )
     elif sc:
         console.print(
             f"scaling efficiency {sc['efficiency'] * 100:.0f}% ({sc['speedup']:.2f}x one GPU's "
-            f"{_fmt(sc['one_gpu_real_tokens_per_s'], '', 0)} tokens/s, {esc(sc['source'])})"
+            f"{fmt(sc['one_gpu_real_tokens_per_s'], '', 0)} tokens/s, {esc(sc['source'])})"
         )
     if d.get("params_identical") is False:
         console.print("[bold red]the ranks' weights differ after the steps: gradients were not synchronised[/bold red]")
@@ -310,297 +224,59 @@ def render_models(rows: list[dict[str, Any]], console: Console) -> None:
     console.print(t)
 
 
-def _ms(v: Any) -> str:
-    return f"{v:,.1f}" if isinstance(v, (int, float)) else "n/a"
-
-
-def straggler_cause(f: dict[str, Any]) -> str:
-    """The straggler's cause in words, with the numbers that make it the cause."""
-    cause = str(f["dist.straggler.cause"])
-    grown = f.get("dist.straggler.accounts") or []
-    if cause == "tokens":
-        text = f"tokens ({f['dist.straggler.tokens_excess_frac'] * 100:+.0f}% over the others' mean)"
-    elif cause == "gemm_work":
-        text = (
-            f"gemm work (its GEMMs ran {f['dist.straggler.gemm_excess_frac'] * 100:+.0f}% longer than the others': "
-            "more or longer samples; record_shapes=True counts its tokens)"
-        )
-    elif cause.startswith(("busy.", "idle.")):
-        text = next((f"{g['account']} grew {g['excess_ms']:,.1f} ms/step ({g['meaning']})" for g in grown), cause)
-    else:
-        text = cause.replace("_", " ")
-    if cause not in ("balanced",) and grown and not cause.startswith(("busy.", "idle.")):
-        text += "; accounts above the others': " + ", ".join(f"{g['account']} +{g['excess_ms']:,.1f} ms" for g in grown)
-    return text
-
-
-def render_accounts(acc: dict[str, Any], console: Console, top: int = 12) -> None:
-    """The traced step's accounts, largest first, then the unattributed rest: every millisecond of the step."""
-    t = Table(
-        title=f"accounts of the traced step ({acc['step_ms']:,.1f} ms; per step)",
-        show_header=True,
-        header_style="bold",
-    )
-    for col, justify in (("account", "left"), ("ms", "right"), ("step", "right"), ("what", "left")):
-        t.add_column(col, justify=justify)
-    for r in acc["rows"][:top]:
-        t.add_row(esc(r["account"]), _ms(r["ms"]), f"{r['share'] * 100:.0f}%", esc(r["meaning"]))
-    rest = acc["rows"][top:]
-    if rest:
-        ms = sum(r["ms"] for r in rest)
-        t.add_row(f"{len(rest)} more", _ms(ms), f"{ms / acc['step_ms'] * 100:.0f}%", "")
-    t.add_row(
-        "unattributed",
-        _ms(acc["unattributed_ms"]),
-        f"{acc['unattributed_share'] * 100:.0f}%",
-        "GPU idle under no host event" if acc["unattributed_ms"] > 0 else "",
-    )
-    console.print(t)
-
-
-def render_facts(result: dict[str, Any], console: Console) -> None:
-    """Summary of `vlmdoctor analyze`: what the GPU did per step and why it waited."""
-    for entry in result["files"]:
-        f = entry["facts"]
-        known = (
-            ", ".join(f"{k.split('.')[1]} {esc(f[k])}" for k in ("run.model", "run.stage") if k in f)
-            or "model and stage unknown"
-        )
-        console.print(
-            f"[bold]{esc(entry['file'])}[/bold]: {esc(f['trace.steps'])} step(s), {known}"
-            + ("" if f["trace.written_by_vlmdoctor"] else " (not written by vlmdoctor)")
-        )
-        notes = f.get("run.notes") or []
-        for w in f.get("trace.warnings", []):
-            console.print(f"[yellow]{'warning' if w in notes else 'partial'}:[/yellow] {esc(w)}", highlight=False)
-        if not f["trace.written_by_vlmdoctor"]:  # a user's trace: say where each number's frame came from
-            console.print(
-                f"steps from {esc(f.get('trace.windows_from', 'n/a'))}; stage: "
-                f"{esc(f.get('run.stage_source') or f.get('run.stage_estimate_why') or 'unknown')}; "
-                f"model parts from: {esc(f.get('part.source', 'none'))}"
-            )
-            if "shapes.micro_batches_per_step.source" in f:
-                console.print(
-                    f"micro-batches per step: {f['shapes.micro_batches_per_step']:g} "
-                    f"({esc(f['shapes.micro_batches_per_step.source'])})"
-                )
-        line = f"step {_ms(f['step.ms'])} ms"
-        if "gpu.busy_frac" in f:
-            line += (
-                f"; GPU busy {f['gpu.busy_frac'] * 100:.0f}% ({_ms(f['gpu.busy_ms'])} ms), "
-                f"idle {_ms(f['gpu.idle_ms'])} ms"
-            )
-        console.print(line)
-        if "comm.ms" in f:
-            console.print(comm_line(f, "comm.", entry.get("rank")))
-        if "gpu.busy_frac" not in f:
-            continue
-        if entry.get("accounts"):
-            render_accounts(entry["accounts"], console)
-        t = Table(title="host work while the GPU waited (per step)", show_header=True, header_style="bold")
-        t.add_column("innermost host op / runtime call")
-        t.add_column("ms", justify="right")
-        t.add_column("share of idle", justify="right")
-        for row in f["idle.top_host_ops"][:6]:
-            t.add_row(esc(str(row["op"])[:70]), _ms(row["ms"]), f"{row['share'] * 100:.0f}%")
-        console.print(t)
-        t = Table(title="kernel classes (per step)", show_header=True, header_style="bold")
-        for col in ("class", "ms", "count", "share of GPU time"):
-            t.add_column(col, justify="left" if col == "class" else "right")
-        classes = sorted({k.split(".")[1] for k in f if k.startswith("kernels.")}, key=lambda c: -f[f"kernels.{c}.ms"])
-        for c in classes[:12]:
-            t.add_row(
-                esc(c),
-                _ms(f[f"kernels.{c}.ms"]),
-                f"{f[f'kernels.{c}.count']:,.0f}",
-                f"{f[f'kernels.{c}.share'] * 100:.1f}%",
-            )
-        console.print(t)
-        console.print(
-            f"GEMMs: {_ms(f['gemm.ms'])} ms; FP32 (no tensor cores) {f['gemm.fp32_share'] * 100:.1f}% of GEMM time"
-            + (
-                f" in {esc(', '.join(f['part.fp32_gemm_parts']))}: {esc(str(f['gemm.fp32_top_kernels'][0])[:60])}"
-                if f["gemm.fp32_share"] > 0
-                else ""
-            )
-        )
-        parts = sorted(
-            {k.split(".")[1] for k in f if k.startswith("part.") and k.endswith(".ms")},
-            key=lambda p: -f[f"part.{p}.ms"],
-        )
-        console.print("GPU time by part: " + ", ".join(f"{esc(p)} {_ms(f[f'part.{p}.ms'])} ms" for p in parts))
-        phases = [k.split(".")[1] for k in f if k.startswith("phase.") and k.endswith(".ms")]
-        console.print(
-            "by phase: "
-            + ", ".join(f"{esc(p)} {_ms(f[f'phase.{p}.ms'])} ms" for p in phases)
-            + f"; recompute: {esc(f['recompute.kind'])} ({f['recompute.share'] * 100:.1f}% of GPU time)"
-        )
-        console.print(
-            f"launches: {f['launch.kernels']:,.0f} kernels/step, {f['launch.tiny_kernel_frac'] * 100:.0f}% under "
-            f"10 µs, launch API {_ms(f['launch.api_ms'])} ms/step, launch-to-start median "
-            f"{_ms(f.get('launch.delay_us_median'))} µs"
-        )
-        extra = []
-        if "shapes.distinct_token_batches" in f:
-            extra.append(f"token batch shapes: {esc(', '.join(map(str, f['shapes.token_batches'])))}")
-        if "loss.logits_gb" in f:
-            extra.append(f"logits {f['loss.logits_gb']:.2f} GiB ({esc(f['loss.logits_dtype'])})")
-        elif f.get("ops.fused_linear_cross_entropy"):
-            extra.append("logits not materialized (fused linear cross entropy)")
-        liger = [f"{esc(k.split('.')[1])} {f[k]:.0f}" for k in f if k.startswith("liger.") and f[k]]
-        if liger:
-            extra.append("Liger launches/step: " + ", ".join(liger))
-        backends = [esc(k.split(".")[2]) for k in f if k.startswith("attention.backend.")]
-        if backends:
-            extra.append("SDPA backend: " + ", ".join(backends))
-        if extra:
-            console.print("; ".join(extra))
-
-
-def _gain_text(gain: dict[str, Any]) -> str:
-    if gain["saves_ms_per_step"] is not None:
-        g = f"-{gain['saves_ms_per_step']:,.1f} ms/step"
-        if gain["share_of_step"] and gain.get("step_ms"):  # the ms and the step from one window, said
-            g += f"\n({gain['share_of_step'] * 100:.0f}% of the {gain['step_ms']:,.1f} ms traced step)"
-        elif gain["share_of_step"]:
-            g += f"\n({gain['share_of_step'] * 100:.0f}% of the traced step)"
-        return g
-    if gain.get("throughput_x"):
-        return f"x{gain['throughput_x']:.2f} throughput"
-    return "n/a"
-
-
-def _apply_text(f: dict[str, Any]) -> str:
-    """The order of application: the fix's place in layer order, then its layer."""
-    order = f.get("apply_order")
-    return (f"{esc(order)}. " if order is not None else "") + f"layer {esc(f['layer'])}\n{esc(f['layer_name'])}"
-
-
-def _gain_short(gain: dict[str, Any] | None) -> str:
-    """A finding's expected gain in a few characters (x1.58, -3.1 ms/step, n/a), for the muted line."""
-    from vlmdoctor.doctor.rules import gain_ratio
-
-    ratio = gain_ratio(gain)
-    if ratio is not None:
-        return f"x{ratio:.2f}"
-    saves = (gain or {}).get("saves_ms_per_step")
-    return f"-{saves:,.1f} ms/step" if isinstance(saves, (int, float)) else "gain n/a"
-
-
-def _gain_cell(f: dict[str, Any]) -> str:
-    """The expected gain, then the throughput ratio and the severity it earns."""
-    text = _gain_text(f["expected_gain"])
-    ratio = _gain_short(f["expected_gain"])
-    severity = esc(f.get("severity", ""))
-    tail = f"{ratio}, {severity}" if ratio.startswith("x") and ratio not in text else severity
-    return f"{text}\n{tail}"
-
-
-def render_unprescribed(diagnosis: dict[str, Any], console: Console) -> None:
-    """Each large account of the step that no finding speaks to, said as seen: no cost of that size goes unnamed."""
-    for a in diagnosis.get("accounts") or []:
-        if a["verdict"] != "no prescription known":
-            continue
-        where = f" (in {', '.join(a['where'])})" if a.get("where") else ""
-        console.print(
-            f"seen: {a['ms']:,.1f} ms/step ({a['share'] * 100:.0f}% of the traced step) in {a['account']}, "
-            f"{a['meaning']}{where}; no prescription known",
-            style="yellow",
-            highlight=False,
-            markup=False,
-            soft_wrap=True,
-        )
-
-
-def render_muted(diagnosis: dict[str, Any], console: Console) -> None:
-    """One line naming every muted finding with its expected gain: muted, never silently dropped."""
-    muted = diagnosis.get("muted") or []
-    if not muted:
-        return
-    by = sorted({str(m.get("muted_by", "")).split(" ")[0] for m in muted})
-    console.print(
-        f"muted ({len(muted)}, by {', '.join(by)}): "
-        + ", ".join(f"{m['id']} {_gain_short(m.get('expected_gain'))}" for m in muted),
-        style="dim",
-        highlight=False,
-        markup=False,
-        soft_wrap=True,
-    )
-
-
 def render_findings(
-    diagnosis: dict[str, Any], console: Console, command: Callable[[dict[str, Any]], str] | None = None
+    diagnosis: dict[str, Any] | Diagnosis,
+    console: Console,
+    command: Callable[[dict[str, Any]], str] | None = None,
+    verbose: bool = True,
 ) -> None:
     """Prescriptions, biggest expected gain first: what was seen, what to change, what it should save, and
-    the order in which to apply it (its layer).
+    the order in which to apply it (its layer); then what was muted, superseded or not evaluated.
 
-    Each patch is then printed on a line of its own, as the command that runs it (`command`
-    turns a patch into one), never wrapped or cut, so it can be copied whole at any width.
+    A list, not a table: a table's narrow cells cut kernel and rule names. Each patch is printed as the
+    command that runs it (`command` turns a patch into one), broken only between flags with a shell
+    continuation, so it pastes whole at any width.
     """
-    findings = diagnosis["findings"]
-    if not findings:
-        console.print("[bold green]no prescriptions[/bold green]: no rule fired on the measured facts")
+    d = as_document(diagnosis, Diagnosis, "diagnosis") if isinstance(diagnosis, dict) else diagnosis
+    rx = [Prescribed(f, [], command and (lambda patch, c=command: c(patch))) for f in d.findings]
+    render_prescriptions(rx, console, verbose)
+    render_not_prescribed([d], console, verbose)
+
+
+def render_analysis(
+    doc: Analysis | dict[str, Any],
+    console: Console,
+    verbose: bool = False,
+    run_command: Callable[[dict[str, Any], dict[str, Any]], str] | None = None,
+    written: list[str] | None = None,
+) -> None:
+    """`vlmdoctor analyze`. Compact (the default): each trace's headline and the step's largest accounts, the
+    ranks side by side, then the prescriptions one line each with their fix, and where the full report is.
+    Verbose: every table (accounts, host ops, kernel classes, parts, launches) and each prescription's evidence.
+    `run_command(config, patch)` says a patch of a vlmdoctor trace as the command that runs it."""
+    a = as_document(doc, Analysis, "analysis") if isinstance(doc, dict) else doc
+    if verbose:
+        render_facts(a, console)
+        if a.cross_rank is not None:
+            render_cross_rank(a.cross_rank, console)
     else:
-        t = Table(
-            title="prescriptions, biggest expected gain first (apply them in the 'apply' order)",
-            show_header=True,
-            header_style="bold",
-            show_lines=True,
-        )
-        t.add_column("#", justify="right")
-        t.add_column("apply")
-        t.add_column("seen (measured)", ratio=3)
-        t.add_column("change", ratio=2)
-        t.add_column("expected gain", justify="right")
-        for i, f in enumerate(findings, 1):
-            t.add_row(
-                str(i),
-                _apply_text(f),
-                f"[bold]{esc(f['title'])}[/bold]\n" + "\n".join(esc(e) for e in f["evidence"]),
-                esc(f["fix"]),
-                _gain_cell(f),
-            )
-        console.print(t)
-        for i, f in enumerate(findings, 1):
-            patch = f["config_patch"]
-            advice = f.get("advice")  # the user's own training: the fix in their terms, not vlmdoctor knobs
-            if advice and advice.get("lines"):
-                console.print(
-                    f"#{i} {f['id']}, in your {advice.get('audience', 'code')}:",
-                    highlight=False,
-                    markup=False,
-                    soft_wrap=True,
-                )
-                for line in advice["lines"]:
-                    console.print(f"  {line}", style="cyan", highlight=False, markup=False, soft_wrap=True)
-                continue
-            if not patch:
-                continue
-            knobs = ", ".join(f"{k}={v}" for k, v in patch.items())
-            console.print(f"#{i} {f['id']}, run:", highlight=False, markup=False, soft_wrap=True)
-            line = command(patch) if command else knobs
-            console.print(f"  {line}", style="cyan", highlight=False, markup=False, soft_wrap=True)
-    render_unprescribed(diagnosis, console)
-    render_muted(diagnosis, console)
-    for s in diagnosis["superseded"]:
-        console.print(f"[dim]superseded: {esc(s['id'])} (covered by {esc(s['superseded_by'])})[/dim]")
-    for n in diagnosis.get("not_applicable", []):
-        if n.get("measured"):  # fired on the measurement, but the preset cannot take the fix
-            console.print(f"[dim]seen, fix not applicable: {esc(n['id'])} ({esc(n['why'])})[/dim]", highlight=False)
-    for n in diagnosis["not_evaluated"]:
-        hint = f"; record with {n['hint']}" if n.get("hint") else ""
-        console.print(
-            f"[dim]not evaluated: {esc(n['id'])} (needs {esc(', '.join(n.get('missing') or []))}{esc(hint)})[/dim]",
-            highlight=False,
-        )
-    gpu_only = [n["id"] for n in diagnosis.get("not_applicable", []) if "fact of GPU runs" in n["why"]]
-    if gpu_only:
-        console.print(
-            f"[dim]not applicable to a CPU run ({len(gpu_only)} rules need GPU kernel facts): "
-            f"{esc(', '.join(gpu_only))}[/dim]"
-        )
-    for p in diagnosis.get("problems", []):
-        console.print(f"[yellow]rule problem:[/yellow] {esc(p)}", highlight=False)
+        said: set[str] = set()  # the ranks' traces share their warnings: each said once
+        for entry in a.files:
+            file_head(entry, console, said)
+            console.print(step_line(entry), highlight=False)
+            if "comm.ms" in entry.facts:
+                console.print(comm_line(entry.facts, "comm.", entry.rank).split("\n")[0], highlight=False)
+            if entry.accounts is not None and len(a.files) == 1:
+                render_accounts_brief(entry.accounts, console)
+        if a.cross_rank is not None:
+            render_cross_rank(a.cross_rank, console, brief=True)
+    items, diagnoses = analysis_prescriptions(a, run_command)
+    render_prescriptions(items, console, verbose)
+    render_not_prescribed(diagnoses, console, verbose)
+    if written:
+        print_text(console, fill("the full report: " + ", ".join(written), console.width, "", "  "))
+    elif not verbose:
+        print_text(console, fill("every table: --verbose; the full report: --html report.html", console.width), "dim")
 
 
 def render_rule_page(page: dict[str, Any], console: Console) -> None:
@@ -647,86 +323,90 @@ def render_rule_page(page: dict[str, Any], console: Console) -> None:
     section("Sources", page["sources"])
 
 
-def render_ladder(result: dict[str, Any], console: Console) -> None:
-    """The treat ladder: kept steps with their numbers, then the trials that were not kept."""
-    cfg = result["start_config"]
-    console.print(
-        f"[bold]vlmdoctor treat: {esc(cfg['model'])} stage {esc(cfg['stage'])}[/bold] "
-        f"({len(result['trials'])} trial(s); stopped: {esc(result.get('stopped_because'))})"
+def _knobs_cell(text: str) -> str:
+    """Knob changes one to a line ("a=1, b=2" -> "a=1\\nb=2"): a table may narrow the cell, never cut a knob."""
+    return "\n".join(esc(k) for k in text.split(", "))
+
+
+def _lean_table(title: str) -> Table:
+    """A table of numbers with one text column last: a space between columns, a rule under the header, so
+    that the text column keeps the width its longest knob needs at 80 columns."""
+    return Table(
+        title=title, header_style="bold", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0)
     )
-    if not result["ladder"]:
-        start = result.get("start") or {}
-        console.print(
-            f"[bold red]the start config did not run[/bold red]: {esc(start.get('status'))} "
-            f"{esc(start.get('error') or '')}",
-            highlight=False,
-        )
+
+
+def render_ladder(result: TreatResult | dict[str, Any], console: Console) -> None:
+    """The treat ladder: kept steps with their numbers, then the trials that were not kept."""
+    r_ = as_document(result, TreatResult, "treat result") if isinstance(result, dict) else result
+    cfg = r_.start_config or {}
+    console.print(
+        f"[bold]vlmdoctor treat: {esc(cfg.get('model'))} stage {esc(cfg.get('stage'))}[/bold] "
+        f"({len(r_.trials)} trial(s); stopped: {esc(r_.stopped_because)})"
+    )
+    if not r_.ladder:
+        start = r_.start
+        why = " ".join(x for x in ((start.status, start.error) if start else ()) if x) or "no report came back"
+        console.print(f"[bold red]the start config did not run[/bold red]: {esc(why)}", highlight=False)
         return
-    t = Table(title="ladder (adopted rounds)", header_style="bold")
-    for col, just in (
-        ("#", "right"),
-        ("change", "left"),
-        ("tokens/s", "right"),
-        ("x start", "right"),
-        ("ms/step", "right"),
-        ("MFU", "right"),
-        ("GiB", "right"),
-        ("at s", "right"),
-    ):
-        t.add_column(col, justify=just, overflow="fold")
-    for r in result["ladder"]:
+    t = _lean_table("ladder (adopted rounds)")
+    for col in ("#", "tokens/s", "x start", "ms/step", "MFU", "GiB", "at s"):
+        t.add_column(col, justify="right", no_wrap=True)
+    t.add_column("change")
+    for r in r_.ladder:
         t.add_row(
-            esc(r["step"]),
-            esc(r["change"]),
-            _fmt(r.get("real_tokens_per_s"), "", 0),
-            f"{r['speedup']:.2f}",
-            _fmt(r.get("step_ms")),
-            _fmt(r["mfu"] * 100 if r.get("mfu") else None, " %"),
-            _fmt(r.get("peak_mem_gb"), "", 1),
-            _fmt(r.get("elapsed_s"), "", 0),
+            esc(r.step),
+            fmt(r.real_tokens_per_s, "", 0),
+            fmt(r.speedup, "", 2),
+            fmt(r.step_ms),
+            fmt(r.mfu * 100 if r.mfu else None, " %"),
+            fmt(r.peak_mem_gb, "", 1),
+            fmt(r.elapsed_s, "", 0),
+            _knobs_cell(r.change or ""),
         )
     console.print(t)
-    own = [(r["step"], c) for r in result["ladder"] for c in r.get("changes") or []]
+    own = [(r.step, c) for r in r_.ladder for c in r.changes or []]
     if own:
-        t = Table(title="each change's own contribution (leave-one-out)", header_style="bold")
-        for col in ("#", "rule", "x own [95% CI]", "pairs", "verdict"):
-            t.add_column(col)
+        t = _lean_table("each change's own contribution (leave-one-out)")
+        for col in ("#", "rule", "pairs", "verdict", "x own [95% CI]"):
+            t.add_column(col, no_wrap=col != "x own [95% CI]", justify="right" if col in ("#", "pairs") else "left")
         for step, c in own:
             k = c["contribution"]
             t.add_row(
-                esc(step), esc(c["rule"]), _ci(k) or esc(k.get("why", "")), esc(k.get("pairs") or ""), esc(k["outcome"])
+                esc(step), esc(c["rule"]), esc(k.get("pairs") or ""), esc(k["outcome"]), _ci(k) or esc(k.get("why", ""))
             )
         console.print(t)
-    rejected = [x for x in result["trials"] if x.get("outcome") not in ("kept", "adopted")]
+    rejected = [x for x in r_.trials if x.outcome not in ("kept", "adopted")]
     if rejected:
-        t = Table(title="trials not kept", header_style="bold")
-        for col in ("trial", "what", "outcome", "x [95% CI]", "tokens/s"):
-            t.add_column(col, justify="right" if col == "tokens/s" else "left")
-        need = (result.get("decision") or {}).get("min_pairs", 3)
+        t = _lean_table("trials not kept")
+        for col in ("trial", "tokens/s", "outcome", "x [95% CI]", "what"):
+            t.add_column(col, justify="right" if col in ("trial", "tokens/s") else "left", no_wrap=col == "trial")
+        need = (r_.decision.min_pairs if r_.decision else None) or 3
         for x in rejected:
-            if "ratio" in x:
-                measured = _ci(x)
-            elif x.get("ratios"):  # a round the time cut short: the pairs it measured, which decided nothing
-                measured = f"{_ci(x)} ({len(x['ratios'])} of {need} pairs)"
-            elif "margin" in x:  # a treat.json of the first treat: gain against the spread-based margin
-                measured = f"{x['gain'] * 100:+.1f}% vs +/-{x['margin'] * 100:.1f}%"
+            d = msgspec.structs.asdict(x)
+            if x.ratio is not None:
+                measured = _ci(d)
+            elif x.ratios:  # a round the time cut short: the pairs it measured, which decided nothing
+                measured = f"{_ci(d)} ({len(x.ratios)} of {need} pairs)"
+            elif x.margin is not None and x.gain is not None:  # the first treat's gain against its margin
+                measured = f"{x.gain * 100:+.1f}% vs +/-{x.margin * 100:.1f}%"
             else:
-                measured = esc(str(x.get("error") or x.get("why") or "")[:40])
-            what = x.get("name") or x["rule"]
-            if x.get("kind") == "composition" and x.get("config_patch"):  # which knobs, not just "composition"
-                what = ", ".join(f"{k}={v}" for k, v in x["config_patch"].items())
+                measured = esc(x.error or x.why or "")
+            what = esc(x.name or x.rule or "")
+            if x.kind == "composition" and x.config_patch:  # which knobs, not just "composition"
+                what = _knobs_cell(", ".join(f"{k}={v}" for k, v in x.config_patch.items()))
             t.add_row(
-                esc(x["trial"]),
-                esc(what),
-                esc(x["outcome"]),
+                esc(x.trial),
+                fmt(x.real_tokens_per_s, "", 0) if x.real_tokens_per_s else "",
+                esc(x.outcome),
                 measured,
-                _fmt(x["real_tokens_per_s"], "", 0) if x.get("real_tokens_per_s") else "",
+                what,
             )
         console.print(t)
-    for s in result.get("skipped") or []:
-        console.print(f"skipped {esc(s['rule'])}: {esc(s['why'])}", highlight=False)
-    if result.get("wall_s"):
-        console.print(f"treatment took {result['wall_s']:.0f} s")
+    for sk in r_.skipped:
+        console.print(f"skipped {esc(sk['rule'])}: {esc(sk['why'])}", highlight=False)
+    if r_.wall_s:
+        console.print(f"treatment took {r_.wall_s:.0f} s")
 
 
 def _ci(d: dict[str, Any]) -> str:
@@ -756,11 +436,11 @@ def render_sweep(rows: list[dict[str, Any]], console: Console) -> None:
         t.add_row(
             esc(r["stage"]),
             esc(r["name"]),
-            _fmt(r["real_tokens_per_s"], "", 0) if ok else "",
-            _fmt(r["pad_fraction"] * 100 if ok else None),
-            f"{_fmt(r['step_ms'])} ({_fmt(r['step_ms_p10'])}-{_fmt(r['step_ms_p90'])})" if ok else "",
-            _fmt(r["mfu"] * 100 if r.get("mfu") else None, " %"),
-            _fmt(r.get("peak_mem_gb"), "", 1),
+            fmt(r["real_tokens_per_s"], "", 0) if ok else "",
+            fmt(r["pad_fraction"] * 100 if ok else None),
+            f"{fmt(r['step_ms'])} ({fmt(r['step_ms_p10'])}-{fmt(r['step_ms_p90'])})" if ok else "",
+            fmt(r["mfu"] * 100 if r.get("mfu") else None, " %"),
+            fmt(r.get("peak_mem_gb"), "", 1),
             esc(r["status"]) if ok else f"{esc(r['status'])}: {esc(str(r.get('error') or '')[:50])}",
         )
     console.print(t)
@@ -794,22 +474,22 @@ def render_own(report: dict[str, Any], console: Console) -> None:
     t.add_column("value", justify="right")
     tp = report.get("throughput") or {}
     spread = throughput.spread_text(tp)
-    t.add_row("real tokens/s", _fmt(m.get("real_tokens_per_s"), "", 0) + (f" ({spread})" if spread else ""))
-    t.add_row("loss tokens/s", _fmt(m.get("loss_tokens_per_s"), "", 0))
+    t.add_row("real tokens/s", fmt(m.get("real_tokens_per_s"), "", 0) + (f" ({spread})" if spread else ""))
+    t.add_row("loss tokens/s", fmt(m.get("loss_tokens_per_s"), "", 0))
     pad = m.get("pad_fraction")
-    t.add_row("pad fraction", _fmt(pad * 100 if pad is not None else None, " %"))
+    t.add_row("pad fraction", fmt(pad * 100 if pad is not None else None, " %"))
     t.add_row(
         "ms/step (median)",
-        f"{_fmt(m['step_ms'], ' ms')} (p10 {_fmt(m['step_ms_p10'])}, "
-        f"p90 {_fmt(m['step_ms_p90'])}, n={esc(m['steps_per_repeat'])})",
+        f"{fmt(m['step_ms'], ' ms')} (p10 {fmt(m['step_ms_p10'])}, "
+        f"p90 {fmt(m['step_ms_p90'])}, n={esc(m['steps_per_repeat'])})",
     )
     _flop_rows(t, m, report.get("flops") or {})
     if m.get("peak_mem_gb") is not None:
-        t.add_row("peak memory allocated", _fmt(m["peak_mem_gb"], " GiB", 2))
+        t.add_row("peak memory allocated", fmt(m["peak_mem_gb"], " GiB", 2))
     elif m.get("host_peak_rss_gb") is not None:  # a CPU run: its memory is the process's
-        t.add_row("host peak RSS", _fmt(m["host_peak_rss_gb"], " GiB", 2))
+        t.add_row("host peak RSS", fmt(m["host_peak_rss_gb"], " GiB", 2))
     if m.get("final_loss") is not None:
-        t.add_row("last loss", _fmt(m["final_loss"], "", 4))
+        t.add_row("last loss", fmt(m["final_loss"], "", 4))
     facts = report.get("facts") or {}
     console.print(t)
     if (report.get("distributed") or {}).get("global"):  # several ranks: the table above is the job's
@@ -821,11 +501,9 @@ def render_own(report: dict[str, Any], console: Console) -> None:
         console.print(f"[yellow]the trace could not be analyzed:[/yellow] {esc(facts['trace.error'])}", highlight=False)
     tr = report.get("trace") or {}
     if tr.get("path"):
-        from vlmdoctor.report.progress import WHOLE, wrap
-
         ranks = len(tr.get("rank_paths") or [])
         where = f"{tr['dir']} (one trace per rank)" if ranks > 1 and tr.get("dir") else tr["path"]
-        console.print(esc(wrap(f"trace: {where}")), highlight=False, **WHOLE)  # the path stays whole
+        print_text(console, fill(f"trace: {where}", console.width))  # broken at spaces: the path stays whole
     if "diagnosis" in report:
         render_own_findings(report["diagnosis"], console)
 
@@ -833,10 +511,10 @@ def render_own(report: dict[str, Any], console: Console) -> None:
 def _flop_rows(t: Table, m: dict[str, Any], flops: dict[str, Any]) -> None:
     """FLOPs per step and MFU of a user's model: counted from a real step; MFU null says why."""
     fps = m.get("flops_per_step")
-    t.add_row("FLOPs/step", f"{_fmt_small(fps / 1e9)} GFLOP (counted)" if fps else esc(flops.get("formula") or "n/a"))
+    t.add_row("FLOPs/step", f"{fmt_small(fps / 1e9)} GFLOP (counted)" if fps else esc(flops.get("formula") or "n/a"))
     mfu = m.get("mfu")
     t.add_row(
-        "MFU", _fmt(mfu * 100, " %", 2) if mfu is not None else f"n/a: {esc(m.get('mfu_reason') or 'not computed')}"
+        "MFU", fmt(mfu * 100, " %", 2) if mfu is not None else f"n/a: {esc(m.get('mfu_reason') or 'not computed')}"
     )
 
 
@@ -881,8 +559,8 @@ def render_measurement_notes(report: dict[str, Any], console: Console) -> None:
 
 
 def _gain_line(gain: dict[str, Any]) -> str:
-    """The table cell of `_gain_text` on one line, for the list form of the findings."""
-    text = _gain_text(gain)
+    """The table cell of `gain_text` on one line, for the list form of the findings."""
+    text = gain_text(gain)
     return "expected gain: n/a" if text == "n/a" else "expected: " + text.replace("\n(", ", ").removesuffix(")")
 
 
@@ -925,85 +603,3 @@ def render_own_findings(diagnosis: dict[str, Any], console: Console) -> None:
             f"[dim]not evaluated ({len(skipped)} rules need facts this trace lacks, e.g. GPU kernels): "
             f"{esc(', '.join(skipped))}[/dim]"
         )
-
-
-def comm_line(f: dict[str, Any], prefix: str, rank: int | None = None) -> str:
-    """Collective time per step, exposed vs hidden, and each collective's size and bus bandwidth."""
-    who = f"rank {esc(rank)}: " if rank is not None else ""
-    line = (
-        f"{who}collectives {_ms(f[prefix + 'ms'])} ms/step, exposed {_ms(f[prefix + 'exposed_ms'])} ms, hidden "
-        f"{_ms(f[prefix + 'hidden_ms'])} ms"
-    )
-    kinds = f.get(prefix + "kinds") or []
-    parts = []
-    for k in kinds:
-        bw = f.get(f"{prefix}{k}.busbw_gbps")
-        size = f.get(f"{prefix}{k}.bytes")
-        parts.append(
-            f"{esc(k)} {_ms(f.get(f'{prefix}{k}.ms'))} ms"
-            + (f" {size / 2**20:,.1f} MiB" if size else "")
-            + (f" busbw {bw:.2f} GB/s" if bw is not None else "")
-        )
-    return "\n".join([line] + [f"  {p}" for p in parts])
-
-
-def render_cross_rank(cross: dict[str, Any], console: Console) -> None:
-    """The ranks of one data-parallel job side by side: who was slow, who waited, how much communication showed."""
-    if "skipped" in cross:
-        console.print(f"[yellow]cross-rank:[/yellow] {esc(cross['skipped'])}", highlight=False)
-        return
-    f = cross["facts"]
-    console.print(
-        f"[bold]cross-rank[/bold]: {esc(f['dist.ranks'])} ranks of {esc(f['dist.world_size'])}, "
-        f"{esc(f['dist.parallel'])} over {esc(f['dist.backend'])}"
-    )
-    for note in cross.get("notes", []):
-        console.print(f"[yellow]note:[/yellow] {esc(note)}", highlight=False)
-    t = Table(show_header=True, header_style="bold", title="per rank (ms per step)")
-    for col in ("rank", "step", "waited", "busy", "tokens", "loader", "gaps", "comm", "exposed"):
-        t.add_column(col, justify="right")
-    for r in cross["ranks"]:
-        t.add_row(
-            esc(r["rank"]),
-            *(_ms(r.get(k)) for k in ("step_ms", "wait_ms", "busy_ms")),
-            f"{r['tokens']:,.0f}" if r.get("tokens") else "n/a",
-            *(_ms(r.get(k)) for k in ("loader_ms", "gap_ms", "comm_ms", "exposed_ms")),
-        )
-    console.print(t)
-    if "dist.straggler.rank" in f:
-        console.print(
-            f"slowest rank {esc(f['dist.straggler.rank'])}: busy {_ms(f['dist.step_skew_ms'])} ms/step more than the "
-            f"fastest ({f.get('dist.step_skew_frac', 0) * 100:.0f}%)"
-        )
-        console.print(f"  cause: {esc(straggler_cause(f))}", highlight=False)
-    if "dist.late_wait_ms" in f:
-        console.print(
-            f"waiting for late ranks in collectives: {_ms(f['dist.late_wait_ms'])} ms/step mean, "
-            f"{_ms(f['dist.late_wait_ms_max'])} max"
-        )
-    if "dist.comm.ms" in f:
-        console.print(comm_line(f, "dist.comm.", None).replace("collectives", "rank mean: collectives", 1))
-        console.print(
-            f"exposed, less the wait for late ranks: {_ms(f['dist.comm.exposed_own_ms'])} ms/step"
-            + (f" ({f['dist.comm.exposed_share'] * 100:.1f}%)" if "dist.comm.exposed_share" in f else "")
-        )
-    if "dist.fsdp.prefetched_frac" in f:
-        console.print(
-            f"FSDP2 all-gathers issued ahead of their module: forward "
-            f"{f.get('dist.fsdp.forward_prefetched_frac', 0) * 100:.0f}%, backward "
-            f"{f.get('dist.fsdp.backward_prefetched_frac', 0) * 100:.0f}%"
-        )
-    if f.get("dist.micro_batches_per_step", 1) > 1:
-        console.print(
-            f"gradient sync in {f['dist.synced_micro_batches_per_step']:g} of {f['dist.micro_batches_per_step']:g} "
-            f"micro-batches per step"
-        )
-        console.print(f"  {_ms(f['dist.grad_sync.extra_ms'])} ms/step of it before the last micro-batch")
-    hta = cross.get("hta") or {}
-    if "overlap_pct" in hta:
-        ours = hta.get("ours_overlap_pct") or {}
-        console.print("comm overlapped with compute, traceinsight vs vlmdoctor:")
-        for r, v in sorted(hta["overlap_pct"].items()):
-            console.print(f"  rank {esc(r)}: {v:.1f}% vs {ours.get(r) or 0:.1f}%")
-    elif "skipped" in hta:
-        console.print(f"[dim]traceinsight cross-check skipped: {esc(hta['skipped'])}[/dim]", highlight=False)

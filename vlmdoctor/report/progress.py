@@ -10,6 +10,7 @@ summary to stdout.
 from __future__ import annotations
 
 import io
+import re
 import sys
 import textwrap
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from typing import Any, TextIO
 
 from rich.console import Console
 
-from vlmdoctor.report.console import SafeConsole, esc, plain
+from vlmdoctor.report.text import SafeConsole, esc, plain
 
 WIDTH = 80
 
@@ -143,3 +144,29 @@ def fit_hint(ran: int, warmup: int, steps: int, trace_steps: int, flags: bool, o
         return f"{head}: train at least {least} steps, or more, for a diagnosis"
     fits = f"{name('warmup')}{w} {name('steps')}{s}" + (f" {name('trace_steps')}{t}" if trace_steps else "")
     return f"{head}: to fit, use {fits} (or train longer)"
+
+
+class TreatProgress:
+    """`treat`'s progress messages as lines one can follow. Two counters say "round": a treatment's rounds
+    (each composes the fixes once) and, inside each, the paired runs that decide it (doctor/decide.py). Here a
+    treatment's round keeps its number and each paired run is said as a pair of that round, indented:
+
+        round 1: compile (5 changes)
+          round 1, pair 1: current
+          round 1, pair 1: compile
+    """
+
+    _ROUND = re.compile(r"round (\d+): (.*)", re.S)
+
+    def __init__(self) -> None:
+        self.phase = "start"
+
+    def __call__(self, message: str) -> str:
+        m = self._ROUND.fullmatch(message)
+        if message.startswith("ablation of"):
+            self.phase = "ablation"
+        elif m and (m.group(2).startswith("sizing ") or re.search(r"\(\d+ changes?\)", m.group(2))):
+            self.phase = f"round {m.group(1)}"
+        elif m:  # a paired run inside the phase
+            return f"  {self.phase}, pair {m.group(1)}: {m.group(2)}"
+        return message

@@ -14,8 +14,10 @@ from typing import Any
 
 from rich.console import Console
 
-from vlmdoctor.report.console import esc
+from vlmdoctor.report.html_sections import by_gain
+from vlmdoctor.report.prescriptions import gain_short
 from vlmdoctor.report.progress import WHOLE, wrap
+from vlmdoctor.report.text import esc
 from vlmdoctor.run import throughput
 
 TOP = 3  # findings shown
@@ -63,12 +65,9 @@ def headline_lines(report: dict[str, Any]) -> list[str]:
 
 
 def _finding_lines(findings: list[dict[str, Any]]) -> list[str]:
-    from vlmdoctor.report.console import _gain_short
-    from vlmdoctor.report.html import by_gain
-
     out = [f"top findings, biggest expected gain first ({len(findings)} in all):"]
     for i, f in enumerate(by_gain(findings)[:TOP], 1):
-        out.append(f"  {i}. {f['title']} ({_gain_short(f.get('expected_gain'))})")
+        out.append(f"  {i}. {f['title']} ({gain_short(f.get('expected_gain'))})")
         lines = ((f.get("advice") or {}).get("lines")) or []
         shown = _first_lines(lines)
         out += [f"     {line}" for line in shown]

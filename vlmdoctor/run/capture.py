@@ -28,6 +28,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from vlmdoctor.errors import VlmdoctorError
+from vlmdoctor.files import export_via
+from vlmdoctor.window import TRACE_STEPS
 
 
 @dataclass
@@ -35,7 +37,7 @@ class TraceOptions:
     """What the traced window records. Shapes, stacks and memory cost much and are off by default."""
 
     trace_dir: str  # "" with keep=False: a temporary folder, removed once the facts are read
-    steps: int = 2
+    steps: int = TRACE_STEPS
     shapes: bool = True
     stack: bool = False
     memory: bool | None = None  # None: on a GPU (the memory wall's facts need the allocations), off on a CPU
@@ -59,8 +61,6 @@ def trace_writer(path: Path, info: dict[str, Any]) -> Callable[[Any], None]:
     recorded in `info["lost"]` instead of raised, so the profiler stops cleanly and the measurement is kept."""
 
     def ready(prof: Any) -> None:
-        from vlmdoctor.files import export_via
-
         try:
             export_via(path, prof.export_chrome_trace)
         except VlmdoctorError as e:

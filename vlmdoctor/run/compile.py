@@ -46,7 +46,7 @@ def set_shape_padding(on: bool) -> None:
     Inductor pads matmul dimensions to tensor-core-friendly multiples when it is on. torch has
     had it on by default since 2.1, so the knob's useful setting is off, for a with/without pair.
     """
-    import torch._inductor.config as inductor_config
+    import torch._inductor.config as inductor_config  # deferred: torch
 
     inductor_config.shape_padding = on
 
@@ -175,7 +175,7 @@ def mark_lengths_dynamic(batch: dict[str, Any]) -> None:
 
 def graphs_compiled() -> int:
     """Graphs dynamo has compiled in this process so far (each recompile adds one)."""
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import counters  # deferred: torch
 
     return int(counters["stats"]["unique_graphs"])
 

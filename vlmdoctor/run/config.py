@@ -21,7 +21,11 @@ from typing import Any
 
 import yaml
 
+from vlmdoctor import SCHEMA_VERSION
 from vlmdoctor.errors import UsageError
+from vlmdoctor.files import write_text
+from vlmdoctor.inputs import MAX_YAML_BYTES, read_json, read_yaml
+from vlmdoctor.run.zoo import refuse_composite_only
 
 #: the `--help` panel of the knobs that spread a run over several processes
 GPUS = "several GPUs"
@@ -414,9 +418,6 @@ class RunConfig:
                 f"{_label('nproc_per_node', source)}={self.nproc_per_node} runs several processes; "
                 f"choose how they share the work: {_label('parallel', source)} ddp or fsdp2"
             )
-        from vlmdoctor.run.modes import check_mode_knobs
-        from vlmdoctor.run.zoo import refuse_composite_only
-
         check_mode_knobs(self, source)
 
         try:
@@ -502,16 +503,12 @@ class RunConfig:
 
     @classmethod
     def _read(cls, path: str | Path) -> Any:
-        from vlmdoctor.inputs import MAX_YAML_BYTES, read_json, read_yaml
-
         p = Path(path)
         if p.suffix == ".json":  # a config, or a report whose config is reused
             data = read_json(p, "config", max_bytes=64 * 2**20)
         else:
             data = read_yaml(p, "config", max_bytes=MAX_YAML_BYTES)
         if isinstance(data, dict) and "schema_version" in data and "config" in data:
-            from vlmdoctor import SCHEMA_VERSION
-
             version = data["schema_version"]
             if isinstance(version, bool) or not isinstance(version, int) or version < 1:
                 raise UsageError(f"config {p}: schema_version must be a positive integer, got {version!r}")
@@ -524,8 +521,6 @@ class RunConfig:
         return {} if data is None else data  # an empty file: every knob at its default; from_dict checks the rest
 
     def dump(self, path: str | Path) -> None:
-        from vlmdoctor.files import write_text
-
         write_text(path, self.dump_text(path))
 
     def dump_text(self, path: str | Path = "config.yaml") -> str:
@@ -554,6 +549,48 @@ def panel(name: str) -> str:
     meta = fields_by_name()[name].metadata
     layer = meta["layer"]
     return meta["panel"] or (LAYER_NAMES[layer] if layer == 0 else f"{layer} {LAYER_NAMES[layer]}")
+
+
+#: the LLM's projection names per `lora_targets` shorthand (Qwen2 and Llama names)
+TARGETS = {
+    "attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "attention_mlp": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+}
+
+
+def target_names(spec: str) -> tuple[str, ...]:
+    """The module names a `lora_targets` value names (a shorthand or a comma list)."""
+    if spec in TARGETS:
+        return TARGETS[spec]
+    names = tuple(n.strip() for n in spec.split(",") if n.strip())
+    return names
+
+
+def check_mode_knobs(cfg: Any, source: str = "config") -> None:
+    """Combinations of mode knobs that mean nothing, refused with one line (no hardware checks here)."""
+    where = "" if source == "command line" else f"{source}: "
+    if cfg.train != "full" and cfg.stage == 1:
+        raise UsageError(
+            f"{where}--train {cfg.train} adapts the LLM, but stage 1 trains the projector only; use "
+            "--stage 2 (LoRA on the LLM + a fully trainable projector)"
+        )
+    names = target_names(cfg.lora_targets)
+    if not names or any(not n.replace("_", "").replace(".", "").isalnum() for n in names):
+        raise UsageError(
+            f"{where}lora_targets={cfg.lora_targets!r}: give attention, attention_mlp or a comma list "
+            "of module names (q_proj,v_proj)"
+        )
+    if cfg.optimizer != "adamw" and cfg.fused_optimizer:
+        raise UsageError(
+            f"{where}--fused-optimizer is torch's fused AdamW; it does not combine with --optimizer {cfg.optimizer}"
+        )
+    if cfg.objective == "dpo":
+        for knob in ("packing", "lm_head_labeled_only", "liger_fused_linear_cross_entropy", "cache_vision_features"):
+            if getattr(cfg, knob):
+                raise UsageError(
+                    f"{where}{flag(knob)} is for the SFT loss; --objective dpo needs per-row log-probs of "
+                    "full logits (drop the flag)"
+                )
 
 
 def _off(values: dict[str, Any], qualifies: dict[str, tuple]) -> bool:

@@ -21,9 +21,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 from torch.utils.data import Dataset, Sampler
 
 from vlmdoctor.errors import UsageError
+from vlmdoctor.inputs import decode, path_problem, read_bytes
 from vlmdoctor.run.zoo import ModelSpec
 
 IGNORE = -100
@@ -143,7 +145,6 @@ class LlavaFile(Dataset):
     def __init__(self, path: str, tokenizer_dir: str | None, spec: ModelSpec, bad_records: str = "stop") -> None:
         self.spec = spec
         self.path = Path(path)
-        from vlmdoctor.inputs import path_problem
 
         problem = path_problem(self.path)
         if problem:
@@ -232,8 +233,6 @@ class LlavaFile(Dataset):
         return sample
 
     def raw_image(self, image_id: int) -> torch.Tensor:
-        from PIL import Image
-
         size = self.spec.vision["input_size"]
         path = self.samples[image_id]["image_path"]
         try:
@@ -245,8 +244,6 @@ class LlavaFile(Dataset):
 
 
 def _check_image(path: Path) -> None:
-    from PIL import Image
-
     try:
         with Image.open(path) as im:
             im.verify()
@@ -257,7 +254,6 @@ def _check_image(path: Path) -> None:
 def _read_records(path: Path) -> Iterator[tuple[str, Any, str | None]]:
     """(where, record, parse error) for each record; JSONL lines that do not parse (or are not UTF-8)
     are records too, so --bad-records skip applies to them."""
-    from vlmdoctor.inputs import decode, read_bytes
 
     raw = read_bytes(path, "--data")
     if path.suffix == ".jsonl":
@@ -309,7 +305,7 @@ def _has_undecodable(value: Any) -> bool:
 
 
 def _load_tokenizer(path: str):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # deferred: transformers
 
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)

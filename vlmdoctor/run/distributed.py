@@ -14,16 +14,23 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from vlmdoctor.errors import UsageError
+from vlmdoctor.run import metrics
 from vlmdoctor.run.config import GPUS, RunConfig
+from vlmdoctor.run.parts import find_parts
 
 #: NVLink multicast (NVLS / symmetric-memory multicast) off in every process on a GPU: the project's
 #: GPU hosts do not support it, and NCCL or symmetric memory would otherwise try it and fail or hang
@@ -61,8 +68,6 @@ class Rendezvous:
         return self.nnodes not in ("1", "1:1")
 
     def check(self) -> None:
-        import re
-
         if not re.fullmatch(r"[1-9]\d*(:[1-9]\d*)?", self.nnodes):
             raise UsageError(f"--nnodes must be N or MIN:MAX (positive integers), got {self.nnodes!r}")
         if self.node_rank is not None and self.node_rank < 0:
@@ -166,7 +171,6 @@ def in_torchrun() -> bool:
 
 def setup(cfg: RunConfig, device: torch.device) -> tuple[Dist, torch.device]:
     """Join the process group torchrun prepared; each rank takes the GPU of its local rank."""
-    import torch.distributed as dist
 
     if not in_torchrun():
         raise UsageError(
@@ -185,8 +189,6 @@ def setup(cfg: RunConfig, device: torch.device) -> tuple[Dist, torch.device]:
 
 
 def teardown() -> None:
-    import torch.distributed as dist
-
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -196,7 +198,6 @@ def model_parts(vlm: nn.Module) -> dict[str, nn.Module]:
     parts = getattr(vlm, "parts", None)
     if isinstance(parts, dict):
         return parts
-    from vlmdoctor.run.parts import find_parts
 
     return find_parts(vlm)
 
@@ -227,8 +228,6 @@ def _replicated_params(vlm: nn.Module) -> set[nn.Parameter]:
 def wrap(vlm: nn.Module, cfg: RunConfig, d: Dist, device: torch.device) -> tuple[nn.Module, dict[str, Any]]:
     """DDP around the model, or FSDP2 in place; returns the module to call and what was done."""
     if cfg.parallel == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
         ids = [device.index] if device.type == "cuda" else None
         model = DDP(
             vlm,
@@ -243,7 +242,7 @@ def wrap(vlm: nn.Module, cfg: RunConfig, d: Dist, device: torch.device) -> tuple
             "bucket_cap_mb": cfg.ddp_bucket_cap_mb,
             "synced_params": trainable,
         }
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # deferred: torch
 
     layers = decoder_layers(vlm)
     if not layers:
@@ -335,8 +334,6 @@ def deal(batch: list[int], lengths: list[int], world: int, balance: bool) -> lis
 
 # --- gathering the ranks' numbers to rank 0 --------------------------------------------------------
 def gather(obj: Any) -> list[Any]:
-    import torch.distributed as dist
-
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
@@ -412,6 +409,18 @@ def one_gpu_config(cfg: RunConfig) -> RunConfig:
     return cfg.replace(source="one-GPU reference", nproc_per_node=1, parallel="none")
 
 
+def rank_threads_env(cfg: RunConfig) -> dict[str, str]:
+    """The CPU threads torchrun gives each rank, for the one-GPU reference to run under the same.
+
+    torchrun sets OMP_NUM_THREADS=1 in every rank when it starts several per node and the variable is
+    unset; a reference left at torch's default (a thread per core) measured another host side: on a
+    64-core host with two references side by side, 0.5b's step took 478 ms against 125 ms on each of
+    2 DDP ranks, and the scaling efficiency read 397% (bench/results/2026-11-27-4xh200-issue42)."""
+    if cfg.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
+        return {"OMP_NUM_THREADS": "1"}
+    return {}
+
+
 def check_reference(cfg: dict[str, Any], ref: dict[str, Any], where: str) -> None:
     """A one-GPU reference report must be the same config but for the knobs of distribution."""
     ref_cfg = ref.get("config") or {}
@@ -436,3 +445,78 @@ def check_reference(cfg: dict[str, Any], ref: dict[str, Any], where: str) -> Non
             f"{where}: the one-GPU run did not finish (status {ref.get('status')!r}); it has no "
             "tokens/s to compare with"
         )
+
+
+def merge_ranks(
+    report: dict[str, Any],
+    place: Dist,
+    patient: Any,
+    windows: list[dict[str, Any]],
+    peak: float | None,
+) -> None:
+    """Every rank's numbers to every rank; the report's metrics become the job's.
+
+    metrics.real_tokens_per_s, model_tflops_per_s and mfu are global (all ranks' tokens over the
+    slowest rank's time, run/metrics.py), step_ms is the slowest rank's median step, peak_mem_gb the largest;
+    `repeats` holds global per-step samples (tokens summed over ranks, the longest rank's step
+    time), so that the gate's significance test judges the job. Each rank's own numbers are kept
+    under distributed.ranks. `patient`: this rank's (runner.Patient).
+    """
+
+    own = rank_summary(place.rank, windows, report["metrics"], platform.node())
+    own["trace"] = (report.get("trace") or {}).get("path")
+    own["loss_finite"] = report["metrics"]["loss_finite"]
+    own["param_digest"] = param_digest(patient.vlm)
+    ranks = gather(own)
+    # the job's steps, window by window: per step the slowest rank's time and all ranks' tokens
+    job = [metrics.joined([r["windows"][w] for r in ranks]) for w in range(len(windows))]
+    job_blocks = metrics.write(job, peak=None, device_total_gb=None, spread_of=("real_tokens_per_s",))
+    # the job's headline by the one estimator over them; loss tokens and FLOPs follow it (metrics.job_by_totals)
+    numbers = metrics.job_by_totals(ranks, job_blocks.throughput["real_tokens_per_s"], peak)
+    whole = {k: numbers[k] for k in metrics.RATES} | combine(ranks)
+    slow = [r for r in ranks if r["rank"] == whole["slowest_rank"]][0]
+    slow_blocks = metrics.write(slow["windows"], peak=None, device_total_gb=None, spread_of=())  # its step times
+    m = report["metrics"]
+    m.update(
+        numbers,
+        step_ms=slow_blocks.metrics["step_ms"],
+        step_ms_p10=slow_blocks.metrics["step_ms_p10"],
+        step_ms_p90=slow_blocks.metrics["step_ms_p90"],
+        peak_mem_gb=whole["peak_mem_gb"],
+        loss_finite=all(r["loss_finite"] for r in ranks),
+    )
+    report["repeats"] = [
+        {
+            "steps": windows[w]["steps"],
+            "wall_s": max(r["windows"][w]["wall_s"] for r in ranks),
+            "real_tokens_per_s": job[w]["real_tokens_per_s"],
+            "step_ms": job[w]["step_ms"],
+            "step_real_tokens": job[w]["step_real_tokens"],
+            "final_loss": windows[w]["losses"][-1],
+        }
+        for w in range(len(windows))
+    ]
+    est = job_blocks.throughput
+    est.update(model_tflops_per_s=m["model_tflops_per_s"], mfu=m["mfu"], loss_tokens_per_s=m["loss_tokens_per_s"])
+    report["throughput"] = est
+    stats = report.get("stats") or {}
+    for key in metrics.SPREAD_OWN:
+        stats.pop(key, None)  # rank 0's spread would pass for the job's
+    stats["real_tokens_per_s"] = job_blocks.stats["real_tokens_per_s"]
+    stats["step_ms"] = slow_blocks.stats["step_ms"] | {"rank": whole["slowest_rank"]}
+    report["distributed"] = {
+        "world_size": place.world,
+        "nproc_per_node": patient.cfg.nproc_per_node,
+        "nnodes": max(1, place.world // patient.cfg.nproc_per_node),
+        "parallel": patient.cfg.parallel,
+        "backend": place.backend,
+        "wrap": patient.wrap_info,
+        "global": whole,
+        # synchronised gradients leave every rank with the same weights (the digest: sum, sum of squares)
+        "params_identical": all(r["param_digest"] == ranks[0]["param_digest"] for r in ranks),
+        "ranks": [{k: v for k, v in r.items() if k != "windows"} for r in ranks],
+    }
+    if report.get("trace"):
+        paths = [r["trace"] for r in ranks]
+        report["trace"]["rank_paths"] = paths
+        report["trace"]["dir"] = str(Path(report["trace"]["path"]).parent)

@@ -6,6 +6,7 @@ import os
 import platform
 import shutil
 import subprocess
+import time
 from importlib import metadata
 from typing import Any
 
@@ -91,7 +92,6 @@ PROBE_MAX_ROUNDS = 12
 
 def _rate(a: torch.Tensor, b: torch.Tensor, repeats: int) -> float:
     """GFLOP/s of the best of `repeats` calls of a @ b."""
-    import time
 
     best = float("inf")
     for _ in range(repeats):

@@ -4,7 +4,6 @@ MFU = model FLOPs per second / peak dense bf16 FLOP/s of the device.
 
 Model FLOPs count the useful work of what the stage really computes, on real (non-padding)
 tokens only, so padding, recompute and casts are waste that lowers MFU:
-
   LLM, per sample of L real tokens (P = weights of all linear layers of the decoder and the
   LM head, d_att = heads x head_dim, n = layers):
     forward  F_llm = 2 * P * L  +  4 * n * d_att * L (L + 1) / 2        (causal attention)
@@ -60,7 +59,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from vlmdoctor.run.zoo import ModelSpec
+from vlmdoctor.run.native_spec import is_native, resolve_native
+from vlmdoctor.run.zoo import ModelSpec, resolve
 
 #: dense bf16 tensor-core peak (no sparsity), from NVIDIA's data sheets; first match wins
 PEAK_BF16_FLOPS = [
@@ -244,8 +244,6 @@ class Mode:
 
 def flop_model(model: str, cfg: dict[str, Any] | None = None) -> FlopModel:
     """The FLOP model of a preset (composite with the config's overrides, or native); UsageError if unknown."""
-    from vlmdoctor.run.native_spec import is_native, resolve_native
-    from vlmdoctor.run.zoo import resolve
 
     if is_native(model):
         return FlopModel.from_native(resolve_native(model))

@@ -5,7 +5,6 @@ gate/up/down at hidden 1536 and MLP 8960 in the 1.5b preset), where an FP8 tenso
 (twice bf16's peak on an H100) can pay for the extra work around it: every converted layer
 computes an amax and casts its input, weight and output gradient to FP8 in each step. What
 stays in bf16, and why:
-
 - the LM head: its output is the logits, whose precision the loss is sensitive to (torchtitan's
   float8 converter leaves the output projection out too); and Liger's fused linear cross
   entropy works on its weight directly, so the two never touch the same layer;
@@ -29,6 +28,7 @@ times wider than that.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -81,7 +81,7 @@ def check_device(cfg: Any, device: torch.device) -> None:
 def import_torchao(flag: str = "--fp8") -> Any:
     """torchao.float8, or a one-line usage error saying how to install it."""
     try:
-        import torchao.float8 as float8
+        import torchao.float8 as float8  # deferred: torchao, optional
     except Exception as e:
         raise UsageError(
             f"{flag} needs torchao, which cannot be imported ({type(e).__name__}); install it with: pip install torchao"
@@ -91,7 +91,6 @@ def import_torchao(flag: str = "--fp8") -> Any:
 
 def linear_config(recipe: str, pad_inner_dim: bool = False, emulate: bool = False) -> Any:
     """torchao's Float8LinearConfig for a recipe name; `emulate` computes in high precision (CPU tests)."""
-    import dataclasses
 
     float8 = import_torchao(f"--fp8 {recipe}")
     cfg = float8.Float8LinearConfig.from_recipe_name(recipe)

@@ -4,15 +4,15 @@ Every way in times windows of optimizer steps and hands them here, so that a num
 meaning whoever measured it:
 
 - vlmdoctor's own runs (runner.summarize): `repeats` windows of `steps` steps each, in one process;
-- the user's loop (`Doctor`, `DoctorCallback`, `vlmdoctor run`: api.Recorder): one window;
-- a job of several ranks (rank_join for the user's, runner._merge_ranks for vlmdoctor's own): the job's steps,
-  per step the slowest rank's time and every rank's tokens and FLOPs (`joined`).
+- the user's loop (`Doctor`, `DoctorCallback`, `vlmdoctor run`: own/recorder.py): one window;
+- a job of several ranks (own/rank_join.py for the user's, distributed.merge_ranks for vlmdoctor's own): the job's
+  steps, per step the slowest rank's time and every rank's tokens and FLOPs (`joined`).
 
 A window is a dict: the report's `repeats` entry, plus `losses` (the timed steps' losses) while in memory. Per
 optimizer step it holds `step_ms`, `step_real_tokens`, `step_loss_tokens` and `step_flops` (None or absent: not
 counted on every step); per window its own numbers (`window_numbers`), `steps`, and on a GPU `peak_mem_gb` and
 `peak_mem_reserved_gb`. Tokens are per optimizer step: every micro-batch whose forward reaches a backward.
-Forwards under no_grad (a stray evaluation inside the step) are not training: api.Recorder counts them apart
+Forwards under no_grad (a stray evaluation inside the step) are not training: the own Recorder counts them apart
 (`nograd_forwards_per_step`) and their tokens never reach a window; their time is in the step.
 
 The estimator itself (the median of the per-step rates, its spread, its stability) is run/throughput.py's.
@@ -117,7 +117,7 @@ def device_total_gb(device: Any) -> float | None:
     """The device's memory (None off a GPU)."""
     if getattr(device, "type", None) != "cuda":
         return None
-    import torch
+    import torch  # deferred: torch
 
     return torch.cuda.get_device_properties(device).total_memory / 2**30
 
@@ -187,7 +187,7 @@ def write(
 
 
 def job_by_totals(ranks: Sequence[Mapping[str, Any]], headline: float | None, peak: float | None) -> dict[str, Any]:
-    """vlmdoctor's own runs on several ranks (runner._merge_ranks): the job's numbers besides its headline.
+    """vlmdoctor's own runs on several ranks (distributed.merge_ranks): the job's numbers besides its headline.
 
     Each rank sends its windows' totals of loss tokens and model FLOPs (distributed.rank_summary), not per step,
     so these follow the headline (the estimator over the job's steps, `joined`) in proportion: per window, all

@@ -15,7 +15,9 @@ from torch import nn
 from torch.profiler import record_function
 
 from vlmdoctor.errors import UsageError
-from vlmdoctor.run.zoo import ModelSpec, loading_checkpoints
+from vlmdoctor.run.head import head_loss, labeled_head_loss
+from vlmdoctor.run.native import native_catalogue
+from vlmdoctor.run.zoo import ModelSpec, llm_specs, loading_checkpoints, presets, resolve, vision_specs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -118,44 +120,8 @@ class VLM(nn.Module):
         return labeled_head_loss(self, hidden, loss_index, loss_targets, self.llm.get_output_embeddings())
 
 
-def labeled_head_loss(
-    owner: nn.Module, hidden: torch.Tensor, loss_index: torch.Tensor, loss_targets: torch.Tensor, head: nn.Module
-) -> Any:
-    """The LM head and the loss on the rows of `loss_index` (flat over batch x (length - 1)), for the composite
-    model and the native classes alike: Liger's FusedCE when `owner.fused_ce`, else `owner.head_loss` (which
-    regional compilation swaps for a compiled copy)."""
-    h = hidden[:, :-1].reshape(-1, hidden.shape[-1]).index_select(0, loss_index)
-    if owner.fused_ce:
-        if owner._fused_loss is None:  # built once, not on every step
-            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-
-            owner._fused_loss = LigerFusedLinearCrossEntropyLoss()
-        loss = owner._fused_loss(head.weight, h, loss_targets, head.bias)
-    else:
-        loss = owner.head_loss(h, head.weight, head.bias, loss_targets)
-    return _Output(loss)
-
-
-def head_loss(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor) -> torch.Tensor:
-    """The LM head and the cross entropy over the labeled positions, as one function.
-
-    Why one function: regional compilation compiles the repeated layers only, so the loss ran eager.
-    On the H100 (0.5b stage 2, batch 54) that was 14.7 ms of softmax kernels and 7.5 ms of casts a
-    step over the 151,936-entry vocabulary, which the whole-model graph fuses; compiled as one
-    more region, Inductor fuses the cast, the log-softmax and the gather here too.
-    """
-    return nn.functional.cross_entropy(nn.functional.linear(h, weight, bias).float(), targets)
-
-
-class _Output:
-    """The one field of a model output that training reads."""
-
-    def __init__(self, loss: torch.Tensor) -> None:
-        self.loss = loss
-
-
 def _vision_class(family: str):
-    from transformers import (
+    from transformers import (  # deferred: transformers
         CLIPVisionConfig,
         CLIPVisionModel,
         Dinov2Config,
@@ -172,7 +138,7 @@ def _vision_class(family: str):
 
 
 def _llm_config(family: str, values: dict[str, Any]):
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config  # deferred: transformers
 
     return {"qwen2": Qwen2Config, "llama": LlamaConfig}[family](**values)
 
@@ -185,7 +151,7 @@ def build_model(
     device: str | torch.device = "cpu",
 ) -> VLM:
     """Random weights from the shipped configs, or `from_pretrained` when asked and reachable."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # deferred: transformers
 
     dtype = DTYPES[weight_dtype]
     vattn, lattn = vision_attn_implementation(attention), llm_attn_implementation(attention)
@@ -229,7 +195,7 @@ def vision_attn_implementation(attention: str) -> str:
 def _load_pretrained(
     spec: ModelSpec, vcls, attn: tuple[str, str], dtype: torch.dtype, device
 ) -> tuple[nn.Module, nn.Module]:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # deferred: transformers
 
     for part in (spec.vision, spec.llm):
         if not part.get("hub_id"):
@@ -282,8 +248,6 @@ def param_counts(model: VLM) -> dict[str, int]:
 
 def catalogue() -> list[dict[str, Any]]:
     """Rows for `vlmdoctor models`: presets, towers and LLMs with parameter counts (built on the meta device)."""
-    from vlmdoctor.run.zoo import llm_specs, presets, resolve, vision_specs
-
     rows = []
     for name, p in presets().items():
         spec = resolve(name)
@@ -299,8 +263,6 @@ def catalogue() -> list[dict[str, Any]]:
                 "counts": counts,
             }
         )
-    from vlmdoctor.run.native import native_catalogue
-
     rows += native_catalogue()  # native transformers classes: layers, hidden, heads and head dim as vision/LLM
     tiny = resolve("tiny")
     for name, v in vision_specs().items():

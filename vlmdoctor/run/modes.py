@@ -37,50 +37,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from vlmdoctor.errors import UsageError
+from vlmdoctor.run.config import target_names
 
-#: the LLM's projection names per `lora_targets` shorthand (Qwen2 and Llama names)
-TARGETS = {
-    "attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
-    "attention_mlp": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-}
 REFERENCE_RANGE = "vlmdoctor::reference"
-
-
-def target_names(spec: str) -> tuple[str, ...]:
-    """The module names a `lora_targets` value names (a shorthand or a comma list)."""
-    if spec in TARGETS:
-        return TARGETS[spec]
-    names = tuple(n.strip() for n in spec.split(",") if n.strip())
-    return names
-
-
-def check_mode_knobs(cfg: Any, source: str = "config") -> None:
-    """Combinations of mode knobs that mean nothing, refused with one line (no hardware checks here)."""
-    where = "" if source == "command line" else f"{source}: "
-    if cfg.train != "full" and cfg.stage == 1:
-        raise UsageError(
-            f"{where}--train {cfg.train} adapts the LLM, but stage 1 trains the projector only; use "
-            "--stage 2 (LoRA on the LLM + a fully trainable projector)"
-        )
-    names = target_names(cfg.lora_targets)
-    if not names or any(not n.replace("_", "").replace(".", "").isalnum() for n in names):
-        raise UsageError(
-            f"{where}lora_targets={cfg.lora_targets!r}: give attention, attention_mlp or a comma list "
-            "of module names (q_proj,v_proj)"
-        )
-    if cfg.optimizer != "adamw" and cfg.fused_optimizer:
-        raise UsageError(
-            f"{where}--fused-optimizer is torch's fused AdamW; it does not combine with --optimizer {cfg.optimizer}"
-        )
-    if cfg.objective == "dpo":
-        from vlmdoctor.run.config import flag
-
-        for knob in ("packing", "lm_head_labeled_only", "liger_fused_linear_cross_entropy", "cache_vision_features"):
-            if getattr(cfg, knob):
-                raise UsageError(
-                    f"{where}{flag(knob)} is for the SFT loss; --objective dpo needs per-row log-probs of "
-                    "full logits (drop the flag)"
-                )
 
 
 def check_mode_device(cfg: Any, device: torch.device) -> None:
@@ -122,7 +81,7 @@ def quantize_nf4(llm: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> int:
     bnb_4bit_compute_dtype=torch.bfloat16)` does at load time, done on an already built module (random or
     pretrained weights alike). The LM head stays as it is, as transformers leaves it. Returns the count.
     """
-    import bitsandbytes as bnb
+    import bitsandbytes as bnb  # deferred: bitsandbytes, optional
 
     count = 0
     for module in list(llm.modules()):
@@ -154,7 +113,7 @@ def apply_lora(llm: nn.Module, cfg: Any) -> list[str]:
     Freezes the LLM's base weights; the adapters are the LLM's only trainable parameters. Returns the
     adapted module paths (inside `llm`).
     """
-    from peft import LoraConfig, inject_adapter_in_model
+    from peft import LoraConfig, inject_adapter_in_model  # deferred: peft, an optional extra
 
     names = target_names(cfg.lora_targets)
     have = _linear_names(llm) | _bnb_linear_names(llm)
@@ -185,7 +144,7 @@ def _bnb_linear_names(llm: nn.Module) -> set[str]:
 
 def _is_lora_layer(m: nn.Module) -> bool:
     try:
-        from peft.tuners.lora import LoraLayer
+        from peft.tuners.lora import LoraLayer  # deferred: peft, an optional extra
     except Exception:
         return False
     return isinstance(m, LoraLayer)
@@ -236,7 +195,7 @@ def make_optimizer(params: list[nn.Parameter], cfg: Any) -> torch.optim.Optimize
     """torch AdamW (foreach or fused), or bitsandbytes' paged AdamW (32-bit or 8-bit states)."""
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=cfg.lr, **({"fused": True} if cfg.fused_optimizer else {}))
-    import bitsandbytes as bnb
+    import bitsandbytes as bnb  # deferred: bitsandbytes, optional
 
     cls = {"paged_adamw": bnb.optim.PagedAdamW, "paged_adamw_8bit": bnb.optim.PagedAdamW8bit}[cfg.optimizer]
     return cls(params, lr=cfg.lr)

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from vlmdoctor.errors import UsageError
-from vlmdoctor.run.model import head_loss, labeled_head_loss
+from vlmdoctor.run.head import head_loss, labeled_head_loss
 from vlmdoctor.run.native_spec import NativeSpec, is_native, resolve_native  # noqa: F401 (this module's API)
 from vlmdoctor.run.parts import find_parts, mark_parts
 from vlmdoctor.run.zoo import loading_checkpoints, native_presets, refuse_composite_only
@@ -37,7 +37,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _classes(cls_name: str) -> tuple[type, type]:
-    import transformers
+    import transformers  # deferred: transformers
 
     config_cls = {
         "LlavaForConditionalGeneration": "LlavaConfig",
@@ -245,7 +245,7 @@ def enable_native_checkpointing(model: NativeVLM, use_reentrant: bool) -> None:
 
 def apply_native_liger(model: NativeVLM, cfg: Any) -> None:
     """Liger through the class's own patch function, with the run config's flags (vision LayerNorm left alone)."""
-    import liger_kernel.transformers as lk
+    import liger_kernel.transformers as lk  # deferred: liger, an optional extra
 
     hf, name = model.hf, model.spec.cls_name
     flags = {"rope": cfg.liger_rope, "rms_norm": cfg.liger_rms_norm, "swiglu": cfg.liger_swiglu}
@@ -271,13 +271,13 @@ def _liger_idefics3(hf: nn.Module, fce: bool, flags: dict[str, bool]) -> None:
     text model's Llama patch with the flags, and its fused-linear-cross-entropy forward bound to
     the instance.
     """
-    import liger_kernel.transformers as lk
+    import liger_kernel.transformers as lk  # deferred: liger, an optional extra
 
     lk.apply_liger_kernel_to_llama(
         cross_entropy=False, fused_linear_cross_entropy=False, model=hf.model.text_model, **flags
     )
     if fce:
-        from liger_kernel.transformers.model.smolvlm import lce_forward
+        from liger_kernel.transformers.model.smolvlm import lce_forward  # deferred: liger, an optional extra
 
         hf.forward = MethodType(lce_forward, hf)
 

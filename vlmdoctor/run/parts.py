@@ -85,7 +85,7 @@ def part_of_class(class_name: str) -> str | None:
 
 
 def _get(model: nn.Module, path: str) -> nn.Module | None:
-    from torch import nn
+    from torch import nn  # deferred: torch
 
     obj: Any = model
     for name in path.split("."):
@@ -125,7 +125,7 @@ def mark_parts(model: nn.Module, on_error: Callable[[BaseException], None] | Non
     With `on_error` (a user's model, whose forward vlmdoctor does not own), an error of the marking
     is passed to it and the marks stop, instead of raising inside the model's forward.
     """
-    from torch.profiler import record_function
+    from torch.profiler import record_function  # deferred: torch
 
     handles = []
     broken: list[BaseException] = []

@@ -18,6 +18,10 @@ from pathlib import Path
 
 from vlmdoctor import SCHEMA_VERSION
 from vlmdoctor.errors import EXIT_USAGE, VlmdoctorError
+from vlmdoctor.run import distributed
+from vlmdoctor.run.capture import TraceOptions
+from vlmdoctor.run.config import RunConfig
+from vlmdoctor.run.runner import exit_code, run_profile
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,11 +37,6 @@ def main(argv: list[str] | None = None) -> int:
         tmp = out / f".{name}.tmp"
         tmp.write_text(json.dumps(report, indent=1, default=str))
         tmp.replace(out / name)
-
-    from vlmdoctor.run import distributed
-    from vlmdoctor.run.capture import TraceOptions
-    from vlmdoctor.run.config import RunConfig
-    from vlmdoctor.run.runner import exit_code, run_profile
 
     try:
         cfg = RunConfig.load(args.config)

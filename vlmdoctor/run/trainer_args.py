@@ -9,8 +9,9 @@ not here; their advice is code (`doctor/advice.py`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,9 +36,7 @@ def same(name: str, kind: type = bool) -> TrainerField:
 def _sampling_field() -> str:
     """How this transformers spells length grouping: `group_by_length` (4.x) or `train_sampling_strategy` (5.x)."""
     try:
-        import dataclasses
-
-        from transformers import TrainingArguments
+        from transformers import TrainingArguments  # deferred: transformers
 
         names = {f.name for f in dataclasses.fields(TrainingArguments)}
     except Exception:
@@ -50,9 +49,7 @@ def _sampling_field() -> str:
 def _ckpt(name: str) -> str:
     """`gradient_checkpointing[_kwargs]`, or `activation_checkpointing[_kwargs]` where this transformers renamed it."""
     try:
-        import dataclasses
-
-        from transformers import TrainingArguments
+        from transformers import TrainingArguments  # deferred: transformers
 
         new = name.replace("gradient_", "activation_")
         return new if new in {f.name for f in dataclasses.fields(TrainingArguments)} else name
@@ -176,7 +173,6 @@ def sample_lengths(trainer: Any) -> str | None:
     """Where `group_by_length` would find each sample's length in this Trainer's data: 'length_column'
     (a datasets.Dataset column), 'input_ids' (items that hold them), 'none' (the collator tokenizes: the
     Trainer raises), or None when the data cannot be looked at."""
-    from collections.abc import Mapping
 
     try:
         ds, args = trainer.train_dataset, trainer.args

@@ -164,8 +164,8 @@ def refuse_composite_only(model: str, knobs: dict[str, Any]) -> None:
 @contextlib.contextmanager
 def loading_checkpoints(*hub_ids: str) -> Iterator[None]:
     """`from_pretrained` inside: hub retries are quiet, and an unreachable hub is one clear UsageError."""
-    from huggingface_hub.utils import logging as hub_logging
-    from transformers.utils import logging as tf_logging
+    from huggingface_hub.utils import logging as hub_logging  # deferred: transformers' hub client
+    from transformers.utils import logging as tf_logging  # deferred: transformers
 
     hub_logging.set_verbosity_error()  # one clear message below instead of a retry warning per attempt
     tf_logging.set_verbosity_error()

@@ -200,6 +200,19 @@ FACTS: list[Fact] = [
             ("idle.data_loader.share", "fraction", "share of GPU idle time under a DataLoader op"),
             ("idle.sync.ms", "ms/step", "GPU idle from host syncs (the sync and the relaunch after it)"),
             ("idle.sync.share", "fraction", "share of GPU idle time from host syncs"),
+            (
+                "idle.sync.loop_ms",
+                "ms/step",
+                "the part of idle.sync.ms opened by the training loop's own calls (outside the model's forward, "
+                "backward, optimizer step and compilation)",
+            ),
+            (
+                "idle.sync.by_code",
+                "list",
+                "idle.sync.ms told apart by whose code made the syncs (code: loop, model, backward, optimizer; "
+                "calls and ms per step); compilation's syncs go to idle.host.compile, a data-parallel wrapper's "
+                "waits for the other ranks to idle.host.ranks",
+            ),
             ("idle.memcpy.ms", "ms/step", "GPU idle during host cudaMemcpy calls"),
             ("idle.memcpy.share", "fraction", "share of GPU idle time in cudaMemcpy"),
             ("idle.optimizer_host.ms", "ms/step", "GPU idle during the optimizer's host work"),
@@ -247,6 +260,7 @@ FACTS: list[Fact] = [
             ("gemm.bf16_ms", "ms/step", "bf16/fp16 tensor-core GEMM time"),
             ("gemm.bf16_share_of_gpu", "fraction", "bf16/fp16 tensor-core GEMM time over all GPU time"),
             ("gemm.bf16_mean_ms", "ms", "mean bf16/fp16 GEMM kernel time (how wide the GEMMs are)"),
+            ("gemm.fp16_share", "fraction", "share of GEMM time in fp16 tensor-core kernels (fp16 autocast)"),
             ("attention.fp32_kernels", "count/step", "attention kernels running in FP32"),
             ("attention.kernel_share", "fraction", "share of GPU time in attention kernels"),
             ("liger.<liger>.launches", "count/step", "launches of one Liger kernel"),
@@ -263,6 +277,12 @@ FACTS: list[Fact] = [
             ("launch.api_ms", "ms/step", "host time in kernel-launch runtime calls"),
             ("launch.delay_us_median", "us", "median time from launch call to kernel start"),
             ("launch.delay_us_p90", "us", "90th percentile of launch-to-start delay"),
+            (
+                "launch.starved_ms",
+                "ms/step",
+                "GPU idle waiting for a kernel's launch: gaps under 1 ms closed by a kernel that started within 30 us "
+                "of its launch call, not within 1 ms of a sync's return (the refill of the queue the sync drained)",
+            ),
         ],
     ),
     # --- model parts and phases ------------------------------------------------------------------------------
@@ -305,6 +325,49 @@ FACTS: list[Fact] = [
             ("memcpy.<direction>.bytes", "bytes/step", "bytes copied in one direction"),
             ("memcpy.<direction>.ms", "ms/step", "copy time in one direction"),
             ("memcpy.pageable_count", "count/step", "copies from pageable (unpinned) host memory"),
+        ],
+    ),
+    # --- work beside the model's own: evaluation forwards, determinism, the GradScaler, DDP's search ----------
+    *_group(
+        f"{_F}.side_work",
+        ("trace",),
+        [
+            ("nograd.gemm_calls", "calls/step", "GEMM calls (linear, matmul, mm) from Python outside autograd"),
+            ("autograd.gemm_calls", "calls/step", "GEMM calls from Python that autograd records (a training forward)"),
+            ("nograd.loss_calls", "calls/step", "loss ops (cross entropy, NLL) computed outside autograd"),
+            (
+                "nograd.forwards",
+                "count/step",
+                "forwards under no_grad: runs of torch ops without an autograd sequence number holding a GEMM "
+                "and a loss (an evaluation inside the step)",
+            ),
+            ("nograd.forward_ms", "ms/step", "host wall time of those forwards"),
+            ("determinism.empty_fills", "calls/step", "fills of new uninitialized tensors (fill_ under empty)"),
+            ("ddp.unused_searches", "calls/step", "DDP's search for unused parameters (find_unused_parameters)"),
+            ("ddp.unused_search_ms", "ms/step", "host time of that search"),
+            ("amp.scaler_calls", "calls/step", "GradScaler ops: inf check + unscale, scale update"),
+        ],
+    ),
+    *_group(
+        f"{_F}.side_work",
+        ("gpu",),
+        [
+            ("nograd.forward_gpu_ms", "ms/step", "GPU time of the kernels those no-grad forwards launched"),
+            ("determinism.fill_ms", "ms/step", "GPU time of those fills"),
+            ("amp.scaler_gpu_ms", "ms/step", "GPU time of the GradScaler's kernels"),
+        ],
+    ),
+    *_group(
+        f"{_F}.moe",
+        ("trace",),
+        [("moe.grouped_mm_calls", "calls/step", "MoE expert GEMMs (torch._grouped_mm: all experts in one call)")],
+    ),
+    *_group(
+        f"{_F}.moe",
+        ("shapes",),
+        [
+            ("moe.experts", "count", "experts of the MoE layers (the grouped GEMM's weight batch)"),
+            ("moe.tokens_per_expert", "rows", "routed token rows per expert in one forward grouped GEMM (mean)"),
         ],
     ),
     # --- host ops --------------------------------------------------------------------------------------------
@@ -586,7 +649,7 @@ FACTS: list[Fact] = [
             ("dist.step.ms", "ms", "mean step time over the ranks"),
             ("dist.step_ms_spread", "ms", "slowest minus fastest rank's step time"),
             ("dist.straggler.rank", "rank", "the rank with the most GPU work"),
-            ("dist.step_skew_ms", "ms", "most minus least GPU busy time of the ranks"),
+            ("dist.step_skew_ms", "ms", "the slowest rank's busy time above the median of the other ranks'"),
             ("dist.step_skew_frac", "fraction", "that skew over the step"),
             ("dist.straggler.excess_ms", "ms", "the straggler's busy time above the mean"),
             ("dist.straggler.tokens_excess_frac", "fraction", "the straggler's tokens above the others' mean"),
@@ -690,6 +753,13 @@ def missing_hint(name: str, facts: dict[str, Any]) -> str | None:
                 continue
             return NEEDS[need]
     return None
+
+
+def gpu_only(name: str) -> bool:
+    """A fact only GPU kernels give (its entry needs a GPU trace): on a CPU-only trace a rule that reads one does
+    not apply, rather than being unmeasured."""
+    f = lookup(name)
+    return f is not None and "gpu" in f.needs
 
 
 def is_measured(name: str) -> bool:

@@ -186,7 +186,10 @@ def _nccl_work(t: Tables, world: int | None) -> list[dict[str, Any]]:
     out = []
     for _, name, _, ts, dur, args in kernels:
         kind, size, group = _size_from_args(args)
-        issue = ts
+        # a kernel whose launch is not in the trace (launched in the profiler's warm-up step, run in the
+        # first traced one) has no step: filed by its GPU start it counted twice in that step's collectives
+        # (17.5 all-reduces a step instead of 12 on dist_gpu4/ddp_long_rank1) and broke the late-rank match
+        issue = ts if not launch else float("nan")
         corr = args.get("correlation", -1)
         if corr in launch:
             tid, issue = launch[corr]

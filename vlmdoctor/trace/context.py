@@ -195,10 +195,9 @@ def op_context(t: Tables) -> pd.DataFrame:
     )
 
 
-def launch_context(t: Tables, ctx: pd.DataFrame | None = None) -> pd.DataFrame:
-    """For each runtime call: the model part and phase of the op that made it."""
+def runtime_rows(t: Tables, ctx: pd.DataFrame) -> np.ndarray:
+    """For each runtime call: the innermost host op around it on its thread (its row in t.ops, -1 for none)."""
     ops, rt_t = t.ops, t.runtime
-    ctx = op_context(t) if ctx is None else ctx
     rt_row = np.full(len(rt_t), -1, dtype=np.int64)
     tid_all = ops["tid"].to_numpy()
     for tid in np.unique(tid_all):
@@ -211,6 +210,13 @@ def launch_context(t: Tables, ctx: pd.DataFrame | None = None) -> pd.DataFrame:
         par = ctx["parent"].to_numpy()[order]
         j = innermost(ts, end, par, rt_t["ts"].to_numpy()[rsel])  # the innermost op around each runtime call
         rt_row[rsel] = np.where(j >= 0, order[np.maximum(j, 0)], -1)
+    return rt_row
+
+
+def launch_context(t: Tables, ctx: pd.DataFrame | None = None) -> pd.DataFrame:
+    """For each runtime call: the model part and phase of the op that made it."""
+    ctx = op_context(t) if ctx is None else ctx
+    rt_row = runtime_rows(t, ctx)
     has_ctx = rt_row >= 0
     r = np.maximum(rt_row, 0)
     part = ctx["part"].to_numpy()
@@ -263,6 +269,20 @@ class Reading:
     @cached_property
     def ctx(self) -> pd.DataFrame:
         return op_context(self.t)
+
+    @cached_property
+    def parents(self) -> np.ndarray:
+        """Each host op's enclosing op (its row in t.ops, -1 for none): who called an op says whose code it is."""
+        ctx, tid_all = self.ctx, self.t.ops["tid"].to_numpy()
+        out = np.full(len(ctx), -1, dtype=np.int64)
+        pos, par = ctx["order"].to_numpy(), ctx["parent"].to_numpy()
+        for tid in np.unique(tid_all):
+            sel = np.flatnonzero(tid_all == tid)
+            by_pos = np.empty(len(sel), dtype=np.int64)
+            by_pos[pos[sel]] = sel  # positions are 0..len(sel)-1 within a thread
+            has = par[sel] >= 0
+            out[sel[has]] = by_pos[par[sel][has]]
+        return out
 
     @cached_property
     def span(self) -> Intervals:

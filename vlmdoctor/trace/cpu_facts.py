@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from vlmdoctor.trace.catalog import by_producer
+from vlmdoctor.trace.context import LOSS_OPS, PART_RANGES
 from vlmdoctor.trace.read import iter_events
 from vlmdoctor.trace.tables import event_time
 
@@ -46,7 +47,7 @@ SCALAR_TYPE_CODES = {
     "15": "bf16",
 }  # c10::ScalarType, as 'Concrete Inputs'
 LOW = ("bf16", "fp16")
-PARTS = {"vlmdoctor::vision": "vision", "vlmdoctor::projector": "projector", "vlmdoctor::llm": "llm"}
+PARTS = PART_RANGES  # vlmdoctor's record_function range of each model part (trace/context.py)
 #: the loss's backward nodes (its forward ops: trace/facts.py's LOSS_OPS)
 LOSS_BACKWARD = re.compile(r"NllLoss\w*Backward|LogSoftmaxBackward|CrossEntropy\w*Backward")
 
@@ -91,7 +92,6 @@ def _matmul_flop(name: str, dims: list[Any]) -> float:
 
 def cpu_facts(t: Any, windows: list[tuple[float, float]], facts: dict[str, Any]) -> dict[str, Any]:
     """Facts of a CPU-only trace (`t` is facts.Tables; `facts` the ones computed so far, for the vocabulary)."""
-    from vlmdoctor.trace.context import LOSS_OPS
 
     n = max(len(windows), 1)
     lo, hi = min(s for s, _ in windows), max(e for _, e in windows)

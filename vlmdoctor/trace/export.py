@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from vlmdoctor.errors import UsageError
+from vlmdoctor.files import atomic_writer
+from vlmdoctor.inputs import read_json
 from vlmdoctor.trace.read import TRACE_SUFFIXES, iter_events, read_metadata, trace_files
 
 #: the names export_hta_folder writes; --force replaces these and nothing else
@@ -39,7 +41,6 @@ def trace_of_report(src: Path) -> Path:
     """
     if not (src.suffix == ".json" and not src.name.endswith(".pt.trace.json") and src.is_file()):
         return src
-    from vlmdoctor.inputs import read_json
 
     report = read_json(src, "report", max_bytes=512 * 2**20)
     if not isinstance(report, dict) or "traceEvents" in report:
@@ -100,7 +101,6 @@ def _check_output(out: Path, force: bool) -> None:
 def _write(src: Path, head: dict[str, Any], out: Path, first: dict[str, Any] | None = None) -> int:
     """Gzipped Chrome JSON: `first` keys, then the input's keys before traceEvents, the events, the keys
     after them. Written through the one writer (temp file beside `out`, renamed into place when complete)."""
-    from vlmdoctor.files import atomic_writer
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tail: dict[str, Any] = {}

@@ -47,7 +47,9 @@ from vlmdoctor.trace.families import (
     memcpy,
     memory,
     memory_live,
+    moe,
     parts,
+    side_work,
 )
 from vlmdoctor.trace.families.identity import estimate_stage  # noqa: F401  (re-exported)
 from vlmdoctor.trace.intervals import (  # noqa: F401  (re-exported)
@@ -60,7 +62,7 @@ from vlmdoctor.trace.intervals import (  # noqa: F401  (re-exported)
 )
 from vlmdoctor.trace.measured import merge_measured  # noqa: F401  (re-exported)
 from vlmdoctor.trace.ranks import cross_rank, hta_overlap, one_job
-from vlmdoctor.trace.read import TraceError, trace_files
+from vlmdoctor.trace.read import TraceError, json_size, trace_files
 from vlmdoctor.trace.tables import (  # noqa: F401  (re-exported: the tables are read through this module too)
     COMM_KERNELS,
     COMM_OPS,
@@ -74,7 +76,7 @@ from vlmdoctor.trace.tables import (  # noqa: F401  (re-exported: the tables are
     _Column,
     load_tables,
 )
-from vlmdoctor.trace.worker import cpus, run_all
+from vlmdoctor.trace.worker import cpus, run_pool
 
 PRODUCES = by_producer(__name__)
 HTA_MAX_MB = 200  # the traceinsight cross-check runs on rank folders up to this size on disk (docs/analysis.md)
@@ -97,6 +99,8 @@ FAMILIES = (
     memory,
     parts,
     memory_live,
+    side_work,
+    moe,
 )
 
 
@@ -146,6 +150,8 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
         batches.produce(r, facts)
         loss.produce(r, facts)
         attention.produce(r, facts)  # head dims come from the host's shapes: no GPU needed
+        side_work.produce(r, facts)  # host ops only: its GPU times are left out
+        moe.produce(r, facts)
         facts.update(cpu_family.cpu_facts(t, windows, facts))
         facts.update(modes.mode_facts(t, windows, facts))
         facts.update(causes.cause_facts(t, r.ctx, facts, r.n))  # written-out attention, by kind
@@ -155,7 +161,22 @@ def compute_facts(t: Tables, stage: int | None = None, model: str | None = None)
     busy.produce(r, facts)
     idle.produce(r, facts)
     facts.update(cudnn_plan.cudnn_plan_facts(t.ops, t.runtime, r.idle, r.n, facts["step.ms"]))
-    for family in (kernels, launch, parts, memcpy, host, batches, loss, attention, memory, memory_live, device, flops):
+    for family in (
+        kernels,
+        launch,
+        parts,
+        memcpy,
+        host,
+        batches,
+        loss,
+        attention,
+        memory,
+        memory_live,
+        device,
+        flops,
+        side_work,
+        moe,
+    ):
         family.produce(r, facts)
     facts.update(modes.mode_facts(t, windows, facts))
     facts.update(causes.cause_facts(t, r.ctx, facts, r.n))  # casts and written-out attention, by kind
@@ -170,16 +191,14 @@ def analyze(
 
     A trace with collectives gets `comm.*` facts (trace/comms.py); a folder of two or more rank
     traces gets a `cross_rank` section (trace/ranks.py). Up to `workers` processes (default: one
-    per core) read a rank folder, one file each, or one large plain JSON file, a part each.
+    per core) read a rank folder, one file each (the next starts as one ends), or one large file, a
+    part each. Sizes count JSON text: a .gz rank file inflates to about 15 times its size on disk.
     """
     files = trace_files(path)
     workers = min(cpus(), workers or cpus())
-    size = sum(f.stat().st_size for f in files)
-    if len(files) > 1 and workers > 1 and size >= PARALLEL_MIN_BYTES:
+    if len(files) > 1 and workers > 1 and sum(map(json_size, files)) >= PARALLEL_MIN_BYTES:
         calls = [(_analyze_file, (f, stage, model, len(files), 1)) for f in files]
-        done = []
-        for i in range(0, len(calls), workers):  # at most `workers` processes at a time
-            done += run_all(calls[i : i + workers], here=1)
+        done = run_pool(calls, workers)
     else:
         done = [_analyze_file(f, stage, model, len(files), workers) for f in files]
     results, per = [entry for entry, _ in done], [rc for _, rc in done]

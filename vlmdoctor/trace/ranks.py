@@ -4,9 +4,11 @@ In synchronous data parallelism every rank's step ends at the same gradient coll
 times barely differ; a slow rank shows instead as time the *other* ranks spend inside collectives
 waiting for it. On one node all ranks share the host clock, so matching collectives (the k-th
 collective of a kind in the same ProfilerStep) can be compared directly: each rank's wait is how
-much later the last rank started the same collective (bounded by its own duration). A rank's busy
-time is its step time minus that wait; the straggler is the rank with the most busy time, and the
-skew is its excess over the mean (what perfect balance would save). The cause is read from what
+much later the last rank started the same collective, bounded by the collective's exposed time (a
+wait the rank's own compute ran beside costs it nothing). A rank's busy time is its step time minus
+that wait; the straggler is the rank with the most busy time, the skew its excess over the median
+of the other ranks (any number of ranks: one fast outlier among many does not make a skew), and
+the gain its excess over the mean (what perfect balance would save). The cause is read from what
 differs on that rank: more real tokens, more data-loader time, or more host gaps.
 Which fact comes from where: docs/analysis.md ("Several ranks").
 """
@@ -206,8 +208,8 @@ def _wait_per_step(per: list[RankComms]) -> dict[int, dict[str, float]] | None:
             if any(len(s[kind]) != m for s in seqs):
                 continue  # not the same collectives on every rank: no safe match
             starts = np.stack([s[kind]["ts"].to_numpy() for s in seqs])  # ranks x collectives
-            durs = np.stack([s[kind]["dur"].to_numpy() for s in seqs])
-            each = np.minimum(starts.max(axis=0) - starts, durs)
+            exposed = np.stack([s[kind]["exposed"].to_numpy() for s in seqs])
+            each = np.minimum(starts.max(axis=0) - starts, exposed)  # lost only where no own compute ran beside
             for r, s, wk in zip(per, seqs, each):
                 r.work.loc[s[kind].index, "wait"] = wk
             waits += each.sum(axis=1)
@@ -232,7 +234,7 @@ def _straggler(
     other_f = [f for j, f in enumerate(rank_facts) if j != i] or rank_facts
     mean_busy = float(np.mean(busy))
     facts["dist.straggler.rank"] = slow["rank"]
-    facts["dist.step_skew_ms"] = max(busy) - min(busy)
+    facts["dist.step_skew_ms"] = busy[i] - float(np.median([b for j, b in enumerate(busy) if j != i] or busy))
     facts["dist.straggler.excess_ms"] = slow["busy_ms"] - mean_busy
     if steps:
         facts["dist.step_skew_frac"] = facts["dist.step_skew_ms"] / facts["dist.step.ms"]

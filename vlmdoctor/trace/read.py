@@ -1,7 +1,8 @@
 """Reading torch.profiler Chrome traces: a file (.json, .json.gz) or a folder of per-rank traces.
 
 Events are read in chunks of a few MB, each decoded whole by msgspec, never the file at once, so
-memory stays bounded on traces of many GB.
+memory stays bounded on traces of many GB. A large file may be read in parts (Span, split_points), one
+process each, a .gz as well as a plain file.
 The small top-level metadata (device properties, the `vlmdoctor` block a profile embeds) is read
 from the part of the file before `traceEvents`, where Kineto writes it.
 
@@ -21,7 +22,7 @@ import re
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 import msgspec
 
@@ -125,6 +126,20 @@ class SplitError(Exception):
     """A part of a trace (split_points) is not whole events: read the file whole instead."""
 
 
+class Span(NamedTuple):
+    """A part of traceEvents for one of several processes: bytes `start` to `end` of the JSON text (for a .gz,
+    of the inflated text); start -1: from the list's first event, end None: to the list's end.
+
+    exact: both ends sit on events (split_points found them in a plain file). Else (a .gz file, whose text
+    would have to be inflated to find them) each is moved on to the first place at or after it where one
+    event ends and the next starts: the part that ends there and the part that starts there search the same
+    bytes from the same offset, so they meet without a gap or an overlap."""
+
+    start: int
+    end: int | None
+    exact: bool = True
+
+
 def trace_files(path: str | Path) -> list[Path]:
     """The trace files a path names: the file itself, or every trace file in a folder (one per rank).
 
@@ -148,6 +163,20 @@ def trace_files(path: str | Path) -> list[Path]:
     if not p.is_file():
         raise TraceError(f"{p}: not a regular file (a fifo or a device cannot be read as a trace)")
     return [p]
+
+
+def json_size(path: Path) -> int:
+    """About the bytes of JSON text in a trace file, to decide whether it is worth several processes: its size,
+    or for .gz what gzip's trailer records (ISIZE: exact under 4 GiB for the one member torch.profiler
+    writes, else less). A wrong value costs balance between the parts, never what they read."""
+    size = path.stat().st_size
+    if not path.name.endswith(".gz") or size < 18:  # 18: gzip's smallest member (header and trailer)
+        return size
+    from vlmdoctor.inputs import open_regular
+
+    with open_regular(path, "trace") as f:
+        f.seek(-4, os.SEEK_END)
+        return max(size, int.from_bytes(f.read(4), "little"))
 
 
 def _open(path: Path) -> IO[bytes]:
@@ -257,7 +286,7 @@ def iter_batches(
     decode: Callable[[bytes], list[Any]] | None = None,
     block: int | None = None,
     tail: dict[str, Any] | None = None,
-    span: tuple[int, int | None] | None = None,
+    span: Span | tuple[int, int | None] | None = None,
 ) -> Iterator[tuple[bool, list[Any], bytes]]:
     """traceEvents in chunks of whole events: (fast, events, the chunk's JSON text).
 
@@ -268,25 +297,33 @@ def iter_batches(
     cut is tried, and past that the rest of the file is read event by event as JSON text, which
     also names where a malformed trace breaks.
 
-    span: only the events from byte `start` (an event's `{`) to `end` (just past an event's `}`;
-    None: the list's end) of a plain JSON file, for one of several processes reading parts of one
-    file (split_points). Anything but whole events there raises SplitError.
+    span: only the events of one part of the file (a Span; a plain (start, end) tuple is exact), for
+    one of several processes reading parts of one file (split_points). Anything but whole events
+    there raises SplitError.
     """
     fast = decode or _decode_any
     block = block or BLOCK
     count = 0
+    exact = span is None or len(span) < 3 or span[2]
     try:
         with _open(path) as f:
-            if span is None:
-                buf, pos = _events_start(path, f, block)
-                left = None
-            else:
+            src = f  # what the events are read from: the file, or for a part that ends softly, up to its end
+            if span is None or span[0] < 0:  # from the first event (before a soft end: small reads, not past it)
+                buf, pos = _events_start(path, f, block if exact else min(block, 1 << 16))
+            elif exact:
                 f.seek(span[0])
                 buf, pos = b"", 0
-                left = None if span[1] is None else span[1] - span[0]
+            else:
+                buf, pos = _soft_start(path, f, span[0], block), 0
+            left = None  # bytes of an exact part still to read
+            if span is not None and span[1] is not None:
+                if exact:
+                    left = span[1] - span[0]
+                else:
+                    src = _Until(path, f, span[1] - (f.done if isinstance(f, _Inflated) else f.tell()), block)
             eof = False
             while not eof:
-                more = f.read(block if left is None else min(block, left))
+                more = src.read(block if left is None else min(block, left))
                 if left is not None:
                     left -= len(more)
                 eof = not more
@@ -307,7 +344,7 @@ def iter_batches(
                     break  # no cut decodes: the rest is read event by event (it says where the JSON breaks)
             rest = buf[pos:]
             del buf
-            if left is not None:  # a part of the file: it must end with whole events
+            if span is not None and span[1] is not None:  # a part of the file: it must end with whole events
                 got = _decode_chunk(rest, fast) if eof else None
                 if got is None:
                     raise SplitError(f"{path}: bytes {span} are not whole events")
@@ -340,15 +377,20 @@ def iter_batches(
         raise TraceError(f"{path}: no trace events (expected a top-level 'traceEvents' list, as torch.profiler writes)")
 
 
-def split_points(path: Path, parts: int) -> list[tuple[int, int | None]]:
+def split_points(path: Path, parts: int) -> list[Span]:
     """Byte spans of about equal size, each of whole events, that together hold every event of a
-    plain JSON trace (for iter_batches' span); one span where the file cannot be cut.
+    trace (for iter_batches' span); one span where the file cannot be cut.
 
     A cut is placed where one event seems to end and the next begin; a wrong one (inside a string)
     shows when a span does not decode as whole events (SplitError), and the file is read whole.
+    A .gz file gets soft spans (Span.exact False) at equal offsets of its inflated text, found by the
+    parts themselves: each part inflates the file up to its own end, none inflates it to place the cuts.
     """
-    if path.name.endswith(".gz") or parts < 2:
-        return [(-1, None)]
+    if parts < 2:
+        return [Span(-1, None)]
+    if path.name.endswith(".gz"):
+        cuts = [json_size(path) * k // parts for k in range(1, parts)]
+        return [Span(a, b, exact=False) for a, b in zip([-1, *cuts], [*cuts, None])]
     from vlmdoctor.inputs import open_regular
 
     size = path.stat().st_size
@@ -356,7 +398,7 @@ def split_points(path: Path, parts: int) -> list[tuple[int, int | None]]:
         try:
             buf, start = _events_start(path, f, 1 << 16)
         except TraceError:
-            return [(-1, None)]
+            return [Span(-1, None)]
         start += f.tell() - len(buf)
         spans, a = [], start
         for k in range(1, parts):
@@ -366,11 +408,11 @@ def split_points(path: Path, parts: int) -> list[tuple[int, int | None]]:
             if m is None:
                 continue
             here = f.tell() - len(window)
-            spans.append((a, here + m.start() + 1))
+            spans.append(Span(a, here + m.start() + 1))
             a = here + m.end() - 1
     if len(spans) == 0:
-        return [(-1, None)]
-    return [*spans, (a, None)]
+        return [Span(-1, None)]
+    return [*spans, Span(a, None)]
 
 
 def _decode_any(text: bytes) -> list[Any]:
@@ -399,6 +441,58 @@ def _events_start(path: Path, f: IO[bytes], block: int) -> tuple[bytes, int]:
         if buf[j : j + 1] != b"[":
             raise TraceError(f"{path}: 'traceEvents' is not followed by a list")
         return buf, j + 1
+
+
+def _soft_start(path: Path, f: IO[bytes], at: int, block: int) -> bytes:
+    """The text from the first event that starts after another ends at or after byte `at` (a soft Span's start;
+    _Until finds the same place from the other side). A .gz is inflated up to `at`, the bytes thrown away."""
+    if isinstance(f, _Inflated):
+        left = at
+        while left > 0:
+            skipped = len(f.read(min(block, left)))
+            if not skipped:
+                raise SplitError(f"{path}: shorter than a part's start ({at} bytes)")
+            left -= skipped
+    else:
+        f.seek(at)
+    buf = b""
+    while True:
+        m = _BETWEEN.search(buf)
+        if m is not None:
+            return buf[m.end() - 1 :]
+        more = f.read(1 << 16)  # small reads: the text kept must not pass the part's end (_Until)
+        if not more or len(buf) > MAX_EVENT_BYTES:
+            raise SplitError(f"{path}: no event starts after byte {at}")
+        buf += more
+
+
+class _Until:
+    """A file read up to the first place, `left` bytes on or later, where one event ends and the next starts
+    (a soft Span's end; the next part starts there, _soft_start), and no further."""
+
+    def __init__(self, path: Path, f: IO[bytes], left: int, block: int) -> None:
+        if left < 0:  # what was read before the events already passed the end: too small a part
+            raise SplitError(f"{path}: a part ends before its first event")
+        self.path, self.f, self.left, self.block, self.done = path, f, left, block, False
+
+    def read(self, n: int) -> bytes:
+        if self.left > 0:
+            data = self.f.read(min(n, self.left))
+            if not data:
+                raise SplitError(f"{self.path}: shorter than a part's end")
+            self.left -= len(data)
+            return data
+        buf = b""  # the text from the part's nominal end on, searched from its first byte as _soft_start does
+        while not self.done:
+            m = _BETWEEN.search(buf)
+            if m is not None:
+                self.done = True
+                return buf[: m.start() + 1]
+            more = self.f.read(self.block)
+            if not more or len(buf) > MAX_EVENT_BYTES:
+                raise SplitError(f"{self.path}: no event ends after a part's end")
+            buf += more
+        return b""
 
 
 def _cuts(buf: bytes) -> list[tuple[int, int]]:

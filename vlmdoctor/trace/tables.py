@@ -26,8 +26,9 @@ import numpy as np
 import pandas as pd
 
 from vlmdoctor.trace.kernels import classify
-from vlmdoctor.trace.read import TraceError, iter_batches, read_metadata, split_points
-from vlmdoctor.trace.worker import run_all
+from vlmdoctor.trace.metadata import check_metadata
+from vlmdoctor.trace.read import Span, TraceError, iter_batches, json_size, read_metadata, split_points
+from vlmdoctor.trace.worker import idle_cores, run_all
 
 LOGITS_OPS = ("aten::cross_entropy_loss", "aten::log_softmax", "aten::_log_softmax")
 #: Liger's fused linear cross entropy: inputs (hidden [rows, h], LM head weight [vocab, h], targets), no logits
@@ -39,6 +40,8 @@ CUDA_DEVICE = (
 #: ops whose operand shapes and dtypes the LoRA and DPO facts read (trace/modes.py): GEMMs and casts
 OPERAND_OPS = frozenset(("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_to_copy"))
 SHAPE_OPS = ("aten::embedding",)  # its first input is the token-id batch: (batch, length)
+#: MoE expert GEMMs: (rows of routed tokens, hidden) x (experts, hidden, out); trace/families/moe.py reads them
+MOE_OPS = ("aten::_grouped_mm",)
 MODULE_PREFIX = "nn.Module: "  # python_function events of with_stack/with_modules traces: `nn.Module: Qwen2Model_0`
 COMM_OPS = (
     "record_param_comms",
@@ -47,7 +50,13 @@ COMM_OPS = (
     "c10d::",
 )  # host ops of collectives whose args trace/comms.py reads
 COMM_KERNELS = ("ncclDevKernel", "ncclKernel")
-PARALLEL_MIN_BYTES = 64 * 2**20  # a plain JSON trace this large is read by several processes (load_tables)
+#: a rank folder of this much JSON text (plain, or inflated from .gz) is analyzed a file to a process
+#: (facts.analyze): a process costs about 0.5 s of CPU to start (imports), a rank's analysis about 30 s per GiB
+PARALLEL_MIN_BYTES = 64 * 2**20
+#: one trace file of this much JSON text is read in parts by several processes (load_tables): reading alone
+#: is about 10 s of CPU per GiB, and a part read elsewhere also costs its process's start and its tables'
+#: trip back (pickled); on a 0.11 GiB trace two processes took more CPU and no less time than one
+SPLIT_MIN_BYTES = 256 * 2**20
 MAX_EVENT_US = 86_400e6  # no event of a profiled trace lasts a day: a longer duration is not a measurement
 #: the latest start a trace's clock can write: past 2^53 us a float no longer holds a microsecond (Kineto's
 #: starts are about 5e12 us, the host's time since a base)
@@ -143,9 +152,9 @@ class _Column:
 
 
 def load_tables(path: Path, workers: int = 1) -> Tables:
-    """The tables of one trace file; a plain JSON file of PARALLEL_MIN_BYTES or more is read by up to
-    `workers` processes, each a part of whole events, and the parts joined in order: the same tables."""
-    from vlmdoctor.trace.metadata import check_metadata
+    """The tables of one trace file; a file of SPLIT_MIN_BYTES or more of JSON is read by up to
+    `workers` processes (as many as there are idle cores), each a part of whole events, and the parts
+    joined in order: the same tables."""
 
     meta = read_metadata(path)  # first: it rejects files that are not JSON objects with a clear message
     check_metadata(meta, path)
@@ -159,7 +168,7 @@ def memory_limit(path: Path) -> int:
     return max(MEMORY_FLOOR, MEMORY_PER_FILE_BYTE * path.stat().st_size)
 
 
-def _read(path: Path, span: tuple[int, int | None] | None = None) -> _Builder:
+def _read(path: Path, span: Span | None = None) -> _Builder:
     """One pass over the events (or a span of them); chunks are decoded into _Event structs that hold
     only what the tables keep. Chunks the structs refuse (unexpected types) go event by event through _take."""
     b = _Builder()
@@ -201,9 +210,11 @@ def _read(path: Path, span: tuple[int, int | None] | None = None) -> _Builder:
 
 def _read_parts(path: Path, workers: int) -> _Builder | None:
     """The file read in parts by `workers` processes (this one among them); None where it is not
-    split (gzip, small, no place to cut) or any part fails: the caller reads it whole, and that
-    read says what is wrong with the file."""
-    if path.name.endswith(".gz") or path.stat().st_size < PARALLEL_MIN_BYTES:
+    split (small, no second idle core, no place to cut) or any part fails: the caller reads it whole, and that read says
+    what is wrong with the file. Each part of a .gz inflates the file up to its own end (zlib is
+    about a seventh of the reading's time), so the parts overlap in inflation, not in decoding."""
+    workers = min(workers, idle_cores())
+    if workers < 2 or json_size(path) < SPLIT_MIN_BYTES:
         return None
     spans = split_points(path, workers)
     if len(spans) < 2:
@@ -308,7 +319,7 @@ def _take(ev: dict[str, Any], b: _Builder) -> None:
             b.extra += _weight(args)
         if "Input Dims" in args:
             b.recorded["shapes"] = True
-            if name in SHAPE_OPS or name in LOGITS_OPS or name == SDPA_OP or name == FCE_OP:
+            if name in SHAPE_OPS or name in LOGITS_OPS or name in MOE_OPS or name == SDPA_OP or name == FCE_OP:
                 b.shapes.append((ts, name, args["Input Dims"]))
                 b.types[name] = args.get("Input type")
                 b.extra += _weight(args["Input Dims"])
@@ -422,7 +433,7 @@ _KIND = {
 }
 # what a name is, once per distinct name: bits of _Fast's flag table
 _STEP, _MODULE_RANGE, _COMM_OP, _COMM_KERNEL, _SHAPE, _OPERAND = 1, 2, 4, 8, 16, 32
-_SHAPE_NAMES = frozenset((*SHAPE_OPS, *LOGITS_OPS, SDPA_OP, FCE_OP))
+_SHAPE_NAMES = frozenset((*SHAPE_OPS, *LOGITS_OPS, *MOE_OPS, SDPA_OP, FCE_OP))
 _cat, _ph, _name, _ts, _dur, _tid = (attrgetter(k) for k in ("cat", "ph", "name", "ts", "dur", "tid"))
 _seq, _fwd_tid, _corr, _bytes, _dims = (
     attrgetter(f"args.{k}") for k in ("seq", "fwd_tid", "correlation", "bytes", "dims")

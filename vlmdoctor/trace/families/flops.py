@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from vlmdoctor.errors import UsageError
+from vlmdoctor.run.flops import Mode, flop_model, peak_flops  # the zoo's specs: loaded when a model is known
 from vlmdoctor.trace.catalog import by_producer
 from vlmdoctor.trace.context import Reading, token_batches
 
@@ -13,7 +14,6 @@ PRODUCES = by_producer(__name__)
 
 def produce(r: Reading, facts: dict[str, Any]) -> None:
     """Model FLOPs from the token batches the trace saw, counted as if no token were padding: an upper bound."""
-    from vlmdoctor.run.flops import Mode, flop_model, peak_flops  # the zoo's specs: loaded when a model is known
 
     t, cfg = r.t, r.cfg
     if "run.model" not in facts or "run.stage" not in facts or not t.shapes:

@@ -18,7 +18,18 @@ import numpy as np
 import pandas as pd
 
 from vlmdoctor.trace.catalog import by_producer
-from vlmdoctor.trace.context import ALLOCATOR, PART_RANGES, SYNC_CALLS, Reading, innermost, nesting
+from vlmdoctor.trace.context import (
+    ALLOCATOR,
+    PART_RANGES,
+    SYNC_CALLS,
+    Reading,
+    innermost,
+    nesting,
+    runtime_rows,
+)
+from vlmdoctor.trace.context import (
+    BACKWARD_NODE as BACKWARD_RANGE,
+)
 from vlmdoctor.trace.intervals import Intervals, _measure, intersect, subtract, total, union
 from vlmdoctor.trace.tables import COMM_OPS, MODULE_PREFIX, Tables
 
@@ -58,6 +69,18 @@ COMPILE = re.compile(
 BACKWARD_NODE = re.compile(r"Backward\d+$")  # a C++ autograd node (MmBackward0); Python Functions end in Backward
 COMPILED_LAUNCHER = "## Call CompiledFxGraph"
 RANKS = re.compile(r"barrier|ProcessGroup|^(?:" + "|".join(re.escape(p) for p in COMM_OPS) + ")")
+#: the data-parallel wrappers' own ranges: a sync they make with no torch op between is their wait for the other
+#: ranks (DDP's forward waiting on the last step's all-reduce), not a host read of a value
+PARALLEL_RANGES = re.compile(r"^(?:DistributedDataParallel|FullyShardedDataParallel|FSDP)")
+#: whose code made a sync, in words (idle.sync.by_code), in the order the idle time is told apart
+SYNC_CODE = {
+    "loop": "the training loop's own calls (outside the model's forward, backward and optimizer step)",
+    "model": "the model's forward (its class's code)",
+    "backward": "autograd's backward",
+    "optimizer": "the optimizer step",
+}
+#: compiled code running (its wrappers): a sync under one is the compiled model's, not compilation's
+COMPILED_RUNNING = ("Torch-Compiled Region", "CompiledFunction", COMPILED_LAUNCHER)
 
 
 def produce(r: Reading, facts: dict[str, Any]) -> None:
@@ -68,17 +91,31 @@ def produce(r: Reading, facts: dict[str, Any]) -> None:
     def spans(df: pd.DataFrame) -> Intervals:
         return union(df["ts"].to_numpy(), df["end"].to_numpy())
 
+    syncs = rt[rt["name"].str.match(SYNC_CALLS)]
+    owner = sync_owners(r, syncs.index.to_numpy())
     span_causes = {
         "data_loader": spans(ops[ops["name"].str.contains("DataLoader", regex=False)]),
-        "sync": _sync_gaps(rt[rt["name"].str.match(SYNC_CALLS)], idle),
+        "sync": _sync_gaps(syncs[np.isin(owner, list(SYNC_CODE))], idle),
         "memcpy": spans(rt[rt["name"].str.startswith("cudaMemcpy")]),
         "optimizer_host": spans(ops[ops["name"].str.startswith("Optimizer.step")]),
     }
     inner, per_code, code_cause = _innermost(t, idle)
     host_causes = {
-        "ranks": union(*(np.concatenate(x) for x in zip(spans(ops[ops["name"].str.contains(RANKS)]), inner["ranks"]))),
+        "ranks": union(
+            *(
+                np.concatenate(x)
+                for x in zip(
+                    spans(ops[ops["name"].str.contains(RANKS)]),
+                    inner["ranks"],
+                    _sync_gaps(syncs[owner == "ranks"], idle),
+                )
+            )
+        ),
+        "compile": union(
+            *(np.concatenate(x) for x in zip(inner["compile"], _sync_gaps(syncs[owner == "compile"], idle)))
+        ),
         "allocator": spans(rt[rt["name"].str.match(ALLOCATOR)]),
-        **{c: inner[c] for c in HOST_CAUSES if c not in ("ranks", "allocator", "python")},
+        **{c: inner[c] for c in HOST_CAUSES if c not in ("ranks", "allocator", "compile", "python")},
     }
     # inside a step marker the host runs the step's own code even where no event is open; outside one, nothing
     # says what it did (unattributed)
@@ -90,6 +127,8 @@ def produce(r: Reading, facts: dict[str, Any]) -> None:
         ms_fact, share_fact, _ = SPAN_CAUSES[cause]
         facts[ms_fact] = total(hit) / 1e3 / n
         facts[share_fact] = total(hit) / idle_total
+        if cause == "sync":
+            _sync_by_code(facts, syncs, owner, hit, idle, n)
         left = subtract(left, hit)
     host_ms = 0.0
     for cause, iv in host_causes.items():
@@ -116,6 +155,78 @@ def produce(r: Reading, facts: dict[str, Any]) -> None:
         for k in top
         if per_code[k] > 0
     ]
+
+
+def _sync_by_code(
+    facts: dict[str, Any], syncs: pd.DataFrame, owner: np.ndarray, hit: Intervals, idle: Intervals, n: int
+) -> None:
+    """The sync account told apart by whose code made each sync: the training loop's, the model's, autograd's, ...
+
+    The fix differs: a loop's `.item()` is the user's to move; a model class's data-dependent shapes are not.
+    """
+    left, rows = hit, []
+    for code in SYNC_CODE:
+        mine = intersect(left, _sync_gaps(syncs[owner == code], idle))
+        left = subtract(left, mine)
+        calls = float((owner == code).sum()) / n
+        if calls:
+            rows.append({"code": code, "calls": calls, "ms": total(mine) / 1e3 / n})
+        if code == "loop":
+            facts["idle.sync.loop_ms"] = total(mine) / 1e3 / n
+    facts["idle.sync.by_code"] = sorted(rows, key=lambda x: -x["ms"])
+
+
+def sync_owners(r: Reading, rt_rows: np.ndarray) -> np.ndarray:
+    """Whose code made each synchronizing runtime call (rows of t.runtime): SYNC_CODE's names, "compile" or "ranks".
+
+    Read from the ops around the call: compilation (autotuning benchmarks, constant folding: compile time), the
+    optimizer step, a backward node, a data-parallel wrapper's own range with no torch op between (its wait for
+    the other ranks: time the ranks account holds), the module hierarchy where recorded; otherwise the sync is
+    the model's when it runs between two forward ops that autograd later differentiates (the model's forward),
+    and the loop's when it does not (before the forward, after the loss, after backward).
+    """
+    t, ctx = r.t, r.ctx
+    ops = t.ops
+    out = np.full(len(rt_rows), "loop", dtype=object)
+    if not len(rt_rows):
+        return out
+    names = ops["name"].astype(str).to_numpy()
+    parent = r.parents
+    inner = runtime_rows(t, ctx)[rt_rows]
+    seq, fwd_tid = ops["seq"].to_numpy(), ops["fwd_tid"].to_numpy()
+    in_bwd = ctx["in_bwd"].to_numpy()
+    # an op records the sequence number autograd will give its next node; ops that create none share it with the
+    # next one that does, so the op that made a backward node is the last to start with its number
+    fwd = np.flatnonzero(ctx["fwd"].to_numpy() & np.isin(seq, seq[in_bwd & (seq >= 0) & (fwd_tid > 0)]))
+    last = pd.Series(ops["ts"].to_numpy()[fwd], index=fwd).groupby(seq[fwd]).idxmax()
+    order = last.to_numpy().astype(np.int64)
+    order = order[np.argsort(ops["ts"].to_numpy()[order], kind="mergesort")]
+    f_ts, f_end = ops["ts"].to_numpy()[order], ops["end"].to_numpy()[order]
+    b_ts = np.sort(ops["ts"].to_numpy()[np.char.startswith(names.astype(str), BACKWARD_RANGE)])
+    when = t.runtime["ts"].to_numpy()[rt_rows]
+    for k, row in enumerate(inner):
+        chain = []
+        while row >= 0 and len(chain) < 256:
+            chain.append(row)
+            row = parent[row]
+        chain_names = [names[c] for c in chain]
+        aten = [c for c in chain if names[c].startswith("aten::")]
+        if any(COMPILE.search(x) and not x.startswith(COMPILED_RUNNING) for x in chain_names):
+            out[k] = "compile"
+        elif any(x.startswith("Optimizer.step") for x in chain_names):
+            out[k] = "optimizer"
+        elif chain and in_bwd[chain[0]]:
+            out[k] = "backward"
+        elif not aten and any(PARALLEL_RANGES.match(x) or RANKS.search(x) for x in chain_names):
+            out[k] = "ranks"
+        elif any(x.startswith(MODULE_PREFIX) for x in chain_names):
+            out[k] = "model"
+        else:
+            i = int(np.searchsorted(f_ts, when[k], side="right"))  # differentiated forward ops started by then
+            inside = i > 0 and f_end[i - 1] >= when[k]
+            between = 0 < i < len(f_ts) and not ((b_ts > f_ts[i - 1]) & (b_ts < f_ts[i])).any()
+            out[k] = "model" if inside or between else "loop"
+    return out
 
 
 def _sync_gaps(sync: pd.DataFrame, idle: Intervals) -> Intervals:

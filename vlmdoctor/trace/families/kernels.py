@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from typing import Any
 
@@ -10,6 +11,9 @@ from vlmdoctor.trace.context import Reading
 from vlmdoctor.trace.kernels import ATTENTION_CLASSES, GEMM_CLASSES, LIGER_CLASSES, is_fp32_attention
 
 PRODUCES = by_producer(__name__)
+#: tensor-core GEMMs on fp16 operands: cuBLASLt's nvjet `hsh`/`hss` (bf16 is `tst`), cuBLAS/CUTLASS `f16`, `fp16`,
+#: `__half` (never `bf16`)
+FP16_GEMM = re.compile(r"^nvjet_sm\d+_hs[hs]_|(?<![bB])fp?16|__half|hgemm|_h\d+gemm")
 #: (ms, count, share) of each kernel class, spelled out so that a search for a fact finds where it is computed
 CLASS_FACTS = {
     "nccl": ("kernels.nccl.ms", "kernels.nccl.count", "kernels.nccl.share"),
@@ -74,6 +78,9 @@ def produce(r: Reading, facts: dict[str, Any]) -> None:
     # FP8 (torchao.float8): the share of GEMM time already in FP8, and the bf16/fp16 tensor-core GEMM time it could take
     facts["gemm.fp8_share"] = float(gemm["gemm_fp8"] / gemm.sum()) if gemm.sum() else 0.0
     facts["gemm.fp8_ms"] = float(gemm["gemm_fp8"]) / 1e3 / n
+    tc = g[g["cls"] == "gemm_tensor_core"]
+    fp16 = float(tc.loc[tc["name"].astype(str).str.contains(FP16_GEMM), "dur"].sum())
+    facts["gemm.fp16_share"] = fp16 / float(gemm.sum()) if gemm.sum() else 0.0  # fp16 autocast, not bf16
     facts["gemm.bf16_ms"] = float(gemm["gemm_tensor_core"]) / 1e3 / n
     facts["gemm.bf16_share_of_gpu"] = float(gemm["gemm_tensor_core"]) / gpu_time
     # how wide the GEMMs are, from the trace alone: FP8's casts grow with a GEMM's inputs, its saving with the FLOPs

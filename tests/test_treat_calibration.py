@@ -1,0 +1,65 @@
+"""The calibration table of docs/treat.md: each rule's expected gain beside what treat measured of it, generated
+from the committed treat results (bench/treat_tables.py), and the reading of one treat result behind it."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from vlmdoctor.documents import TreatResult, as_document
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("treat_tables", ROOT / "bench" / "treat_tables.py")
+tables = importlib.util.module_from_spec(_spec)
+sys.modules["treat_tables"] = tables  # its dataclasses look their module up there
+_spec.loader.exec_module(tables)
+
+
+def _doc(**fields) -> TreatResult:
+    return as_document({"schema_version": 1, "kind": "treat", **fields}, TreatResult, "t.json")
+
+
+def test_docs_calibration_table_is_the_committed_results():
+    text = (ROOT / "docs" / "treat.md").read_text()
+    assert tables.with_calibration(text) == text, "regenerate: python bench/treat_tables.py --calibration"
+
+
+def test_a_change_measured_alone_and_a_composition_are_read_with_their_estimates():
+    gain = {"expected_gain": {"throughput_x": 2.0}}
+    doc = _doc(
+        created_at="x",
+        ladder=[
+            {"step": 0},
+            {"step": 1, "rule": "a, b", "changes": [{"rule": "a", **gain}, {"rule": "b", "expected_gain": None}]},
+            {"step": 2, "rule": "c, d", "changes": [{"rule": "c", **gain}, {"rule": "d", **gain}]},
+        ],
+        trials=[
+            {"trial": 1, "kind": "composition", "rule": "a, b", "ratio": 5.0},  # b has no estimate: no product
+            {"trial": 2, "kind": "composition", "rule": "c, d", "ratio": 3.0},
+            {"trial": 3, "kind": "ablation", "rule": "c", "ratio": 1.5, **gain},
+            {"trial": 4, "rule": "e", "gain": 0.3, "expected_gain": {"throughput_x": 1.1}},  # the first treat
+            {"trial": 5, "kind": "composition", "rule": "f", "outcome": "oom", **gain},  # measured nothing
+            {"trial": 6, "kind": "ablation", "rule": "g", "ratio": 1.2, "expected_x": 1.6},
+        ],
+    )
+    rows = tables.measurements(doc, "here")
+    assert [(r.rule, r.expected_x, r.measured_x, r.paired) for r in rows] == [
+        ("composition", 4.0, 3.0, True),
+        ("c", 2.0, 1.5, True),
+        ("e", 1.1, pytest.approx(1.3), False),
+        ("g", 1.6, 1.2, True),
+    ]
+    table = tables.calibration_table(rows)
+    line = next(x for x in table.splitlines() if x.startswith("| `e`"))
+    assert line.endswith("| 1.18 |  |") and "1 (1)" in line  # 1.3 / 1.1: within x1.25
+    assert next(x for x in table.splitlines() if x.startswith("| here")).endswith("| 0.75 | far off |")
+
+
+def test_every_committed_treatment_counts_once():
+    rows = tables.committed()
+    assert len(rows) >= 60
+    dino = [r for r in rows if r.rule == "composition" and "dino-135m" in r.source]
+    assert len(dino) == 1  # the same treat.json is committed twice under preset15b/call1

@@ -1,0 +1,183 @@
+"""The documents vlmdoctor writes, each declared once: the run report, the trace analysis, the diagnosis, the treat
+result, the gate verdict and the comparison.
+
+A reader loads a document through its declaration (`read_document`, or `as_document` for a parsed one): the value is
+checked once, field by field, and a bad one is refused with one line naming the field (`DocumentError`, exit 2), so
+readers use fields, not `.get(...) or {}` chains. Keys a declaration does not name are ignored and every field a
+writer may leave out is optional, so a baseline written by an older or newer vlmdoctor still loads. A number has one
+name and one meaning wherever a document holds it (`RealTokensPerS`, `StepMs`, ...). The field table of
+docs/files.md is generated from these declarations (`markdown_fields`; `python -m vlmdoctor.documents` rewrites it).
+
+One module per document (run_report, analysis, diagnosis, treat, gate, comparison), what they share (base), how a
+document is read (reading) and the field table (fields); this package's face is every declaration and reader.
+
+Open-ended mappings stay mappings: `facts` (a fact name -> its value, docs/analysis.md), `config` (a knob name -> its
+value; the knobs read by name are `RecordedConfig`), `mode`, `split`, `accounts`.
+"""
+
+from __future__ import annotations
+
+from vlmdoctor.documents.analysis import AccountRow, Analysis, AnalyzedFile, StepAccounts
+from vlmdoctor.documents.base import (
+    MAX_DOCUMENT_BYTES,
+    OWN_SOURCES,
+    Amount,
+    CompileS,
+    Count,
+    Doc,
+    DocumentError,
+    ErrorInfo,
+    FinalLoss,
+    Fraction,
+    GiB,
+    Layer,
+    LossTokensPerS,
+    Mfu,
+    ModelTflopsPerS,
+    Ms,
+    Number,
+    PadFraction,
+    PeakMemGb,
+    PeakMemReservedGb,
+    RealTokensPerS,
+    Seconds,
+    Severity,
+    StepMs,
+    StepMsP10,
+    StepMsP90,
+    Tool,
+    Version,
+    WarmupS,
+)
+from vlmdoctor.documents.comparison import (
+    CompareSide,
+    Comparison,
+    FindingBrief,
+    FindingsDiff,
+    KnobRow,
+    MetricRow,
+    RanksCompared,
+    SlowestRank,
+)
+from vlmdoctor.documents.diagnosis import AccountVerdict, Diagnosis, ExpectedGain, Finding, NotApplicable, NotEvaluated
+from vlmdoctor.documents.fields import DOCUMENTS, markdown_fields, with_generated
+from vlmdoctor.documents.gate import GateCheck, GateVerdict
+from vlmdoctor.documents.reading import as_document, as_report, read_analysis, read_document, read_report
+from vlmdoctor.documents.run_report import (
+    CrossRank,
+    DataInfo,
+    Distributed,
+    Env,
+    FlopsInfo,
+    GlobalNumbers,
+    Metrics,
+    ModelInfo,
+    Params,
+    RankRow,
+    RecordedConfig,
+    Repeat,
+    RunReport,
+    Script,
+    Spread,
+    Throughput,
+    TraceInfo,
+    Warmup,
+    check_measured,
+)
+from vlmdoctor.documents.treat import (
+    CalibrationRow,
+    Rung,
+    RunSummary,
+    TreatBudget,
+    TreatDecision,
+    TreatResult,
+    TreatState,
+    Trial,
+)
+
+__all__ = [
+    "AccountRow",
+    "AccountVerdict",
+    "Amount",
+    "Analysis",
+    "AnalyzedFile",
+    "CalibrationRow",
+    "CompareSide",
+    "Comparison",
+    "CompileS",
+    "Count",
+    "CrossRank",
+    "DOCUMENTS",
+    "DataInfo",
+    "Diagnosis",
+    "Distributed",
+    "Doc",
+    "DocumentError",
+    "Env",
+    "ErrorInfo",
+    "ExpectedGain",
+    "FinalLoss",
+    "Finding",
+    "FindingBrief",
+    "FindingsDiff",
+    "FlopsInfo",
+    "Fraction",
+    "GateCheck",
+    "GateVerdict",
+    "GiB",
+    "GlobalNumbers",
+    "KnobRow",
+    "Layer",
+    "LossTokensPerS",
+    "MAX_DOCUMENT_BYTES",
+    "MetricRow",
+    "Metrics",
+    "Mfu",
+    "ModelInfo",
+    "ModelTflopsPerS",
+    "Ms",
+    "NotApplicable",
+    "NotEvaluated",
+    "Number",
+    "OWN_SOURCES",
+    "PadFraction",
+    "Params",
+    "PeakMemGb",
+    "PeakMemReservedGb",
+    "RankRow",
+    "RanksCompared",
+    "RealTokensPerS",
+    "RecordedConfig",
+    "Repeat",
+    "RunReport",
+    "RunSummary",
+    "Rung",
+    "Script",
+    "Seconds",
+    "Severity",
+    "SlowestRank",
+    "Spread",
+    "StepAccounts",
+    "StepMs",
+    "StepMsP10",
+    "StepMsP90",
+    "Throughput",
+    "Tool",
+    "TraceInfo",
+    "TreatBudget",
+    "TreatDecision",
+    "TreatResult",
+    "TreatState",
+    "Trial",
+    "Version",
+    "Warmup",
+    "WarmupS",
+    "as_document",
+    "as_report",
+    "check_measured",
+    "markdown_fields",
+    "read_analysis",
+    "read_document",
+    "read_report",
+    "with_generated",
+]
