@@ -7,7 +7,9 @@ of the same file and against traceinsight (HTA), measured in one run; the table 
     python bench/analysis_speed.py /tmp/big/trace.json.gz --runs 3 --hta-runs 0 --doc docs/benchmarks.md --section gz
 
 A .json.gz trace is compared with `json.load(gzip.open(...))`, which pays the same inflation (zlib) as the
-analyzer; the row `inflate only` is that zlib time alone, so the two can be told apart.
+analyzer; the row `inflate only` is that zlib time alone, so the two can be told apart. With
+`--baseline-tree DIR` (a copy of an older `vlmdoctor/` package and `rules/`), that analyzer runs in the same
+rounds and its JSON output is compared with the new one's, byte for byte.
 
 Every measurement is its own process (a fresh interpreter), run one after the other; the rounds
 interleave json.load and the analyzer so that a change in the machine's load touches both. Peak
@@ -248,7 +250,8 @@ def _write_doc(doc: Path, r: dict, argv: str, section: str = "", title: str = ""
         f"(1 min) when the runs started and {r['load_average_after'][0]:.1f} when they ended, so wall times "
         "carry the other work's share of the cores; CPU time is the process tree's own. Trace: "
         f"{what}, {r['steps']} steps, built by `bench/make_big_trace.py` from the recorded default-config H100 trace. "
-        "`analyze` is the command (one process per core); `analyze, one process` (where given) is the same "
+        "`analyze` is the command (a file is read in parts only by idle cores; a rank folder's files go a process "
+        "each, up to one per core); `analyze, one process` (where given) is the same "
         "command with its analysis held to one process"
         + (
             f"; their facts were {'identical' if r['analyze_outputs_identical'] else 'NOT identical'}"

@@ -57,6 +57,9 @@ def _starved_ms(r: Reading, starts: np.ndarray, sync_ends: np.ndarray) -> float:
     if not len(lo) or not len(starts):
         return 0.0
     waited = np.isin(hi, starts) & (hi - lo <= MAX_LAUNCH_GAP_US)
-    k = np.searchsorted(sync_ends, hi, side="right") - 1  # the last sync to return before the gap closed
-    refill = (k >= 0) & (hi - sync_ends[np.maximum(k, 0)] < REFILL_US)
+    if len(sync_ends):  # a trace with no synchronizing call has no refill to leave out
+        k = np.searchsorted(sync_ends, hi, side="right") - 1  # the last sync to return before the gap closed
+        refill = (k >= 0) & (hi - sync_ends[np.maximum(k, 0)] < REFILL_US)
+    else:
+        refill = np.zeros(len(hi), dtype=bool)
     return float((hi - lo)[waited & ~refill].sum())
