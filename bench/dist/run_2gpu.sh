@@ -63,18 +63,4 @@ for model in $MODELS; do
   done
 done
 
-"$PY" - "$OUT" <<'PYEOF' | tee -a "$OUT/summary.txt"
-import json, sys
-from pathlib import Path
-out = Path(sys.argv[1])
-print(f"{'report':22} {'status':8} {'tok/s':>9} {'ms/step':>8} {'MFU':>6} {'mem GiB':>7} {'slowest':>7} {'scaling':>7}")
-for p in sorted(out.glob("*.json")):
-    r = json.loads(p.read_text())
-    m, d = r.get("metrics") or {}, r.get("distributed") or {}
-    g, sc = d.get("global") or {}, d.get("scaling") or {}
-    f = lambda v, s: format(v, s) if isinstance(v, (int, float)) else "-".rjust(int(s.rstrip("dfs%").split(".")[0] or 1))
-    print(f"{p.stem:22} {r.get('status', '?'):8} {f(m.get('real_tokens_per_s'), '9.0f')} {f(m.get('step_ms'), '8.1f')} "
-          f"{f(m['mfu'] if m.get('mfu') is not None else None, '6.1%')} {f(m.get('peak_mem_gb'), '7.2f')} "
-          f"{f(g.get('slowest_rank'), '7d')} "
-          f"{f(sc.get('efficiency'), '7.0%')}")
-PYEOF
+"$PY" bench/dist/scale_table.py "$OUT" | tee -a "$OUT/summary.txt"
