@@ -78,7 +78,8 @@ def committed() -> list[Measured]:
             doc = read_document(path, TreatResult, "treat result")
         except DocumentError:
             continue  # not a treat result
-        key = f"{doc.created_at}|{json.dumps(doc.start_config, sort_keys=True)}"
+        # two treatments started in the same second from one config differ in their wall time; a copy does not
+        key = f"{doc.created_at}|{doc.wall_s}|{json.dumps(doc.start_config, sort_keys=True)}"
         if key in seen:
             continue
         seen.add(key)

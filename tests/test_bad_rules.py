@@ -147,7 +147,9 @@ def test_rule_text_is_never_read_as_console_markup(tmp_path):
 
 # --- bounds on every operation of an expression (generated) ---------------------------------------------
 
+from vlmdoctor.doctor import rule_expr  # noqa: E402
 from vlmdoctor.doctor import rules as rules_mod  # noqa: E402
+from vlmdoctor.doctor.evidence import MAX_RENDERED  # noqa: E402
 
 
 def _load_one(tmp_path, monkeypatch, text: str) -> tuple[list, list[str]]:
@@ -165,8 +167,8 @@ def _load_one(tmp_path, monkeypatch, text: str) -> tuple[list, list[str]]:
 def _specs() -> list[tuple[str, bool]]:
     """Format specs around the bounds, in Python's mini-language: (spec, within the bounds)."""
     out = []
-    widths = (("", True), ("12", True), (str(rules_mod.MAX_WIDTH), True), (str(rules_mod.MAX_WIDTH + 1), False))
-    precisions = (("", True), (".3", True), (f".{rules_mod.MAX_PRECISION}", True), (".21", False))
+    widths = (("", True), ("12", True), (str(rule_expr.MAX_WIDTH), True), (str(rule_expr.MAX_WIDTH + 1), False))
+    precisions = (("", True), (".3", True), (f".{rule_expr.MAX_PRECISION}", True), (".21", False))
     for head in ("", "x>", "^", "+", "0"):
         for width, w_ok in (*widths, ("999999999", False)):
             for prec, p_ok in precisions:
@@ -199,7 +201,7 @@ def test_format_specs_are_bounded_in_width_and_precision(tmp_path, monkeypatch, 
             continue
         assert mine == [] and f"user-spec{i}" in loaded, (spec, mine)
         format(0.5, spec)  # the generator writes specs Python reads
-        assert len(evidence[f"user-spec{i}"]) <= rules_mod.MAX_RENDERED + 10, spec
+        assert len(evidence[f"user-spec{i}"]) <= MAX_RENDERED + 10, spec
 
 
 def test_a_format_width_attack_in_the_probe_shape(tmp_path, monkeypatch):
@@ -209,11 +211,11 @@ def test_a_format_width_attack_in_the_probe_shape(tmp_path, monkeypatch):
 
 
 LOAD_BOUNDS = [
-    *[(f"{f}() without arguments", f"{f}() > 0", "takes") for f in rules_mod.FUNCTIONS],
-    *[(f"{f}() with 17 arguments", f"{f}({', '.join(['1'] * 17)}) > 0", "takes") for f in rules_mod.FUNCTIONS],
+    *[(f"{f}() without arguments", f"{f}() > 0", "takes") for f in rule_expr.FUNCTIONS],
+    *[(f"{f}() with 17 arguments", f"{f}({', '.join(['1'] * 17)}) > 0", "takes") for f in rule_expr.FUNCTIONS],
     ("a keyword argument", "round(gpu.busy_frac, ndigits=2) > 0", "takes"),
     ("a starred argument", "max(*[1, 2]) > 0", "takes"),
-    ("a long string literal", "'" + "a" * (rules_mod.MAX_TEXT + 1) + "' == 'a'", "too large"),
+    ("a long string literal", "'" + "a" * (rule_expr.MAX_TEXT + 1) + "' == 'a'", "too large"),
     ("an integer past 2^256", f"{2**256 + 1} > 0", "too large"),
     ("an integer of 5000 digits", "1" + "0" * 5000 + " > 0", "characters"),
     ("a list of 65 items", "gpu.busy_frac in [" + ", ".join(["1"] * 65) + "]", "65 items"),
@@ -284,4 +286,4 @@ def test_a_long_list_fact_renders_cut_in_evidence(tmp_path, monkeypatch, facts):
     assert problems == []
     result = diagnose(many, rules)
     f = next(f for f in result["findings"] + result["superseded"] if f["id"] == "user-bad")
-    assert len(f["evidence"][0]) <= rules_mod.MAX_RENDERED + 10 and f["evidence"][0].endswith("...")
+    assert len(f["evidence"][0]) <= MAX_RENDERED + 10 and f["evidence"][0].endswith("...")

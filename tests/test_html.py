@@ -204,6 +204,8 @@ def test_treat_html_of_a_real_ladder():
 
 def test_treat_html_when_the_start_did_not_run():
     result = {
+        "schema_version": 1,
+        "kind": "treat",
         "start_config": {"model": "0.5b", "stage": 2},
         "ladder": [],
         "trials": [],
@@ -216,6 +218,27 @@ def test_treat_html_when_the_start_did_not_run():
     page = treat_html(result)
     _self_contained(page)
     assert "did not run" in page and "CUDA out of memory" in page
+
+
+# --- the documents, read by their declarations -------------------------------------------------------
+
+
+def test_each_page_reads_its_document_through_the_declaration():
+    """A page takes the parsed JSON or the document as declared, and draws the same; a JSON that is not the
+    document the page shows is refused with one line naming it (DocumentError, exit 2), not drawn half."""
+    from vlmdoctor.documents import Analysis, DocumentError, TreatResult, as_document, as_report
+
+    report, analysis, treat = _report("sync_s2"), _analysis("default_s2"), json.loads(TREAT.read_text())
+    assert profile_html(as_report(report)) == profile_html(report)
+    assert profile_html(as_report(report), "own") == profile_html(report, "own")
+    assert analyze_html(as_document(analysis, Analysis, "analysis")) == analyze_html(analysis)
+    assert treat_html(as_document(treat, TreatResult, "treat")) == treat_html(treat)
+    with pytest.raises(DocumentError, match="a vlmdoctor profile result, not a treat result"):
+        treat_html({**report, "kind": "profile"})
+    with pytest.raises(DocumentError, match="not a vlmdoctor analysis result"):
+        analyze_html({"files": []})
+    with pytest.raises(DocumentError, match=r"metrics\.step_ms: must not be negative"):
+        profile_html({**report, "metrics": {**report["metrics"], "step_ms": -1.0}})
 
 
 # --- writing -------------------------------------------------------------------------------------------

@@ -177,7 +177,11 @@ def test_a_job_of_ranks_is_the_writer_over_its_steps(monkeypatch, tmp_path):
 WRITERS = {"vlmdoctor/run/metrics.py", "vlmdoctor/run/throughput.py"}
 #: treat results (TreatResult rungs and arms, not a report's `metrics`): the median over an arm's runs of their
 #: reports' headlines
-OTHER_DOCUMENTS = {"vlmdoctor/doctor/treat.py"}
+OTHER_DOCUMENTS = {
+    "vlmdoctor/doctor/treat.py",
+    "vlmdoctor/doctor/treat_trials.py",
+    "vlmdoctor/doctor/treat_ablation.py",
+}
 
 
 def _copied(value: ast.expr, key: str) -> bool:

@@ -146,7 +146,7 @@ def test_precomputed_reference_leaves_the_step(traces):
 
 
 def test_treat_applies_every_mode_patch(traces):
-    from vlmdoctor.doctor.treat import _change, apply
+    from vlmdoctor.doctor.treat_compose import _change, apply
 
     cfg = RunConfig(**traces["dpo"]["report"]["config"])
     found = [f for name in ("dpo", "lora") for f in traces[name]["fired"].values()]

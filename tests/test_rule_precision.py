@@ -154,14 +154,15 @@ def test_casts_of_fp32_islands_are_not_weight_casts():
 
 def test_a_knob_already_set_is_not_prescribed():
     """compile_s2 is host-bound but compiled: the compile prescriptions stay silent; the config says so."""
-    from vlmdoctor.doctor.rules import _eval, _tree, diagnose
+    from vlmdoctor.doctor.rule_expr import evaluate, parsed
+    from vlmdoctor.doctor.rules import diagnose
     from vlmdoctor.trace.facts import analyze
 
     facts = analyze(rp.trace_path("traces/compile_s2"))["files"][0]["facts"]
     assert facts["config.compile"] == "default" and facts["triton_compiled.launches"] > 0
     rule = RULES["fusion-compile-launch-bound"]
     env = {**facts, **{k: c["value"] for k, c in rule.constants.items()}}
-    assert _eval(_tree(rule.when), env)  # thousands of launches: only the knob already set keeps it silent
+    assert evaluate(parsed(rule.when), env)  # thousands of launches: only the knob already set keeps it silent
     got = rp.fired("traces/compile_s2")
     assert not {"batching-host-bound", "fusion-compile-launch-bound"} & got
     # the same trace read as a user's (no run config): Inductor's kernels in the trace say compile is on

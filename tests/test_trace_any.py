@@ -286,14 +286,15 @@ def test_cast_rule_tells_weight_casts_by_their_op_without_shapes(h100):
 
 
 def test_has_in_rules_is_validated(tmp_path):
-    from vlmdoctor.doctor.rules import RuleError, _rule_from
+    from vlmdoctor.doctor.rule_expr import RuleError
+    from vlmdoctor.doctor.rule_file import rule_from
 
     base = {"id": "x", "layer": 5, "title": "t", "severity": "low", "evidence": [], "fix": "f", "patch": {}}
     with pytest.raises(RuleError):
-        _rule_from(tmp_path / "x.yaml", {**base, "when": "has(no.such_fact)"})
+        rule_from(tmp_path / "x.yaml", {**base, "when": "has(no.such_fact)"})
     with pytest.raises(RuleError):
-        _rule_from(tmp_path / "x.yaml", {**base, "when": "has(1)"})
-    r = _rule_from(tmp_path / "x.yaml", {**base, "when": "has(memory.peak_reserved_frac)"})
+        rule_from(tmp_path / "x.yaml", {**base, "when": "has(1)"})
+    r = rule_from(tmp_path / "x.yaml", {**base, "when": "has(memory.peak_reserved_frac)"})
     assert diagnose({}, [r])["findings"] == [] and diagnose({}, [r])["not_evaluated"] == []
     assert diagnose({"memory.peak_reserved_frac": 0.1}, [r])["findings"]
 

@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 
 from vlmdoctor.cli import app
 from vlmdoctor.doctor.decide import verdict
-from vlmdoctor.doctor.treat import TreatOptions, _adopted, treat
+from vlmdoctor.doctor.treat import TreatOptions, treat
+from vlmdoctor.doctor.treat_trials import adopted_outcome
 from vlmdoctor.run.config import RunConfig
 
 TINY = [
@@ -102,7 +103,7 @@ def test_treat_composes_verifies_on_pairs_and_skips_what_cannot_run(treated):
         assert comp["outcome"] == want and min(comp["ratios"]) > 1.5
     else:
         d = verdict(comp["ratios"], 0.02, final=True)
-        assert n == 3 and comp["outcome"] == _adopted(d["outcome"], d)  # a likely gain is "adopted"
+        assert n == 3 and comp["outcome"] == adopted_outcome(d["outcome"], d)  # a likely gain is "adopted"
     assert comp["ratio"] == pytest.approx(math.prod(comp["ratios"]) ** (1 / n))
     ladder = result["ladder"]
     assert ladder[0]["change"] == "start"
@@ -548,7 +549,7 @@ def test_a_composition_that_runs_out_of_memory_is_retried_with_a_smaller_batch()
 
 
 def test_smaller_batch_halves_the_batch_step():
-    from vlmdoctor.doctor.treat import _smaller_batch
+    from vlmdoctor.doctor.treat_compose import smaller_batch
 
     cfg = BASE.replace(batch_size=2)
     comp = {
@@ -558,7 +559,7 @@ def test_smaller_batch_halves_the_batch_step():
     }
     sizes = []
     while comp is not None:
-        comp = _smaller_batch(cfg, comp)
+        comp = smaller_batch(cfg, comp)
         if comp:
             sizes.append(comp["config"].batch_size)
     assert sizes == [25, 13, 7, 4, 3]  # the step 2 -> 48 halved each time, then the batch change goes

@@ -63,3 +63,5 @@ def test_every_committed_treatment_counts_once():
     assert len(rows) >= 60
     dino = [r for r in rows if r.rule == "composition" and "dino-135m" in r.source]
     assert len(dino) == 1  # the same treat.json is committed twice under preset15b/call1
+    side = [r for r in rows if r.rule == "composition" and r.source == "2026-11-27-4xh200-issue39/run_a"]
+    assert len(side) == 3  # three treatments side by side, two of them started in the same second

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from vlmdoctor.cli import app
-from vlmdoctor.doctor.rules import _eval, _tree, diagnose, load_rules
+from vlmdoctor.doctor.rule_expr import evaluate, parsed
+from vlmdoctor.doctor.rules import diagnose, load_rules
 from vlmdoctor.doctor.treat import compose
 from vlmdoctor.errors import UsageError
 from vlmdoctor.run import checks
@@ -137,8 +138,8 @@ def test_some_rules_prescribe_liger_or_compile():
 def test_every_rule_prescribing_liger_or_compile_stands_down_for_unsloth(rule):
     base = {f"config.{k}": v for k, v in RunConfig().to_dict().items()}
     assert rule.unless and "config.unsloth" in rule.unless
-    assert _eval(_tree(rule.unless), {**base, "config.unsloth": True})
-    assert not _eval(_tree(rule.unless), {**base, "config.unsloth": False})
+    assert evaluate(parsed(rule.unless), {**base, "config.unsloth": True})
+    assert not evaluate(parsed(rule.unless), {**base, "config.unsloth": False})
 
 
 def _unfused_facts(**extra):

@@ -7,6 +7,9 @@
 #           (bench/corpus/dist_habits.py, habit fsdp2_reshard), the report written by rank 0; then the
 #           corpus's tuned controls (one GPU each) and its torchrun habits on 4 ranks (record.sh, NPROC=4);
 #   PART=c  `vlmdoctor treat` of a 2-rank DDP config of 0.5b.
+#   PART=d  part a's scaling for 1.5b alone (its FSDP2 and 4-rank jobs were cut from part a), then part b's
+#           `run -- torchrun --nproc-per-node 4` with enough steps for the windows (--warm 40), both on cores
+#           24-63; beside them on cores C0.. the CPU gates of bench/gate_cpu/ten_same.sh (issue 37).
 #   OUT=DIR PART=a bash bench/dist/issue42_4gpu.sh      (results: DIR/part_<a|b|c>.tgz)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -38,6 +41,18 @@ c)
     --parallel ddp --time-budget "${TREAT_BUDGET:-480}" --out "$W/treat2" --force --json "$W/treat2.json" \
     >"$W/treat2.txt" 2>&1
   echo "treat exit $?" >>"$W/treat2.txt"
+  ;;
+d)
+  ( OUT="$W/gates" N="${N_GATES:-10}" C0=1 T_GATE="${T_GATE:-480}" bash bench/gate_cpu/ten_same.sh \
+      >"$W/gates.log" 2>&1 ) &
+  gates=$!
+  OUT="$W/scale15" MODELS=1.5b T_RUN="${T_RUN:-150}" timeout -k 5 "${T_SCALE:-400}" taskset -c 24-63 \
+    bash bench/dist/scale.sh
+  timeout -k 10 "${T_USER:-150}" taskset -c 24-63 python -m vlmdoctor run --out "$W/run4" --force -- \
+    torchrun --standalone --nproc-per-node 4 bench/corpus/dist_habits.py --outdir /tmp/run4_user \
+    --habits fsdp2_reshard --warm 40 >"$W/run_torchrun4.txt" 2>&1
+  echo "run exit $?" >>"$W/run_torchrun4.txt"
+  wait "$gates"
   ;;
 esac
 tar -czf "$OUT/part_$PART.tgz" -C "$W" --exclude="*.pt.trace.json.gz" --exclude="corpus.tar*" --exclude=compile-cache . 2>/dev/null

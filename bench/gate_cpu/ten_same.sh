@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 37: an unchanged config gates clean 10 times in 10, on a CPU with bf16 units and on one without.
 #
-#   OUT=DIR N=10 bash bench/gate_cpu/ten_same.sh
+#   OUT=DIR N=10 bash bench/gate_cpu/ten_same.sh      (C0=K: the first core used, default 0)
 #
 # The tiny preset in bf16 (--weight-dtype bf16: the config whose CPU bf16 rule once flipped between identical
 # runs), a baseline report, then N same-config gates with --remeasure-baseline side by side, each gate and
@@ -12,6 +12,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:?OUT=DIR}"
 N="${N:-10}"
+C0="${C0:-0}"
 mkdir -p "$OUT"
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 lscpu | grep -E "Model name|^CPU\(s\)|Flags" | sed 's/Flags:.*\(amx_bf16\).*/Flags: ... amx_bf16 .../' >"$OUT/cpu.txt"
@@ -28,8 +29,8 @@ run_kind() {  # kind, first core, env...
     done
     wait
 }
-run_kind bf16 0 &
-run_kind nobf16 $((N + 1)) ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI &
+run_kind bf16 "$C0" &
+run_kind nobf16 $((C0 + N + 1)) ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI &
 wait
 sleep 1
 wait

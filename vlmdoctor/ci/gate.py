@@ -22,10 +22,10 @@ import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from typing import Any
 
-from vlmdoctor.doctor.decide import PairedOptions, interleaved, outliers, ratio_interval, step_throughput
+from vlmdoctor.doctor.decide import MIN_PAIRS, PairedOptions, interleaved, outliers, ratio_interval, step_throughput
 from vlmdoctor.doctor.gain import SEVERITIES
 from vlmdoctor.doctor.select import mute_report
-from vlmdoctor.doctor.settings import ALPHA, FAIL_ON, MAX_MEMORY_GROWTH, MAX_PAIRS, MAX_REGRESSION, MIN_PAIRS
+from vlmdoctor.doctor.settings import ALPHA, CPU_THREADS, FAIL_ON, MAX_MEMORY_GROWTH, MAX_PAIRS, MAX_REGRESSION
 from vlmdoctor.documents import (
     MAX_DOCUMENT_BYTES,
     OWN_SOURCES,
@@ -49,6 +49,7 @@ from vlmdoctor.report.compare import (
 )
 from vlmdoctor.report.text import plain
 from vlmdoctor.run.config import RunConfig
+from vlmdoctor.window import STEPS, WARMUP
 
 #: severities, lowest first, so "at or above" is an index comparison
 SEVERITY_ORDER = SEVERITIES[::-1]
@@ -362,7 +363,7 @@ def remeasure(
     baseline_env: dict[str, str] | None = None,
     timeout: float | None = None,
     diagnose: bool | None = None,
-    cpu_threads: int = 1,
+    cpu_threads: int = CPU_THREADS,
     baseline_cwd: str | None = None,
     current_command: Sequence[str] | None = None,
     launcher: Any = None,
@@ -459,7 +460,7 @@ def remeasure_script(
     baseline_python: str | None = None,
     baseline_env: dict[str, str] | None = None,
     timeout: float | None = None,
-    cpu_threads: int = 1,
+    cpu_threads: int = CPU_THREADS,
     baseline_cwd: str | None = None,
     current_command: Sequence[str] | None = None,
     current_cwd: str | None = None,
@@ -494,8 +495,8 @@ def remeasure_script(
     parse_command(command, there)  # a missing script is a usage error now, not a failed run later
     parse_command(cur_command, here)
     knobs = as_report(base).knobs
-    warmup = next(w for w in (script.warmup, knobs.warmup, 5) if w is not None)
-    steps = script.steps or knobs.steps or 20
+    warmup = next(w for w in (script.warmup, knobs.warmup, WARMUP) if w is not None)  # else `vlmdoctor run`'s
+    steps = script.steps or knobs.steps or STEPS
     pinned = on_cpu(base) and cpu_threads > 0
     threads = {k: str(cpu_threads) for k in THREAD_VARS} if pinned else {}
     result = paired_gate(

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vlmdoctor.ci import gate
+from vlmdoctor.doctor.decide import MIN_PAIRS
 from vlmdoctor.doctor.gain import SEVERITIES
-from vlmdoctor.doctor.settings import ALPHA, FAIL_ON, MAX_MEMORY_GROWTH, MAX_REGRESSION, MIN_PAIRS
+from vlmdoctor.doctor.settings import ALPHA, FAIL_ON, MAX_MEMORY_GROWTH, MAX_REGRESSION
 from vlmdoctor.errors import UsageError, VlmdoctorError
 from vlmdoctor.files import append_text, check_inputs_kept, check_writable, json_text, save, save_json
 from vlmdoctor.inputs import check_number

@@ -10,7 +10,7 @@ import typer
 from vlmdoctor.commands import options
 from vlmdoctor.commands.app import err, exit_if_failed, out, user_errors
 from vlmdoctor.commands.knobs import run_command
-from vlmdoctor.commands.options import HtmlOut, Ignore, RulesDirs, Select, rule_choice
+from vlmdoctor.commands.options import HtmlOut, Ignore, RulesDirs, Select, Verbose, rule_choice
 from vlmdoctor.errors import UsageError
 from vlmdoctor.files import check_distinct, check_inputs_kept, check_writable, save, save_json
 from vlmdoctor.inputs import check_rules_dirs
@@ -22,7 +22,6 @@ Stage = Annotated[int | None, typer.Option("--stage", help="training stage, when
 Model = Annotated[str | None, typer.Option("--model", help="model preset, when the trace does not say")]
 JsonOut = options.json_out("facts and prescriptions")
 Force = options.force("overwrite an existing --json or --html file")
-Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="every table, and each prescription's evidence")]
 Quiet = options.quiet("print nothing but errors (with --json or --html)", short=True)
 
 

@@ -13,8 +13,9 @@ from vlmdoctor import supervise
 from vlmdoctor.commands import options
 from vlmdoctor.commands.app import err, exit_if_failed, out, user_errors
 from vlmdoctor.commands.options import Ignore, Select, Timeout, rule_choice
+from vlmdoctor.doctor.decide import MIN_PAIRS
 from vlmdoctor.doctor.gain import SEVERITIES
-from vlmdoctor.doctor.settings import ALPHA, FAIL_ON, MAX_MEMORY_GROWTH, MAX_PAIRS, MAX_REGRESSION, MIN_PAIRS
+from vlmdoctor.doctor.settings import ALPHA, CPU_THREADS, FAIL_ON, MAX_MEMORY_GROWTH, MAX_PAIRS, MAX_REGRESSION
 from vlmdoctor.files import check_distinct, check_inputs_kept, check_writable
 from vlmdoctor.report.console import esc
 from vlmdoctor.supervise import RUN_TIMEOUT_S
@@ -159,7 +160,7 @@ def gate(
     current_command: CurrentCommand = None,
     max_pairs: MaxPairs = MAX_PAIRS,
     extend_pairs: ExtendPairs = None,
-    cpu_threads: CpuThreads = 1,
+    cpu_threads: CpuThreads = CPU_THREADS,
     timeout: Timeout = RUN_TIMEOUT_S,
     update_baseline: UpdateBaseline = False,
     junit: Junit = None,

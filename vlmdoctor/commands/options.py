@@ -5,8 +5,8 @@ document, a small function makes the alias (`json_out("report")`), so the flag a
 A default that is not "not given" (None, off) is the project's own constant, named at the use, never a number typed
 again: window.py (the measured window), supervise.py (a run's time limit), doctor/settings.py (the gate).
 
-Groups: outputs (--json, --html, --force, --quiet); rule choice (--rules, --select, --ignore, and `rule_choice`,
-which reads them over the project's [tool.vlmdoctor] table); the measured window (--warmup, --steps,
+Groups: outputs (--json, --html, --force, --quiet, --verbose); rule choice (--rules, --select, --ignore, and
+`rule_choice`, which reads them over the project's [tool.vlmdoctor] table); the measured window (--warmup, --steps,
 --trace-steps); several GPUs (torchrun's launch options; --nproc-per-node and --parallel are run-config knobs,
 made by commands/knobs.py); runs (--timeout). An option only one command has is declared in that command's module.
 """
@@ -59,6 +59,8 @@ def quiet(words: str, short: bool = False) -> Any:
 
 HtmlOut = html_out()
 ForceJson = force("overwrite an existing --json file")
+#: --verbose / -v on the commands that diagnose (`analyze`, `profile`, `run`): one screen by default, this for more
+Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="every table, and each prescription's evidence")]
 
 
 def hush_profiler() -> None:

@@ -25,6 +25,7 @@ from vlmdoctor.commands.options import (
     RdzvId,
     RulesDirs,
     Select,
+    Verbose,
     hush_profiler,
     rule_choice,
 )
@@ -41,8 +42,8 @@ from vlmdoctor.files import (
     write_text,
 )
 from vlmdoctor.inputs import check_number, check_rules_dirs
-from vlmdoctor.report.console import esc, render, render_findings
-from vlmdoctor.run.config import RunConfig, panel
+from vlmdoctor.report.console import esc, render_profile
+from vlmdoctor.run.config import NNODES, RunConfig, panel
 from vlmdoctor.supervise import check_room, describe_interruption, interrupted_exit_code
 from vlmdoctor.window import MAX_TRACE_STEPS, TRACE_STEPS
 
@@ -108,7 +109,7 @@ Quiet = options.quiet("no progress and no table")
 @knob_options()
 def profile(
     liger: Liger = None,
-    nnodes: Nnodes = "1",
+    nnodes: Nnodes = NNODES,
     node_rank: NodeRank = None,
     rdzv_backend: RdzvBackend = None,
     rdzv_endpoint: RdzvEndpoint = None,
@@ -131,12 +132,14 @@ def profile(
     html_path: HtmlOut = None,
     save_config: SaveConfig = None,
     force: Force = False,
+    verbose: Verbose = False,
     quiet: Quiet = False,
     **knobs: Any,
 ) -> None:
     """Run real training steps of a VLM and measure them.
 
-    Runs on the GPU when there is one; `--model tiny --device cpu` runs anywhere.
+    Runs on the GPU when there is one; `--model tiny --device cpu` runs anywhere. Prints one screen: the numbers,
+    where the step went and the prescriptions with their fix; --verbose prints every table.
     """
     from vlmdoctor.run.capture import TraceOptions  # deferred: torch
 
@@ -169,6 +172,7 @@ def profile(
             html_path,
             launch,
             selection=selection,
+            verbose=verbose,
         )
 
 
@@ -282,6 +286,7 @@ def _profile(
     html_path: str | None = None,
     launch: Any = None,
     selection: Any = None,
+    verbose: bool = False,
 ) -> None:
     """Check everything, measure, diagnose, write and show; exit with the run's code."""
     from vlmdoctor.doctor.diagnosis import remove_temporary_trace  # deferred: pandas
@@ -313,13 +318,17 @@ def _profile(
             interrupted = _diagnose_kept(report, rules_dirs, selection)
     finally:
         remove_temporary_trace(report)
-    failures = _write(report, json_path, html_path, trace)
-    _finish(report, failures, interrupted, quiet, json_path)
+    failures, written = _write(report, json_path, html_path, trace)
+    _finish(report, failures, interrupted, quiet, json_path, verbose, written)
 
 
-def _write(report: dict[str, Any], json_path: str | None, html_path: str | None, trace: Any) -> list[str]:
-    """The report's files (--json, --html), each failure kept as a line; a --trace-dir trace that was lost, said."""
+def _write(
+    report: dict[str, Any], json_path: str | None, html_path: str | None, trace: Any
+) -> tuple[list[str], list[str]]:
+    """The report's files (--json, --html), each failure kept as a line; a --trace-dir trace that was lost, said.
+    Returns (the failures, the files written)."""
     failures = [save_json(report, json_path, "report")]
+    written = [json_path] if json_path and json_path != "-" and not failures[0] else []
     if html_path:
         from vlmdoctor.report.html import profile_html  # deferred: the HTML builder; keeps --help fast
 
@@ -331,12 +340,13 @@ def _write(report: dict[str, Any], json_path: str | None, html_path: str | None,
             )
         else:
             failures.append(save(html_path, page, "HTML report"))
+            written += [] if failures[-1] else [html_path]
     lost = (report.get("trace") or {}).get("lost")
     if lost and trace is not None and trace.keep:  # the --trace-dir asked for is not there; the measurement is
         from vlmdoctor.run.capture import lost_note  # deferred: torch
 
         failures.append(lost_note(lost))
-    return [f for f in failures if f]
+    return [f for f in failures if f], written
 
 
 def _finish(
@@ -345,14 +355,15 @@ def _finish(
     interrupted: KeyboardInterrupt | None,
     quiet: bool,
     json_path: str | None,
+    verbose: bool = False,
+    written: list[str] | None = None,
 ) -> None:
-    """The console's table and prescriptions, the errors, and the exit code: the run's, else 1 for a lost file."""
+    """The console's report (one screen, or every table when verbose), the errors, and the exit code: the run's,
+    else 1 for a lost file."""
     from vlmdoctor.run.runner import exit_code  # deferred: torch
 
     if not quiet and json_path != "-":
-        render(report, out)
-        if "diagnosis" in report:
-            render_findings(report["diagnosis"], out, lambda patch: run_command(report["config"], patch))
+        render_profile(report, out, verbose, lambda patch: run_command(report["config"], patch), written)
     code = exit_code(report)
     if code and (quiet or json_path == "-"):  # a failed run always says so, even when nothing else is printed
         why = (report.get("error") or {}).get("message") or report.get("status")

@@ -9,7 +9,7 @@ import typer
 
 from vlmdoctor.commands import options
 from vlmdoctor.commands.app import user_errors
-from vlmdoctor.commands.options import HtmlOut, Ignore, RulesDirs, Select, Steps, Warmup, rule_choice
+from vlmdoctor.commands.options import HtmlOut, Ignore, RulesDirs, Select, Steps, Verbose, Warmup, rule_choice
 from vlmdoctor.files import write_json
 from vlmdoctor.window import OUT, STEPS, TRACE_STEPS, WARMUP
 
@@ -43,13 +43,15 @@ def run(
     select: Select = None,
     ignore: Ignore = None,
     force: Force = False,
+    verbose: Verbose = False,
     quiet: Quiet = False,
 ) -> None:
     """Doctor your own training script, unchanged: vlmdoctor run -- python train.py ARGS.
 
     Each optimizer step is a training step. The script's output goes to the terminal and to
     OUT/script.log; the report to OUT/report.json. A failing script's own exit code is passed on (3 when it ran out of
-    memory); exit 1 when it never steps.
+    memory); exit 1 when it never steps. The report prints one screen (the numbers, where the step went, the
+    prescriptions with the lines to change); --verbose prints every table.
     """
     from vlmdoctor.own.launch import run_script  # deferred: the command's own module
 
@@ -69,6 +71,7 @@ def run(
             quiet,
             html_path,
             selection=selection,
+            verbose=verbose,
         )
         if json_path == "-" and report is not None:
             write_json(report, "-")

@@ -52,7 +52,7 @@ MinGain = Annotated[
     float,
     typer.Option(
         "--min-gain",
-        help="smallest throughput gain worth keeping (0.02 = 2%): "
+        help=f"smallest throughput gain worth keeping ({LIMITS.min_gain} = {LIMITS.min_gain:.0%}): "
         "kept when the paired interval's lower bound is above it",
     ),
 ]

@@ -68,13 +68,19 @@ from typing import Any
 #: a report comes back from a run; its throughput is the median over its timed windows
 Report = dict[str, Any]
 Arm = Callable[[], Report]
+#: below this gain (2%) a change is not worth a config line: `treat --min-gain`'s default
+MIN_GAIN = 0.02
+#: two-sided level of the interval on the paired ratio
+CONFIDENCE = 0.95
+#: the least evidence a decision is made on (two pairs' spread is often tiny by luck), for treat and the gate
+MIN_PAIRS = 3
 
 
 @dataclass
 class PairedOptions:
-    min_gain: float = 0.02  # below 2% a change is not worth a config line
-    confidence: float = 0.95  # two-sided level of the interval on the paired ratio
-    min_pairs: int = 3  # the least evidence a decision is made on (two pairs' spread is often tiny by luck)
+    min_gain: float = MIN_GAIN
+    confidence: float = CONFIDENCE
+    min_pairs: int = MIN_PAIRS
     max_pairs: int = 10  # adaptive extra pairs stop here
     large_effect: float = 1.5  # two pairs both beyond this factor (either way) decide without a third
     sign: bool = True  # every one of `sign_pairs` pairs or more on one side decides too (the sign test)
@@ -164,7 +170,7 @@ def outliers(ratios: Sequence[float]) -> list[int]:
 
 
 def ratio_interval(
-    ratios: Sequence[float], confidence: float = 0.95, robust: bool = False
+    ratios: Sequence[float], confidence: float = CONFIDENCE, robust: bool = False
 ) -> tuple[float, float, float]:
     """(geometric mean ratio, lower, upper): the t-interval on the mean log ratio, back in ratio units.
 
@@ -207,8 +213,8 @@ def lean(ratios: Sequence[float], min_gain: float) -> str:
 
 def verdict(
     ratios: Sequence[float],
-    min_gain: float = 0.02,
-    confidence: float = 0.95,
+    min_gain: float = MIN_GAIN,
+    confidence: float = CONFIDENCE,
     final: bool = False,
     sign: bool = True,
 ) -> dict[str, Any]:
@@ -269,7 +275,7 @@ def pooled_log_sd(groups: Sequence[Sequence[float]]) -> tuple[float, int] | None
 
 
 def pooled_verdict(
-    ratios: Sequence[float], pooled: tuple[float, int], min_gain: float = 0.02, confidence: float = 0.95
+    ratios: Sequence[float], pooled: tuple[float, int], min_gain: float = MIN_GAIN, confidence: float = CONFIDENCE
 ) -> dict[str, Any]:
     """The verdict of a few pairs whose spread is the treatment's pooled one: exp(mean +- t(df) sd / sqrt(n)).
 

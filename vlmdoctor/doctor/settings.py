@@ -37,9 +37,11 @@ MAX_REGRESSION = 0.05
 MAX_MEMORY_GROWTH = 0.10
 #: the gate's significance level of the Mann-Whitney U test on per-step throughput (`--alpha`; not in the table)
 ALPHA = 0.01
-#: the paired gate's runs (`--remeasure-baseline`; not in the table): pairs before any verdict, and at most
-MIN_PAIRS = 3
+#: the paired gate's runs (`--remeasure-baseline`; not in the table): pairs at most (at least: decide.MIN_PAIRS),
+#: and the intra-op threads a side on a CPU baseline (0: torch's default; one keeps a shared host's load from
+#: stalling a side's parallel regions)
 MAX_PAIRS = 16
+CPU_THREADS = 1
 #: every key the table may hold: (what it takes, in words)
 KEYS = {
     "select": "rule ids, layers or severities",

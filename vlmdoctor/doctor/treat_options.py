@@ -1,16 +1,13 @@
 """A treatment's limits, declared once: doctor/treat.py runs under `TreatOptions`, and `vlmdoctor treat`'s options
-default to its fields. A light module (the paired engine, doctor/decide.py, is loaded when a treatment asks for
-it), so that the command line reads the defaults without loading the treatment."""
+default to its fields. A light module (the paired engine, doctor/decide.py, whose decision defaults it takes, needs
+only the standard library), so that the command line reads the defaults without loading the treatment."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from vlmdoctor.doctor.decide import CONFIDENCE, MIN_GAIN, MIN_PAIRS, PairedOptions
 from vlmdoctor.supervise import RUN_TIMEOUT_S
-
-if TYPE_CHECKING:
-    from vlmdoctor.doctor.decide import PairedOptions
 
 #: share of --time-budget kept for the final ablation once a round has adopted changes: a later round of new
 #: compositions starts only when its pairs fit beside it, and a comparison spends it only while its candidate has
@@ -22,15 +19,13 @@ ABLATION_SHARE = 0.25
 class TreatOptions:
     max_trials: int = 24
     time_budget_s: float | None = 540.0  # 9 minutes: with the runs' own limit, one treatment ends within 10
-    min_gain: float = 0.02
+    min_gain: float = MIN_GAIN
     trial_timeout_s: float = float(RUN_TIMEOUT_S)  # a run's own limit, as every run of vlmdoctor has
     rules_dirs: list[str] = field(default_factory=list)
-    confidence: float = 0.95
-    min_pairs: int = 3
+    confidence: float = CONFIDENCE
+    min_pairs: int = MIN_PAIRS
     max_pairs: int = 6
     ablation_share: float = ABLATION_SHARE
 
     def paired(self) -> PairedOptions:
-        from vlmdoctor.doctor.decide import PairedOptions  # deferred: the paired engine; keeps --help fast
-
         return PairedOptions(self.min_gain, self.confidence, self.min_pairs, self.max_pairs)

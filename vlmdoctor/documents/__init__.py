@@ -17,7 +17,7 @@ value; the knobs read by name are `RecordedConfig`), `mode`, `split`, `accounts`
 
 from __future__ import annotations
 
-from vlmdoctor.documents.analysis import AccountRow, Analysis, AnalyzedFile, StepAccounts
+from vlmdoctor.documents.analysis import AccountRow, Analysis, AnalyzedFile, Effect, StepAccounts
 from vlmdoctor.documents.base import (
     MAX_DOCUMENT_BYTES,
     OWN_SOURCES,
@@ -113,6 +113,7 @@ __all__ = [
     "Distributed",
     "Doc",
     "DocumentError",
+    "Effect",
     "Env",
     "ErrorInfo",
     "ExpectedGain",

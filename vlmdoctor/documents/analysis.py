@@ -1,5 +1,5 @@
-"""The trace analysis (`vlmdoctor analyze --json`): each trace file's facts, the accounts of its step and its
-diagnosis; for a folder of rank traces, the job's cross-rank facts."""
+"""The trace analysis (`vlmdoctor analyze --json`): each trace file's facts, the accounts of its step, which
+optimizations took effect and its diagnosis; for a folder of rank traces, the job's cross-rank facts."""
 
 from __future__ import annotations
 
@@ -34,6 +34,18 @@ class StepAccounts(Doc, kw_only=True):
     residual_ms: Annotated[float | None, Meta(description="the arithmetic's gap (0 by construction)")] = None
 
 
+class Effect(Doc, kw_only=True):
+    """One optimization and whether it took effect in the traced step, from the facts (trace/effects.py)."""
+
+    name: Annotated[str, Meta(description="compile, liger, attention, fused_loss, optimizer or precision")]
+    state: Annotated[str, Meta(description="on, off, partial or unknown")]
+    brief: Annotated[str | None, Meta(description="its words in the one-line summary (`in effect: ...`)")] = None
+    seen: Annotated[str, Meta(description="the evidence, with its numbers")] = ""
+    why: Annotated[
+        str | None, Meta(description="why it is off or partial (or unknown), when the facts say; else null")
+    ] = None
+
+
 class AnalyzedFile(Doc, kw_only=True):
     """One trace file's facts, and their diagnosis."""
 
@@ -42,6 +54,7 @@ class AnalyzedFile(Doc, kw_only=True):
     meta: Annotated[dict[str, Any] | None, Meta(description="the trace's metadata the facts read")] = None
     rank: Annotated[int, Meta(ge=0, description="the rank that wrote the trace")] | None = None
     accounts: StepAccounts | None = None
+    effects: Annotated[list[Effect], Meta(description="which optimizations took effect (trace/effects.py)")] = []
     diagnosis: Diagnosis | None = None
     findings: Annotated[list[Finding] | None, Meta(description="the diagnosis' findings")] = None
     muted: Annotated[list[Finding] | None, Meta(description="the diagnosis' muted findings")] = None

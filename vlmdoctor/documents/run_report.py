@@ -129,6 +129,19 @@ class DataInfo(Doc, kw_only=True):
     length_model: Annotated[str | None, Meta(description="the length distribution of synthetic samples")] = None
     tokens_from: Annotated[str | None, Meta(description="batch or forward hook: where tokens were counted")] = None
     steps_seen: Annotated[Count, Meta(description="optimizer steps the way in saw")] | None = None
+    records: Annotated[Count, Meta(description="records in a --data file")] | None = None
+    skipped: Annotated[Count, Meta(description="records skipped (--bad-records skip)")] | None = None
+    problems: Annotated[list[str] | None, Meta(description="the first skipped records' problems")] = None
+
+
+class RunError(ErrorInfo, kw_only=True):
+    """How a run that did not finish cleanly ended; an out-of-memory, with what it asked for."""
+
+    requested_gb: Annotated[GiB, Meta(description="out of memory: the allocation that failed")] | None = None
+    peak_mem_gb_before_failure: Annotated[GiB, Meta(description="out of memory: the peak allocated before")] | None = (
+        None
+    )
+    device_mem_total_gb: Annotated[GiB, Meta(description="out of memory: the device's memory")] | None = None
 
 
 class FlopsInfo(Doc, kw_only=True):
@@ -352,7 +365,7 @@ class RunReport(Doc, kw_only=True):
     schema_version: Version
     kind: Annotated[str | None, Meta(description="profile (older own runs: absent)")] = None
     status: Annotated[str, Meta(description="ok, or how the run ended: oom, nan_loss, error, timeout")] = "ok"
-    error: ErrorInfo | None = None
+    error: RunError | None = None
     tool: Tool | None = None
     created_at: Annotated[str | None, Meta(description="local time the report was written")] = None
     config: Annotated[

@@ -78,7 +78,9 @@ class Doctor:
         source: str = "api",
         force: bool = False,
         step_offset: int = 0,
+        verbose: bool = False,
     ) -> None:
+        self.verbose = verbose  # the report prints every table, not one screen
         args = (model, out, warmup, steps, trace_steps, stage, config, audience, quiet, rules_dirs, source, force)
         with kept():
             try:
@@ -218,7 +220,7 @@ class Doctor:
             return report
         try:
             if not self.quiet:
-                outputs.show(report)
+                outputs.show(report, verbose=self.verbose)
                 page = self.rec.out / HTML
                 written = f"{path}, {page}" if page.exists() else str(path)
                 self.rec._tell(f"report written: {written}; training goes on, unmeasured")

@@ -107,6 +107,7 @@ class DoctorCallback(TrainerCallback):
         quiet: bool = False,
         rules_dirs: Sequence[str] = (),
         force: bool = False,
+        verbose: bool = False,
     ) -> None:
         self.kw = dict(
             out=out,
@@ -117,6 +118,7 @@ class DoctorCallback(TrainerCallback):
             quiet=quiet,
             rules_dirs=rules_dirs,
             force=force,
+            verbose=verbose,
         )
         self.stop_after_window = stop_after_window
         self.doc: Doctor | None = None

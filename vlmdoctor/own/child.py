@@ -221,7 +221,7 @@ class _Child:
         if self.rec.tell is None:  # quiet, or a rank other than 0
             return
         try:
-            show(report, sys.stdout)
+            show(report, sys.stdout, verbose=bool(self.s.get("verbose")))
             goes_on = "" if self.s.get("stop_after_window") else "; the script goes on, unmeasured"
             self.rec.tell(f"report written to {Path(self.s['out']) / 'report.json'}{goes_on}")
         except Exception as e:

@@ -325,6 +325,7 @@ def run_script(
     quiet: bool = False,
     html_path: str | None = None,
     selection: Any = None,
+    verbose: bool = False,
 ) -> tuple[int, dict[str, Any] | None]:
     """Run the script under the bootstrap, then diagnose; returns (exit code, report).
 
@@ -370,7 +371,7 @@ def run_script(
     try:
         return _run_and_finish(
             cmd, command, folder, handoff, warmup, steps, trace_steps, stop_after_window, stage,
-            json_path, rules_dirs, quiet, html_path, selection,
+            json_path, rules_dirs, quiet, html_path, selection, verbose,
         )  # fmt: skip
     finally:
         shutil.rmtree(handoff, ignore_errors=True)
@@ -391,6 +392,7 @@ def _run_and_finish(
     quiet: bool,
     html_path: str | None,
     selection: Any,
+    verbose: bool,
 ) -> tuple[int, dict[str, Any] | None]:
     """The script under the bootstrap, then its report: read from the child's private copy (`handoff`), never from
     OUT/, where the script may write a report.json of its own; OUT's files are this command's only where they are
@@ -406,6 +408,7 @@ def _run_and_finish(
             "rules_dirs": [str(Path(d).resolve()) for d in rules_dirs],
             "selection": selection.to_json() if selection else None,
             "quiet": quiet,
+            "verbose": verbose,
             "handoff": str(handoff),
         },
         {"VLMDOCTOR_JOB": time.strftime("%Y%m%d-%H%M%S")},  # the ranks' one name for their trace folder
@@ -428,7 +431,7 @@ def _run_and_finish(
             file=sys.stderr,
             flush=True,
         )
-    ending = _Ending(folder, log, json_path, quiet, sink, rules_dirs, selection)
+    ending = _Ending(folder, log, json_path, quiet, sink, rules_dirs, selection, verbose)
     report = _read_report(handoff / REPORT)
     if report is None:
         say(f"the script exited with code {outcome.returncode} and left no report; its output is in {log}")
@@ -449,6 +452,7 @@ class _Ending:
     sink: Any  # the script's output went there: stderr when stdout carries the JSON
     rules_dirs: Sequence[str]
     selection: Any
+    verbose: bool = False  # every table, not one screen
 
     @property
     def copy(self) -> str | None:
@@ -479,7 +483,7 @@ class _Ending:
         if html_path:
             write_html(profile_html(report), Path(html_path), force=True)  # refused up front unless --force
         if self.prints and not shown:
-            show(report)
+            show(report, verbose=self.verbose)
         self.summary(report, rescued)
         return (EXIT_FAILED_RUN if rescued else EXIT_OK), report
 
@@ -491,7 +495,7 @@ class _Ending:
             if not report.get("diagnosed_while_running"):
                 diagnose_report(report, report.get("audience") or "loop", self.rules_dirs, self.selection)
                 if self.prints and "diagnosis" in report:
-                    show(report)
+                    show(report, verbose=self.verbose)
             report["status"] = "error"
         oom = bool(script.get("out_of_memory"))
         report["error"] = {

@@ -95,9 +95,10 @@ def output_paths(report: dict[str, Any], out: Path) -> dict[str, str | None]:
     }
 
 
-def show(report: dict[str, Any], file: Any = None) -> None:
-    """The metrics and the prescriptions, 80 columns wide, around any live tqdm bar."""
-    progress.emit(lambda c: render_own(report, c), file or sys.stdout)
+def show(report: dict[str, Any], file: Any = None, verbose: bool = False) -> None:
+    """The report, 80 columns wide, around any live tqdm bar: one screen (the headline, the step's largest accounts,
+    the prescriptions with their fix), or every table when verbose (`run --verbose`, `Doctor(verbose=True)`)."""
+    progress.emit(lambda c: render_own(report, c, verbose), file or sys.stdout)
 
 
 def show_summary(report: dict[str, Any], paths: dict[str, str | None], file: Any = None) -> None:

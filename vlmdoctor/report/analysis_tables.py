@@ -1,5 +1,6 @@
 """A trace's analysis in the terminal: the step's accounts, the host work the GPU waited for, the kernel classes,
-parts, phases and launches, the collectives, and the ranks of a job side by side (`vlmdoctor analyze`)."""
+parts, phases and launches, which optimizations took effect, the collectives, and the ranks of a job side by side
+(`vlmdoctor analyze`)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from rich.console import Console
 from rich.padding import Padding
 from rich.table import Table
 
-from vlmdoctor.documents import Analysis, AnalyzedFile, CrossRank, StepAccounts, as_document
-from vlmdoctor.report.text import esc, fmt_ms
+from vlmdoctor.documents import Analysis, AnalyzedFile, CrossRank, Effect, StepAccounts, as_document
+from vlmdoctor.report.text import esc, fmt_ms, plain
 
 
 def straggler_cause(f: dict[str, Any]) -> str:
@@ -75,12 +76,13 @@ def render_facts(result: Analysis | dict[str, Any], console: Console) -> None:
                     f"micro-batches per step: {f['shapes.micro_batches_per_step']:g} "
                     f"({esc(f['shapes.micro_batches_per_step.source'])})"
                 )
-        console.print(step_line(entry), highlight=False)
+        console.print(_step_text(entry), highlight=False)
         if "comm.ms" in f:
             console.print(comm_line(f, "comm.", entry.rank))
-        if "gpu.busy_frac" not in f:
-            continue
-        _render_gpu_facts(entry, console)
+        if "gpu.busy_frac" in f:
+            _render_gpu_facts(entry, console)
+        if entry.effects:
+            render_effects(entry.effects, console)
 
 
 def _render_gpu_facts(entry: AnalyzedFile, console: Console) -> None:
@@ -132,21 +134,37 @@ def _render_gpu_facts(entry: AnalyzedFile, console: Console) -> None:
         f"10 µs, launch API {fmt_ms(f['launch.api_ms'])} ms/step, launch-to-start median "
         f"{fmt_ms(f.get('launch.delay_us_median'))} µs"
     )
-    extra = []
-    if "shapes.distinct_token_batches" in f:
-        extra.append(f"token batch shapes: {esc(', '.join(map(str, f['shapes.token_batches'])))}")
-    if "loss.logits_gb" in f:
-        extra.append(f"logits {f['loss.logits_gb']:.2f} GiB ({esc(f['loss.logits_dtype'])})")
-    elif f.get("ops.fused_linear_cross_entropy"):
-        extra.append("logits not materialized (fused linear cross entropy)")
-    liger = [f"{esc(k.split('.')[1])} {f[k]:.0f}" for k in f if k.startswith("liger.") and f[k]]
-    if liger:
-        extra.append("Liger launches/step: " + ", ".join(liger))
-    backends = [esc(k.split(".")[2]) for k in f if k.startswith("attention.backend.")]
-    if backends:
-        extra.append("SDPA backend: " + ", ".join(backends))
-    if extra:
-        console.print("; ".join(extra))
+    if "shapes.distinct_token_batches" in f:  # logits, Liger, SDPA backends: the effects table says them
+        console.print(f"token batch shapes: {esc(', '.join(map(str, f['shapes.token_batches'])))}")
+
+
+def render_effects(rows: list[Effect], console: Console) -> None:
+    """Which optimizations took effect in the traced step, with the evidence and, when off or partial, why
+    (trace/effects.py)."""
+    t = Table(title="did it take effect?", show_header=True, header_style="bold")
+    for col in ("optimization", "state", "seen", "why"):
+        # a name is never cut; the words wrap, and a long name in them folds onto the next line
+        t.add_column(col, no_wrap=col in ("optimization", "state"), overflow="fold")
+    for r in rows:
+        t.add_row(esc(r.name), esc(r.state), esc(r.seen), esc(r.why or ""))
+    console.print(t)
+
+
+def effects_line(rows: list[Effect], width: int = 80) -> str:
+    """`in effect: compile partial (89%), Liger off, SDPA cudnn, ...` in markup, wrapped at its commas to `width`
+    columns, each further line indented under the first item."""
+    head = "in effect: "
+    items = [plain(r.brief or f"{r.name} {r.state}") for r in rows]
+    lines, line = [], head
+    for k, item in enumerate(items):
+        piece = item + ("," if k < len(items) - 1 else "")
+        if line != head and len(line) + 1 + len(piece) > width:
+            lines.append(line)
+            line = " " * len(head) + piece
+        else:
+            line += ("" if line == head else " ") + piece
+    lines.append(line)
+    return "\n".join(esc(x) for x in lines)
 
 
 def render_accounts_brief(acc: StepAccounts, console: Console, at_least: float = 0.05) -> None:
@@ -193,6 +211,14 @@ def file_head(entry: AnalyzedFile, console: Console, said: set[str] | None = Non
 
 
 def step_line(entry: AnalyzedFile) -> str:
+    """The step's time and GPU busy share, then which optimizations took effect (a trace's headline lines)."""
+    line = _step_text(entry)
+    if entry.effects:
+        line += "\n" + effects_line(entry.effects)
+    return line
+
+
+def _step_text(entry: AnalyzedFile) -> str:
     f = entry.facts
     line = f"step {fmt_ms(f['step.ms'])} ms"
     if "gpu.busy_frac" in f:

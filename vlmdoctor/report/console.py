@@ -1,6 +1,11 @@
 """The console report: rich tables of metrics, findings, ladders and sweeps; a trace's analysis (its tables:
-analysis_tables.py) and the prescriptions (prescriptions.py) as `vlmdoctor analyze` prints them; a report of the
-user's own training.
+analysis_tables.py) and the prescriptions (prescriptions.py) as `vlmdoctor analyze` prints them; a run report, of
+`vlmdoctor profile` or of the user's own training, read by field through its declaration (documents/run_report.py).
+
+`analyze`, `profile` and a report of the user's training print one screen by default (80 columns, under 80 lines):
+the headline with its doubt, the step's largest accounts, the prescriptions one line each with their fix (the top
+ones), what was seen without one, and where the full report is; verbose, every table and each prescription's
+evidence.
 
 Text is text: every console vlmdoctor prints through is a `SafeConsole`, and data placed inside a markup string
 goes through `esc` (text.py says how).
@@ -20,10 +25,27 @@ from rich.text import Text
 
 from vlmdoctor.documents import (
     Analysis,
+    DataInfo,
     Diagnosis,
+    Distributed,
+    Env,
+    ExpectedGain,
+    Finding,
+    FlopsInfo,
+    GlobalNumbers,
+    Metrics,
+    ModelInfo,
+    RunReport,
+    Spread,
+    StepAccounts,
+    Throughput,
+    TraceInfo,
     TreatResult,
+    Warmup,
     as_document,
+    as_report,
 )
+from vlmdoctor.documents.run_report import RunError
 from vlmdoctor.report.analysis_tables import (
     comm_line,
     file_head,
@@ -36,6 +58,7 @@ from vlmdoctor.report.prescriptions import (
     Prescribed,
     analysis_prescriptions,
     gain_text,
+    gain_x,
     render_muted,
     render_not_prescribed,
     render_prescriptions,
@@ -54,133 +77,326 @@ def changed_knobs(config: dict[str, Any]) -> list[str]:
     return [f"{k}={v}" for k, v in config.items() if v != defaults.get(k) and k in layer and k not in shown]
 
 
-def render(report: dict[str, Any], console: Console) -> None:
-    cfg, env, model = report["config"], report.get("env", {}), report.get("model", {})
-    where = env.get("gpu") or f"CPU ({env.get('cpu_count')} cores)"
-    title = f"vlmdoctor profile: {esc(cfg['model'])} stage {esc(cfg['stage'])} on {esc(where)}"
+#: prescriptions printed with their fix by default (the others: one line each; --verbose: every fix)
+TOP = 3
+#: lines of a fix in the user's terms printed by default (the rest: --verbose, and the report)
+FIX_LINES = 6
+
+
+def _where(env: Env | None) -> str:
+    env = env or Env()
+    return env.gpu or f"CPU ({env.cpu_count} cores)"
+
+
+def _tokens_per_s(r: RunReport) -> float | None:
+    """The headline real tokens/s by the one estimator (run/throughput.py), from the report's fields."""
+    steps = [
+        {"step_ms": x.step_ms, "step_real_tokens": x.step_real_tokens, "real_tokens_per_s": x.real_tokens_per_s}
+        for x in r.repeats or []
+    ]
+    written = r.metrics or Metrics()
+    view: dict[str, Any] = {"metrics": {"real_tokens_per_s": written.real_tokens_per_s}}
+    view["repeats"] = steps
+    if r.distributed is not None:  # a job's headline is its metric: all ranks' tokens over the slowest rank's steps
+        view["distributed"] = True
+    return throughput.headline(view)
+
+
+def _spread(r: RunReport) -> str:
+    """'p10-p90 1,020-1,180, n=20' of the real tokens/s, or ''."""
+    return throughput.spread_text(msgspec.structs.asdict(r.throughput)) if r.throughput is not None else ""
+
+
+def _n(v: float | None, digits: int = 1) -> str:
+    return "n/a" if v is None else f"{v:,.{digits}f}"
+
+
+def headline_lines(
+    report: RunReport | dict[str, Any], see: str = "see the report's note", split: bool = True
+) -> list[str]:
+    """tokens/s with its spread and, when the window is unstable, the doubt; step time; MFU (or why not); the split
+    of the traced step (unless not `split`); the ranks. The first lines of every report: the console's default and
+    the end summary."""
+    r = as_report(report)
+    m, tp = r.metrics or Metrics(), r.throughput
+    spread = _spread(r)
+    first = f"real tokens/s {_n(_tokens_per_s(r), 0)}" + (f" ({spread})" if spread else "")
+    if tp is not None and tp.stable is False:
+        first += f"; unstable window ({see})"
+    out = [first]
+    out.append(
+        f"ms/step {_n(m.step_ms)} (p10 {_n(m.step_ms_p10)}, p90 {_n(m.step_ms_p90)}); "
+        + (f"MFU {m.mfu * 100:.2f}%" if m.mfu is not None else f"MFU n/a ({m.mfu_reason or 'not computed'})")
+    )
+    sp = r.split  # a free-form map (documents/__init__.py): its rows as written
+    if sp and split:
+        out.append(
+            f"split of the traced step ({sp['basis']}): "
+            + ", ".join(f"{row['part']} {row['share'] * 100:.0f}%" for row in sp["rows"])
+        )
+    d = r.distributed
+    if d is not None and d.ranks:
+        g = d.global_ or GlobalNumbers()
+        out.append(
+            f"{d.world_size} ranks: the job's numbers above (all ranks' tokens over the slowest rank's "
+            f"steps); slowest rank {g.slowest_rank}"
+            + (f", {g.step_imbalance * 100:.0f}% slower than the fastest" if (g.step_imbalance or 0) >= 0.005 else "")
+        )
+    return out
+
+
+def _memory_line(m: Metrics) -> str | None:
+    """Peak memory: the device's, else the process's on a CPU."""
+    if m.peak_mem_gb is not None:
+        line = f"peak memory {fmt(m.peak_mem_gb, ' GiB', 2)} allocated"
+        if m.device_mem_total_gb is not None:
+            line += f" of {fmt(m.device_mem_total_gb, ' GiB')}"
+    elif m.host_peak_rss_gb is not None:
+        line = f"host peak RSS {fmt(m.host_peak_rss_gb, ' GiB', 2)}"
+    else:
+        return None
+    return line
+
+
+def render_profile(
+    report: RunReport | dict[str, Any],
+    console: Console,
+    verbose: bool = False,
+    command: Callable[[dict[str, Any]], str] | None = None,
+    written: list[str] | None = None,
+) -> None:
+    """`vlmdoctor profile`'s report. Compact (the default, one screen at 80 columns): the run, the headline with its
+    doubt, the step's largest accounts, the prescriptions biggest gain first (the top ones with the command that
+    runs them), what was seen without a prescription, the trace and the files written. Verbose: every table and each
+    prescription's evidence (`render` and `render_findings`). `command(patch)`: the command that runs a patch."""
+    r = as_report(report)
+    if verbose:
+        render(r, console)
+        if r.diagnosis is not None:
+            render_findings(r.diagnosis, console, command)
+        return
+    _profile_head(r, console, model_line=False)
+    if r.status not in ("ok", "nan_loss"):
+        _failure(r, console)
+        return
+    _brief_numbers(r, console)
+    if r.trace is not None and r.trace.lost:
+        console.print(f"trace: lost ({esc(r.trace.lost)})", highlight=False)
+    _brief_diagnosis(r, console, command)
+    if r.trace is not None and r.trace.path and r.trace.kept:
+        print_text(console, fill(f"trace: {r.trace.path}", console.width))  # broken at spaces: the path stays whole
+    paths = [p for p in written or [] if p]
+    if paths:
+        print_text(console, fill("the full report: " + ", ".join(paths), console.width, "", "  "))
+    more = "every table and each fix's evidence: --verbose"
+    if not any(str(p).endswith((".html", ".htm")) for p in paths):
+        more += "; a page with charts: --html report.html"
+    print_text(console, fill(more, console.width), "dim")
+
+
+def _profile_head(r: RunReport, console: Console, model_line: bool = True) -> None:
+    """The title, the model (verbose), the knobs changed, skipped records and warnings: the run, before its numbers."""
+    cfg, k, model = r.config or {}, r.knobs, r.model or ModelInfo()
+    title = f"vlmdoctor profile: {esc(k.model)} stage {esc(k.stage)} on {esc(_where(r.env))}"
     changed = changed_knobs(cfg)
     console.print(f"[bold]{title}[/bold]")
-    console.print(
-        f"model: {esc(model.get('vision'))} + {esc(model.get('projector'))} + {esc(model.get('llm'))}; "
-        f"{esc(model.get('image_tokens'))} image tokens"
-    )
+    if model_line:
+        console.print(
+            f"model: {esc(model.vision)} + {esc(model.projector)} + {esc(model.llm)}; "
+            f"{esc(model.image_tokens)} image tokens"
+        )
     console.print(
         "knobs changed from the default: " + (esc(", ".join(changed)) if changed else "none (the default config)")
     )
-    data = report.get("data") or {}
-    if data.get("skipped"):
+    data = r.data or DataInfo()
+    if data.skipped:
         console.print(
-            f"[yellow]data: {esc(data['skipped'])} of {esc(data.get('records'))} records skipped[/yellow] "
-            f"(--bad-records skip; the first: {esc((data.get('problems') or ['?'])[0])})",
+            f"[yellow]data: {esc(data.skipped)} of {esc(data.records)} records skipped[/yellow] "
+            f"(--bad-records skip; the first: {esc((data.problems or ['?'])[0])})",
             highlight=False,
         )
-    for w in report.get("warnings") or []:
+    for w in r.warnings or []:
         console.print(f"[yellow]warning:[/yellow] {esc(w)}", highlight=False)
-    if report["status"] not in ("ok", "nan_loss"):
-        err = report.get("error", {})
-        console.print(f"[bold red]{esc(report['status'])}[/bold red]: {esc(err.get('message'))}", highlight=False)
-        if err.get("requested_gb") is not None:
-            console.print(
-                f"asked for {err['requested_gb']:.2f} GiB more; peak before failure "
-                f"{fmt(err.get('peak_mem_gb_before_failure'), ' GiB', 2)} of "
-                f"{fmt(err.get('device_mem_total_gb'), ' GiB', 1)}"
-            )
-        return
-    m = report["metrics"]
-    console.print(_metrics_table(report))
-    render_measurement_notes(report, console)
-    if report.get("distributed"):
-        render_ranks(report["distributed"], console)
-    versions = ", ".join(f"{k} {env.get(k)}" for k in ("torch", "transformers", "liger_kernel") if env.get(k))
-    console.print(f"[dim]{esc(versions)}; driver {esc(env.get('driver') or 'n/a')}[/dim]", highlight=False)
-    tr = report.get("trace")
-    if tr and tr.get("lost"):  # the measurement above stands; the warning line says why the trace is gone
-        console.print(f"trace: lost ({esc(tr['lost'])})", highlight=False)
-    elif tr:
-        traced = fmt_ms(sorted(tr["traced_step_ms"])[len(tr["traced_step_ms"]) // 2] if tr["traced_step_ms"] else None)
-        where = tr["path"] or "analyzed, not kept (--trace-dir DIR keeps it)"
+
+
+def _failure(r: RunReport, console: Console) -> None:
+    """A run that did not finish: how it ended, and for an out-of-memory what it asked for."""
+    err = r.error or RunError()
+    console.print(f"[bold red]{esc(r.status)}[/bold red]: {esc(err.message)}", highlight=False)
+    if err.requested_gb is not None:
         console.print(
-            f"trace: {esc(where)} ({esc(tr['steps'])} steps; traced step {traced} ms vs untraced median "
-            f"{fmt_ms(m['step_ms'])} ms)",
+            f"asked for {err.requested_gb:.2f} GiB more; peak before failure "
+            f"{fmt(err.peak_mem_gb_before_failure, ' GiB', 2)} of "
+            f"{fmt(err.device_mem_total_gb, ' GiB', 1)}"
+        )
+
+
+def _brief_numbers(r: RunReport, console: Console) -> None:
+    """The headline (tokens/s and its doubt, ms/step, MFU, the split where no accounts follow, ranks), memory, a
+    loss that was not finite, what to know before trusting the numbers, and a job's scaling: the compact report's
+    numbers, each line broken at spaces to the width."""
+    lines = headline_lines(r, "see the note below", split=not r.accounts)  # the accounts say where the step went
+    memory = _memory_line(r.metrics or Metrics())
+    if memory:
+        lines.insert(2, memory)
+    for line in lines:
+        print_text(console, fill(line, console.width, "", "  "))
+    if r.status == "nan_loss":
+        console.print("[bold red]the loss was NaN or inf in a timed step[/bold red]")
+    for line in measurement_notes(r, brief=True):
+        print_text(console, fill(f"note: {line}", console.width, "", "  "), "yellow")
+    if r.distributed is not None:
+        _scaling_lines(r.distributed, console)
+
+
+def _brief_diagnosis(r: RunReport, console: Console, command: Callable[[dict[str, Any]], str] | None) -> None:
+    """The step's largest accounts, then the prescriptions biggest gain first: the top TOP with their fix, the
+    others one line each (a vlmdoctor run: with its knobs); then what was seen and not prescribed, counted."""
+    if r.accounts:  # a free-form map in the report (documents/__init__.py), read here through its declaration
+        render_accounts_brief(as_document(r.accounts, StepAccounts, "accounts"), console)
+    d = r.diagnosis
+    if d is None:  # not diagnosed: --no-diagnose, or the diagnosis failed (said on stderr when it did)
+        return
+    items = []
+    for i, f in enumerate(by_rank(d.findings)):
+        if i < TOP:
+            items.append(Prescribed(_short_fix(f), [], command))
+        else:  # one line: the knobs of a vlmdoctor run, nothing of a user's (their lines are in --verbose)
+            keep = f.config_patch if command is not None else None
+            items.append(Prescribed(msgspec.structs.replace(f, advice=None, config_patch=keep), [], None))
+    render_prescriptions(items, console, False)
+    render_not_prescribed([d], console, False)
+
+
+def by_rank(findings: list[Finding]) -> list[Finding]:
+    """Biggest expected win first (`rank`); findings without a rank by their expected gain, the same way."""
+
+    def key(i_f: tuple[int, Finding]) -> tuple:
+        i, f = i_f
+        if f.rank is not None:
+            return (0, f.rank, i)
+        ratio = gain_x(f.expected_gain or ExpectedGain())
+        return (1, ratio is None, -(ratio or 0.0), i)
+
+    return [f for _, f in sorted(enumerate(findings), key=key)]
+
+
+def _short_fix(f: Finding) -> Finding:
+    """A finding whose fix in the user's terms is FIX_LINES lines at most, the rest said to be in --verbose."""
+    lines = (f.advice or {}).get("lines") or []
+    if len(lines) <= FIX_LINES:
+        return f
+    shown = [*lines[: FIX_LINES - 1], f"# ... {len(lines) - FIX_LINES + 1} more line(s): --verbose, or the report"]
+    return msgspec.structs.replace(f, advice={**(f.advice or {}), "lines": shown})
+
+
+def render(report: RunReport | dict[str, Any], console: Console) -> None:
+    """A profile report's every table (`vlmdoctor profile --verbose`): the run, the metrics with their spreads, the
+    notes, each rank, the versions and the trace."""
+    r = as_report(report)
+    _profile_head(r, console)
+    if r.status not in ("ok", "nan_loss"):
+        _failure(r, console)
+        return
+    m = r.metrics or Metrics()
+    console.print(_metrics_table(r))
+    render_measurement_notes(r, console)
+    if r.distributed is not None:
+        render_ranks(r.distributed, console)
+    env = r.env or Env()
+    known = ((k, getattr(env, k)) for k in ("torch", "transformers", "liger_kernel"))
+    versions = ", ".join(f"{k} {v}" for k, v in known if v)
+    console.print(f"[dim]{esc(versions)}; driver {esc(env.driver or 'n/a')}[/dim]", highlight=False)
+    tr = r.trace
+    if tr is not None and tr.lost:  # the measurement above stands; the warning line says why the trace is gone
+        console.print(f"trace: lost ({esc(tr.lost)})", highlight=False)
+    elif tr is not None:
+        ms = sorted(tr.traced_step_ms or [])
+        traced = fmt_ms(ms[len(ms) // 2] if ms else None)
+        where = tr.path or "analyzed, not kept (--trace-dir DIR keeps it)"
+        console.print(
+            f"trace: {esc(where)} ({esc(tr.steps)} steps; traced step {traced} ms vs untraced median "
+            f"{fmt_ms(m.step_ms)} ms)",
             highlight=False,
         )
-    if report["status"] == "nan_loss":
+    if r.status == "nan_loss":
         console.print("[bold red]the loss was NaN or inf in a timed step[/bold red]")
 
 
-def _metrics_table(report: dict[str, Any]) -> Table:
+def _metrics_table(r: RunReport) -> Table:
     """A profile report's numbers, each with its spread over the repeats."""
-    m, stats = report["metrics"], report.get("stats", {})
+    m, stats = r.metrics or Metrics(), r.stats or {}
     t = Table(show_header=True, header_style="bold")
     t.add_column("metric")
     t.add_column("value", justify="right")
-    t.add_column(f"spread over {esc(m['repeats'])} repeat(s) x {esc(m['steps_per_repeat'])} steps", justify="right")
+    t.add_column(f"spread over {esc(m.repeats)} repeat(s) x {esc(m.steps_per_repeat)} steps", justify="right")
 
     def spread(key: str, unit: str = "", digits: int = 1) -> str:
-        s = stats.get(key)
-        if not s or s["n"] < 2:
+        s = stats.get(key)  # a map of the declared Spread, by metric name
+        if s is None or s.n is None or s.n < 2:
             return ""
-        return f"{fmt(s['min'], unit, digits)} .. {fmt(s['max'], unit, digits)}"
+        return f"{fmt(s.min, unit, digits)} .. {fmt(s.max, unit, digits)}"
 
-    tp = report.get("throughput") or {}
-    t.add_row(
-        "real tokens/s",
-        fmt(throughput.headline(report), "", 0),
-        throughput.spread_text(tp) or spread("real_tokens_per_s", "", 0),
-    )
-    t.add_row("loss tokens/s", fmt(m["loss_tokens_per_s"], "", 0), spread("loss_tokens_per_s", "", 0))
-    t.add_row("pad fraction", fmt(m["pad_fraction"] * 100, " %"), "")
-    step = stats.get("step_ms", {})
+    t.add_row("real tokens/s", fmt(_tokens_per_s(r), "", 0), _spread(r) or spread("real_tokens_per_s", "", 0))
+    t.add_row("loss tokens/s", fmt(m.loss_tokens_per_s, "", 0), spread("loss_tokens_per_s", "", 0))
+    t.add_row("pad fraction", fmt(m.pad_fraction * 100 if m.pad_fraction is not None else None, " %"), "")
+    step = stats.get("step_ms") or Spread()
     t.add_row(
         "ms/step (median)",
-        fmt(m["step_ms"], " ms"),
-        f"p10 {fmt(m['step_ms_p10'])} / p90 {fmt(m['step_ms_p90'])} (n={esc(step.get('n'))})",
+        fmt(m.step_ms, " ms"),
+        f"p10 {fmt(m.step_ms_p10)} / p90 {fmt(m.step_ms_p90)} (n={esc(step.n)})",
     )
     t.add_row(
         "MFU",
-        fmt(m["mfu"] * 100 if m["mfu"] is not None else None, " %"),
-        spread("mfu", "", 3) if m["mfu"] is not None else esc(m.get("mfu_reason") or ""),
+        fmt(m.mfu * 100 if m.mfu is not None else None, " %"),
+        spread("mfu", "", 3) if m.mfu is not None else esc(m.mfu_reason or ""),
     )
-    t.add_row("model TFLOP/s", fmt_small(m["model_tflops_per_s"]), "")
-    if m.get("peak_mem_gb") is not None:
+    t.add_row("model TFLOP/s", fmt_small(m.model_tflops_per_s), "")
+    if m.peak_mem_gb is not None:
         t.add_row(
             "peak memory allocated / reserved",
-            f"{fmt(m['peak_mem_gb'], ' GiB', 2)} / {fmt(m['peak_mem_reserved_gb'], ' GiB', 2)}",
-            f"of {fmt(m['device_mem_total_gb'], ' GiB')}",
+            f"{fmt(m.peak_mem_gb, ' GiB', 2)} / {fmt(m.peak_mem_reserved_gb, ' GiB', 2)}",
+            f"of {fmt(m.device_mem_total_gb, ' GiB')}",
         )
     else:
-        t.add_row("host peak RSS", fmt(m["host_peak_rss_gb"], " GiB", 2), "")
-    loss = m["final_loss"]
-    t.add_row("final loss", fmt(loss, "", 4) if m["loss_finite"] else f"[red]{esc(loss)} (not finite)[/red]", "")
+        t.add_row("host peak RSS", fmt(m.host_peak_rss_gb, " GiB", 2), "")
+    loss = m.final_loss
+    t.add_row("final loss", fmt(loss, "", 4) if m.loss_finite else f"[red]{esc(loss)} (not finite)[/red]", "")
     return t
 
 
-def render_ranks(d: dict[str, Any], console: Console) -> None:
+def render_ranks(d: Distributed | dict[str, Any], console: Console) -> None:
     """A multi-rank run: one row per rank, then the job's numbers (the table above is the job's)."""
+    d = as_document(d, Distributed, "distributed") if isinstance(d, dict) else d
     t = Table(show_header=True, header_style="bold", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
     for col in ("rank", "ms/step", "real tokens/s", "real tokens", "peak mem GiB", "host"):
-        t.add_column(col, justify="left" if col == "host" else "right")
-    g = d.get("global") or {}
-    for r in d.get("ranks") or []:
-        mark = " *" if r.get("rank") == g.get("slowest_rank") else ""
+        t.add_column(col, justify="left" if col == "host" else "right", no_wrap=col in ("rank", "host"))
+    g = d.global_ or GlobalNumbers()
+    for row in d.ranks or []:
+        mark = " *" if row.rank == g.slowest_rank else ""
         t.add_row(
-            f"{esc(r.get('rank'))}{mark}",
-            fmt(r.get("step_ms")),
-            fmt(r.get("real_tokens_per_s"), "", 0),
-            esc(r.get("real_tokens")),
-            fmt(r.get("peak_mem_gb"), "", 2),
-            esc(str(r.get("host", ""))[:20]),
+            f"{esc(row.rank)}{mark}",
+            fmt(row.step_ms),
+            fmt(row.real_tokens_per_s, "", 0),
+            esc(row.real_tokens),
+            fmt(row.peak_mem_gb, "", 2),
+            esc((row.host or "")[:20]),
         )
     console.print(t)
-    how = ", ".join(esc(x) for x in (d.get("parallel"), d.get("backend")) if x)  # a user's run may not say
+    how = ", ".join(esc(x) for x in (d.parallel, d.backend) if x)  # a user's run may not say
     line = (
-        f"{esc(d.get('world_size'))} ranks" + (f" ({how})" if how else "") + ": the job's numbers "
-        f"are the table's above, each row here one rank's own (* the slowest, rank {esc(g.get('slowest_rank'))}"
+        f"{esc(d.world_size)} ranks" + (f" ({how})" if how else "") + ": the job's numbers "
+        f"are the table's above, each row here one rank's own (* the slowest, rank {esc(g.slowest_rank)}"
     )
-    if g.get("step_imbalance") is not None:
-        line += f", {g['step_imbalance'] * 100:.1f}% slower than the fastest"
+    if g.step_imbalance is not None:
+        line += f", {g.step_imbalance * 100:.1f}% slower than the fastest"
     console.print(line + ")")
-    sc = d.get("scaling")
+    _scaling_lines(d, console)
+
+
+def _scaling_lines(d: Distributed, console: Console) -> None:
+    """The scaling efficiency, or why it is no result; and weights that differ across ranks."""
+    sc = d.scaling  # a free-form map (run/throughput.py `scaling`)
     if sc and sc.get("doubts"):  # no number that cannot be one: what went wrong, and what to do
         console.print(
             "[bold yellow]scaling efficiency not measured:[/bold yellow] "
@@ -193,7 +409,7 @@ def render_ranks(d: dict[str, Any], console: Console) -> None:
             f"scaling efficiency {sc['efficiency'] * 100:.0f}% ({sc['speedup']:.2f}x one GPU's "
             f"{fmt(sc['one_gpu_real_tokens_per_s'], '', 0)} tokens/s, {esc(sc['source'])})"
         )
-    if d.get("params_identical") is False:
+    if d.params_identical is False:
         console.print("[bold red]the ranks' weights differ after the steps: gradients were not synchronised[/bold red]")
 
 
@@ -446,104 +662,126 @@ def render_sweep(rows: list[dict[str, Any]], console: Console) -> None:
     console.print(t)
 
 
-def render_own(report: dict[str, Any], console: Console) -> None:
-    """A report of the user's own training (Doctor, DoctorCallback, `vlmdoctor run`): what was seen, what to change."""
-    cfg, env, model = report.get("config") or {}, report.get("env") or {}, report.get("model") or {}
-    where = env.get("gpu") or f"CPU ({env.get('cpu_count')} cores)"
-    stage = cfg.get("stage")
-    stage_text = f"stage {esc(stage)} ({esc(cfg.get('stage_source'))})" if stage else "stage unknown"
+def render_own(report: RunReport | dict[str, Any], console: Console, verbose: bool = False) -> None:
+    """A report of the user's own training (Doctor, DoctorCallback, `vlmdoctor run`): what was seen, what to change.
+
+    Compact (the default, one screen at 80 columns): the headline with its doubt, the step's largest accounts, the
+    prescriptions biggest gain first (the top ones with their lines for your code). Verbose: the metrics table and
+    each prescription's evidence and every line of its fix."""
+    r = as_report(report)
+    cfg, model = r.knobs, r.model or ModelInfo()
+    stage = cfg.stage
+    stage_text = f"stage {esc(stage)} ({esc((r.config or {}).get('stage_source'))})" if stage else "stage unknown"
     console.print(
-        f"[bold]vlmdoctor: {esc(model.get('class') or 'your model')} ({esc(cfg.get('source'))}), {stage_text}, "
-        f"on {esc(where)}[/bold]",
+        f"[bold]vlmdoctor: {esc(model.class_name or 'your model')} ({esc(cfg.source)}), {stage_text}, "
+        f"on {esc(_where(r.env))}[/bold]",
         highlight=False,
     )
-    parts = model.get("parts") or {}
+    parts = model.parts or {}
     if parts:
         console.print("parts: " + ", ".join(f"{esc(k)} {esc(v)}" for k, v in parts.items()), highlight=False)
-    for n in report.get("notes") or []:
+    for n in r.notes or []:
         console.print(f"[yellow]note:[/yellow] {esc(n)}", highlight=False)
-    if report.get("status") not in ("ok", "nan_loss"):
+    if r.status not in ("ok", "nan_loss"):
         console.print(
-            f"[bold red]{esc(report.get('status'))}[/bold red]: {esc((report.get('error') or {}).get('message'))}",
+            f"[bold red]{esc(r.status)}[/bold red]: {esc((r.error or RunError()).message)}",
             highlight=False,
         )
         return
-    m = report["metrics"]
+    if verbose:
+        _own_tables(r, console)
+    else:
+        _brief_numbers(r, console)
+        _brief_diagnosis(r, console, None)
+        _own_trace(r, console)
+        more = "every table and each fix's evidence: --verbose (or verbose=True)"
+        print_text(console, fill(more, console.width), "dim")
+
+
+def _own_tables(r: RunReport, console: Console) -> None:
+    """The metrics table, the ranks, the notes, the trace and each prescription with its evidence (verbose)."""
+    m = r.metrics or Metrics()
     t = Table(show_header=True, header_style="bold")
     t.add_column("metric")
     t.add_column("value", justify="right")
-    tp = report.get("throughput") or {}
-    spread = throughput.spread_text(tp)
-    t.add_row("real tokens/s", fmt(m.get("real_tokens_per_s"), "", 0) + (f" ({spread})" if spread else ""))
-    t.add_row("loss tokens/s", fmt(m.get("loss_tokens_per_s"), "", 0))
-    pad = m.get("pad_fraction")
-    t.add_row("pad fraction", fmt(pad * 100 if pad is not None else None, " %"))
+    spread = _spread(r)
+    t.add_row("real tokens/s", fmt(m.real_tokens_per_s, "", 0) + (f" ({spread})" if spread else ""))
+    t.add_row("loss tokens/s", fmt(m.loss_tokens_per_s, "", 0))
+    t.add_row("pad fraction", fmt(m.pad_fraction * 100 if m.pad_fraction is not None else None, " %"))
     t.add_row(
         "ms/step (median)",
-        f"{fmt(m['step_ms'], ' ms')} (p10 {fmt(m['step_ms_p10'])}, "
-        f"p90 {fmt(m['step_ms_p90'])}, n={esc(m['steps_per_repeat'])})",
+        f"{fmt(m.step_ms, ' ms')} (p10 {fmt(m.step_ms_p10)}, p90 {fmt(m.step_ms_p90)}, n={esc(m.steps_per_repeat)})",
     )
-    _flop_rows(t, m, report.get("flops") or {})
-    if m.get("peak_mem_gb") is not None:
-        t.add_row("peak memory allocated", fmt(m["peak_mem_gb"], " GiB", 2))
-    elif m.get("host_peak_rss_gb") is not None:  # a CPU run: its memory is the process's
-        t.add_row("host peak RSS", fmt(m["host_peak_rss_gb"], " GiB", 2))
-    if m.get("final_loss") is not None:
-        t.add_row("last loss", fmt(m["final_loss"], "", 4))
-    facts = report.get("facts") or {}
+    _flop_rows(t, m, r.flops or FlopsInfo())
+    if m.peak_mem_gb is not None:
+        t.add_row("peak memory allocated", fmt(m.peak_mem_gb, " GiB", 2))
+    elif m.host_peak_rss_gb is not None:  # a CPU run: its memory is the process's
+        t.add_row("host peak RSS", fmt(m.host_peak_rss_gb, " GiB", 2))
+    if m.final_loss is not None:
+        t.add_row("last loss", fmt(m.final_loss, "", 4))
+    facts = r.facts or {}
     console.print(t)
-    if (report.get("distributed") or {}).get("global"):  # several ranks: the table above is the job's
-        render_ranks(report["distributed"], console)
+    if r.distributed is not None and r.distributed.global_ is not None:  # several ranks: the table above is the job's
+        render_ranks(r.distributed, console)
         if "dist.comm.ms" in facts:
             console.print(comm_line(facts, "dist.comm.", None).replace("collectives", "rank mean: collectives", 1))
-    render_measurement_notes(report, console)
+    render_measurement_notes(r, console)
+    _own_trace(r, console)
+    if r.diagnosis is not None:
+        render_own_findings(r.diagnosis, console)
+
+
+def _own_trace(r: RunReport, console: Console) -> None:
+    """A trace that could not be analyzed, and where the trace is (a folder of rank traces for several ranks)."""
+    facts = r.facts or {}
     if "trace.error" in facts:
         console.print(f"[yellow]the trace could not be analyzed:[/yellow] {esc(facts['trace.error'])}", highlight=False)
-    tr = report.get("trace") or {}
-    if tr.get("path"):
-        ranks = len(tr.get("rank_paths") or [])
-        where = f"{tr['dir']} (one trace per rank)" if ranks > 1 and tr.get("dir") else tr["path"]
+    tr = r.trace or TraceInfo()
+    if tr.path:
+        ranks = len(tr.rank_paths or [])
+        where = f"{tr.dir} (one trace per rank)" if ranks > 1 and tr.dir else tr.path
         print_text(console, fill(f"trace: {where}", console.width))  # broken at spaces: the path stays whole
-    if "diagnosis" in report:
-        render_own_findings(report["diagnosis"], console)
 
 
-def _flop_rows(t: Table, m: dict[str, Any], flops: dict[str, Any]) -> None:
+def _flop_rows(t: Table, m: Metrics, flops: FlopsInfo) -> None:
     """FLOPs per step and MFU of a user's model: counted from a real step; MFU null says why."""
-    fps = m.get("flops_per_step")
-    t.add_row("FLOPs/step", f"{fmt_small(fps / 1e9)} GFLOP (counted)" if fps else esc(flops.get("formula") or "n/a"))
-    mfu = m.get("mfu")
-    t.add_row(
-        "MFU", fmt(mfu * 100, " %", 2) if mfu is not None else f"n/a: {esc(m.get('mfu_reason') or 'not computed')}"
-    )
+    fps = m.flops_per_step
+    t.add_row("FLOPs/step", f"{fmt_small(fps / 1e9)} GFLOP (counted)" if fps else esc(flops.formula or "n/a"))
+    mfu = m.mfu
+    t.add_row("MFU", fmt(mfu * 100, " %", 2) if mfu is not None else f"n/a: {esc(m.mfu_reason or 'not computed')}")
 
 
-def measurement_notes(report: dict[str, Any]) -> list[str]:
-    """What to know before trusting the numbers: an unstable window, a warm-up that had not settled, the split."""
-    tp = report.get("throughput") or {}
+def measurement_notes(report: RunReport | dict[str, Any], brief: bool = False) -> list[str]:
+    """What to know before trusting the numbers: an unstable window, a warm-up that had not settled, the split.
+    `brief`: an unstable window's why and what to do, without what the median makes of it."""
+    r = as_report(report)
+    tp = r.throughput or Throughput()
     out = []
-    if tp.get("stable") is False:
+    if tp.stable is False and brief:
+        out.append(f"unstable window: {tp.unstable_reason}; {tp.advice}")
+    elif tp.stable is False:
         out.append(
-            f"unstable window: {tp.get('unstable_reason')}. tokens/s is the median step's rate, which a few slow "
-            f"steps barely move; {tp.get('advice')}"
+            f"unstable window: {tp.unstable_reason}. tokens/s is the median step's rate, which a few slow "
+            f"steps barely move; {tp.advice}"
         )
-    if tp.get("settled") is False and tp.get("settle_note"):
-        out.append(f"warm-up: {tp['settle_note']}")
-    warm = report.get("warmup") or {}
-    if warm.get("settle_steps"):
+    if tp.settled is False and tp.settle_note:
+        out.append(f"warm-up: {tp.settle_note}")
+    warm = r.warmup or Warmup()
+    if warm.settle_steps:
         out.append(
-            f"warm-up extended by {warm['settle_steps']} step(s) until its last steps agreed"
-            + (" (they never did: limit reached)" if warm.get("settled") is False else "")
+            f"warm-up extended by {warm.settle_steps} step(s) until its last steps agreed"
+            + (" (they never did: limit reached)" if warm.settled is False else "")
         )
     return out
 
 
-def render_measurement_notes(report: dict[str, Any], console: Console) -> None:
-    for line in measurement_notes(report):
+def render_measurement_notes(report: RunReport | dict[str, Any], console: Console) -> None:
+    r = as_report(report)
+    for line in measurement_notes(r):
         console.print(f"[yellow]note:[/yellow] {esc(line)}", highlight=False)
-    sp = report.get("split")
+    sp = r.split  # a free-form map (documents/__init__.py): its rows as written
     if sp:
-        timed = (report.get("metrics") or {}).get("step_ms")
+        timed = (r.metrics or Metrics()).step_ms
         console.print(
             f"time split of the traced step ({sp['step_ms']:,.1f} ms, {esc(sp['basis'])}"
             + (f"; the timed median step is {timed:,.1f} ms" if timed else "")
@@ -551,53 +789,54 @@ def render_measurement_notes(report: dict[str, Any], console: Console) -> None:
             highlight=False,
         )
         console.print(
-            "  " + ", ".join(f"{esc(r['part'])} {r['share'] * 100:.0f}% ({r['ms']:,.1f} ms)" for r in sp["rows"]),
+            "  " + ", ".join(f"{esc(x['part'])} {x['share'] * 100:.0f}% ({x['ms']:,.1f} ms)" for x in sp["rows"]),
             highlight=False,
         )
         if sp.get("note"):
             console.print(f"  {esc(sp['note'])}", highlight=False)
 
 
-def _gain_line(gain: dict[str, Any]) -> str:
+def _gain_line(gain: ExpectedGain | None) -> str:
     """The table cell of `gain_text` on one line, for the list form of the findings."""
-    text = gain_text(gain)
+    text = gain_text(msgspec.structs.asdict(gain or ExpectedGain()))
     return "expected gain: n/a" if text == "n/a" else "expected: " + text.replace("\n(", ", ").removesuffix(")")
 
 
-def render_own_findings(diagnosis: dict[str, Any], console: Console) -> None:
+def render_own_findings(diagnosis: Diagnosis | dict[str, Any], console: Console) -> None:
     """Prescriptions as a list (not a table), so that code lines print whole in 80 columns."""
-    findings = diagnosis["findings"]
-    if not findings:
+    d = as_document(diagnosis, Diagnosis, "diagnosis") if isinstance(diagnosis, dict) else diagnosis
+    if not d.findings:
         console.print("[bold green]no prescriptions[/bold green]: no rule fired on the measured facts")
     else:
         console.print("[bold]prescriptions, biggest expected gain first[/bold]")
-    for i, f in enumerate(findings, 1):
-        order = f"apply {esc(f['apply_order'])}, " if f.get("apply_order") is not None else ""
+    for i, f in enumerate(d.findings, 1):
+        order = f"apply {esc(f.apply_order)}, " if f.apply_order is not None else ""
         console.print(
-            f"[bold]{i}. {esc(f['title'])}[/bold] [dim]({order}layer {esc(f['layer'])} {esc(f['layer_name'])}, "
-            f"{esc(f['severity'])}; {_gain_line(f['expected_gain'])})[/dim]",
+            f"[bold]{i}. {esc(f.title)}[/bold] [dim]({order}layer {esc(f.layer)} {esc(f.layer_name)}, "
+            f"{esc(f.severity)}; {_gain_line(f.expected_gain)})[/dim]",
             highlight=False,
         )
-        for e in f["evidence"]:
+        for e in f.evidence or []:
             console.print(f"   seen: {esc(e)}", highlight=False)
-        console.print(f"   fix: {esc(f['fix'])}", highlight=False)
-        advice = f.get("advice") or {}
+        console.print(f"   fix: {esc(f.fix)}", highlight=False)
+        advice = f.advice or {}  # the fix in the user's terms: a free-form map (doctor/advice.py)
         lines = advice.get("lines")
         if lines:
             where = "in your Trainer script" if advice.get("audience") == "trainer" else "in your loop"
             console.print(f"   change {where}:", highlight=False)
             for line in lines:
                 console.print(f"     [cyan]{esc(line)}[/cyan]", highlight=False, overflow="fold")
-        elif f.get("config_patch"):
+        elif f.config_patch:
             console.print(
-                "   knobs: [cyan]" + esc(", ".join(f"{k}={v}" for k, v in f["config_patch"].items())) + "[/cyan]",
+                "   knobs: [cyan]" + esc(", ".join(f"{k}={v}" for k, v in f.config_patch.items())) + "[/cyan]",
                 highlight=False,
             )
-    render_unprescribed(diagnosis, console)
-    render_muted(diagnosis, console)
-    for s in diagnosis.get("superseded") or []:
-        console.print(f"[dim]superseded: {esc(s['id'])} (covered by {esc(s['superseded_by'])})[/dim]")
-    skipped = [n["id"] for n in diagnosis.get("not_evaluated") or []]
+    plain_d = msgspec.to_builtins(d)  # the shared renderers of prescriptions.py read the diagnosis as written
+    render_unprescribed(plain_d, console)
+    render_muted(plain_d, console)
+    for s in d.superseded:
+        console.print(f"[dim]superseded: {esc(s.id)} (covered by {esc(s.superseded_by)})[/dim]")
+    skipped = [n.id for n in d.not_evaluated]
     if skipped:
         console.print(
             f"[dim]not evaluated ({len(skipped)} rules need facts this trace lacks, e.g. GPU kernels): "

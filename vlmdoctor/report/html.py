@@ -9,6 +9,9 @@ sections serve every page. Each page holds the numbers, the charts (step time sp
 by cause; GPU time by kernel class; for treat, the ladder), the prescriptions in layer order and the
 environment. Every piece of text from a report is escaped; a Content-Security-Policy forbids any fetch and
 any script, so the file shows the same offline, in a mail attachment or in a CI artifact.
+
+Each page reads its document through the declaration (vlmdoctor/documents/): a parsed JSON is checked once, here
+at the entry (`as_report`, `as_document`), and every section reads fields.
 """
 
 from __future__ import annotations
@@ -16,11 +19,29 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from vlmdoctor.documents import OWN_SOURCES
+import msgspec
+
+from vlmdoctor.documents import (
+    OWN_SOURCES,
+    Analysis,
+    Env,
+    Finding,
+    Metrics,
+    ModelInfo,
+    RecordedConfig,
+    Rung,
+    RunReport,
+    RunSummary,
+    TraceInfo,
+    TreatResult,
+    Trial,
+    as_document,
+    as_report,
+)
 from vlmdoctor.errors import UsageError
 from vlmdoctor.files import write_text
 from vlmdoctor.report.console import changed_knobs, measurement_notes
-from vlmdoctor.report.html_page import esc, fmt_num, fmt_pct, html_table, kv_table, page, patch_html, patch_text
+from vlmdoctor.report.html_page import esc, fmt_num, fmt_pct, html_table, kv_table, page, patch_html, patch_text, text
 from vlmdoctor.report.html_sections import (
     cpu_section,
     cross_rank_section,
@@ -35,6 +56,7 @@ from vlmdoctor.report.html_sections import (
     own_metrics,
     ranks_section,
     report_env,
+    tokens_spread,
     top_finding,
     top_fix,
 )
@@ -45,34 +67,56 @@ from vlmdoctor.run import throughput
 LAYOUTS = ("zoo", "own")
 
 
-def profile_html(report: dict[str, Any], layout: str | None = None) -> str:
-    """A run report as one HTML page, in the layout of its kind (`LAYOUTS`; None: `own` for a report of the
-    user's own training, else `zoo`)."""
-    layout = layout or ("own" if is_own(report) else "zoo")
+def profile_html(report: RunReport | dict[str, Any], layout: str | None = None) -> str:
+    """A run report (parsed JSON, or as declared) as one HTML page, in the layout of its kind (`LAYOUTS`; None:
+    `own` for a report of the user's own training, else `zoo`)."""
+    doc = as_report(report)
+    layout = layout or ("own" if is_own(doc) else "zoo")
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; one of {', '.join(LAYOUTS)}")
-    title, subtitle, body = _own_layout(report) if layout == "own" else _zoo_layout(report)
+    # the one estimator and the console's notes read a report's JSON: handed it once, here
+    raw = report if isinstance(report, dict) else _as_json(doc)
+    tps, notes = throughput.headline(raw), measurement_notes(raw)
+    title, subtitle, body = _own_layout(doc, tps, notes) if layout == "own" else _zoo_layout(doc, tps, notes)
     return page(title, subtitle, body)
 
 
-def _zoo_layout(report: dict[str, Any]) -> tuple[str, str, list[str]]:
+def _as_json(report: RunReport) -> dict[str, Any]:
+    """A declared report as its JSON would hold it (a field it does not have left out, as the writer leaves it)."""
+    return {k: v for k, v in msgspec.to_builtins(report).items() if v is not None}
+
+
+def _findings(doc: Any) -> list[Finding] | None:
+    """A report's, a trace's or the joined ranks' findings: the top-level list, else the diagnosis' (None: not
+    diagnosed)."""
+    if doc.findings is not None:
+        return doc.findings
+    return doc.diagnosis.findings if doc.diagnosis is not None else None
+
+
+def _status_lines(report: RunReport) -> list[str]:
+    """A run that did not finish cleanly, said first."""
+    out = []
+    if report.status not in ("ok", "nan_loss"):
+        why = report.error.message if report.error is not None else ""
+        out.append(f'<p class="warn">{esc(report.status)}: {esc(why)}</p>')
+    if report.status == "nan_loss":
+        out.append('<p class="warn">The loss was NaN or inf in a timed step.</p>')
+    return out
+
+
+def _zoo_layout(report: RunReport, tps: float | None, notes: list[str]) -> tuple[str, str, list[str]]:
     """A `vlmdoctor profile --json` report of a zoo run: title, subtitle and sections."""
-    cfg, env, model = report.get("config") or {}, report.get("env") or {}, report.get("model") or {}
-    title = f"vlmdoctor profile: {cfg.get('model')} stage {cfg.get('stage')} on {_where(report)}"
+    cfg, knobs, model = report.config or {}, report.knobs, report.model or ModelInfo()
+    title = f"vlmdoctor profile: {knobs.model} stage {knobs.stage} on {_where(report)}"
     subtitle = (
-        f"{model.get('vision')} + {model.get('projector')} + {model.get('llm')}; "
-        f"{model.get('image_tokens')} image tokens; {report.get('created_at', '')}"
+        f"{model.vision} + {model.projector} + {model.llm}; "
+        f"{model.image_tokens} image tokens; {text(report.created_at)}"
     )
     body: list[str] = []
-    diagnosis = report.get("diagnosis")
-    findings = report.get("findings", (diagnosis or {}).get("findings"))
+    findings = _findings(report)
     body.append(top_finding(findings))
-    status = report.get("status")
-    if status not in ("ok", "nan_loss"):
-        err = report.get("error") or {}
-        body.append(f'<p class="warn">{esc(str(status))}: {esc(str(err.get("message", "")))}</p>')
-    if status == "nan_loss":
-        body.append('<p class="warn">The loss was NaN or inf in a timed step.</p>')
+    body += _status_lines(report)
     try:
         changed = changed_knobs(cfg) if cfg else []
     except Exception:  # an unknown knob in an older report: list none rather than fail the page
@@ -82,73 +126,73 @@ def _zoo_layout(report: dict[str, Any]) -> tuple[str, str, list[str]]:
         + (esc(", ".join(changed)) if changed else "none (the default config)")
         + "</p>"
     )
-    m = report.get("metrics") or {}
-    body.extend(_zoo_metrics(report))
-    body.extend(measurement_notes_html(report))
-    tr = report.get("trace")
-    if tr:
-        traced = sorted(tr.get("traced_step_ms") or [0])[len(tr.get("traced_step_ms") or [0]) // 2]
+    body.extend(_zoo_metrics(report, tps))
+    body.extend(measurement_notes_html(report, notes))
+    tr = report.trace
+    if tr is not None:
+        steps = tr.traced_step_ms or [0]
+        traced = sorted(steps)[len(steps) // 2]
+        timed = report.metrics.step_ms if report.metrics is not None else None
         body.append(
-            f'<p class="note">trace: {esc(str(tr.get("path") or "analyzed, not kept"))} ({esc(str(tr.get("steps")))}'
-            f" steps; traced step {esc(fmt_num(traced))} ms vs untraced median {esc(fmt_num(m.get('step_ms')))} ms)</p>"
+            f'<p class="note">trace: {esc(tr.path or "analyzed, not kept")} ({esc(str(tr.steps))}'
+            f" steps; traced step {esc(fmt_num(traced))} ms vs untraced median {esc(fmt_num(timed))} ms)</p>"
         )
-    facts = report.get("facts")
+    facts = report.facts
     if facts and "trace.error" not in facts:
         body.extend(facts_sections(facts))
     else:
         body.append('<p class="note">No trace facts in this report, so no step split and no kernel classes.</p>')
-    body.append(findings_section(findings, diagnosis))
-    body.append(env_section(report_env(env)))
+    body.append(findings_section(findings, report.diagnosis))
+    body.append(env_section(report_env(report.env)))
     if cfg:
         body.append("<details><summary>full run config</summary>" + kv_table(sorted(cfg.items())) + "</details>")
     return title, subtitle, body
 
 
-def _zoo_metrics(report: dict[str, Any]) -> list[str]:
-    """The metrics table of a zoo run, with each number's spread over the repeats."""
-    m, stats = report.get("metrics") or {}, report.get("stats") or {}
-    if not m:
+def _zoo_metrics(report: RunReport, tps: float | None) -> list[str]:
+    """The metrics table of a zoo run, with each number's spread over the repeats (`tps`: the headline)."""
+    m, stats = report.metrics, report.stats or {}
+    if m is None or m == Metrics():
         return []
     body: list[str] = []
 
     def spread(key: str, digits: int = 0) -> str:
-        s = stats.get(key)
-        return f"{fmt_num(s['min'], digits)} .. {fmt_num(s['max'], digits)}" if s and s.get("n", 0) >= 2 else ""
+        s = stats.get(key)  # a metric's spread, where the report has one
+        return f"{fmt_num(s.min, digits)} .. {fmt_num(s.max, digits)}" if s is not None and (s.n or 0) >= 2 else ""
 
-    tp = report.get("throughput") or {}
-    fps = m.get("flops_per_step")
+    fps = m.flops_per_step
     rows = [
         (
             "real tokens/s",
-            fmt_num(throughput.headline(report), 0),
-            throughput.spread_text(tp) or spread("real_tokens_per_s"),
+            fmt_num(tps, 0),
+            tokens_spread(report.throughput) or spread("real_tokens_per_s"),
         ),
-        ("loss tokens/s", fmt_num(m.get("loss_tokens_per_s"), 0), spread("loss_tokens_per_s")),
-        ("pad fraction", fmt_pct(m.get("pad_fraction")), ""),
+        ("loss tokens/s", fmt_num(m.loss_tokens_per_s, 0), spread("loss_tokens_per_s")),
+        ("pad fraction", fmt_pct(m.pad_fraction), ""),
         (
             "ms/step (median)",
-            fmt_num(m.get("step_ms")),
-            f"p10 {fmt_num(m.get('step_ms_p10'))} / p90 {fmt_num(m.get('step_ms_p90'))}",
+            fmt_num(m.step_ms),
+            f"p10 {fmt_num(m.step_ms_p10)} / p90 {fmt_num(m.step_ms_p90)}",
         ),
-        ("MFU", fmt_pct(m.get("mfu"), 2), "" if m.get("mfu") is not None else str(m.get("mfu_reason") or "")),
-        ("model TFLOP/s", fmt_num(m.get("model_tflops_per_s"), 2), ""),
+        ("MFU", fmt_pct(m.mfu, 2), "" if m.mfu is not None else text(m.mfu_reason)),
+        ("model TFLOP/s", fmt_num(m.model_tflops_per_s, 2), ""),
     ]
     if fps:
         rows.append(("FLOPs/step", f"{fps / 1e9:,.2f} GFLOP", "counted on a real step"))
-    if m.get("peak_mem_gb") is not None:
+    if m.peak_mem_gb is not None:
         rows.append(
             (
                 "peak memory allocated / reserved",
-                f"{fmt_num(m.get('peak_mem_gb'), 2)} / {fmt_num(m.get('peak_mem_reserved_gb'), 2)} GiB",
-                f"of {fmt_num(m.get('device_mem_total_gb'))} GiB",
+                f"{fmt_num(m.peak_mem_gb, 2)} / {fmt_num(m.peak_mem_reserved_gb, 2)} GiB",
+                f"of {fmt_num(m.device_mem_total_gb)} GiB",
             )
         )
-    elif m.get("host_peak_rss_gb") is not None:
-        rows.append(("host peak RSS", fmt_num(m.get("host_peak_rss_gb"), 2, " GiB"), ""))
+    elif m.host_peak_rss_gb is not None:
+        rows.append(("host peak RSS", fmt_num(m.host_peak_rss_gb, 2, " GiB"), ""))
     rows.append(
         (
             "final loss",
-            fmt_num(m.get("final_loss"), 4) + ("" if m.get("loss_finite", True) else " (not finite)"),
+            fmt_num(m.final_loss, 4) + ("" if m.loss_finite is not False else " (not finite)"),
             "",
         )
     )
@@ -158,7 +202,7 @@ def _zoo_metrics(report: dict[str, Any]) -> list[str]:
             (
                 "metric",
                 "value",
-                f"spread over {m.get('repeats')} repeat(s) x {m.get('steps_per_repeat')} steps",
+                f"spread over {m.repeats} repeat(s) x {m.steps_per_repeat} steps",
             ),
             [tuple(esc(str(c)) for c in r) for r in rows],
             numeric=(1, 2),
@@ -171,52 +215,46 @@ def _zoo_metrics(report: dict[str, Any]) -> list[str]:
 SOURCE_WORDS = {"api": "your loop (vlmdoctor.Doctor)", "trainer": "your Trainer run", "script": "your script"}
 
 
-def is_own(report: dict[str, Any]) -> bool:
+def is_own(report: RunReport | dict[str, Any]) -> bool:
     """A report of the user's own training, not of a vlmdoctor run of its zoo."""
-    return (report.get("config") or {}).get("source") in OWN_SOURCES
+    return as_report(report).knobs.source in OWN_SOURCES
 
 
-def _where(report: dict[str, Any]) -> str:
+def _where(report: RunReport) -> str:
     """The device a run measured: its GPU, or the CPU and its cores."""
-    env = report.get("env") or {}
-    return env.get("gpu") or f"CPU ({env.get('cpu_count')} cores)"
+    env = report.env or Env()
+    return env.gpu or f"CPU ({env.cpu_count} cores)"
 
 
-def _own_layout(report: dict[str, Any]) -> tuple[str, str, list[str]]:
+def _own_layout(report: RunReport, tps: float | None, notes: list[str]) -> tuple[str, str, list[str]]:
     """A report of the user's own training (their model, their fixes as the lines they write): title, subtitle
     and sections."""
-    cfg, model = report.get("config") or {}, report.get("model") or {}
-    stage = f"stage {cfg['stage']} ({cfg.get('stage_source')})" if cfg.get("stage") else "stage unknown"
-    title = f"vlmdoctor: {model.get('class') or 'your model'}, {SOURCE_WORDS.get(cfg.get('source'), 'your training')}"
-    parts = ", ".join(f"{k} {v}" for k, v in (model.get("parts") or {}).items())
-    subtitle = f"{stage} on {_where(report)}" + (f"; {parts}" if parts else "") + f"; {report.get('created_at', '')}"
-    diagnosis = report.get("diagnosis")
-    findings = report.get("findings", (diagnosis or {}).get("findings"))
+    cfg, knobs, model = report.config or {}, report.knobs, report.model or ModelInfo()
+    # stage_source and trainer_args: knobs only the ways in record, read where they are
+    stage = f"stage {knobs.stage} ({cfg.get('stage_source')})" if knobs.stage else "stage unknown"
+    title = f"vlmdoctor: {model.class_name or 'your model'}, {SOURCE_WORDS.get(knobs.source, 'your training')}"
+    parts = ", ".join(f"{k} {v}" for k, v in (model.parts or {}).items())
+    subtitle = f"{stage} on {_where(report)}" + (f"; {parts}" if parts else "") + f"; {text(report.created_at)}"
+    findings = _findings(report)
     body = [top_fix(findings)]
-    status = report.get("status")
-    if status not in ("ok", "nan_loss"):
-        body.append(
-            f'<p class="warn">{esc(str(status))}: {esc(str((report.get("error") or {}).get("message", "")))}</p>'
-        )
-    if status == "nan_loss":
-        body.append('<p class="warn">The loss was NaN or inf in a timed step.</p>')
-    body += [f'<p class="note">note: {esc(str(n))}</p>' for n in report.get("notes") or []]
-    if report.get("metrics"):
-        body.append(own_metrics(report))
-    sp = report.get("split")
+    body += _status_lines(report)
+    body += [f'<p class="note">note: {esc(str(n))}</p>' for n in report.notes or []]
+    if report.metrics is not None and report.metrics != Metrics():
+        body.append(own_metrics(report, tps))
+    sp = report.split
     if sp:
         body.append("<h2>Where the step goes</h2>" + split_svg(sp))
-    body += [f'<p class="warn">{esc(line)}</p>' for line in measurement_notes(report)]
-    if sp and sp.get("note"):
+    body += [f'<p class="warn">{esc(line)}</p>' for line in notes]
+    if sp and sp["note"]:
         body.append(f'<p class="note">{esc(sp["note"])}</p>')
-    if report.get("distributed", {}).get("ranks"):
-        body.append(ranks_section(report["distributed"], report.get("cross_rank")))
-    body.append(own_findings(findings, diagnosis))
+    if report.distributed is not None and report.distributed.ranks:
+        body.append(ranks_section(report.distributed, report.cross_rank))
+    body.append(own_findings(findings, report.diagnosis))
     body.append(model_section(model))
-    facts = report.get("facts") or {}
-    tr = report.get("trace") or {}
-    if tr.get("path"):
-        where = tr.get("dir") if len(tr.get("rank_paths") or []) > 1 else tr.get("path")
+    facts = report.facts or {}
+    tr = report.trace or TraceInfo()
+    if tr.path:
+        where = tr.dir if len(tr.rank_paths or []) > 1 else tr.path
         body.append(
             f'<p class="note">trace: <code>{esc(str(where))}</code>; open it at https://ui.perfetto.dev '
             "(Open trace file): your browser reads it, nothing is uploaded.</p>"
@@ -227,7 +265,7 @@ def _own_layout(report: dict[str, Any]) -> tuple[str, str, list[str]]:
         body.extend(facts_sections(facts))
     elif "trace.error" in facts:
         body.append(f'<p class="warn">the trace could not be analyzed: {esc(str(facts["trace.error"]))}</p>')
-    body.append(env_section(report_env(report.get("env") or {})))
+    body.append(env_section(report_env(report.env)))
     known = {k: v for k, v in cfg.items() if k != "trainer_args"}
     body.append(
         "<details><summary>what vlmdoctor knows of your run</summary>" + kv_table(sorted(known.items())) + "</details>"
@@ -241,139 +279,133 @@ def _own_layout(report: dict[str, Any]) -> tuple[str, str, list[str]]:
     return title, subtitle, body
 
 
-def analyze_html(result: dict[str, Any]) -> str:
-    """The JSON of `vlmdoctor analyze --json` ({path, files: [{file, facts, meta, diagnosis, findings}]}) as
-    one HTML page, one section per trace file (one per rank)."""
-    files = result.get("files") or []
-    title = f"vlmdoctor analyze: {result.get('path', '')}"
+def analyze_html(result: Analysis | dict[str, Any]) -> str:
+    """The JSON of `vlmdoctor analyze --json` ({path, files: [{file, facts, meta, diagnosis, findings}]}), or the
+    analysis as declared, as one HTML page, one section per trace file (one per rank)."""
+    doc = as_document(result, Analysis, "analysis") if isinstance(result, dict) else result
+    files = doc.files
+    title = f"vlmdoctor analyze: {text(doc.path)}"
     subtitle = f"{len(files)} trace file(s)"
     body: list[str] = []
     for entry in files:
-        facts = entry.get("facts") or {}
-        meta = entry.get("meta") or {}
+        facts = entry.facts
         if len(files) > 1:
-            rank = (meta.get("distributedInfo") or {}).get("rank")
             body.append(
-                f'<h2 style="font-size:20px">{esc(str(entry.get("file", "")))}'
-                + (f" (rank {esc(str(rank))})" if rank is not None else "")
+                f'<h2 style="font-size:20px">{esc(entry.file)}'
+                + (f" (rank {esc(str(entry.rank))})" if entry.rank is not None else "")
                 + "</h2>"
             )
         else:
             body.append(
-                f"<p>trace: <code>{esc(str(entry.get('file', '')))}</code>"
+                f"<p>trace: <code>{esc(entry.file)}</code>"
                 + ("" if facts.get("trace.written_by_vlmdoctor") else " (not written by vlmdoctor)")
                 + "</p>"
             )
-        diagnosis = entry.get("diagnosis")
-        findings = entry.get("findings", (diagnosis or {}).get("findings"))
+        findings = _findings(entry)
         body.append(top_finding(findings))
         body.append("<h2>Summary</h2>" + kv_table(facts_metrics(facts)))
         body.extend(facts_sections(facts))
-        body.append(findings_section(findings if findings is not None else [], diagnosis))
-        props = (meta.get("deviceProperties") or [{}])[0] if isinstance(meta.get("deviceProperties"), list) else {}
-        env = entry.get("env") or result.get("env") or {}
-        card = facts.get("memory.device_total_gb") or facts.get("measured.memory.device_total_gb")
-        pairs = [
-            ("GPU", facts.get("device.name") or props.get("name") or env.get("gpu")),
-            (
-                "GPU memory",
-                fmt_num(card, 1, " GiB") if card else None,
-            ),
-            (
-                "compute capability",
-                f"{props['computeMajor']}.{props.get('computeMinor', 0)}"
-                if props.get("computeMajor") is not None
-                else env.get("compute_capability"),
-            ),
-            ("SMs", props.get("numSms")),
-            ("driver", env.get("driver")),
-            ("torch", env.get("torch")),
-            ("transformers", env.get("transformers")),
-        ]
-        note = (
-            ""
-            if env.get("torch")
-            else (
-                "A trace records the device, not the software: driver, torch and "
-                "transformers versions come with a profile report."
-            )
-        )
-        body.append(env_section(pairs, note))
-    if result.get("cross_rank"):
-        body.append(cross_rank_section(result["cross_rank"]))
+        body.append(findings_section(findings if findings is not None else [], entry.diagnosis))
+        body.append(env_section(_trace_env(facts, entry.meta or {}), TRACE_ENV_NOTE))
+    if doc.cross_rank is not None:
+        body.append(cross_rank_section(doc.cross_rank))
     return page(title, subtitle, body)
 
 
-def treat_html(result: dict[str, Any]) -> str:
-    """A treat result (treat.json) as one HTML page: the ladder chart, the kept steps, the trials not kept
-    (with the decision's numbers) and the final config."""
-    cfg = result.get("start_config") or {}
-    trials = result.get("trials") or []
-    title = f"vlmdoctor treat: {cfg.get('model')} stage {cfg.get('stage')}"
-    subtitle = f"{len(trials)} trial(s); stopped: {result.get('stopped_because')}; {result.get('created_at', '')}" + (
-        f"; {fmt_num(result.get('wall_s'), 0)} s" if result.get("wall_s") else ""
+#: what an analysis' environment lacks: a trace records the device, not the software
+TRACE_ENV_NOTE = (
+    "A trace records the device, not the software: driver, torch and transformers versions come with a profile report."
+)
+
+
+def _trace_env(facts: dict[str, Any], meta: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The device a trace names: its facts, else the profiler's own record of the device (Kineto's
+    `deviceProperties`, free-form: any key may be missing)."""
+    devices = meta.get("deviceProperties")
+    props = devices[0] if isinstance(devices, list) and devices else {}
+    card = facts.get("memory.device_total_gb") or facts.get("measured.memory.device_total_gb")
+    return [
+        ("GPU", facts.get("device.name") or props.get("name")),
+        ("GPU memory", fmt_num(card, 1, " GiB") if card else None),
+        (
+            "compute capability",
+            f"{props['computeMajor']}.{props.get('computeMinor', 0)}"
+            if props.get("computeMajor") is not None
+            else None,
+        ),
+        ("SMs", props.get("numSms")),
+    ]
+
+
+def treat_html(result: TreatResult | dict[str, Any]) -> str:
+    """A treat result (treat.json, or as declared) as one HTML page: the ladder chart, the kept steps, the trials
+    not kept (with the decision's numbers) and the final config."""
+    doc = as_document(result, TreatResult, "treat result") if isinstance(result, dict) else result
+    cfg = doc.start_config or {}  # every knob of the config treated
+    knobs = as_document(cfg, RecordedConfig, "treat result: start_config")
+    trials = doc.trials
+    title = f"vlmdoctor treat: {knobs.model} stage {knobs.stage}"
+    subtitle = f"{len(trials)} trial(s); stopped: {doc.stopped_because}; {text(doc.created_at)}" + (
+        f"; {fmt_num(doc.wall_s, 0)} s" if doc.wall_s else ""
     )
     body: list[str] = []
-    if result.get("interrupted"):
+    if doc.interrupted:
         body.append('<p class="warn">Interrupted: the ladder measured so far.</p>')
-    ladder = result.get("ladder") or []
     body.append("<h2>Ladder</h2>")
-    body.append(ladder_svg(result))
-    if not ladder:
-        start = result.get("start") or {}
-        body.append(f"<p>start: {esc(str(start.get('status')))} {esc(str(start.get('error') or ''))}</p>")
+    body.append(ladder_svg(doc))
+    if not doc.ladder:
+        start = doc.start or RunSummary()
+        body.append(f"<p>start: {esc(str(start.status))} {esc(start.error or '')}</p>")
     else:
-        body.append(_ladder_table(ladder))
+        body.append(_ladder_table(doc.ladder))
     if trials:
         body.append("<h2>Trials, in the order tried</h2>")
         body.append(_trials_table(trials))
-    dec = result.get("decision") or {}
-    if dec.get("rule"):
-        body.append(
-            f'<p class="note">decision: {esc(str(dec["rule"]))} (min gain {esc(fmt_pct(dec.get("min_gain"), 0))})</p>'
-        )
-    skipped = result.get("skipped") or []
-    if skipped:
+    dec = doc.decision
+    if dec is not None and dec.rule:
+        body.append(f'<p class="note">decision: {esc(dec.rule)} (min gain {esc(fmt_pct(dec.min_gain, 0))})</p>')
+    if doc.skipped:  # each {rule, config_patch, why} (doctor/treat.py `compose`)
         body.append(
             "<h3>Skipped prescriptions</h3><ul>"
             + "".join(
-                f"<li><code>{esc(str(s.get('rule')))}</code> (<code>{esc(patch_text(s.get('config_patch')))}</code>): "
-                f"{esc(str(s.get('why')))}</li>"
-                for s in skipped
+                f"<li><code>{esc(str(s['rule']))}</code> (<code>{esc(patch_text(s['config_patch']))}</code>): "
+                f"{esc(str(s['why']))}</li>"
+                for s in doc.skipped
             )
             + "</ul>"
         )
-    final = result.get("final_config") or {}
+    final = doc.final_config or {}
     changed = {k: v for k, v in final.items() if cfg.get(k) != v and k != "source"}
     body.append(
         "<h2>Final config</h2><p>changed from the start: "
         + (f"<code>{esc(patch_text(changed))}</code>" if changed else "nothing")
         + "</p>"
     )
-    if (result.get("outputs") or {}).get("config"):
-        body.append(f"<p>run it again: <code>vlmdoctor profile --config {esc(result['outputs']['config'])}</code></p>")
-    body.append(env_section(report_env(result.get("env") or {})))
+    outputs = doc.outputs or {}
+    if outputs.get("config"):
+        body.append(f"<p>run it again: <code>vlmdoctor profile --config {esc(outputs['config'])}</code></p>")
+    body.append(env_section(report_env(doc.env)))
     if cfg:
         body.append("<details><summary>start config</summary>" + kv_table(sorted(cfg.items())) + "</details>")
     return page(title, subtitle, body)
 
 
-def _ladder_table(ladder: list[dict[str, Any]]) -> str:
+def _ladder_table(ladder: list[Rung]) -> str:
     """The kept rungs: each change, its rule, its tokens/s (the repeats' range), its speedup and numbers."""
     rows = []
     for r in ladder:
-        reps = r.get("tokens_per_s_repeats") or []
+        reps = r.tokens_per_s_repeats or []
         spread = f" ({fmt_num(min(reps), 0)}-{fmt_num(max(reps), 0)})" if len(reps) > 1 else ""
         rows.append(
             (
-                esc(str(r.get("step"))),
-                esc(str(r.get("change"))),
-                f"<code>{esc(str(r['rule']))}</code>" if r.get("rule") else "",
-                esc(fmt_num(r.get("real_tokens_per_s"), 0) + spread),
-                esc("x" + fmt_num(r.get("speedup"), 2)),
-                esc(fmt_num(r.get("step_ms"))),
-                esc(fmt_pct(r.get("mfu"), 2) if r.get("mfu") else "n/a"),
-                esc(fmt_num(r.get("peak_mem_gb"))),
+                esc(str(r.step)),
+                esc(str(r.change)),
+                f"<code>{esc(r.rule)}</code>" if r.rule else "",
+                esc(fmt_num(r.real_tokens_per_s, 0) + spread),
+                esc("x" + fmt_num(r.speedup, 2)),
+                esc(fmt_num(r.step_ms)),
+                esc(fmt_pct(r.mfu, 2) if r.mfu else "n/a"),
+                esc(fmt_num(r.peak_mem_gb)),
             )
         )
     return html_table(
@@ -383,32 +415,32 @@ def _ladder_table(ladder: list[dict[str, Any]]) -> str:
     )
 
 
-def _measured(t: dict[str, Any]) -> str:
+def _measured(t: Trial) -> str:
     """What a trial measured, as its decision read it."""
-    if "ratio" in t:
+    if t.ratio is not None:
         return esc(_paired(t))
-    if "gain" in t:  # a treat.json of the first treat: gain against the spread-based margin
-        return f"{t['gain'] * 100:+.1f}% vs ±{(t.get('margin') or 0) * 100:.1f}%"
-    if t.get("ratios"):  # the time cut the comparison short: the pairs it did measure
-        return esc(", ".join(f"x{r:.2f}" for r in t["ratios"]) + f": {t.get('why') or ''}")
+    if t.gain is not None:  # a treat.json of the first treat: gain against the spread-based margin
+        return f"{t.gain * 100:+.1f}% vs ±{(t.margin or 0) * 100:.1f}%"
+    if t.ratios:  # the time cut the comparison short: the pairs it did measure
+        return esc(", ".join(f"x{r:.2f}" for r in t.ratios) + f": {t.why or ''}")
     # a failed arm: why it failed; an ablation's says what that means for the change it left out
-    return esc(": ".join(str(x) for x in (t.get("why"), t.get("error")) if x))
+    return esc(": ".join(str(x) for x in (t.why, t.error) if x))
 
 
-def _trials_table(trials: list[dict[str, Any]]) -> str:
+def _trials_table(trials: list[Trial]) -> str:
     """Every trial in the order tried: its prescription and patch, the expected gain, what it measured, its outcome."""
     rows = []
     for t in trials:
-        outcome = str(t.get("outcome"))
+        outcome = str(t.outcome)
         cls = "kept" if outcome == "adopted" else outcome if outcome in ("kept", "no_gain", "harmful") else "failed"
         rows.append(
             (
-                esc(str(t.get("trial"))),
-                f"{esc(str(t.get('layer', '')))}",
-                f"<b>{esc(str(t.get('title') or ''))}</b><br><code>{esc(str(t.get('rule')))}</code>",
-                patch_html(t.get("config_patch")),
-                gain_cell(t.get("expected_gain")),
-                esc(fmt_num(t.get("real_tokens_per_s"), 0)),
+                esc(str(t.trial)),
+                esc(text(t.layer)),
+                f"<b>{esc(t.title or '')}</b><br><code>{esc(str(t.rule))}</code>",
+                patch_html(t.config_patch),
+                gain_cell(t.expected_gain),
+                esc(fmt_num(t.real_tokens_per_s, 0)),
                 _measured(t),
                 f'<span class="badge {cls}">{esc(outcome)}</span>',
             )
@@ -430,11 +462,11 @@ def _trials_table(trials: list[dict[str, Any]]) -> str:
     )
 
 
-def _paired(t: dict[str, Any]) -> str:
+def _paired(t: Trial) -> str:
     """x1.23 [1.10-1.38] (3): the paired ratio, its interval and the pairs it rests on."""
-    lo, hi = t.get("ci_low"), t.get("ci_high")
+    lo, hi = t.ci_low, t.ci_high
     ci = f" [{lo:.2f}-{hi:.2f}]" if lo is not None and hi is not None and hi != float("inf") else ""
-    return f"x{t['ratio']:.2f}{ci} ({t.get('pairs')})"
+    return f"x{t.ratio:.2f}{ci} ({t.pairs})"
 
 
 def write_html(text: str, path: Path, force: bool = False) -> None:

@@ -59,6 +59,11 @@ def fmt_num(v: Any, digits: int = 1, unit: str = "") -> str:
     return f"{v:,.{digits}f}{unit}"
 
 
+def text(v: Any) -> str:
+    """A document's optional field as text: nothing where it is null."""
+    return "" if v is None else str(v)
+
+
 def fmt_pct(v: Any, digits: int = 1) -> str:
     return "n/a" if not isinstance(v, (int, float)) else f"{v * 100:.{digits}f}%"
 

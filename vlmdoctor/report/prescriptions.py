@@ -109,17 +109,18 @@ def gain_x(gain: ExpectedGain) -> float | None:
     return gain_ratio(msgspec.structs.asdict(gain))
 
 
-def gain_words(f: Finding) -> str:
-    """The expected gain in words on one line: x1.58, -241.2 ms/step (37% of the 660.1 ms traced step)."""
+def gain_words(f: Finding, short: bool = False) -> str:
+    """The expected gain in words on one line: x1.58, -241.2 ms/step (37% of the 660.1 ms traced step); short: its
+    first part alone (x1.58, or -1,234.5 ms/step where no ratio is known)."""
     g = f.expected_gain or ExpectedGain()
     ratio = gain_x(g)
     parts = [f"x{ratio:.2f}"] if ratio is not None else []
     if g.saves_ms_per_step is not None:
         ms = f"-{g.saves_ms_per_step:,.1f} ms/step"
-        if g.share_of_step and g.step_ms:
+        if g.share_of_step and g.step_ms and not short:
             ms += f" ({g.share_of_step * 100:.0f}% of the {g.step_ms:,.1f} ms traced step)"
         parts.append(ms)
-    return ", ".join(parts) or "gain n/a"
+    return (parts[0] if short and parts else ", ".join(parts)) or "gain n/a"
 
 
 def render_prescriptions(items: list[Prescribed], console: Console, verbose: bool) -> None:
@@ -142,7 +143,7 @@ def render_prescriptions(items: list[Prescribed], console: Console, verbose: boo
                 print_text(console, fill(f"seen: {e}", width, "   ", "     "))
             print_text(console, fill(f"fix: {f.fix or ''}", width, "   ", "     "))
         else:
-            g = gain_words(f).split(",")[0]
+            g = gain_words(f, short=True)
             line = f"{i}. {g} {f.severity or ''}{order}: {f.title or f.id}{where}"
             print_text(console, fill(line, width, "", "   "))
         advice = f.advice or {}

@@ -3,72 +3,37 @@
 The report is printed as soon as its windows are measured, perhaps hours before the training ends,
 and scrolls away under the training's own output. At the end of training (of the script, with
 `vlmdoctor run`) these lines come last, as pytest's short summary follows its details: the headline
-numbers with their spread (the one estimator), the top findings by expected gain with the first
-lines of each fix in the user's terms, and where the report, its HTML page and the trace are, with
-how to open the trace in Perfetto.
+numbers with their spread (the one estimator; console.py's `headline_lines`, the first lines of the
+report too), the top findings by expected gain with the first lines of each fix in the user's terms,
+and where the report, its HTML page and the trace are, with how to open the trace in Perfetto.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 from rich.console import Console
 
-from vlmdoctor.report.html_sections import by_gain
+from vlmdoctor.documents import Finding, RunReport, as_report
+from vlmdoctor.report.console import by_rank, headline_lines
 from vlmdoctor.report.prescriptions import gain_short
 from vlmdoctor.report.progress import WHOLE, wrap
 from vlmdoctor.report.text import esc
-from vlmdoctor.run import throughput
 
 TOP = 3  # findings shown
 LINES = 3  # lines of each fix shown
 PERFETTO = "https://ui.perfetto.dev"
 
-
-def _fmt(v: Any, digits: int = 1) -> str:
-    return "n/a" if v is None else f"{v:,.{digits}f}"
+__all__ = ["headline_lines", "render_summary"]
 
 
-def headline_lines(report: dict[str, Any]) -> list[str]:
-    """tokens/s with its spread and verdict; step time; MFU (or why not); the split; the ranks."""
-    m, tp = report.get("metrics") or {}, report.get("throughput") or {}
-    spread = throughput.spread_text(tp)
-    tps = throughput.headline(report)
-    first = f"real tokens/s {_fmt(tps, 0)}" + (f" ({spread})" if spread else "")
-    if tp.get("stable") is False:
-        first += "; unstable window (see the report's note)"
-    out = [first]
-    mfu = m.get("mfu")
-    out.append(
-        f"ms/step {_fmt(m.get('step_ms'))} (p10 {_fmt(m.get('step_ms_p10'))}, p90 {_fmt(m.get('step_ms_p90'))}); "
-        + (f"MFU {mfu * 100:.2f}%" if mfu is not None else f"MFU n/a ({m.get('mfu_reason') or 'not computed'})")
-    )
-    sp = report.get("split")
-    if sp:
-        out.append(
-            f"split of the traced step ({sp['basis']}): "
-            + ", ".join(f"{r['part']} {r['share'] * 100:.0f}%" for r in sp["rows"])
-        )
-    d = report.get("distributed") or {}
-    if d.get("ranks"):
-        g = d.get("global") or {}
-        out.append(
-            f"{d.get('world_size')} ranks: the job's numbers above (all ranks' tokens over the slowest rank's "
-            f"steps); slowest rank {g.get('slowest_rank')}"
-            + (
-                f", {g['step_imbalance'] * 100:.0f}% slower than the fastest"
-                if g.get("step_imbalance", 0) >= 0.005
-                else ""
-            )
-        )
-    return out
-
-
-def _finding_lines(findings: list[dict[str, Any]]) -> list[str]:
+def _finding_lines(findings: list[Finding]) -> list[str]:
     out = [f"top findings, biggest expected gain first ({len(findings)} in all):"]
-    for i, f in enumerate(by_gain(findings)[:TOP], 1):
-        out.append(f"  {i}. {f['title']} ({gain_short(f.get('expected_gain'))})")
-        lines = ((f.get("advice") or {}).get("lines")) or []
+    for i, f in enumerate(by_rank(findings)[:TOP], 1):
+        gain = msgspec.structs.asdict(f.expected_gain) if f.expected_gain is not None else None
+        out.append(f"  {i}. {f.title} ({gain_short(gain)})")
+        lines = (f.advice or {}).get("lines") or []  # the fix in the user's terms: a free-form map (doctor/advice.py)
         shown = _first_lines(lines)
         out += [f"     {line}" for line in shown]
         if len(lines) > len(shown):
@@ -90,25 +55,25 @@ def _first_lines(lines: list[str]) -> list[str]:
     return shown
 
 
-def render_summary(report: dict[str, Any], console: Console, paths: dict[str, str | None]) -> None:
+def render_summary(report: RunReport | dict[str, Any], console: Console, paths: dict[str, str | None]) -> None:
     """The summary; `paths`: report, html, trace and log, those that exist (None: not written)."""
-    model, cfg, env = report.get("model") or {}, report.get("config") or {}, report.get("env") or {}
-    where = env.get("gpu") or f"CPU ({env.get('cpu_count')} cores)"
-    stage = f"stage {cfg['stage']}" if cfg.get("stage") else "stage unknown"
+    r = as_report(report)
+    model, k, env = r.model, r.knobs, r.env
+    where = (env.gpu if env else None) or f"CPU ({env.cpu_count if env else None} cores)"
+    stage = f"stage {k.stage}" if k.stage else "stage unknown"
     console.rule("[bold]vlmdoctor summary[/bold]", style="dim")
-    console.print(esc(f"{model.get('class') or 'your model'} ({cfg.get('source')}), {stage}, on {where}"))
+    console.print(esc(f"{(model.class_name if model else None) or 'your model'} ({k.source}), {stage}, on {where}"))
     lines: list[str] = []
-    if report.get("status") in ("ok", "nan_loss") and report.get("metrics"):
-        lines += headline_lines(report)
-    elif report.get("error"):
-        lines.append(f"{report.get('status')}: {(report.get('error') or {}).get('message')}")
-    for note in report.get("notes") or []:
+    if r.status in ("ok", "nan_loss") and r.metrics is not None:
+        lines += headline_lines(r)
+    elif r.error is not None:
+        lines.append(f"{r.status}: {r.error.message}")
+    for note in r.notes or []:
         if note.startswith(("the run had", "no traced window", "no tokens seen")):
             lines.append(f"note: {note}")
-    findings = report.get("findings")
-    if findings:
-        lines += _finding_lines(findings)
-    elif findings is not None:
+    if r.findings:
+        lines += _finding_lines(r.findings)
+    elif r.findings is not None:
         lines.append("no prescriptions: no rule fired on the measured facts")
     for line in lines:
         console.print(esc(line), overflow="fold")

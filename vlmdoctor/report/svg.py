@@ -7,6 +7,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from vlmdoctor.documents import TreatResult, Trial
 from vlmdoctor.report.html_page import esc, fmt_num, fmt_pct, patch_text
 
 BUSY = "#2e7d32"
@@ -161,15 +162,15 @@ def _failed(outcome: str | None) -> bool:
     return outcome not in ("kept", "no_gain", "harmful")
 
 
-def ladder_svg(result: dict[str, Any]) -> str:
+def ladder_svg(result: TreatResult) -> str:
     """One bar per kept step (real tokens/s; speedup over the start on top, the change below); trials not
     kept drawn at the rung they were tried from: grey dot at what they measured, red cross when they failed."""
-    ladder, trials = result.get("ladder") or [], result.get("trials") or []
+    ladder, trials = result.ladder, result.trials
     if not ladder:
         return '<p class="warn">The start config did not run: no ladder.</p>'
-    values = [float(r.get("real_tokens_per_s") or 0) for r in ladder]
-    values += [float(t["real_tokens_per_s"]) for t in trials if t.get("real_tokens_per_s")]
-    values += [float(v) for r in ladder for v in r.get("tokens_per_s_repeats") or []]  # the whiskers
+    values = [float(r.real_tokens_per_s or 0) for r in ladder]
+    values += [float(t.real_tokens_per_s) for t in trials if t.real_tokens_per_s]
+    values += [float(v) for r in ladder for v in r.tokens_per_s_repeats or []]  # the whiskers
     peak = max(values + [1.0]) * 1.08
     tick = _nice(peak / 5)
     ticks = max(1, math.ceil(peak / tick))
@@ -178,7 +179,7 @@ def ladder_svg(result: dict[str, Any]) -> str:
     n = len(ladder)
     slot = (W - LEFT - RIGHT) / n
     width = max(8, int(slot / 7.5))
-    rows = max(len(_wrap(str(r.get("change") or ""), width, 3)) for r in ladder)
+    rows = max(len(_wrap(str(r.change or ""), width, 3)) for r in ladder)
     H = TOP + PLOT_H + 18 + 15 * rows + 44
 
     def y(v: float) -> float:
@@ -197,11 +198,11 @@ def ladder_svg(result: dict[str, Any]) -> str:
             f"{esc(fmt_num(v, 0))}</text>"
         )
     for i, r in enumerate(ladder):
-        v = float(r.get("real_tokens_per_s") or 0)
+        v = float(r.real_tokens_per_s or 0)
         x0, w = LEFT + i * slot + slot * 0.18, slot * 0.5
         cx = x0 + w / 2
-        reps = r.get("tokens_per_s_repeats") or []
-        tip = f"step {r.get('step')}: {r.get('change')} ({fmt_num(v, 0)} tokens/s, x{fmt_num(r.get('speedup'), 2)})"
+        reps = r.tokens_per_s_repeats or []
+        tip = f"step {r.step}: {r.change} ({fmt_num(v, 0)} tokens/s, x{fmt_num(r.speedup, 2)})"
         out.append(
             f'<rect x="{x0:.1f}" y="{y(v):.1f}" width="{w:.1f}" height="{y(0) - y(v):.1f}" fill="{KEPT}">'
             f"<title>{esc(tip)}</title></rect>"
@@ -214,9 +215,9 @@ def ladder_svg(result: dict[str, Any]) -> str:
             )
         out.append(
             f'<text x="{cx:.1f}" y="{min(y(v), y(max(reps)) if reps else y(v)) - 6:.1f}" font-size="13" '
-            f'font-weight="600" text-anchor="middle" fill="{INK}">x{esc(fmt_num(r.get("speedup"), 2))}</text>'
+            f'font-weight="600" text-anchor="middle" fill="{INK}">x{esc(fmt_num(r.speedup, 2))}</text>'
         )
-        label = str(r.get("change") or "")
+        label = str(r.change or "")
         parts = _wrap(label, width, 3)
         for j, part in enumerate(parts):
             out.append(
@@ -233,30 +234,30 @@ def ladder_svg(result: dict[str, Any]) -> str:
     return "".join(out)
 
 
-def _trial_marks(trials: list[dict[str, Any]], left: float, slot: float, y: Callable[[float], float]) -> list[str]:
+def _trial_marks(trials: list[Trial], left: float, slot: float, y: Callable[[float], float]) -> list[str]:
     """The trials not kept, at the rung they were tried from: a grey dot at what they measured, a red cross when
     they failed."""
     out: list[str] = []
     rung, seen_at = 0, {}
     for t in trials:  # a trial is tried from the rung kept before it
-        if t.get("outcome") in ("kept", "adopted"):
+        if t.outcome in ("kept", "adopted"):
             rung += 1
             continue
         k = seen_at.get(rung, 0)
         seen_at[rung] = k + 1
         cx = left + rung * slot + slot * (0.78 + 0.07 * (k % 3))
-        v = t.get("real_tokens_per_s")
-        tip = f"trial {t.get('trial')}: {t.get('rule')} ({patch_text(t.get('config_patch'))}): {t.get('outcome')}" + (
-            f", {fmt_num(v, 0)} tokens/s" if v else (f": {t.get('error')}" if t.get("error") else "")
+        v = t.real_tokens_per_s
+        tip = f"trial {t.trial}: {t.rule} ({patch_text(t.config_patch)}): {t.outcome}" + (
+            f", {fmt_num(v, 0)} tokens/s" if v else (f": {t.error}" if t.error else "")
         )
-        if v and not _failed(t.get("outcome")):
+        if v and not _failed(t.outcome):
             out.append(
                 f'<circle cx="{cx:.1f}" cy="{y(v):.1f}" r="6" fill="{REJECTED}" stroke="#fff"><title>{esc(tip)}'
                 "</title></circle>"
             )
             out.append(
                 f'<text x="{cx:.1f}" y="{y(v) - 9:.1f}" font-size="10" text-anchor="middle" fill="#616161">'
-                f"t{esc(str(t.get('trial')))}</text>"
+                f"t{esc(str(t.trial))}</text>"
             )
         else:
             yy = y(0) - 12
@@ -267,7 +268,7 @@ def _trial_marks(trials: list[dict[str, Any]], left: float, slot: float, y: Call
             )
             out.append(
                 f'<text x="{cx:.1f}" y="{yy - 10:.1f}" font-size="10" text-anchor="middle" fill="{FAILED}">'
-                f"t{esc(str(t.get('trial')))}</text>"
+                f"t{esc(str(t.trial))}</text>"
             )
     return out
 

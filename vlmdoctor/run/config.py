@@ -30,6 +30,9 @@ from vlmdoctor.run.zoo import refuse_composite_only
 #: the `--help` panel of the knobs that spread a run over several processes
 GPUS = "several GPUs"
 
+#: torchrun's nodes by default: one (its --standalone rendezvous)
+NNODES = "1"
+
 LAYER_NAMES = {
     0: "experiment",
     1: "precision",

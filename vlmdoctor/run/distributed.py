@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from vlmdoctor.errors import UsageError
 from vlmdoctor.run import metrics
-from vlmdoctor.run.config import GPUS, RunConfig
+from vlmdoctor.run.config import GPUS, NNODES, RunConfig
 from vlmdoctor.run.parts import find_parts
 
 #: NVLink multicast (NVLS / symmetric-memory multicast) off in every process on a GPU: the project's
@@ -56,7 +56,7 @@ class Rendezvous:
     One node (the default) uses torchrun's --standalone: a local rendezvous on a free port.
     """
 
-    nnodes: str = "1"  # "N" or "MIN:MAX" (elastic)
+    nnodes: str = NNODES  # "N" or "MIN:MAX" (elastic)
     node_rank: int | None = None
     rdzv_backend: str | None = None
     rdzv_endpoint: str | None = None

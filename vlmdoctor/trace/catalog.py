@@ -376,6 +376,23 @@ FACTS: list[Fact] = [
         ("gpu",),
         [
             ("attention.backend.<backend>.calls", "calls/step", "SDPA calls that took one backend"),
+            (
+                "compile.gpu_ms",
+                "ms/step",
+                "the model's GPU time launched by torch.compile'd graphs (CompiledFxGraph, CompiledFunction and its "
+                "backward); Optimizer.step, copies and collectives left out",
+            ),
+            (
+                "compile.gpu_share",
+                "fraction",
+                "that over all of the model's GPU time (Optimizer.step, copies and collectives left out): how much of "
+                "the step ran compiled",
+            ),
+            (
+                "compile.eager_ms",
+                "ms/step",
+                "GPU time launched inside compiled regions but outside their graphs: what graph breaks left to eager",
+            ),
         ],
     ),
     *_group(
@@ -392,6 +409,12 @@ FACTS: list[Fact] = [
             ("host.allocator_calls", "calls/step", "cudaMalloc/cudaFree and pinned-memory calls (a warm step: none)"),
             ("compile.regions", "calls/step", "calls of torch.compile'd regions (Torch-Compiled Region ranges)"),
             ("compile.frames", "list", "the compiled frame/version pairs that ran (a version above 0: a recompile)"),
+            (
+                "compile.compiles",
+                "count/step",
+                "dynamo compiling a frame inside the traced steps (_compile.compile_inner): compilation or recompiles "
+                "during training",
+            ),
         ],
     ),
     *_group(

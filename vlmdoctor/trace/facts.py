@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pandas as pd
 
@@ -32,6 +33,7 @@ from vlmdoctor.trace.context import (  # noqa: F401  (re-exported: read through 
     part_source,
     token_batches,
 )
+from vlmdoctor.trace.effects import effects
 from vlmdoctor.trace.families import (
     attention,
     batches,
@@ -223,6 +225,7 @@ def _analyze_file(f: Path, stage: int | None, model: str | None, n_files: int, w
         "file": str(f),
         "facts": facts,
         "accounts": step_accounts(facts),
+        "effects": msgspec.to_builtins(effects(facts)),  # which optimizations took effect (trace/effects.py)
         "meta": {k: t.meta[k] for k in ("vlmdoctor", "deviceProperties", "distributedInfo") if k in t.meta},
     }
     if rc.rank is not None and (n_files > 1 or rc.facts):

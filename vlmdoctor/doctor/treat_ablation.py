@@ -1,0 +1,234 @@
+"""The final ablation of `treat` (doctor/treat.py): each adopted change's own contribution, by leave-one-out in the
+final config, and the config without the changes shown not to pay. In the final config, not in the round that
+adopted it: a change's worth depends on the others (bf16 weights measured no gain at batch 4 and +30% at batch 48)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from vlmdoctor.doctor.decide import PairedOptions, interleaved, pooled_log_sd, pooled_verdict
+from vlmdoctor.doctor.treat_compose import apply
+from vlmdoctor.doctor.treat_options import TreatOptions
+from vlmdoctor.doctor.treat_trials import LIKELY, is_shown, outcome_of, record_trial, summary
+from vlmdoctor.errors import UsageError
+from vlmdoctor.run.config import RunConfig
+
+#: what an ablation arm that failed says of the change it left out: the final config needs it
+BROKEN_WITHOUT = {
+    "oom": "out of memory without it",
+    "nan_loss": "NaN loss without it",
+    "error": "the run fails without it",
+    "timeout": "the run timed out without it",
+}
+NOT_ABLATED = "not ablated: --max-trials or the time budget left no room"
+#: a one-change composition adopted on two pairs whose interval still reaches below 1: the ablation may decide it
+ADOPTED_OPEN = "the composition, adopted on two pairs beyond 1.5x; its interval does not exclude no gain"
+#: a one-change composition adopted as a likely gain at the limit (every pair above the bar, too few to decide)
+ADOPTED_LIKELY = "the composition, adopted as a likely gain: every pair above the bar, too few pairs to decide"
+#: the contributions the final ablation measures: what no comparison of that change alone decided
+TO_ABLATE = (NOT_ABLATED, ADOPTED_OPEN, ADOPTED_LIKELY)
+#: the least degrees of freedom of the treatment's pooled spread before an ablation arm with fewer than min_pairs
+#: pairs is judged with it (two comparisons of three pairs): below, its few pairs stay undecided or likely
+POOLED_MIN_DF = 4
+
+
+class Treatment(Protocol):
+    """What the ablation reads and writes of the treatment in flight (doctor/treat.py's state machine)."""
+
+    out: dict[str, Any]
+    opts: TreatOptions
+    po: PairedOptions
+    t0: float
+    run_s: list[float]
+    live: dict[str, Any]
+    notify: Callable[[str], None]
+
+    def time_left(self) -> float: ...
+
+    def mean_run_s(self) -> float: ...
+
+    def runner(self, c: RunConfig, diagnose: bool) -> Callable[[], dict[str, Any]]: ...
+
+
+def _rebuild(start: RunConfig, adopted: list[list[dict[str, Any]]], leave_out: list[dict[str, Any]]) -> RunConfig:
+    """The final config built again round by round without some changes (a later round's knob wins)."""
+    cfg = start
+    for changes in adopted:
+        keep = [c for c in changes if not any(c is x for x in leave_out)]
+        if keep:
+            cfg = apply(cfg, keep)
+    return cfg
+
+
+def final_ablation(
+    tr: Treatment,
+    start: RunConfig,
+    adopted: list[list[dict[str, Any]]],
+    final_cfg: RunConfig,
+    final_report: dict[str, Any],
+) -> RunConfig:
+    """Each adopted change's own contribution, by leave-one-out in the final config; the config without
+    the changes shown not to pay.
+
+    In the final config, not in the round that adopted it: a change's worth depends on the others
+    (bf16 weights measured no gain at batch 4 and +30% at batch 48 on the H100), and ablating after
+    every round spent a 0.5b ladder's budget (400 of 535 s, one H100, 2026-11-23) before the round
+    that would have raised the batch 6x. Every change gets an arm when one pair each fits (the
+    budget plan keeps time for it); the comparison goes on while the time lasts, each arm until it
+    is decided. An arm left with fewer than min_pairs pairs is judged with the spread pooled over the
+    treatment's pairs (`decide.pooled_verdict`, at POOLED_MIN_DF degrees of freedom or more): the
+    assumption, said in `decided_by`, is that the pairs of one treatment share one noise level.
+    A change whose interval is still open stays: the composition it came in was measured to pay.
+    """
+    cands = _candidates(tr, start, adopted, final_cfg)
+    if not cands:
+        return final_cfg
+    arms = {"final": tr.runner(final_cfg, False)}
+    arms.update({f"without {c['rule']}": tr.runner(w, False) for c, w in cands})
+    tr.notify(f"ablation of {len(cands)} changes in the final config")
+    ab = interleaved(
+        arms,
+        "final",
+        tr.po,
+        tr.time_left,
+        contribution=True,
+        first={"final": final_report},
+        notify=tr.notify,
+        on_round=lambda r: tr.live.update(arms=r, kind="ablation"),
+    )
+    spreads = [t["ratios"] for t in tr.out["trials"] if t.get("ratios")]
+    spreads += [ab["decisions"][f"without {c['rule']}"].get("ratios") or [] for c, _ in cands]
+    pooled = pooled_log_sd(spreads)
+    trials = [_judge(tr, c, ab, pooled) for c, _ in cands]
+    dropped = _dropped(tr.out["ladder"], adopted)
+    tr.out["final_ablation"] = {
+        "trials": trials,
+        "dropped": [c["rule"] for c in dropped],
+        "pooled_log_sd": pooled[0] if pooled else None,
+        "pooled_df": pooled[1] if pooled else None,
+    }
+    if not dropped:
+        return final_cfg
+    cfg = _rebuild(start, adopted, dropped)
+    tr.out["ladder"].append(_rung_without(tr, dropped, ab))
+    return cfg
+
+
+def _candidates(
+    tr: Treatment, start: RunConfig, adopted: list[list[dict[str, Any]]], final_cfg: RunConfig
+) -> list[tuple[dict[str, Any], RunConfig]]:
+    """The changes to ablate, each with the final config without it, as many as fit; a change the others need,
+    or whose knobs a later round set again, is decided here without a run."""
+    cands: list[tuple[dict[str, Any], RunConfig]] = []
+    for c in (c for changes in adopted for c in changes):
+        if c["contribution"]["how"] not in TO_ABLATE:
+            continue
+        try:
+            without = _rebuild(start, adopted, [c])
+        except UsageError:
+            c["contribution"] = {
+                "outcome": "kept",
+                "how": "the other changes need it: the config is invalid without it",
+            }
+            continue
+        if without == final_cfg:
+            c["contribution"] = {"outcome": "superseded", "how": "a later round set its knobs again"}
+            continue
+        cands.append((c, without))
+    runs_left = (tr.time_left() / tr.mean_run_s()) if tr.run_s and tr.mean_run_s() > 0 else math.inf
+    return _ablations_that_fit(cands, max(0, tr.opts.max_trials - len(tr.out["trials"])), runs_left)
+
+
+def _judge(tr: Treatment, c: dict[str, Any], ab: dict[str, Any], pooled: tuple[float, int] | None) -> int:
+    """One ablation arm's trial, and the change's contribution from it; returns the trial's number."""
+    opts = tr.opts
+    name = f"without {c['rule']}"
+    dd, a = ab["decisions"][name], ab["arms"][name]
+    o = outcome_of(dd, a)
+    # a change whose removal breaks the run is needed: on the H100 the 0.5b batch-83 config ran out of
+    # memory without compile, whose fused loss never holds the fp32 logits (an 11.8 GiB allocation)
+    broke = BROKEN_WITHOUT.get(o)
+    why = {"why": broke} if broke else {}
+    few = dd.get("ratios") and len(dd["ratios"]) < opts.min_pairs
+    if not broke and few and pooled and pooled[1] >= POOLED_MIN_DF and o in ("kept", "undecided", *LIKELY):
+        dd = pooled_verdict(dd["ratios"], pooled, opts.min_gain, opts.confidence) | {"why": dd.get("why")}
+        o = dd["outcome"]
+    if o == "kept" and not broke and not is_shown(dd):
+        o = "likely_gain"  # two pairs beyond 1.5x, but their interval does not exclude no gain: not shown
+    o = "kept" if broke else o
+    entry = record_trial(tr.out, "ablation", name, [c], o, dd | why, a)
+    prior = c["contribution"]
+    if o == "undecided" and prior.get("ratio") is not None:  # its composition's own pairs say more
+        prior["ablation"] = f"trial {entry['trial']}: undecided in {dd.get('pairs') or 0} pair(s)"
+        return entry["trial"]
+    c["contribution"] = (
+        {k: dd.get(k) for k in ("ratio", "ci_low", "ci_high", "pairs", "ratios")}
+        | {"outcome": o, "how": "leave-one-out ablation in the final config", "trial": entry["trial"]}
+        | {"decided_by": dd.get("how")}
+        | why
+    )
+    return entry["trial"]
+
+
+def _dropped(ladder: list[dict[str, Any]], adopted: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The changes shown not to pay, each named on its rung; a round none of whose changes paid alone, though the
+    round did, keeps them as the group it measured."""
+    dropped: list[dict[str, Any]] = []
+    for rung, changes in zip(ladder[1:], adopted):
+        out_ = [c for c in changes if c["contribution"]["outcome"] in ("no_gain", "harmful")]
+        if out_ and len(out_) == len(changes) and all(c["contribution"]["outcome"] == "no_gain" for c in out_):
+            for c in out_:  # the round paid, but no change of it could be resolved alone: kept as the group measured
+                c["contribution"]["kept_as_group"] = True
+            continue
+        rung["dropped"] = [c["rule"] for c in out_]
+        dropped += out_
+    return dropped
+
+
+def _rung_without(tr: Treatment, dropped: list[dict[str, Any]], ab: dict[str, Any]) -> dict[str, Any]:
+    """The ladder's last rung: the final config without the dropped changes, measured where one change was
+    dropped (its ablation arm), else the last rung's speedup times 1/contribution of each."""
+    last = tr.out["ladder"][-1]
+    adjust = math.prod(1 / c["contribution"]["ratio"] for c in dropped if c["contribution"].get("ratio"))
+    measured = ab["arms"][f"without {dropped[0]['rule']}"] if len(dropped) == 1 else None
+    report = next((r for r in reversed(measured.reports) if r.get("status") == "ok"), None) if measured else None
+    return {
+        "step": len(tr.out["ladder"]),
+        "change": "without " + ", ".join(c["rule"] for c in dropped),
+        "rule": None,
+        "config_patch": {},
+        **(summary(report) if report else {}),
+        "real_tokens_per_s": statistics.median(v for v in measured.values if v)
+        if measured
+        else (last.get("real_tokens_per_s") or 0.0) * adjust,
+        "speedup": last["speedup"] * adjust,
+        "speedup_how": "the last rung's speedup times 1/contribution of each dropped change",
+        "dropped": [c["rule"] for c in dropped],
+        "elapsed_s": time.time() - tr.t0,
+    }
+
+
+def _ablations_that_fit(
+    cands: list[tuple[dict[str, Any], RunConfig]], most: int, runs_left: float
+) -> list[tuple[dict[str, Any], RunConfig]]:
+    """The ablations to run: every change when --max-trials and one pair each fit (k arms take k runs: the
+    final config's first run is the last round's), else as many as fit: the changes no comparison measured
+    alone first, then the largest expected gain first (one pair resolves only a large contribution). An
+    ablation that decides nothing leaves a one-change round's own evidence standing. The comparison then
+    measures more pairs while the time lasts. Before, ablations were sized for three pairs each: on the
+    H100 a 0.5b ladder ended with 183 s left at 39 s a run and ablated nothing, and in every ladder most
+    of round 1's changes stayed "undecided": the user never learned which change mattered."""
+    # a change no comparison measured alone first (a one-change round's own pairs already say something)
+    order = sorted(cands, key=lambda cw: (cw[0]["contribution"].get("ratio") is not None, -_expected_x(cw[0])))
+    n = most if math.isinf(runs_left) else min(most, int(runs_left))
+    return order[: max(0, n)]
+
+
+def _expected_x(change: dict[str, Any]) -> float:
+    """The throughput factor the rule expected (1 when it gave none): ablations start with the smallest."""
+    g = change.get("expected_gain") or {}
+    return float(g.get("throughput_x") or 1.0)

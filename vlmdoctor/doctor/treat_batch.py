@@ -1,0 +1,142 @@
+"""The batch ceiling for `treat` (doctor/treat.py): peak memory against the batch, per config family, from every run
+of the treatment (`MemoryModel`), and the larger batch it leaves room for (`batch_probe`, `with_probe`), so that a
+treatment raises the batch to what fits, measured, rather than to one rule's guess."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from vlmdoctor.doctor.treat_compose import MEASUREMENT_KNOBS, apply, config_key
+from vlmdoctor.errors import UsageError
+from vlmdoctor.run.config import RunConfig
+
+#: the rule id a batch probe is recorded under (not a rule file: treat's own search, from measured memory)
+PROBE_RULE = "treat-batch-probe"
+#: share of the card the probe sizes the batch for, in allocated (live) memory. Higher than the batch rule's
+#: HEADROOM (0.7, the rule's one guess): the probe is a first guess that an out-of-memory run bisects. On the H100
+#: (2026-11-26) llava-siglip2-0.5b ran batch 112 at 76.2 of 79.2 GiB allocated (96%) and ran out at 144; sized for
+#: 70%, treat's 0.5b stage-2 batch would stop a quarter short of what fits
+PROBE_HEADROOM = 0.9
+#: the probe runs only when the memory model leaves room for this much more batch: a smaller step is not worth
+#: a round of paired runs
+PROBE_MIN_STEP = 1.25
+#: the most a probe multiplies the batch by, as the batch rule does: memory per sample is extrapolated
+PROBE_MAX_FACTOR = 8
+
+
+def family(cfg: RunConfig) -> str:
+    """The config without its batch and its measurement knobs: runs of one family differ in memory by the batch."""
+    d = {k: v for k, v in cfg.to_dict().items() if k not in ("batch_size", *MEASUREMENT_KNOBS)}
+    return json.dumps(d, sort_keys=True, default=str)
+
+
+@dataclass
+class MemoryModel:
+    """Peak allocated memory against the batch, per config family, from every run of the treatment.
+
+    The batch a family can hold is (usable - fixed) / per_sample: from two measured batches, the line
+    through them; from one, per_sample = peak / batch (fixed taken as 0, which overestimates the memory a
+    sample needs and so underestimates the batch). An out-of-memory run bounds it from above; the next
+    guess after one is the middle between the largest batch that ran and the smallest that did not."""
+
+    points: dict[str, dict[int, float]] = field(default_factory=dict)
+    oom: dict[str, int] = field(default_factory=dict)
+    flat: dict[str, int] = field(default_factory=dict)  # a larger batch measured and not kept: saturated
+    total_gb: float | None = None
+
+    def observe(self, cfg: RunConfig, report: dict[str, Any]) -> None:
+        fam, b = family(cfg), cfg.batch_size
+        m = report.get("metrics") or {}
+        if report.get("status") == "oom":
+            self.oom[fam] = min(self.oom.get(fam, b), b)
+            return
+        if report.get("status") != "ok" or not m.get("peak_mem_gb") or not m.get("device_mem_total_gb"):
+            return
+        self.total_gb = float(m["device_mem_total_gb"])
+        pts = self.points.setdefault(fam, {})
+        pts[b] = max(pts.get(b, 0.0), float(m["peak_mem_gb"]))
+
+    def ceiling(self, cfg: RunConfig) -> tuple[int, str] | None:
+        """The largest batch the family should hold, and how that was worked out; None without memory facts."""
+        fam = family(cfg)
+        pts = sorted(self.points.get(fam, {}).items())
+        if not pts or not self.total_gb:
+            return None
+        usable = PROBE_HEADROOM * self.total_gb
+        (b1, p1), (b2, p2) = (pts[-2], pts[-1]) if len(pts) >= 2 else (pts[-1], pts[-1])
+        per = (p2 - p1) / (b2 - b1) if b2 > b1 else 0.0
+        if per > 0:
+            fixed = max(0.0, p2 - per * b2)
+            how = f"{per:.2f} GiB a sample + {fixed:.1f} GiB fixed (batches {b1} and {b2})"
+        else:
+            per, fixed = p2 / b2, 0.0
+            how = f"{p2:.1f} GiB at batch {b2}: at most {per:.2f} GiB a sample"
+        target = int((usable - fixed) // per)
+        how += f"; {PROBE_HEADROOM:.0%} of {self.total_gb:.0f} GiB holds batch {target}"
+        target = min(target, PROBE_MAX_FACTOR * cfg.batch_size)
+        if fam in self.oom and target >= self.oom[fam]:
+            fits = max([b for b, _ in pts if b < self.oom[fam]], default=cfg.batch_size)
+            target = (fits + self.oom[fam]) // 2
+            how += f"; out of memory at batch {self.oom[fam]}: bisected to {target}"
+        return target, how
+
+
+def batch_probe(cfg: RunConfig, mem: MemoryModel) -> dict[str, Any] | None:
+    """A change to the batch the measured memory allows, when that is well above the current one and the family
+    did not already show that a larger batch does not pay."""
+    fam = family(cfg)
+    if fam in mem.flat and mem.flat[fam] > cfg.batch_size:
+        return None
+    ceiling = mem.ceiling(cfg)
+    if ceiling is None:
+        return None
+    target, how = ceiling
+    if target < math.ceil(PROBE_MIN_STEP * cfg.batch_size):
+        return None
+    return {
+        "rule": PROBE_RULE,
+        "layer": 2,
+        "title": "probe the batch ceiling: memory left room",
+        "config_patch": {"batch_size": target},
+        "expected_gain": None,
+        "why": how,
+    }
+
+
+def _raises_batch(comp: dict[str, Any], cfg: RunConfig) -> bool:
+    return any((ch["config_patch"].get("batch_size") or 0) > cfg.batch_size for ch in comp["changes"])
+
+
+def with_probe(
+    found: list[dict[str, Any]],
+    cfg: RunConfig,
+    mem: MemoryModel,
+    validate: Callable[[RunConfig], Any],
+    tried: set[str] = frozenset(),  # type: ignore[assignment]
+) -> list[dict[str, Any]]:
+    """The compositions with the batch probe: in the first one (a larger batch is tried with the other changes
+    of its round), or alone when there is no other or that joint config was measured already. Unchanged
+    when a composition already raises the batch (the batch rule sized it) or memory leaves no room."""
+    if any(_raises_batch(c, cfg) for c in found):
+        return found
+    probe = batch_probe(cfg, mem)
+    if probe is None:
+        return found
+    options = []
+    if found:
+        joint = sorted([*found[0]["changes"], probe], key=lambda ch: ch["layer"])
+        options.append(({"name": found[0]["name"], "changes": joint}, found[1:]))
+    options.append(({"name": "batch probe", "changes": [probe]}, []))
+    for comp, others in options:
+        try:
+            comp["config"] = apply(cfg, comp["changes"])
+            validate(comp["config"])
+        except UsageError:
+            continue
+        if config_key(comp["config"]) not in tried:
+            return [comp, *others]
+    return found
