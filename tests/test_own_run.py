@@ -127,7 +127,7 @@ def test_doctor_on_every_rank_under_torchrun(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     report = json.loads((out / "report.json").read_text())
-    _check_job(report, out, proc.stdout)
+    _check_job(report, out, proc.stdout + proc.stderr)  # Doctor's progress lines go to stderr, its report to stdout
     assert report["config"]["source"] == "api"
 
 
