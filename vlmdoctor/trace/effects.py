@@ -72,6 +72,16 @@ def summary(rows: list[Effect]) -> str:
     return "in effect: " + ", ".join(r.brief or f"{r.name} {r.state}" for r in rows)
 
 
+def _row(name: str, state: str, brief: str, seen: str, why: str | None = None) -> Effect:
+    """One row: the optimization, its state, the words for the summary line, what was seen, and why not (or None)."""
+    return Effect(name=name, state=state, brief=brief, seen=seen, why=why)
+
+
+def _unknown(name: str, brief: str, seen: str, why: str | None) -> Effect:
+    """A row the trace cannot settle: what it lacks and what would show it."""
+    return _row(name, "unknown", brief, seen, why)
+
+
 def _num(f: dict[str, Any], name: str) -> float:
     v = f.get(name)
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0
@@ -116,13 +126,7 @@ def compile_effect(f: dict[str, Any]) -> Effect:
     if compiles:
         notes.append(f"compiling inside the traced steps: {compiles:g}/step")
     if "compile.gpu_share" not in f:  # a CPU trace: the regions ran, their share of the work is not measured
-        return Effect(
-            name="compile",
-            state="on",
-            brief="compile on",
-            seen="; ".join(notes),
-            why=None,
-        )
+        return _row("compile", "on", "compile on", "; ".join(notes), None)
     share = _num(f, "compile.gpu_share")
     eager = _num(f, "compile.eager_ms")
     seen = [f"{share * 100:.0f}% of the model's GPU time compiled ({_num(f, 'compile.gpu_ms'):,.1f} ms/step)"]
@@ -139,13 +143,7 @@ def compile_effect(f: dict[str, Any]) -> Effect:
             why += f"; it recompiled inside the traced steps ({compiles:g}/step)"
     elif compiles:
         why = f"it recompiled inside the traced steps ({compiles:g}/step)"
-    return Effect(
-        name="compile",
-        state=state,
-        brief=f"compile {state} ({share * 100:.0f}%)",
-        seen="; ".join(seen),
-        why=why,
-    )
+    return _row("compile", state, f"compile {state} ({share * 100:.0f}%)", "; ".join(seen), why)
 
 
 # --- Liger -----------------------------------------------------------------------------------------------------
@@ -153,13 +151,7 @@ def compile_effect(f: dict[str, Any]) -> Effect:
 
 def liger_effect(f: dict[str, Any]) -> Effect:
     if not _gpu(f) or not any(fact in f for fact, _, _ in LIGER.values()):
-        return Effect(
-            name="liger",
-            state="unknown",
-            brief="Liger unknown",
-            seen="Liger's Triton kernels are GPU kernels",
-            why=f"needs {GPU_HINT}",
-        )
+        return _unknown("liger", "Liger unknown", "Liger's Triton kernels are GPU kernels", f"needs {GPU_HINT}")
     fce = bool(f.get("ops.fused_linear_cross_entropy"))
     ran = {k: _num(f, fact) for k, (fact, _, _) in LIGER.items() if _num(f, fact) > 0}
     asked = [k for k, (_, _, knob) in LIGER.items() if _knob(f, knob) is True]
@@ -260,53 +252,43 @@ def attention_effect(f: dict[str, Any]) -> Effect:
     if fp32:
         seen.append(f"{fp32:,.0f} FP32 attention kernels/step")
     if not backends and not eager:
-        return Effect(
-            name="attention",
-            state="unknown",
-            brief="attention unknown",
-            seen="no SDPA call and no written-out attention in the traced steps",
-            why=None,
+        return _unknown(
+            "attention", "attention unknown", "no SDPA call and no written-out attention in the traced steps", None
         )
     if not fused:
         if math:
-            return Effect(
-                name="attention",
-                state="off",
-                brief="SDPA math",
-                seen="; ".join(seen),
-                why=_math_why(f, fused),
-            )
-        return Effect(
-            name="attention",
-            state="off",
-            brief="attention eager",
-            seen="; ".join(seen),
-            why="the model's own attention code (attn_implementation='eager'), not scaled_dot_product_attention",
+            return _row("attention", "off", "SDPA math", "; ".join(seen), _math_why(f, fused))
+        return _row(
+            "attention",
+            "off",
+            "attention eager",
+            "; ".join(seen),
+            "the model's own attention code (attn_implementation='eager'), not scaled_dot_product_attention",
         )
     name = "SDPA " + "+".join(fused)
     if math:
-        return Effect(
-            name="attention",
-            state="partial",
-            brief=f"{name}+math",
-            seen="; ".join(seen),
-            why=f"{math:,.0f} calls/step fell back to the math path: {_math_why(f, fused)}",
+        return _row(
+            "attention",
+            "partial",
+            f"{name}+math",
+            "; ".join(seen),
+            f"{math:,.0f} calls/step fell back to the math path: {_math_why(f, fused)}",
         )
     if eager:
-        return Effect(
-            name="attention",
-            state="partial",
-            brief=f"{name}+eager",
-            seen="; ".join(seen),
-            why="part of the model's attention is its own eager code, not scaled_dot_product_attention",
+        return _row(
+            "attention",
+            "partial",
+            f"{name}+eager",
+            "; ".join(seen),
+            "part of the model's attention is its own eager code, not scaled_dot_product_attention",
         )
     if fp32:
-        return Effect(
-            name="attention",
-            state="partial",
-            brief=f"{name} (fp32)",
-            seen="; ".join(seen),
-            why="attention inputs are FP32: flash and cuDNN take bf16/fp16 only, so SDPA ran FP32 kernels",
+        return _row(
+            "attention",
+            "partial",
+            f"{name} (fp32)",
+            "; ".join(seen),
+            "attention inputs are FP32: flash and cuDNN take bf16/fp16 only, so SDPA ran FP32 kernels",
         )
     return Effect(name="attention", state="on", brief=name, seen="; ".join(seen), why=None)
 
@@ -323,29 +305,28 @@ def fused_loss_effect(f: dict[str, Any]) -> Effect:
         return Effect(name="fused_loss", state="on", brief="fused loss on", seen=seen, why=None)
     if "loss.logits_gb" in f:
         dtype = str(f.get("loss.logits_dtype") or "?")
-        return Effect(
-            name="fused_loss",
-            state="off",
-            brief="fused loss off",
-            seen=f"logits materialized: {_num(f, 'loss.logits_gb'):,.2f} GiB ({dtype})",
-            why="no fused linear cross-entropy op ran: plain cross entropy over the full logits",
+        return _row(
+            "fused_loss",
+            "off",
+            "fused loss off",
+            f"logits materialized: {_num(f, 'loss.logits_gb'):,.2f} GiB ({dtype})",
+            "no fused linear cross-entropy op ran: plain cross entropy over the full logits",
         )
     loss_seen = _num(f, "part.loss.ms") > 0 or _num(f, "cpu.loss.ms") > 0
     if not loss_seen:
-        return Effect(
-            name="fused_loss",
-            state="unknown",
-            brief="fused loss unknown",
-            seen="no cross-entropy op and no fused linear cross entropy in the traced steps",
-            why="a loss compiled into a graph runs inside it (its ops are not in the trace); inference has none",
+        return _unknown(
+            "fused_loss",
+            "fused loss unknown",
+            "no cross-entropy op and no fused linear cross entropy in the traced steps",
+            "a loss compiled into a graph runs inside it (its ops are not in the trace); inference has none",
         )
     size = "" if f.get("trace.recorded.shapes") else f" (their size: {SHAPES_HINT})"
-    return Effect(
-        name="fused_loss",
-        state="off",
-        brief="fused loss off",
-        seen=f"logits materialized{size}",
-        why="no fused linear cross-entropy op ran: plain cross entropy over the full logits",
+    return _row(
+        "fused_loss",
+        "off",
+        "fused loss off",
+        f"logits materialized{size}",
+        "no fused linear cross-entropy op ran: plain cross entropy over the full logits",
     )
 
 
@@ -354,47 +335,36 @@ def fused_loss_effect(f: dict[str, Any]) -> Effect:
 
 def optimizer_effect(f: dict[str, Any]) -> Effect:
     if "optimizer.kernels" not in f:
-        return Effect(
-            name="optimizer",
-            state="unknown",
-            brief="optimizer unknown",
-            seen="the optimizer's kernels are GPU kernels",
-            why=f"needs {GPU_HINT}",
+        return _unknown(
+            "optimizer", "optimizer unknown", "the optimizer's kernels are GPU kernels", f"needs {GPU_HINT}"
         )
     kernels = _num(f, "optimizer.kernels")
     if kernels <= 0:
-        return Effect(
-            name="optimizer",
-            state="unknown",
-            brief="optimizer unknown",
-            seen="no kernels under Optimizer.step",
-            why="no torch.optim step in the traced steps (inference, or an optimizer without Optimizer.step ranges)",
+        return _unknown(
+            "optimizer",
+            "optimizer unknown",
+            "no kernels under Optimizer.step",
+            "no torch.optim step in the traced steps (inference, or an optimizer without Optimizer.step ranges)",
         )
     multi = _num(f, "optimizer.multi_tensor_kernels")
     loop = kernels - multi
     ms = f", {_num(f, 'part.optimizer.ms'):,.1f} ms/step" if "part.optimizer.ms" in f else ""
     if f.get("optimizer.fused"):
-        return Effect(
-            name="optimizer",
-            state="on",
-            brief="optimizer fused",
-            seen=f"fused: {kernels:,.0f} kernels/step{ms}",
-            why=None,
-        )
+        return _row("optimizer", "on", "optimizer fused", f"fused: {kernels:,.0f} kernels/step{ms}", None)
     if loop > LOOP_KERNELS and loop >= multi:
-        return Effect(
-            name="optimizer",
-            state="off",
-            brief="optimizer for-loop",
-            seen=f"for-loop: {loop:,.0f} per-parameter kernels/step{ms}",
-            why="foreach=False: the update runs parameter by parameter, a launch per kernel",
+        return _row(
+            "optimizer",
+            "off",
+            "optimizer for-loop",
+            f"for-loop: {loop:,.0f} per-parameter kernels/step{ms}",
+            "foreach=False: the update runs parameter by parameter, a launch per kernel",
         )
-    return Effect(
-        name="optimizer",
-        state="partial",
-        brief="optimizer foreach",
-        seen=f"foreach: {multi:,.0f} multi-tensor kernels/step{ms}",
-        why="foreach (torch.optim's default): multi-tensor kernels per operation, not fused=True's one kernel",
+    return _row(
+        "optimizer",
+        "partial",
+        "optimizer foreach",
+        f"foreach: {multi:,.0f} multi-tensor kernels/step{ms}",
+        "foreach (torch.optim's default): multi-tensor kernels per operation, not fused=True's one kernel",
     )
 
 
@@ -403,15 +373,11 @@ def optimizer_effect(f: dict[str, Any]) -> Effect:
 
 def precision_effect(f: dict[str, Any]) -> Effect:
     if not _gpu(f) or "gemm.fp32_share" not in f:
-        return Effect(
-            name="precision",
-            state="unknown",
-            brief="precision unknown",
-            seen="GEMM precision is read from GPU kernels",
-            why=f"needs {GPU_HINT}",
+        return _unknown(
+            "precision", "precision unknown", "GEMM precision is read from GPU kernels", f"needs {GPU_HINT}"
         )
     if _num(f, "gemm.ms") <= 0:
-        return Effect(name="precision", state="unknown", brief="precision unknown", seen="no GEMM ran", why=None)
+        return _unknown("precision", "precision unknown", "no GEMM ran", None)
     fp32, tf32 = _num(f, "gemm.fp32_share"), _num(f, "gemm.tf32_share")
     fp16, fp8 = _num(f, "gemm.fp16_share"), _num(f, "gemm.fp8_share")
     low = max(0.0, 1 - fp32 - tf32)
@@ -438,21 +404,21 @@ def precision_effect(f: dict[str, Any]) -> Effect:
             + ("" if casts else " and no autocast casts: fp32 weights and inputs, no bf16 autocast"),
         )
     if fp32 + tf32 >= FP32_PARTIAL_SHARE and not f.get("gemm.fp32_from_math_attention"):
-        return Effect(
-            name="precision",
-            state="partial",
-            brief=f"{dtype} partial (FP32 {(fp32 + tf32) * 100:.0f}%)",
-            seen="; ".join(seen),
-            why=f"FP32 GEMMs in {parts}: those layers' weights or inputs stay fp32 outside autocast",
+        return _row(
+            "precision",
+            "partial",
+            f"{dtype} partial (FP32 {(fp32 + tf32) * 100:.0f}%)",
+            "; ".join(seen),
+            f"FP32 GEMMs in {parts}: those layers' weights or inputs stay fp32 outside autocast",
         )
     if fp32 >= FP32_PARTIAL_SHARE:  # the FP32 GEMMs are SDPA math attention's, not the weights' (attention row)
         seen.append("the FP32 is SDPA math attention's, not the weights'")
     if casts >= WEIGHT_CAST_SHARE:
-        return Effect(
-            name="precision",
-            state="partial",
-            brief=f"{dtype} partial (autocast casts)",
-            seen="; ".join(seen),
-            why="autocast over fp32 weights: every use re-casts a weight; weights loaded in bf16 need no casts",
+        return _row(
+            "precision",
+            "partial",
+            f"{dtype} partial (autocast casts)",
+            "; ".join(seen),
+            "autocast over fp32 weights: every use re-casts a weight; weights loaded in bf16 need no casts",
         )
     return Effect(name="precision", state="on", brief=f"{dtype} GEMMs", seen="; ".join(seen), why=None)
