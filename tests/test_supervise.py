@@ -434,3 +434,54 @@ def test_sigterm_while_typer_parses_exits_143_not_its_130(tmp_path: Path) -> Non
     r = subprocess.run([sys.executable, "-c", code, "models"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 143, (r.returncode, r.stderr[-500:])
     assert r.stderr.strip().splitlines()[-1] == "interrupted (SIGTERM)"
+
+
+# --- runs in several threads at once (treat's ablation on several GPUs) --------------------------------------
+
+
+def _in_threads(*runs: tuple[str, list[str], float]) -> dict[str, tuple]:
+    """Each (name, command, delay) run through supervise.run in its own thread; name -> (outcome, seconds)."""
+    import threading
+
+    out: dict[str, tuple] = {}
+
+    def go(name: str, cmd: list[str], delay: float) -> None:
+        time.sleep(delay)
+        t = time.monotonic()
+        try:
+            out[name] = (supervise.run(cmd), time.monotonic() - t)
+        except KeyboardInterrupt:
+            out[name] = ("stopped", time.monotonic() - t)
+
+    threads = [threading.Thread(target=go, args=r) for r in runs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def test_runs_in_two_threads_do_not_take_each_others_child_for_an_orphan():
+    """A run that ends first once stopped the other thread's child as a process its own child left running."""
+    out = _in_threads(("short", ["sleep", "1"], 0.0), ("long", ["sleep", "3"], 0.3))
+    short, (long, s_long) = out["short"][0], out["long"]
+    assert short.returncode == 0 and short.left_running == 0
+    assert long.returncode == 0 and long.left_running == 0 and s_long >= 2.9  # it ran its 3 s
+
+
+def test_what_a_run_leaves_is_still_stopped_while_another_thread_runs():
+    out = _in_threads(("leaves", ["sh", "-c", "sleep 30 & exit 0"], 0.0), ("other", ["sleep", "2"], 0.1))
+    leaves, s_leaves = out["leaves"]
+    assert leaves.returncode == 0 and leaves.left_running == 1 and s_leaves < 20
+    assert out["other"][0].returncode == 0 and out["other"][0].left_running == 0
+
+
+def test_stop_all_stops_the_runs_of_every_thread_and_not_later_ones():
+    import threading
+
+    timer = threading.Timer(0.8, supervise.stop_all)
+    timer.start()
+    out = _in_threads(*((f"r{i}", ["sleep", "20"], 0.0) for i in range(3)))
+    timer.join()
+    assert all(o == "stopped" and s < 15 for o, s in out.values()), out
+    assert supervise.run(["sleep", "0.1"]).returncode == 0  # a run started afterwards runs

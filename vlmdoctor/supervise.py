@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -292,6 +293,28 @@ def _descendants(root: int, procs: dict[int, _Proc]) -> set[int]:
 
 
 _reaping = {"depth": 0, "was": True}
+#: runs in progress in this process, in several threads at once (treat's ablation on several GPUs): the pids of
+#: their children, so that one run never takes another's child for an orphan of its own, stops it or reaps it
+_live: set[int] = set()
+_live_lock = threading.RLock()
+#: when `stop_all` was called (time.monotonic()): every run started before then stops
+_stopped_at: list[float] = []
+
+
+def stop_all() -> None:
+    """Stop every run in progress in this process, in every thread (each stops its group as on Ctrl-C and raises
+    KeyboardInterrupt in its thread): a signal reaches the main thread only. Runs started afterwards run."""
+    _stopped_at.append(time.monotonic())
+
+
+def _others(procs: dict[int, _Proc], own: int) -> set[int]:
+    """The processes of the other runs in progress: their children, the children's groups and descendants."""
+    with _live_lock:
+        roots = _live - {own}
+    found = set(roots) | {p.pid for p in procs.values() if p.pgid in roots}
+    for r in roots:
+        found |= _descendants(r, procs)
+    return found
 
 
 @contextlib.contextmanager
@@ -310,14 +333,16 @@ def _subreaper() -> Iterator[None]:
             libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(was), 0, 0, 0)
             _reaping["was"] = bool(was.value)
             libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    _reaping["depth"] += 1
+    with _live_lock:
+        _reaping["depth"] += 1
     try:
         yield
     finally:
-        _reaping["depth"] -= 1
-        if libc is not None and _reaping["depth"] == 0 and not _reaping["was"]:
-            with contextlib.suppress(Exception):
-                libc.prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+        with _live_lock:
+            _reaping["depth"] -= 1
+            if libc is not None and _reaping["depth"] == 0 and not _reaping["was"]:
+                with contextlib.suppress(Exception):
+                    libc.prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
 
 
 class _Group:
@@ -332,15 +357,17 @@ class _Group:
     def members(self) -> set[int]:
         """Live processes of the child (the child itself excluded): its group, its descendants, and
         processes re-parented to this one that started after it (orphans of the child's tree)."""
-        procs = _table()
+        with _live_lock:  # a run starting in another thread registers its child before this looks
+            procs = _table()
+            others = _others(procs, self.pid)
         me = os.getpid()
         found = {p.pid for p in procs.values() if p.pgid == self.pid}
         found |= _descendants(self.pid, procs)
         adopted = {p.pid for p in procs.values() if p.ppid == me and p.pid != self.pid and p.start >= self.start}
-        for a in adopted:
+        for a in adopted - others:
             found |= {a} | _descendants(a, procs)
         found.discard(self.pid)
-        return {pid for pid in found if pid in procs and not procs[pid].zombie}
+        return {pid for pid in found - others if pid in procs and not procs[pid].zombie}
 
     def exited(self) -> bool:
         """The child exited (it stays a zombie, not reaped, so its pid and group id cannot be reused meanwhile)."""
@@ -365,8 +392,10 @@ class _Group:
         with contextlib.suppress(ChildProcessError):
             self.proc.wait()
         me = os.getpid()
+        with _live_lock:
+            others = set(_live)
         for p in _table().values():
-            if p.ppid == me and p.zombie and p.pid != self.pid and p.start >= self.start:
+            if p.ppid == me and p.zombie and p.pid != self.pid and p.start >= self.start and p.pid not in others:
                 with contextlib.suppress(ChildProcessError, OSError):
                     os.waitpid(p.pid, os.WNOHANG)
 
@@ -484,15 +513,18 @@ def _run(
 ) -> Outcome:
     piped = echo is not None
     stdout: int | IO[bytes] = subprocess.PIPE if piped else (log if log is not None else subprocess.DEVNULL)
-    proc = subprocess.Popen(
-        _tied_to_us(cmd, env),
-        stdin=stdin,
-        stdout=stdout,
-        stderr=subprocess.STDOUT,
-        env=env,
-        cwd=cwd,
-        start_new_session=True,
-    )
+    started = time.monotonic()
+    with _live_lock:  # registered before any other run's look for orphans can see it
+        proc = subprocess.Popen(
+            _tied_to_us(cmd, env),
+            stdin=stdin,
+            stdout=stdout,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
+        )
+        _live.add(proc.pid)
     group = _Group(proc)
     pump = _Pump(proc.stdout.fileno() if piped and proc.stdout else None, log, echo)
     timed_out = False
@@ -500,6 +532,8 @@ def _run(
     try:
         deadline = None if timeout is None else time.monotonic() + timeout
         while not group.exited():
+            if _stopped_at and _stopped_at[-1] >= started:  # stop_all, from the thread a signal reached
+                raise KeyboardInterrupt
             if deadline is not None and time.monotonic() >= deadline:
                 timed_out = True
                 _stop(group, signal.SIGTERM, pump)
@@ -516,6 +550,8 @@ def _run(
     finally:
         pump.drain(DRAIN_S)
         group.reap()
+        with _live_lock:
+            _live.discard(proc.pid)
         if proc.stdout is not None:
             with contextlib.suppress(OSError):
                 proc.stdout.close()

@@ -5,6 +5,7 @@ files report/treat_outputs.py's; here: the options, the start config, the checks
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -61,6 +62,14 @@ MaxPairs = Annotated[
     int,
     typer.Option("--max-pairs", help=f"paired runs per comparison at most ({LIMITS.min_pairs} at least)"),
 ]
+TrialGpus = Annotated[
+    int,
+    typer.Option(
+        "--trial-gpus",
+        help="GPUs the final ablation runs on at once, one comparison each, every pair on one GPU "
+        "(0 = every visible one; 1 on a CPU or with --nproc-per-node above 1)",
+    ),
+]
 OutDir = Annotated[
     str | None,
     typer.Option(
@@ -83,6 +92,7 @@ def treat(
     min_gain: MinGain = LIMITS.min_gain,
     trial_timeout: TrialTimeout = LIMITS.trial_timeout_s,
     max_pairs: MaxPairs = LIMITS.max_pairs,
+    trial_gpus: TrialGpus = LIMITS.trial_gpus,
     rules_dirs: RulesDirs = None,
     select: Select = None,
     ignore: Ignore = None,
@@ -108,6 +118,7 @@ def treat(
         check_number("--time-budget", time_budget, above=0)
         check_number("--min-gain", min_gain, minimum=0, maximum=10)
         check_number("--trial-timeout", trial_timeout, above=0)
+        check_number("--trial-gpus", trial_gpus, minimum=0, maximum=64, integer=True)
         cfg = _start_config(config, sets, knobs)
         check(cfg)
         folder = Path(out_dir or f"treat-{cfg.model}-stage{cfg.stage}")
@@ -135,6 +146,7 @@ def treat(
             trial_timeout_s=trial_timeout,
             rules_dirs=list(rules_dirs or []),
             max_pairs=max_pairs,
+            trial_gpus=trial_gpus,
         )
         result = _run(cfg, opts, folder, selection, quiet or json_path == "-")
         _outputs(write_outputs(result, folder), result, html_path, json_path, quiet)
@@ -174,8 +186,9 @@ def _run(cfg: RunConfig, opts: TreatOptions, folder: Path, selection: Any, silen
 
     compile_env = cache_env(folder / "compile-cache")  # trials of one treatment reuse each other's compiled kernels
 
-    def run_one(c: RunConfig, diagnose: bool, timeout: float | None) -> dict[str, Any]:
-        report = run_isolated(c, timeout=timeout, diagnose=diagnose, rules_dirs=opts.rules_dirs, env=compile_env)
+    def run_one(c: RunConfig, diagnose: bool, timeout: float | None, device: int | None = None) -> dict[str, Any]:
+        env = compile_env | pinned(device)  # the child's environment only: this process's stays as it is
+        report = run_isolated(c, timeout=timeout, diagnose=diagnose, rules_dirs=opts.rules_dirs, env=env)
         return mute_report(report, selection)  # a muted rule's fix is not tried
 
     if silent:
@@ -193,6 +206,15 @@ def _run(cfg: RunConfig, opts: TreatOptions, folder: Path, selection: Any, silen
             err.print(f"[dim]{esc(line)}[/dim]", highlight=False)
 
         return treatment.treat(cfg, run_one, opts, notify)
+
+
+def pinned(device: int | None) -> dict[str, str]:
+    """The environment that pins a child run to the `device`-th GPU this process sees (through its own
+    CUDA_VISIBLE_DEVICES, where set): the ablation's comparisons on several GPUs, one each."""
+    if device is None:
+        return {}
+    seen = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return {"CUDA_VISIBLE_DEVICES": seen[device] if device < len(seen) else str(device)}
 
 
 def _outputs(

@@ -43,7 +43,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vlmdoctor import SCHEMA_VERSION, __version__
@@ -65,8 +65,9 @@ from vlmdoctor.errors import UsageError
 from vlmdoctor.run.config import RunConfig
 from vlmdoctor.supervise import describe_interruption, interrupted_exit_code
 
-#: run(cfg, diagnose, timeout) -> a profile report; treat calls run_isolated through the CLI
-Runner = Callable[[RunConfig, bool, "float | None"], dict[str, Any]]
+#: run(cfg, diagnose, timeout[, device]) -> a profile report; treat calls run_isolated through the CLI. `device`
+#: (the GPU to pin the run to) is passed only where the ablation runs on several GPUs at once
+Runner = Callable[..., dict[str, Any]]
 Notify = Callable[[str], None]
 #: the most runs a composition's batch sizing takes: its first run, one raised to the ceiling, one bisection
 SIZE_MAX_RUNS = 3
@@ -175,7 +176,22 @@ def treat(
     """
     if validate is None:
         from vlmdoctor.run.runner import check as validate  # deferred: the runner imports torch
+    if opts.trial_gpus != 1:
+        opts = replace(opts, trial_gpus=resolve_trial_gpus(opts.trial_gpus, cfg))
     return _Treatment(cfg, run, opts, notify, validate).go()
+
+
+def resolve_trial_gpus(n: int, cfg: RunConfig) -> int:
+    """The GPUs the final ablation runs on at once: `n` (0: every visible one), at most those visible; 1 on a CPU,
+    where parallel runs would share the cores they time, and for a distributed config, whose runs use the GPUs."""
+    if cfg.nproc_per_node > 1 or cfg.device == "cpu":
+        return 1
+    import torch  # deferred: --trial-gpus 1, the default, needs no torch here
+
+    if cfg.device == "auto" and not torch.cuda.is_available():
+        return 1
+    visible = torch.cuda.device_count()
+    return max(1, min(n, visible) if n else visible)
 
 
 class _Treatment:
@@ -234,14 +250,16 @@ class _Treatment:
     def mean_run_s(self) -> float:
         return statistics.fmean(self.run_s) if self.run_s else 0.0
 
-    def runner(self, c: RunConfig, diagnose: bool) -> Callable[[], dict[str, Any]]:
+    def runner(self, c: RunConfig, diagnose: bool, device: int | None = None) -> Callable[[], dict[str, Any]]:
+        """A run of `c` in a fresh process; `device`: the GPU it is pinned to (the ablation on several GPUs)."""
+
         def go() -> dict[str, Any]:
             left = self.time_left()
             limit = self.opts.trial_timeout_s
             if not math.isinf(left):
                 limit = max(30.0, min(limit, left + 60))
             t = time.time()
-            rep = self.run(c, diagnose, limit)
+            rep = self.run(c, diagnose, limit) if device is None else self.run(c, diagnose, limit, device)
             self.run_s.append(time.time() - t)
             self.mem.observe(c, rep)
             return rep

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import math
 import statistics
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
-from vlmdoctor.doctor.decide import PairedOptions, interleaved, pooled_log_sd, pooled_verdict
+from vlmdoctor import supervise
+from vlmdoctor.doctor.decide import ArmResult, PairedOptions, interleaved, pooled_log_sd, pooled_verdict
 from vlmdoctor.doctor.treat_compose import apply
 from vlmdoctor.doctor.treat_options import TreatOptions
 from vlmdoctor.doctor.treat_trials import LIKELY, is_shown, outcome_of, record_trial, summary
@@ -51,7 +54,7 @@ class Treatment(Protocol):
 
     def mean_run_s(self) -> float: ...
 
-    def runner(self, c: RunConfig, diagnose: bool) -> Callable[[], dict[str, Any]]: ...
+    def runner(self, c: RunConfig, diagnose: bool, device: int | None = None) -> Callable[[], dict[str, Any]]: ...
 
 
 def _rebuild(start: RunConfig, adopted: list[list[dict[str, Any]]], leave_out: list[dict[str, Any]]) -> RunConfig:
@@ -87,18 +90,14 @@ def final_ablation(
     cands = _candidates(tr, start, adopted, final_cfg)
     if not cands:
         return final_cfg
-    arms = {"final": tr.runner(final_cfg, False)}
-    arms.update({f"without {c['rule']}": tr.runner(w, False) for c, w in cands})
-    tr.notify(f"ablation of {len(cands)} changes in the final config")
-    ab = interleaved(
-        arms,
-        "final",
-        tr.po,
-        tr.time_left,
-        contribution=True,
-        first={"final": final_report},
-        notify=tr.notify,
-        on_round=lambda r: tr.live.update(arms=r, kind="ablation"),
+    gpus = min(max(1, tr.opts.trial_gpus), len(cands))
+    tr.out["trial_gpus"] = gpus
+    on = f" on {gpus} GPUs, one comparison each" if gpus > 1 else ""
+    tr.notify(f"ablation of {len(cands)} changes in the final config{on}")
+    ab = (
+        _compare(tr, cands, final_cfg, final_report)
+        if gpus == 1
+        else _on_gpus(tr, cands, final_cfg, final_report, gpus)
     )
     spreads = [t["ratios"] for t in tr.out["trials"] if t.get("ratios")]
     spreads += [ab["decisions"][f"without {c['rule']}"].get("ratios") or [] for c, _ in cands]
@@ -116,6 +115,84 @@ def final_ablation(
     cfg = _rebuild(start, adopted, dropped)
     tr.out["ladder"].append(_rung_without(tr, dropped, ab))
     return cfg
+
+
+def _compare(
+    tr: Treatment,
+    cands: list[tuple[dict[str, Any], RunConfig]],
+    final_cfg: RunConfig,
+    final_report: dict[str, Any] | None,
+    device: int | None = None,
+    notify: Callable[[str], None] | None = None,
+    on_round: Callable[[dict[str, ArmResult]], None] | None = None,
+    time_left: Callable[[], float] | None = None,
+) -> dict[str, Any]:
+    """One paired comparison of the final config against each config without one change, on one GPU (`device`;
+    None: as every other run of the treatment). `final_report` is reused as the final arm's first run."""
+    arms = {"final": tr.runner(final_cfg, False, device)}
+    arms.update({f"without {c['rule']}": tr.runner(w, False, device) for c, w in cands})
+    return interleaved(
+        arms,
+        "final",
+        tr.po,
+        time_left or tr.time_left,
+        contribution=True,
+        first={"final": final_report} if final_report is not None else None,
+        notify=notify or tr.notify,
+        on_round=on_round or (lambda r: tr.live.update(arms=r, kind="ablation")),
+    )
+
+
+def _on_gpus(
+    tr: Treatment,
+    cands: list[tuple[dict[str, Any], RunConfig]],
+    final_cfg: RunConfig,
+    final_report: dict[str, Any],
+    gpus: int,
+) -> dict[str, Any]:
+    """The arms dealt round-robin to `gpus` comparisons run at once, one GPU each, each with its own final arm so
+    that every pair is measured on one GPU; merged into one comparison's result. The final config's run the
+    treatment already made (on the first visible GPU) is the first GPU's round 1 only: another GPU's pairs would
+    pair runs of two GPUs. Threads suffice: each run is a subprocess. Wall time counts once: every comparison reads
+    the one clock (`tr.time_left`)."""
+    groups = [cands[g::gpus] for g in range(gpus)]
+    lock, stop = threading.Lock(), threading.Event()
+    live: dict[str, ArmResult] = {}
+
+    def say(g: int) -> Callable[[str], None]:
+        def notify(msg: str) -> None:
+            with lock:  # the console's progress follows one message at a time
+                tr.notify(f"{msg} (GPU {g})")
+
+        return notify
+
+    def seen(g: int) -> Callable[[dict[str, ArmResult]], None]:
+        def on_round(res: dict[str, ArmResult]) -> None:
+            with lock:  # what Ctrl-C keeps: every comparison's arms, each GPU's final arm by its own name
+                live.update({(n if n != "final" or g == 0 else f"final (GPU {g})"): a for n, a in res.items()})
+                tr.live.update(arms=dict(live), kind="ablation")
+
+        return on_round
+
+    def left() -> float:  # no run starts once the treatment was interrupted
+        return -1.0 if stop.is_set() else tr.time_left()
+
+    with ThreadPoolExecutor(max_workers=gpus, thread_name_prefix="ablation-gpu") as pool:
+        futures = [
+            pool.submit(_compare, tr, grp, final_cfg, final_report if g == 0 else None, g, say(g), seen(g), left)
+            for g, grp in enumerate(groups)
+        ]
+        try:
+            results = [f.result() for f in futures]
+        except BaseException:  # Ctrl-C (the main thread's): every run in progress stops, no further run starts
+            stop.set()
+            supervise.stop_all()
+            raise
+    return {
+        "rounds": max(r["rounds"] for r in results),
+        "arms": {n: a for r in reversed(results) for n, a in r["arms"].items()},  # "final": the first GPU's
+        "decisions": {n: d for r in results for n, d in r["decisions"].items()},
+    }
 
 
 def _candidates(
@@ -140,6 +217,8 @@ def _candidates(
             continue
         cands.append((c, without))
     runs_left = (tr.time_left() / tr.mean_run_s()) if tr.run_s and tr.mean_run_s() > 0 else math.inf
+    gpus = max(1, tr.opts.trial_gpus)  # each GPU runs as many; each but the first runs the final config once more
+    runs_left = runs_left * gpus - (gpus - 1)
     return _ablations_that_fit(cands, max(0, tr.opts.max_trials - len(tr.out["trials"])), runs_left)
 
 

@@ -26,6 +26,8 @@ class TreatOptions:
     min_pairs: int = MIN_PAIRS
     max_pairs: int = 6
     ablation_share: float = ABLATION_SHARE
+    #: GPUs the final ablation's arms run on at once, one comparison each (0: every visible one; 1: as before)
+    trial_gpus: int = 1
 
     def paired(self) -> PairedOptions:
         return PairedOptions(self.min_gain, self.confidence, self.min_pairs, self.max_pairs)

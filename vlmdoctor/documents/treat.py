@@ -166,4 +166,7 @@ class TreatResult(Doc, kw_only=True):
     interrupted: Annotated[bool, Meta(description="Ctrl-C or a signal ended it")] = False
     exit_code: Annotated[int | None, Meta(description="the exit code an interruption gives")] = None
     wall_s: Annotated[Seconds, Meta(description="the treatment's wall time")] | None = None
+    trial_gpus: Annotated[Count, Meta(description="GPUs the final ablation ran on at once (--trial-gpus)")] | None = (
+        None
+    )
     outputs: Annotated[dict[str, str] | None, Meta(description="the files written, by kind")] = None
