@@ -62,7 +62,7 @@ from vlmdoctor.documents.comparison import (
 from vlmdoctor.documents.diagnosis import AccountVerdict, Diagnosis, ExpectedGain, Finding, NotApplicable, NotEvaluated
 from vlmdoctor.documents.fields import DOCUMENTS, markdown_fields, with_generated
 from vlmdoctor.documents.gate import GateCheck, GateVerdict
-from vlmdoctor.documents.reading import as_document, as_report, read_analysis, read_document, read_report
+from vlmdoctor.documents.reading import as_document, as_json, as_report, read_analysis, read_document, read_report
 from vlmdoctor.documents.run_report import (
     CrossRank,
     DataInfo,
@@ -174,6 +174,7 @@ __all__ = [
     "Warmup",
     "WarmupS",
     "as_document",
+    "as_json",
     "as_report",
     "check_measured",
     "markdown_fields",

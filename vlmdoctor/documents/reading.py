@@ -138,6 +138,13 @@ def read_analysis(source: str | os.PathLike | bytes, name: str | None = None) ->
     return read_document(source, Analysis, "analysis", name)
 
 
+def as_json(doc: Doc) -> dict[str, Any]:
+    """A declared document as its JSON holds it, for code that reads the JSON (the throughput estimator): a top-level
+    field it does not have left out, and a value JSON cannot hold (torch's version string) as its text, as the writer
+    (files.json_text) leaves them."""
+    return {k: v for k, v in msgspec.to_builtins(doc, enc_hook=str).items() if v is not None}
+
+
 def as_report(report: RunReport | dict[str, Any], name: str = "report") -> RunReport:
     """A report read by field: a RunReport as it is, a report's dict through its declaration."""
     return report if isinstance(report, RunReport) else as_document(report, RunReport, name)

@@ -43,6 +43,7 @@ from vlmdoctor.documents import (
     TreatResult,
     Warmup,
     as_document,
+    as_json,
     as_report,
 )
 from vlmdoctor.documents.run_report import RunError
@@ -88,18 +89,9 @@ def _where(env: Env | None) -> str:
     return env.gpu or f"CPU ({env.cpu_count} cores)"
 
 
-def _tokens_per_s(r: RunReport) -> float | None:
-    """The headline real tokens/s by the one estimator (run/throughput.py), from the report's fields."""
-    steps = [
-        {"step_ms": x.step_ms, "step_real_tokens": x.step_real_tokens, "real_tokens_per_s": x.real_tokens_per_s}
-        for x in r.repeats or []
-    ]
-    written = r.metrics or Metrics()
-    view: dict[str, Any] = {"metrics": {"real_tokens_per_s": written.real_tokens_per_s}}
-    view["repeats"] = steps
-    if r.distributed is not None:  # a job's headline is its metric: all ranks' tokens over the slowest rank's steps
-        view["distributed"] = True
-    return throughput.headline(view)
+def headline_tokens_per_s(r: RunReport) -> float | None:
+    """The headline real tokens/s by the one estimator (run/throughput.py, which reads the report's JSON)."""
+    return throughput.headline(as_json(r))
 
 
 def _spread(r: RunReport) -> str:
@@ -120,7 +112,7 @@ def headline_lines(
     r = as_report(report)
     m, tp = r.metrics or Metrics(), r.throughput
     spread = _spread(r)
-    first = f"real tokens/s {_n(_tokens_per_s(r), 0)}" + (f" ({spread})" if spread else "")
+    first = f"real tokens/s {_n(headline_tokens_per_s(r), 0)}" + (f" ({spread})" if spread else "")
     if tp is not None and tp.stable is False:
         first += f"; unstable window ({see})"
     out = [first]
@@ -337,7 +329,7 @@ def _metrics_table(r: RunReport) -> Table:
             return ""
         return f"{fmt(s.min, unit, digits)} .. {fmt(s.max, unit, digits)}"
 
-    t.add_row("real tokens/s", fmt(_tokens_per_s(r), "", 0), _spread(r) or spread("real_tokens_per_s", "", 0))
+    t.add_row("real tokens/s", fmt(headline_tokens_per_s(r), "", 0), _spread(r) or spread("real_tokens_per_s", "", 0))
     t.add_row("loss tokens/s", fmt(m.loss_tokens_per_s, "", 0), spread("loss_tokens_per_s", "", 0))
     t.add_row("pad fraction", fmt(m.pad_fraction * 100 if m.pad_fraction is not None else None, " %"), "")
     step = stats.get("step_ms") or Spread()

@@ -19,8 +19,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from vlmdoctor.documents import (
     OWN_SOURCES,
     Analysis,
@@ -40,7 +38,7 @@ from vlmdoctor.documents import (
 )
 from vlmdoctor.errors import UsageError
 from vlmdoctor.files import write_text
-from vlmdoctor.report.console import changed_knobs, measurement_notes
+from vlmdoctor.report.console import changed_knobs, headline_tokens_per_s, measurement_notes
 from vlmdoctor.report.html_page import esc, fmt_num, fmt_pct, html_table, kv_table, page, patch_html, patch_text, text
 from vlmdoctor.report.html_sections import (
     cpu_section,
@@ -61,7 +59,6 @@ from vlmdoctor.report.html_sections import (
     top_fix,
 )
 from vlmdoctor.report.svg import ladder_svg, split_svg
-from vlmdoctor.run import throughput
 
 #: the layouts of a run report's page: vlmdoctor's own run of its zoo, and the user's own training
 LAYOUTS = ("zoo", "own")
@@ -74,16 +71,9 @@ def profile_html(report: RunReport | dict[str, Any], layout: str | None = None) 
     layout = layout or ("own" if is_own(doc) else "zoo")
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; one of {', '.join(LAYOUTS)}")
-    # the one estimator and the console's notes read a report's JSON: handed it once, here
-    raw = report if isinstance(report, dict) else _as_json(doc)
-    tps, notes = throughput.headline(raw), measurement_notes(raw)
+    tps, notes = headline_tokens_per_s(doc), measurement_notes(doc)
     title, subtitle, body = _own_layout(doc, tps, notes) if layout == "own" else _zoo_layout(doc, tps, notes)
     return page(title, subtitle, body)
-
-
-def _as_json(report: RunReport) -> dict[str, Any]:
-    """A declared report as its JSON would hold it (a field it does not have left out, as the writer leaves it)."""
-    return {k: v for k, v in msgspec.to_builtins(report).items() if v is not None}
 
 
 def _findings(doc: Any) -> list[Finding] | None:
