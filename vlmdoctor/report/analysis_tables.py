@@ -76,7 +76,7 @@ def render_facts(result: Analysis | dict[str, Any], console: Console) -> None:
                     f"micro-batches per step: {f['shapes.micro_batches_per_step']:g} "
                     f"({esc(f['shapes.micro_batches_per_step.source'])})"
                 )
-        console.print(_step_text(entry), highlight=False)
+        console.print(step_line(entry), highlight=False)
         if "comm.ms" in f:
             console.print(comm_line(f, "comm.", entry.rank))
         if "gpu.busy_frac" in f:
@@ -211,14 +211,7 @@ def file_head(entry: AnalyzedFile, console: Console, said: set[str] | None = Non
 
 
 def step_line(entry: AnalyzedFile) -> str:
-    """The step's time and GPU busy share, then which optimizations took effect (a trace's headline lines)."""
-    line = _step_text(entry)
-    if entry.effects:
-        line += "\n" + effects_line(entry.effects)
-    return line
-
-
-def _step_text(entry: AnalyzedFile) -> str:
+    """The step's time and GPU busy share (a trace's headline)."""
     f = entry.facts
     line = f"step {fmt_ms(f['step.ms'])} ms"
     if "gpu.busy_frac" in f:

@@ -49,6 +49,7 @@ from vlmdoctor.documents import (
 from vlmdoctor.documents.run_report import RunError
 from vlmdoctor.report.analysis_tables import (
     comm_line,
+    effects_line,
     file_head,
     render_accounts_brief,
     render_cross_rank,
@@ -472,6 +473,8 @@ def render_analysis(
         for entry in a.files:
             file_head(entry, console, said)
             console.print(step_line(entry), highlight=False)
+            if entry.effects:  # which optimizations took effect
+                console.print(effects_line(entry.effects), highlight=False)
             if "comm.ms" in entry.facts:
                 console.print(comm_line(entry.facts, "comm.", entry.rank).split("\n")[0], highlight=False)
             if entry.accounts is not None and len(a.files) == 1:
