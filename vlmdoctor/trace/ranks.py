@@ -422,8 +422,9 @@ def hta_overlap(folder: str | Path) -> dict[str, Any]:
     GPU kernels only, so on CPU (gloo) traces it has nothing to say. By default it drops the
     kernels of the last ProfilerStep; it is asked to keep them, so both read the same steps.
     """
-    try:
-        from hta.trace_analysis import TraceAnalysis  # optional extra: traceinsight
+    try:  # optional extra: traceinsight
+        from hta.analyzers.communication_analysis import CommunicationAnalysis
+        from hta.common.trace import Trace
     except Exception:  # not installed, or broken: the cross-check is skipped, never the analysis
         return {"skipped": "traceinsight (hta) is not installed: pip install 'vlmdoctor[hta]'"}
     sink = io.StringIO()
@@ -431,8 +432,12 @@ def hta_overlap(folder: str | Path) -> dict[str, Any]:
     try:
         logging.disable(logging.WARNING)
         with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
-            ta = TraceAnalysis(trace_dir=str(folder), include_last_profiler_step=True)
-            df = ta.get_comm_comp_overlap(visualize=False)
+            # its ranks parsed in this process: HTA's default forks a multiprocessing pool from a process whose
+            # progress thread runs, and a pool worker left waiting on the pool's queue lock hung `analyze` of a
+            # 2-rank folder in the pool's terminate (fixtures/dist_gpu/ddp_long_rank1, 2026-11-27)
+            trace = Trace(trace_dir=str(folder))
+            trace.load_traces(include_last_profiler_step=True, use_multiprocessing=False)
+            df = CommunicationAnalysis.get_comm_comp_overlap(trace, visualize=False)
     except Exception as e:  # HTA's own limits (no GPU kernels, unknown layout) must not fail the analysis
         return {"skipped": f"traceinsight could not read the folder ({type(e).__name__}: {str(e)[:120]})"}
     finally:
