@@ -422,7 +422,8 @@ def hta_overlap(folder: str | Path) -> dict[str, Any]:
     GPU kernels only, so on CPU (gloo) traces it has nothing to say. By default it drops the
     kernels of the last ProfilerStep; it is asked to keep them, so both read the same steps.
     """
-    try:  # optional extra: traceinsight
+    try:  # optional extra: traceinsight (the package first: its submodules may already be loaded)
+        import hta  # noqa: F401
         from hta.analyzers.communication_analysis import CommunicationAnalysis
         from hta.common.trace import Trace
     except Exception:  # not installed, or broken: the cross-check is skipped, never the analysis
