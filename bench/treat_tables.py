@@ -5,24 +5,24 @@ python bench/treat_tables.py --calibration    # rewrite docs/treat.md's calibrat
 
 The calibration table sets each rule's expected gain (its estimate, `expected_gain.throughput_x`) beside
 what treat measured of it: the paired ratio of a trial that measured the change alone (a one-change
-composition, or its leave-one-out ablation in the final config), and for compositions the product of
-their changes' estimates beside the composition's paired ratio. The first treat (2026-11-23, before
-paired runs) measured each change alone against one run of the current config: those rows are counted
-as unpaired.
+composition, or its leave-one-out ablation in the final config), and for compositions their changes'
+estimates composed (`treat_trials.composed_x`: the shares of the step add) beside the composition's paired
+ratio, composed again from the changes so that older results are estimated as the rules compose now. The
+first treat (2026-11-23, before paired runs) measured each change alone against one run of the current
+config: those rows are counted as unpaired.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from vlmdoctor import docgen
 from vlmdoctor.doctor.treat import FAR_OFF
+from vlmdoctor.doctor.treat_trials import composed_x
 from vlmdoctor.documents import DocumentError, TreatResult, read_document
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,12 +44,6 @@ class Measured:
     source: str
 
 
-def _product(changes: list[dict[str, Any]] | None) -> float | None:
-    """The rules' estimate of changes together: the product of theirs; None where one has none."""
-    xs = [(c.get("expected_gain") or {}).get("throughput_x") for c in changes or []]
-    return math.prod(xs) if xs and all(xs) else None
-
-
 def measurements(doc: TreatResult, source: str) -> list[Measured]:
     """The trials of one treat result that measured something the rules estimated."""
     changes_of = {rung.rule: rung.changes for rung in doc.ladder if rung.rule and rung.changes}
@@ -59,11 +53,11 @@ def measurements(doc: TreatResult, source: str) -> list[Measured]:
         if not got or got <= 0 or not t.rule:
             continue
         single = "," not in t.rule
-        expected = t.expected_x
+        # a composition's changes are composed again: an older result kept their product as its expected_x
+        expected = None if single else composed_x(changes_of.get(t.rule) or [])
+        expected = expected or t.expected_x
         if expected is None and single and t.expected_gain is not None:
             expected = t.expected_gain.throughput_x
-        if expected is None and not single:
-            expected = _product(changes_of.get(t.rule))
         if expected:
             out.append(Measured(t.rule if single else "composition", expected, got, t.ratio is not None, source))
     return out
@@ -116,7 +110,7 @@ def calibration_table(rows: list[Measured]) -> str:
     if comps:
         lines += [
             "",
-            "| composition of | expected (product) | measured | measured / expected | |",
+            "| composition of | expected (composed) | measured | measured / expected | |",
             "|---|---:|---:|---:|---|",
         ]
         for r in comps:

@@ -37,7 +37,7 @@ def test_a_change_measured_alone_and_a_composition_are_read_with_their_estimates
             {"step": 2, "rule": "c, d", "changes": [{"rule": "c", **gain}, {"rule": "d", **gain}]},
         ],
         trials=[
-            {"trial": 1, "kind": "composition", "rule": "a, b", "ratio": 5.0},  # b has no estimate: no product
+            {"trial": 1, "kind": "composition", "rule": "a, b", "ratio": 5.0},  # b has no estimate: none composed
             {"trial": 2, "kind": "composition", "rule": "c, d", "ratio": 3.0},
             {"trial": 3, "kind": "ablation", "rule": "c", "ratio": 1.5, **gain},
             {"trial": 4, "rule": "e", "gain": 0.3, "expected_gain": {"throughput_x": 1.1}},  # the first treat

@@ -1,5 +1,6 @@
-"""`treat --trial-gpus`: the final ablation's arms on several GPUs at once, one comparison each, every pair on one
-GPU; on CPU with the fake runner of test_treat.py (each run of the ablation sleeps, to show the GPUs overlap)."""
+"""`treat --trial-gpus`: each round's pairs on several GPUs at once (compare's lanes), and the final ablation's arms,
+one comparison each; every pair on one GPU. On CPU with the fake runner of test_treat.py (each pinned run sleeps, to
+show the GPUs overlap)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import dataclasses
 import json
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,13 +18,16 @@ from typer.testing import CliRunner
 from vlmdoctor.cli import app
 from vlmdoctor.commands.treat import pinned
 from vlmdoctor.doctor.treat import TreatOptions, resolve_trial_gpus, treat
+from vlmdoctor.doctor.treat_ablation import NOT_ABLATED, _candidates, _reused_finals
+from vlmdoctor.doctor.treat_compose import apply
 from vlmdoctor.documents import TreatResult, as_document
 
 SLEEP_S = 0.2
 
 
 class DeviceRunner(FakeRunner):
-    """The fake world's runs, each recording the GPU it was pinned to; a pinned run takes SLEEP_S."""
+    """The fake world's runs, each recording the GPU it was pinned to; a pinned run takes SLEEP_S. `devices` and the
+    fake world's `calls` (config, diagnose, timeout) are recorded together, in one order."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -69,7 +74,8 @@ def test_two_gpus_split_the_arms_each_pair_on_one_gpu_at_once(monkeypatch):
     assert result["final_ablation"]["dropped"] == ["pad", "fused-adamw"]
     assert set(result["final_ablation"]) == {"trials", "dropped", "pooled_log_sd", "pooled_df"}
     # every arm ran on one GPU; the final config on each, as each comparison's own reference
-    pinned_runs = [(c, d) for c, d in runner.devices if d is not None]
+    pinned_runs = by_state(result, runner.devices)["ablate"]
+    assert all(d is not None for _, d in pinned_runs)
     by_config: dict[str, set[int]] = {}
     for c, d in pinned_runs:
         by_config.setdefault(json.dumps(c.to_dict(), sort_keys=True), set()).add(d)
@@ -80,8 +86,65 @@ def test_two_gpus_split_the_arms_each_pair_on_one_gpu_at_once(monkeypatch):
     ablate_s = sum(v["spent_s"] for v in result["states"] if v["state"] == "ablate")
     assert ablate_s < 0.75 * SLEEP_S * len(pinned_runs)
     assert result["trial_gpus"] == 2
-    assert any("on 2 GPUs" in m for m in said) and any(m.endswith("(GPU 1)") for m in said)
+    assert any(m.startswith("ablation of") and "on 2 GPUs" in m for m in said)
+    assert any("without" in m and m.endswith("(GPU 1)") for m in said)
     as_document(result, TreatResult, "treat.json")  # the declared result, its new field included
+
+
+def by_visit(result: dict, runs: list) -> list[tuple[dict, list]]:
+    """Each visit of the treatment's states with its runs (in the order the runner recorded them): the states run
+    one after another, each visit's `runs` in turn."""
+    out, i = [], 0
+    for v in result["states"]:
+        out.append((v, runs[i : i + v.get("runs", 0)]))
+        i += v.get("runs", 0)
+    assert i == len(runs)
+    return out
+
+
+def by_state(result: dict, runs: list) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for v, got in by_visit(result, runs):
+        out.setdefault(v["state"], []).extend(got)
+    return out
+
+
+def key(c) -> str:
+    return json.dumps(c if isinstance(c, dict) else c.to_dict(), sort_keys=True)
+
+
+def test_two_gpus_measure_each_rounds_pairs_in_two_lanes(monkeypatch):
+    """--trial-gpus 2: each round's compositions against the current config on two GPUs at once, a lane each: the
+    first lane's runs unpinned (as every other run of the treatment), the second's on GPU 1; each composition has
+    exactly one diagnosed run, whichever lane ran it first."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    runner, said = DeviceRunner(), []
+    cfg = dataclasses.replace(BASE, device="cuda")
+    result = treat(cfg, runner, TreatOptions(time_budget_s=None, trial_gpus=2), said.append, validate=lambda c: None)
+    runs = [(c, dev, diag) for (c, dev), (_, diag, _) in zip(runner.devices, runner.calls)]
+    compares = [(v, got) for v, got in by_visit(result, runs) if v["state"] == "compare"]
+    assert len(compares) == len(result["rounds"]) >= 2
+    for v, got in compares:
+        rnd = result["rounds"][v["round"] - 1]
+        assert {dev for _, dev, _ in got} == {None, 1}
+        current = key(rnd["current_config"])
+        diagnosed: dict[str, int] = {}
+        for c, _, diag in got:
+            if key(c) == current:
+                assert not diag  # the current config's runs are timed only
+            else:
+                diagnosed[key(c)] = diagnosed.get(key(c), 0) + diag
+        # every composition of the round ran, on both lanes, and was diagnosed exactly once
+        assert len(diagnosed) == len(rnd["compositions"]) and all(n == 1 for n in diagnosed.values())
+        for k in diagnosed:
+            assert {dev for c, dev, _ in got if key(c) == k} == {None, 1}
+        # a round of two lanes: two pairs each, so every composition has an even number of pairs
+        assert rnd["lanes"] == 2 and rnd["pairs"] % 2 == 0 and rnd["pairs"] >= 2
+    # the treatment's outcome is the one GPU's (test_treat.py)
+    assert result["final_ablation"]["dropped"] == ["pad", "fused-adamw"]
+    assert any(m.startswith("round 1: ") and m.endswith("(GPU 1)") for m in said)
+    assert any("pairs on 2 GPUs at once" in m for m in said)
+    as_document(result, TreatResult, "treat.json")
 
 
 def test_trial_gpus_resolve_to_one_on_a_cpu_and_for_a_distributed_config(monkeypatch):
@@ -106,3 +169,101 @@ def test_a_pinned_run_sees_one_gpu_of_those_this_process_sees(monkeypatch):
 def test_trial_gpus_is_checked_before_any_run(value):
     r = CliRunner().invoke(app, ["treat", "--model", "tiny", "--device", "cpu", "--trial-gpus", value])
     assert r.exit_code != 0 and "--trial-gpus" in r.output
+
+
+def final_key(cfg, result: dict) -> str:
+    """The final ablation's config (the adopted one): the start with each adopted rung's changes, in order (the last
+    rung, the config without what the ablation dropped, has no changes of its own)."""
+    for rung in result["ladder"][1:]:
+        if rung.get("changes"):
+            cfg = apply(cfg, rung["changes"])
+    return key(cfg)
+
+
+def runs_of(runs: list, final: str) -> dict[int | None, dict[str, int]]:
+    """Each GPU's runs: how many of the final config ("final"), and of each other config."""
+    out: dict[int | None, dict[str, int]] = {}
+    for c, d in runs:
+        k = "final" if key(c) == final else key(c)
+        out.setdefault(d, {}).setdefault(k, 0)
+        out[d][k] += 1
+    return out
+
+
+def test_the_ablation_reuses_each_gpus_last_compare_run_of_the_adopted_composition(monkeypatch):
+    """--trial-gpus 3: compare's last round ran the adopted composition (the final config) on GPUs 1 and 2; the
+    ablation's GPU g takes that run as its final arm's first run and runs no final config in round 1. (On four H200s,
+    GPUs 1-3 each spent ~45 s running the final config again, and only 1 of 3 arms was measured.)"""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    runner = DeviceRunner()
+    cfg = dataclasses.replace(BASE, device="cuda")
+    result = treat(cfg, runner, TreatOptions(time_budget_s=None, trial_gpus=3), lambda _: None, validate=lambda c: None)
+    final = final_key(cfg, result)
+    states = by_state(result, runner.devices)
+    compared = runs_of(states["compare"], final)
+    assert compared[1]["final"] >= 1 and compared[2]["final"] >= 1  # the adopted composition, on GPUs 1 and 2
+    ablated = runs_of(states["ablate"], final)
+    assert set(ablated) == {0, 1, 2} and result["trial_gpus"] == 3
+    for g in (0, 1, 2):  # each GPU's comparison: its final arm's round 1 reused, its later rounds run
+        arms = [n for k, n in ablated[g].items() if k != "final"]
+        assert ablated[g]["final"] == max(arms) - 1
+    for g in (1, 2):  # round 1 on GPU g starts with the final arm: reused, so its first run is the arm's
+        first = next(c for c, d in states["ablate"] if d == g)
+        assert key(first) != final
+    # the outcome is as on one GPU (test_treat.py)
+    assert result["final_ablation"]["dropped"] == ["pad", "fused-adamw"]
+    as_document(result, TreatResult, "treat.json")
+
+
+def test_a_gpu_whose_lane_never_ran_the_adopted_composition_runs_the_final_config_first(monkeypatch):
+    """--trial-gpus 3 with --max-pairs 2: compare's rounds run two lanes (GPU 2 none), so the ablation's GPU 2 has no
+    run of the final config to reuse and runs it in round 1, as before; GPU 1 reuses its lane's."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    runner = DeviceRunner()
+    cfg = dataclasses.replace(BASE, device="cuda")
+    opts = TreatOptions(time_budget_s=None, trial_gpus=3, max_pairs=2)
+    result = treat(cfg, runner, opts, lambda _: None, validate=lambda c: None)
+    final = final_key(cfg, result)
+    states = by_state(result, runner.devices)
+    compared = runs_of(states["compare"], final)
+    assert 2 not in compared and compared[1]["final"] >= 1
+    ablated = runs_of(states["ablate"], final)
+    assert set(ablated) == {0, 1, 2}
+    arms = {g: max(n for k, n in ablated[g].items() if k != "final") for g in ablated}
+    assert ablated[2]["final"] == arms[2]  # every round's final run made here, round 1's too
+    assert ablated[1]["final"] == arms[1] - 1 and ablated[0]["final"] == arms[0] - 1
+    assert key(next(c for c, d in states["ablate"] if d == 2)) == final  # round 1 on GPU 2 starts with it
+
+
+def ablation_stub(trial_gpus: int, by_lane: dict, lane_cfg: str | None) -> SimpleNamespace:
+    """What `_candidates` reads of a treatment: 50 s left at 45 s a new run (one run a GPU, less the final config's)."""
+    return SimpleNamespace(
+        opts=TreatOptions(trial_gpus=trial_gpus),
+        out={"trials": []},
+        run_s=[45.0],
+        time_left=lambda: 50.0,
+        new_run_s=lambda: 45.0,
+        final_by_lane=by_lane,
+        final_by_lane_cfg=lane_cfg,
+    )
+
+
+def test_a_reused_final_run_leaves_room_for_an_arm_and_only_in_the_adopted_config():
+    """4 GPUs, time for one run each: without a reused run of the final config, GPUs 1-3 spend theirs on it (1 arm);
+    with compare's run on each, every GPU runs an arm (4); a run of another config is not reused."""
+    start = dataclasses.replace(BASE, device="cuda")
+    patches = [{"weight_dtype": "bf16"}, {"batch_size": 8}, {"compile": "default"}, {"fused_optimizer": True}]
+
+    def adopted() -> list[list[dict]]:  # anew for each case: `_candidates` records a contribution on a change
+        return [
+            [{"rule": f"r{i}", "config_patch": p, "contribution": {"how": NOT_ABLATED}} for i, p in enumerate(patches)]
+        ]
+
+    final = apply(start, adopted()[0])
+    other = apply(start, adopted()[0][:3])  # a config the final ablation does not measure
+    ran = {g: {"status": "ok", "repeats": [{"real_tokens_per_s": 100.0}]} for g in range(4)}
+    cases = [({}, None, 1), (ran, key(final), 4), ({1: ran[1], 2: ran[2]}, key(final), 3), (ran, key(other), 1)]
+    for by_lane, lane_cfg, n in cases:
+        tr = ablation_stub(4, by_lane, lane_cfg)
+        assert len(_candidates(tr, start, adopted(), final)) == n
+        assert len(_reused_finals(tr, final, 4)) == (n - 1)

@@ -66,8 +66,9 @@ TrialGpus = Annotated[
     int,
     typer.Option(
         "--trial-gpus",
-        help="GPUs the final ablation runs on at once, one comparison each, every pair on one GPU "
-        "(0 = every visible one; 1 on a CPU or with --nproc-per-node above 1)",
+        help="GPUs the trials run on at once, every pair on one GPU: each round's pairs, a lane per GPU, and the "
+        "final ablation's arms, a comparison per GPU (0 = every visible one; 1 on a CPU or with --nproc-per-node "
+        "above 1)",
     ),
 ]
 OutDir = Annotated[

@@ -51,6 +51,11 @@ and compiled configs move throughput 2-20x, and their runs are the slowest of a 
 fresh compile each); the host's noise does not make two pairs in a row of one config differ by
 half (tests/test_decide.py: the false-keep rate is unchanged under every noise model there).
 
+Lanes (`interleaved(lanes=N)`): a round runs on N GPUs at once, one lane each, every lane's arms one
+after another on its own GPU, so that a pair never pairs runs of two GPUs; a round of N lanes gives
+N pairs in one round's time. The pair counts (`min_pairs`, `max_pairs`, the two-pair shortcut) count
+pairs, not rounds.
+
 The false-keep rate and the power under this host's noise are checked by simulation in
 tests/test_decide.py; docs/treat.md ("How a change is decided") has the numbers.
 """
@@ -59,9 +64,11 @@ from __future__ import annotations
 
 import math
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
@@ -367,6 +374,7 @@ class ArmResult:
     reports: list[Report]
     values: list[float | None]
     failed: Report | None = None  # the first run that did not finish cleanly: the arm stops there
+    lanes: list[int] = field(default_factory=list)  # the lane (GPU) of each report in `reports`, in order
 
 
 def interleaved(
@@ -382,6 +390,10 @@ def interleaved(
     value: Callable[[Report], float | None] = throughput,
     reserve_s: float = 0.0,
     first_s: dict[str, float] | None = None,
+    lanes: int = 1,
+    lane_arms: Callable[[int], dict[str, Arm]] | None = None,
+    new_run_s: float = 0.0,
+    partial_pairs: bool = False,
 ) -> dict[str, Any]:
     """Measure the arms in rounds, each arm once per round, and decide each candidate against the reference.
 
@@ -403,7 +415,23 @@ def interleaved(
 
     A candidate left with fewer than `min_pairs` pairs (2 at least) is read for its lean
     (`verdict`'s likely_gain / likely_loss) unless the caller judges; a pair never decides alone.
+
+    `lanes`: a round runs on that many GPUs at once (threads), lane 0 with `arms`, lane g >= 1 with
+    `lane_arms(g)` (the same arms, each run pinned to GPU g); each lane runs the round's arms one after
+    another, its order rotated by its own offset, so a pair's two runs are taken on one GPU. Only lane 0
+    reuses `first`. A complete lane adds one pair to every arm it ran (in lane order); a lane cut by the
+    time pairs nothing. `min_pairs`, `max_pairs` and the two-pair shortcut count pairs (the last round
+    runs no more lanes than `max_pairs` leaves); the result's "rounds" counts rounds, "pairs" pairs,
+    "lanes" the most lanes a round ran on. Ctrl-C stops every lane's run (`supervise.stop_all`).
+
+    A run starts only where its expected time (its arm's last run, else `new_run_s`, else the mean of the
+    arms' runs) still fits in `time_left()`: the budget is a limit on the runs' ends, not their starts
+    (a 0.5b treatment on the H200 started an ablation arm with 30 s left and ran 55 s past its budget). With
+    `partial_pairs`, a round cut short keeps the pairs it completed (each arm that ran after or beside the
+    reference's run of that round); without, it pairs nothing.
     """
+    if lanes > 1 and lane_arms is None:
+        raise ValueError("interleaved: lanes > 1 needs lane_arms (each lane's arms, pinned to its GPU)")
     early = judge is None  # a large effect may be decided on two pairs (not by a caller's own judge)
     if judge is None:
 
@@ -414,8 +442,11 @@ def interleaved(
     res = {n: ArmResult(n, [], []) for n in names}
     # each arm's expected time for its next run (a `first` report's from what it took)
     next_s = {n: next_run_s(s, (first or {})[n]) for n, s in (first_s or {}).items() if n in (first or {})}
-    rounds = 0
+    rounds = pairs = widest = 0
     decisions: dict[str, dict[str, Any]] = {}
+    lock = threading.Lock()  # the lanes' progress messages and next_s, one at a time
+    arms_of, more = {0: arms}, lane_arms or (lambda _g: arms)
+    on_round(res)  # the arms fill as runs end: what an interruption keeps of a first round too
     while True:
         live = [n for n in names if res[n].failed is None]
         undecided = [
@@ -429,43 +460,33 @@ def interleaved(
         round_s = sum(next_s.get(n, known) for n in order)
         gaining = any(rounds and all(r > 1 for r in _ratios(res[n], res[reference], contribution)) for n in undecided)
         avail = time_left() - (0.0 if gaining else reserve_s)
-        if rounds >= opts.max_pairs or time_left() <= 0 or (rounds > 0 and round_s > avail):
+        if pairs >= opts.max_pairs or time_left() <= 0 or (rounds > 0 and round_s > avail):
             break  # the time budget is a hard limit, also before min_pairs: then there is no decision
-        k = rounds % len(order)
-        order = order[k:] + order[:k]
-        done: list[str] = []
-        for n in order:
-            reuse = rounds == 0 and n in (first or {})
-            if done and not reuse and time_left() <= 0:
-                break  # the budget ran out inside the round: no run starts after it
-            notify(f"round {rounds + 1}: {n}")
-            t0 = time.time()
-            rep = (first or {})[n] if reuse else arms[n]()
-            if not reuse:
-                next_s[n] = next_run_s(time.time() - t0, rep)
-            v = value(rep)
-            res[n].reports.append(rep)
-            res[n].values.append(v)
-            done.append(n)
-            if v is None:
-                res[n].failed = rep
-        if len(done) < len(order):  # an incomplete round pairs nothing: its runs are kept, not counted
-            for n in done:
-                if res[n].failed is None:
-                    res[n].values.pop()
+        width = min(lanes, opts.max_pairs - pairs)  # the last round measures no more pairs than max_pairs leaves
+        for g in range(len(arms_of), width):
+            arms_of[g] = more(g)  # each lane's arms built once, pinned to its GPU
+        reused = {n: first[n] for n in order if n in first} if rounds == 0 and first else {}  # lane 0's only
+        plan = [_Lane(g, arms_of[g], _rotated(order, rounds + g), reused if g == 0 else {}) for g in range(width)]
+        say = _progress(notify, lock, rounds + 1)
+        expect = _expected(next_s, new_run_s)
+        complete = _round(plan, res, next_s, value, _Budget(time_left, expect, reference, partial_pairs), say, lock)
+        if not any(complete):  # a round no lane completed pairs nothing: its runs are kept, not counted
             break
-        rounds += 1
+        rounds, pairs, widest = rounds + 1, pairs + sum(complete), max(widest, width)
         ref_ok = res[reference].failed is None
         for n in undecided:
             if res[n].failed is not None or not ref_ok:
                 continue
             ratios = _ratios(res[n], res[reference], contribution)
-            if rounds >= opts.min_pairs:
+            if pairs >= opts.min_pairs:
                 decisions[n] = judge(ratios, False)
             else:
                 decisions[n] = (large_effect(ratios, opts) if early else None) or {"outcome": "undecided"}
-        on_round(res)
-    out: dict[str, Any] = {"rounds": rounds, "arms": res, "decisions": {}}
+        with lock:
+            on_round(res)
+        if not all(complete):  # a lane was cut: the time ran out inside the round
+            break
+    out: dict[str, Any] = {"rounds": rounds, "pairs": pairs, "lanes": widest, "arms": res, "decisions": {}}
     for n in names[1:]:
         a = res[n]
         if a.failed is not None:
@@ -487,6 +508,195 @@ def interleaved(
             else:
                 out["decisions"][n] = judge(ratios, True)
     return out
+
+
+# --- one round, on one lane or several at once ---------------------------------------------------------------
+
+
+@dataclass
+class _Lane:
+    """One lane of a round: its GPU (`g`), its arms (pinned to that GPU), its order, the reports it reuses."""
+
+    g: int
+    arms: dict[str, Arm]
+    order: list[str]
+    reused: dict[str, Report]
+
+
+def _rotated(order: list[str], k: int) -> list[str]:
+    """The order started at its k-th arm: round r of lane g starts at (r + g), so that a steady drift of the host
+    does not always favour the arm that runs second, in a round or across the lanes of one round."""
+    k %= len(order)
+    return order[k:] + order[:k]
+
+
+def _progress(
+    notify: Callable[[str], None], lock: threading.Lock, round_: int
+) -> Callable[[int], Callable[[str], None]]:
+    """Each lane's progress message for round `round_`, one at a time; a lane past the first names its GPU."""
+
+    def lane(g: int) -> Callable[[str], None]:
+        tag = f" (GPU {g})" if g else ""
+
+        def say(n: str) -> None:
+            with lock:
+                notify(f"round {round_}: {n}{tag}")
+
+        return say
+
+    return lane
+
+
+#: a run a lane kept: (arm, report, seconds its next run should take: None for a reused report)
+Kept = Callable[[str, Report, float | None], None]
+
+
+@dataclass
+class _Budget:
+    """What a round's runs are started against: the time left, each arm's expected run, and what a cut round keeps."""
+
+    time_left: Callable[[], float]
+    expect: Callable[[str], float]
+    reference: str
+    partial: bool
+
+    def fits(self, n: str) -> bool:
+        left = self.time_left()
+        return left > 0 and left >= self.expect(n)
+
+
+def _expected(next_s: dict[str, float], new_run_s: float) -> Callable[[str], float]:
+    """An arm's expected run: its last run's time, else `new_run_s`, else the mean of the timed arms (0: none)."""
+    fallback = new_run_s or (statistics.fmean(next_s.values()) if next_s else 0.0)
+    return lambda n: next_s.get(n, fallback)
+
+
+def _run_lane(lane: _Lane, budget: _Budget, say: Callable[[str], None], keep: Kept, stop: threading.Event) -> bool:
+    """The lane's order, one arm after another on its GPU; False when the round was cut: the next run would end past
+    the budget, or the comparison was stopped (Ctrl-C), and no run starts after that."""
+    for n in lane.order:
+        reuse = n in lane.reused
+        if stop.is_set() or (not reuse and not budget.fits(n)):
+            return False
+        say(n)
+        t0 = time.time()
+        rep = lane.reused[n] if reuse else lane.arms[n]()
+        keep(n, rep, None if reuse else next_run_s(time.time() - t0, rep))
+    return True
+
+
+def _round(
+    plan: list[_Lane],
+    res: dict[str, ArmResult],
+    next_s: dict[str, float],
+    value: Callable[[Report], float | None],
+    budget: _Budget,
+    say: Callable[[int], Callable[[str], None]],
+    lock: threading.Lock,
+) -> list[bool]:
+    """One round on every lane of `plan`; which lanes completed it. One lane runs here, its runs kept as they come
+    (what Ctrl-C keeps); several run at once, one thread each, and are kept after every lane has finished, each
+    complete lane's values appended to the arms in lane order, so that the arms' values stay paired lane by lane.
+    A cut lane's runs are kept in the reports, its values not (a failed run's None is: the arm leaves), unless
+    `budget.partial` keeps its pairs (`_kept_of_cut`)."""
+    if len(plan) == 1:
+        return [_one_lane(plan[0], res, next_s, value, budget, say(0))]
+    got, complete = _at_once(plan, next_s, value, budget, say, lock)
+    for lane, runs, ok in zip(plan, got, complete):
+        kept = None if ok else _kept_of_cut(lane, [n for n, _, _ in runs], budget)
+        for n, rep, v in runs:
+            res[n].reports.append(rep)
+            res[n].lanes.append(lane.g)
+            if ok or v is None or kept is not None:
+                res[n].values.append(v)
+            if v is None and res[n].failed is None:
+                res[n].failed = rep
+        for n in kept or []:
+            res[n].values.append(None)  # not run in this cut round: no pair, the arms stay aligned
+    return complete
+
+
+def _kept_of_cut(lane: _Lane, ran: list[str], budget: _Budget) -> list[str] | None:
+    """What a cut round keeps: None (its values are dropped), or, with `budget.partial` where the reference ran, the
+    arms of the lane's order that did not run (each gets no value for this round, so that the values stay aligned)."""
+    if not budget.partial or budget.reference not in ran:
+        return None
+    return [n for n in lane.order if n not in ran]
+
+
+def _one_lane(
+    lane: _Lane,
+    res: dict[str, ArmResult],
+    next_s: dict[str, float],
+    value: Callable[[Report], float | None],
+    budget: _Budget,
+    say: Callable[[str], None],
+) -> bool:
+    """The round on one lane, here: each run kept as it comes; a cut round's values are taken back, or with
+    `budget.partial` its pairs kept (`_kept_of_cut`)."""
+    ran: list[str] = []
+
+    def keep(n: str, rep: Report, took: float | None) -> None:
+        if took is not None:
+            next_s[n] = took
+        v = value(rep)
+        res[n].reports.append(rep)
+        res[n].lanes.append(0)
+        res[n].values.append(v)
+        ran.append(n)
+        if v is None:
+            res[n].failed = rep
+
+    ok = _run_lane(lane, budget, say, keep, threading.Event())
+    kept = None if ok else _kept_of_cut(lane, ran, budget)
+    if kept is not None:
+        for n in kept:
+            res[n].values.append(None)
+    elif not ok:  # an incomplete round pairs nothing: its runs are kept, not counted
+        for n in ran:
+            if res[n].failed is None:
+                res[n].values.pop()
+    return ok
+
+
+def _at_once(
+    plan: list[_Lane],
+    next_s: dict[str, float],
+    value: Callable[[Report], float | None],
+    budget: _Budget,
+    say: Callable[[int], Callable[[str], None]],
+    lock: threading.Lock,
+) -> tuple[list[list[tuple[str, Report, float | None]]], list[bool]]:
+    """The lanes of a round at once, one thread each (each run is a subprocess): each lane's runs (arm, report,
+    value) in the order they ran, and whether the lane completed the round. On Ctrl-C (or a lane's error) no lane
+    starts another run and every run in progress stops (`supervise.stop_all`), then it is raised again."""
+    from vlmdoctor import supervise  # deferred: the engine needs only the standard library until lanes run
+
+    stop = threading.Event()
+    got: list[list[tuple[str, Report, float | None]]] = [[] for _ in plan]
+
+    def run(i: int, lane: _Lane) -> bool:
+        def keep(n: str, rep: Report, took: float | None) -> None:
+            got[i].append((n, rep, value(rep)))
+            if took is not None:
+                with lock:
+                    next_s[n] = took
+
+        return _run_lane(lane, budget, say(lane.g), keep, stop)
+
+    with ThreadPoolExecutor(max_workers=len(plan), thread_name_prefix="compare-lane") as pool:
+        futures = [pool.submit(run, i, lane) for i, lane in enumerate(plan)]
+        try:
+            wait(futures, return_when=FIRST_EXCEPTION)  # a lane's error is seen at once, not after the lanes before it
+            for f in futures:
+                if f.done() and f.exception() is not None:
+                    f.result()
+            complete = [f.result() for f in futures]
+        except BaseException:  # Ctrl-C (the main thread's) or a lane's error: every run stops, no further run starts
+            stop.set()
+            supervise.stop_all()
+            raise
+    return got, complete
 
 
 #: what a compiled run spends loading its graph from the treatment's compile cache (0.5b on the H100: 12-13 s)

@@ -14,7 +14,8 @@ visit, its seconds and runs are kept in the result's `states` and `budget`):
    memory its first run measured (`MemoryModel`, bisected on out of memory), not a round later;
 4. compare: each composition against the current config on paired evidence
    (`vlmdoctor.doctor.decide`: interleaved fresh-process runs, a t-interval and a sign test on
-   the paired ratio) and adopt the best one that is kept or likely; then compose again;
+   the paired ratio) and adopt the best one that is kept or likely; then compose again. With
+   `--trial-gpus N` a round's pairs run on N GPUs at once, a pair's two runs on one GPU;
 5. rediagnose: before it stops for want of prescriptions, the adopted config is run once more with
    a trace and diagnosed again (one diagnosed run decides whether a noisy threshold trips: on the
    H100 the 0.5b batch-22 config ran 82-86% GPU busy against the batch rule's 85%), and wherever
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -53,6 +55,7 @@ from vlmdoctor.doctor.treat_batch import PROBE_MIN_STEP, PROBE_RULE, MemoryModel
 from vlmdoctor.doctor.treat_compose import apply, compose, config_key, merged_patch, smaller_batch
 from vlmdoctor.doctor.treat_options import TreatOptions  # the limits, declared in a light module
 from vlmdoctor.doctor.treat_trials import (
+    STOPPED_BY_BUDGET,
     adopted_outcome,
     composed_x,
     is_shown,
@@ -66,13 +69,21 @@ from vlmdoctor.run.config import RunConfig
 from vlmdoctor.supervise import describe_interruption, interrupted_exit_code
 
 #: run(cfg, diagnose, timeout[, device]) -> a profile report; treat calls run_isolated through the CLI. `device`
-#: (the GPU to pin the run to) is passed only where the ablation runs on several GPUs at once
+#: (the GPU to pin the run to) is passed only where runs go to several GPUs at once (compare's lanes, the ablation)
 Runner = Callable[..., dict[str, Any]]
+#: runs in several threads at once (--trial-gpus) record their seconds and memory one at a time
+_RECORDING = threading.Lock()
 Notify = Callable[[str], None]
 #: the most runs a composition's batch sizing takes: its first run, one raised to the ceiling, one bisection
 SIZE_MAX_RUNS = 3
 #: a rule's estimate this far from the measured ratio, either way, is called far off in the calibration
 FAR_OFF = 1.25
+#: seconds a run may go on past --time-budget (a run starts only where its expected time fits; this covers the
+#: estimate's error). It was 60: on four H200s a 0.5b ablation arm without compile, expected at 50 s, ran over
+#: 200 s, and the treatment ended 56 s past its budget, inside that arm, its pairs lost
+RUN_GRACE_S = 20.0
+#: the least limit of a run started near the end of the budget
+MIN_RUN_LIMIT_S = 30.0
 
 
 def _label(patch: dict[str, Any]) -> str:
@@ -182,8 +193,9 @@ def treat(
 
 
 def resolve_trial_gpus(n: int, cfg: RunConfig) -> int:
-    """The GPUs the final ablation runs on at once: `n` (0: every visible one), at most those visible; 1 on a CPU,
-    where parallel runs would share the cores they time, and for a distributed config, whose runs use the GPUs."""
+    """The GPUs a round's pairs and the final ablation run on at once: `n` (0: every visible one), at most those
+    visible; 1 on a CPU, where parallel runs would share the cores they time, and for a distributed config, whose
+    runs use the GPUs."""
     if cfg.nproc_per_node > 1 or cfg.device == "cpu":
         return 1
     import torch  # deferred: --trial-gpus 1, the default, needs no torch here
@@ -227,6 +239,8 @@ class _Treatment:
             "interrupted": False,
         }
         self.run_s: list[float] = []  # wall time of each run, to size what still fits in the budget
+        self.first_run_s: list[float] = []  # wall time of each config's first run (`new_run_s`)
+        self.ran: set[str] = set()  # the configs run so far
         self.mem = MemoryModel()  # peak memory against the batch, from every run: where the batch ceiling is
         self.current_cfg = cfg
         self.current: dict[str, Any] = {}
@@ -235,6 +249,10 @@ class _Treatment:
         self.rediagnosed: set[str] = set()  # configs diagnosed a second time before the treatment could stop on them
         self.pending: list[dict[str, Any]] = []  # a composition to retry with a smaller batch after an OOM
         self.adopted: list[list[dict[str, Any]]] = []  # each adopted round's changes, in order
+        # the adopted config's last clean run on each of compare's lanes (lane g: GPU g), and that config's key: the
+        # final ablation's GPU g >= 1 takes it as its final arm's first run instead of running the config again
+        self.final_by_lane: dict[int, dict[str, Any]] = {}
+        self.final_by_lane_cfg: str | None = None
         self.live: dict[str, Any] = {}  # what the round in flight has measured, for Ctrl-C
         self.comps: list[dict[str, Any]] = []  # the round's compositions
         self.first: dict[str, dict[str, Any]] = {}  # a composition's sizing run: its first run of the comparison
@@ -250,18 +268,32 @@ class _Treatment:
     def mean_run_s(self) -> float:
         return statistics.fmean(self.run_s) if self.run_s else 0.0
 
+    def new_run_s(self) -> float:
+        """What the first run of a config not yet run is expected to take: the mean of such runs so far (they pay the
+        compilation a later run finds cached), else of every run. An ablation arm is such a run: on the H200, 0.5b
+        arms took about 80 s where the treatment's runs had averaged 50 s, and the last one ran past the budget."""
+        return statistics.fmean(self.first_run_s) if self.first_run_s else self.mean_run_s()
+
     def runner(self, c: RunConfig, diagnose: bool, device: int | None = None) -> Callable[[], dict[str, Any]]:
-        """A run of `c` in a fresh process; `device`: the GPU it is pinned to (the ablation on several GPUs)."""
+        """A run of `c` in a fresh process; `device`: the GPU it is pinned to (compare's lanes, the ablation on
+        several GPUs: then runs of other threads record beside it, one at a time)."""
 
         def go() -> dict[str, Any]:
             left = self.time_left()
             limit = self.opts.trial_timeout_s
-            if not math.isinf(left):
-                limit = max(30.0, min(limit, left + 60))
+            by_budget = not math.isinf(left) and max(MIN_RUN_LIMIT_S, left + RUN_GRACE_S) < limit
+            if by_budget:
+                limit = max(MIN_RUN_LIMIT_S, left + RUN_GRACE_S)
             t = time.time()
             rep = self.run(c, diagnose, limit) if device is None else self.run(c, diagnose, limit, device)
-            self.run_s.append(time.time() - t)
-            self.mem.observe(c, rep)
+            if by_budget and rep.get("status") == "timeout":  # the budget stopped it, not its config's slowness
+                rep = {**rep, "status": STOPPED_BY_BUDGET}
+            with _RECORDING:
+                self.run_s.append(time.time() - t)
+                if config_key(c) not in self.ran:
+                    self.ran.add(config_key(c))
+                    self.first_run_s.append(time.time() - t)
+                self.mem.observe(c, rep)
             return rep
 
         return go
@@ -512,12 +544,20 @@ class _Treatment:
     def compare(self) -> str:
         out, opts, comps = self.out, self.opts, self.comps
         rnd = out["rounds"][-1]
-        arms = {"current": self.runner(self.current_cfg, False)}
-        arms.update({c["name"]: _first_diagnosed(self.runner, c["config"]) for c in comps})
-        self.notify(f"round {rnd['round']}: " + "; ".join(f"{c['name']} ({len(c['changes'])} changes)" for c in comps))
+        diagnosed = {c["name"]: _first_diagnosed(self.runner, c["config"]) for c in comps}  # shared by the lanes
+
+        def lane_arms(g: int | None) -> dict[str, Callable[[], dict[str, Any]]]:
+            """The arms of lane g, pinned to GPU g (lane 0: None, as every other run of the treatment)."""
+            return {"current": self.runner(self.current_cfg, False, g), **{n: d(g) for n, d in diagnosed.items()}}
+
+        lanes = max(1, opts.trial_gpus)
+        on = f" (pairs on {lanes} GPUs at once)" if lanes > 1 else ""
+        self.notify(
+            f"round {rnd['round']}: " + "; ".join(f"{c['name']} ({len(c['changes'])} changes)" for c in comps) + on
+        )
         self.live.clear()
         res = interleaved(
-            arms,
+            lane_arms(None),
             "current",
             self.po,
             self.time_left,
@@ -526,8 +566,13 @@ class _Treatment:
             notify=self.notify,
             on_round=lambda r: self.live.update(arms=r, kind="composition", comps=comps),
             reserve_s=self.reserve(),
+            lanes=lanes,
+            lane_arms=lane_arms,
+            new_run_s=self.new_run_s(),
+            partial_pairs=True,
         )
         self.live.clear()
+        rnd["lanes"], rnd["pairs"] = res["lanes"], res["pairs"]
         best = None
         for c in comps:
             d, arm = res["decisions"][c["name"]], res["arms"][c["name"]]
@@ -552,7 +597,7 @@ class _Treatment:
                 out["stopped_because"] = "no composition paid off"
                 return COMPOSE
             open_ = any(res["decisions"][c["name"]].get("outcome") == "undecided" for c in comps)
-            if open_ and opts.time_budget_s is not None and res["rounds"] < self.po.max_pairs:
+            if open_ and opts.time_budget_s is not None and res["pairs"] < self.po.max_pairs:
                 return self.stop(STOP_TIME, f"{self._budget_words()}: too little left to decide")
             out["stopped_because"] = "no composition paid off"
             return COMPOSE  # the same diagnosis yields nothing new: compose() finds every config tried and stops
@@ -606,6 +651,9 @@ class _Treatment:
         )
         self.adopted.append(changes)
         self.current_cfg, self.current = comp["config"], composed_report
+        # a new config: each lane's last clean run of it replaces the previous config's
+        self.final_by_lane = {g: r for g, r in zip(arm.lanes, arm.reports) if r.get("status") == "ok" and throughput(r)}
+        self.final_by_lane_cfg = config_key(comp["config"])
 
     def rediagnose(self) -> str:
         """One diagnosed run decided that nothing is left: diagnose the adopted config again, with a trace (one
@@ -630,7 +678,7 @@ class _Treatment:
 
 
 def calibration(trials: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each measured trial's expected gain (a change's rule's estimate; a composition's, the product of its
+    """Each measured trial's expected gain (a change's rule's estimate; a composition's, composed_x of its
     changes') beside its paired ratio: `off` = measured / expected, far off beyond FAR_OFF either way."""
     rows = []
     for t in trials:
@@ -656,14 +704,21 @@ def calibration(trials: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _first_diagnosed(
-    runner: Callable[[RunConfig, bool], Callable[[], dict[str, Any]]], cfg: RunConfig
-) -> Callable[[], dict[str, Any]]:
-    """A composition's first run is traced and diagnosed (the next round needs its findings); the
-    pairs after it are timed only, which saves the trace window and its analysis."""
-    calls = {"n": 0}
+    runner: Callable[[RunConfig, bool, int | None], Callable[[], dict[str, Any]]], cfg: RunConfig
+) -> Callable[[int | None], Callable[[], dict[str, Any]]]:
+    """A composition's arm on each lane (GPU; None: the first, unpinned): its first run, on whichever lane comes
+    first, is traced and diagnosed (the next round needs its findings); the pairs after it, on every lane, are
+    timed only, which saves the trace window and its analysis. One count for every lane, under a lock: the lanes
+    run at once."""
+    lock, calls = threading.Lock(), {"n": 0}
 
-    def go() -> dict[str, Any]:
-        calls["n"] += 1
-        return runner(cfg, calls["n"] == 1)()
+    def on(device: int | None) -> Callable[[], dict[str, Any]]:
+        def go() -> dict[str, Any]:
+            with lock:
+                calls["n"] += 1
+                diagnose = calls["n"] == 1
+            return runner(cfg, diagnose, device)()
 
-    return go
+        return go
+
+    return on

@@ -14,9 +14,9 @@ from typing import Any, Protocol
 
 from vlmdoctor import supervise
 from vlmdoctor.doctor.decide import ArmResult, PairedOptions, interleaved, pooled_log_sd, pooled_verdict
-from vlmdoctor.doctor.treat_compose import apply
+from vlmdoctor.doctor.treat_compose import apply, config_key
 from vlmdoctor.doctor.treat_options import TreatOptions
-from vlmdoctor.doctor.treat_trials import LIKELY, is_shown, outcome_of, record_trial, summary
+from vlmdoctor.doctor.treat_trials import LIKELY, STOPPED_BY_BUDGET, is_shown, outcome_of, record_trial, summary
 from vlmdoctor.errors import UsageError
 from vlmdoctor.run.config import RunConfig
 
@@ -49,10 +49,14 @@ class Treatment(Protocol):
     run_s: list[float]
     live: dict[str, Any]
     notify: Callable[[str], None]
+    final_by_lane: dict[int, dict[str, Any]]  # the adopted config's last clean run on each of compare's lanes
+    final_by_lane_cfg: str | None  # the config those runs measured (`config_key`)
 
     def time_left(self) -> float: ...
 
     def mean_run_s(self) -> float: ...
+
+    def new_run_s(self) -> float: ...
 
     def runner(self, c: RunConfig, diagnose: bool, device: int | None = None) -> Callable[[], dict[str, Any]]: ...
 
@@ -140,6 +144,8 @@ def _compare(
         first={"final": final_report} if final_report is not None else None,
         notify=notify or tr.notify,
         on_round=on_round or (lambda r: tr.live.update(arms=r, kind="ablation")),
+        new_run_s=tr.new_run_s(),
+        partial_pairs=True,
     )
 
 
@@ -151,11 +157,13 @@ def _on_gpus(
     gpus: int,
 ) -> dict[str, Any]:
     """The arms dealt round-robin to `gpus` comparisons run at once, one GPU each, each with its own final arm so
-    that every pair is measured on one GPU; merged into one comparison's result. The final config's run the
-    treatment already made (on the first visible GPU) is the first GPU's round 1 only: another GPU's pairs would
-    pair runs of two GPUs. Threads suffice: each run is a subprocess. Wall time counts once: every comparison reads
-    the one clock (`tr.time_left`)."""
+    that every pair is measured on one GPU; merged into one comparison's result. Each GPU's round 1 reuses a run of
+    the final config made on that GPU: the first GPU's, the treatment's diagnosed run (`final_report`, on the first
+    visible GPU); GPU g's, compare's last run of the adopted composition on its lane g (`_reused_finals`). A GPU
+    without one runs the final config first: another GPU's run would pair runs of two GPUs. Threads suffice: each
+    run is a subprocess. Wall time counts once: every comparison reads the one clock (`tr.time_left`)."""
     groups = [cands[g::gpus] for g in range(gpus)]
+    reused = _reused_finals(tr, final_cfg, gpus)
     lock, stop = threading.Lock(), threading.Event()
     live: dict[str, ArmResult] = {}
 
@@ -179,7 +187,9 @@ def _on_gpus(
 
     with ThreadPoolExecutor(max_workers=gpus, thread_name_prefix="ablation-gpu") as pool:
         futures = [
-            pool.submit(_compare, tr, grp, final_cfg, final_report if g == 0 else None, g, say(g), seen(g), left)
+            pool.submit(
+                _compare, tr, grp, final_cfg, final_report if g == 0 else reused.get(g), g, say(g), seen(g), left
+            )
             for g, grp in enumerate(groups)
         ]
         try:
@@ -193,6 +203,17 @@ def _on_gpus(
         "arms": {n: a for r in reversed(results) for n, a in r["arms"].items()},  # "final": the first GPU's
         "decisions": {n: d for r in results for n, d in r["decisions"].items()},
     }
+
+
+def _reused_finals(tr: Treatment, final_cfg: RunConfig, gpus: int) -> dict[int, dict[str, Any]]:
+    """GPU g's (1 <= g < gpus) run of the final config already made: compare's last clean run of the adopted
+    composition on lane g, pinned to GPU g, a timed run like an ablation arm's. None where the final config is not
+    the config those runs measured. On four H200s (llava-siglip2-0.5b, --time-budget 380, 2026-11-27), the ablation
+    had 104 s left; GPUs 1-3 each spent ~45 s running the final config again, which compare's last round had just
+    run on them, and then had no time for their arm: 1 of 3 arms measured."""
+    if tr.final_by_lane_cfg is None or tr.final_by_lane_cfg != config_key(final_cfg):
+        return {}
+    return {g: r for g, r in tr.final_by_lane.items() if 1 <= g < gpus}
 
 
 def _candidates(
@@ -216,9 +237,11 @@ def _candidates(
             c["contribution"] = {"outcome": "superseded", "how": "a later round set its knobs again"}
             continue
         cands.append((c, without))
-    runs_left = (tr.time_left() / tr.mean_run_s()) if tr.run_s and tr.mean_run_s() > 0 else math.inf
-    gpus = max(1, tr.opts.trial_gpus)  # each GPU runs as many; each but the first runs the final config once more
-    runs_left = runs_left * gpus - (gpus - 1)
+    # each arm is a config not run before: it takes what such runs took (`new_run_s`), its compilation included
+    runs_left = (tr.time_left() / tr.new_run_s()) if tr.run_s and tr.new_run_s() > 0 else math.inf
+    # each GPU runs as many; each but the first without a run of the final config to reuse runs it once more
+    gpus = max(1, tr.opts.trial_gpus)
+    runs_left = runs_left * gpus - (gpus - 1 - len(_reused_finals(tr, final_cfg, gpus)))
     return _ablations_that_fit(cands, max(0, tr.opts.max_trials - len(tr.out["trials"])), runs_left)
 
 
@@ -232,6 +255,8 @@ def _judge(tr: Treatment, c: dict[str, Any], ab: dict[str, Any], pooled: tuple[f
     # memory without compile, whose fused loss never holds the fp32 logits (an 11.8 GiB allocation)
     broke = BROKEN_WITHOUT.get(o)
     why = {"why": broke} if broke else {}
+    if dd.get("outcome") == STOPPED_BY_BUDGET:
+        why = {"why": "the time budget stopped its run: not measured"}
     few = dd.get("ratios") and len(dd["ratios"]) < opts.min_pairs
     if not broke and few and pooled and pooled[1] >= POOLED_MIN_DF and o in ("kept", "undecided", *LIKELY):
         dd = pooled_verdict(dd["ratios"], pooled, opts.min_gain, opts.confidence) | {"why": dd.get("why")}

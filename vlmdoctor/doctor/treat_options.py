@@ -26,7 +26,8 @@ class TreatOptions:
     min_pairs: int = MIN_PAIRS
     max_pairs: int = 6
     ablation_share: float = ABLATION_SHARE
-    #: GPUs the final ablation's arms run on at once, one comparison each (0: every visible one; 1: as before)
+    #: GPUs a round's pairs (lanes) and the final ablation's arms run on at once, every pair on one GPU (0: every
+    #: visible one; 1: as before)
     trial_gpus: int = 1
 
     def paired(self) -> PairedOptions:

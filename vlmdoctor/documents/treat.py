@@ -95,7 +95,13 @@ class Trial(RunSummary, kw_only=True):
     why: Annotated[str | None, Meta(description="the decision, in words")] = None
     margin: Annotated[float | None, Meta(description="an older treat.json: the spread-based margin")] = None
     expected_x: (
-        Annotated[float, Meta(gt=0, description="the rules' expected ratio (a composition: the product)")] | None
+        Annotated[
+            float,
+            Meta(
+                gt=0, description="the rules' expected ratio (a composition: composed_x, its shares of the step added)"
+            ),
+        ]
+        | None
     ) = None
     decided_by: Annotated[str | None, Meta(description="t-interval, sign test, pooled spread, the limit's lean")] = None
     p_sign: Annotated[Fraction, Meta(description="0.5^pairs: every pair on one side with no effect")] | None = None

@@ -1,0 +1,65 @@
+"""`treat`'s time budget as a limit on the runs' ends: a run's limit is the time left plus RUN_GRACE_S, and a run
+the budget stopped is marked `budget` (not measured), never read as a config that times out. On CPU with the fake
+runner of test_treat.py."""
+
+from __future__ import annotations
+
+import time
+
+from test_treat import BASE, FakeRunner
+
+from vlmdoctor.doctor.decide import ArmResult
+from vlmdoctor.doctor.treat import MIN_RUN_LIMIT_S, RUN_GRACE_S, TreatOptions, _Treatment
+from vlmdoctor.doctor.treat_ablation import _judge
+from vlmdoctor.doctor.treat_trials import STOPPED_BY_BUDGET, outcome_of
+
+
+class TimingOut(FakeRunner):
+    """Every run reports a timeout; the limits it was given are kept."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.limits: list[float] = []
+
+    def __call__(self, c, diagnose, timeout, device=None):  # type: ignore[override]
+        self.limits.append(timeout)
+        return {"status": "timeout", "error": {"message": f"took longer than {timeout:.0f} s"}}
+
+
+def treatment(runner: FakeRunner, budget: float | None, trial_timeout: float = 900.0) -> _Treatment:
+    return _Treatment(
+        BASE, runner, TreatOptions(time_budget_s=budget, trial_timeout_s=trial_timeout), lambda _: None, lambda c: None
+    )
+
+
+def test_a_run_near_the_end_of_the_budget_is_limited_to_it_and_marked_budget():
+    runner = TimingOut()
+    tr = treatment(runner, budget=100.0)
+    tr.t0 = time.time() - 60  # 40 s left
+    rep = tr.runner(BASE, False)()
+    assert runner.limits[0] <= 40 + RUN_GRACE_S + 1 and runner.limits[0] >= MIN_RUN_LIMIT_S
+    assert rep["status"] == STOPPED_BY_BUDGET
+    assert outcome_of({"outcome": STOPPED_BY_BUDGET}, ArmResult("x", [rep], [None], rep)) == "undecided"
+
+
+def test_a_run_that_times_out_on_its_own_limit_stays_a_timeout():
+    """Without a budget, or with the budget far away, the limit is --trial-timeout: a timeout is the config's."""
+    for budget in (None, 10_000.0):
+        runner = TimingOut()
+        rep = treatment(runner, budget=budget, trial_timeout=120.0).runner(BASE, False)()
+        assert runner.limits[0] == 120.0 and rep["status"] == "timeout"
+
+
+def test_an_ablation_arm_the_budget_stopped_is_not_called_needed():
+    """Before, the arm's timeout read as "kept: the run timed out without it" (BROKEN_WITHOUT)."""
+    tr = treatment(FakeRunner(), budget=100.0)
+    tr.out["trials"] = []
+    change = {"rule": "r", "layer": 1, "title": "t", "config_patch": {}, "contribution": {"how": "x"}}
+    stopped = {"status": STOPPED_BY_BUDGET}
+    ab = {
+        "decisions": {"without r": {"outcome": STOPPED_BY_BUDGET}},
+        "arms": {"without r": ArmResult("without r", [stopped], [None], stopped)},
+    }
+    _judge(tr, change, ab, None)
+    assert change["contribution"]["outcome"] == "undecided"
+    assert "time budget stopped its run" in change["contribution"]["why"]
