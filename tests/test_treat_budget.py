@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from test_treat import BASE, FakeRunner
 
 from vlmdoctor.doctor.decide import ArmResult
 from vlmdoctor.doctor.treat import MIN_RUN_LIMIT_S, RUN_GRACE_S, TreatOptions, _Treatment
-from vlmdoctor.doctor.treat_ablation import _judge
+from vlmdoctor.doctor.treat_ablation import NOT_ABLATED, _judge
 from vlmdoctor.doctor.treat_trials import STOPPED_BY_BUDGET, outcome_of
 
 
@@ -63,3 +64,38 @@ def test_an_ablation_arm_the_budget_stopped_is_not_called_needed():
     _judge(tr, change, ab, None)
     assert change["contribution"]["outcome"] == "undecided"
     assert "time budget stopped its run" in change["contribution"]["why"]
+
+
+def _adopted(k: int) -> list[list[dict]]:
+    return [[{"contribution": {"how": NOT_ABLATED}} for _ in range(k)]]
+
+
+def test_the_budget_plan_counts_the_gpus_that_run_pairs_and_arms_at_once():
+    """On one GPU a later round of one composition in 3 pairs takes 5 runs and the ablation of 10 changes 32 (more
+    than its 25% share); on 4 GPUs the round takes one lane's 2 runs and each GPU ablates 3 changes (11 runs)."""
+    plans = {}
+    for gpus in (1, 4):
+        tr = _Treatment(
+            BASE, FakeRunner(), TreatOptions(time_budget_s=1000.0, trial_gpus=gpus), lambda _: None, lambda c: None
+        )
+        tr.run_s = [10.0]
+        tr.adopted = _adopted(10)
+        tr.t0 = time.time() - 500  # 500 s left
+        comps = [{"changes": [{"expected_gain": {"throughput_x": 1.1}}]}]
+        plans[gpus] = (tr.reserve(), tr._round_fits(comps))
+    assert plans[1][0] == 250.0  # the share: 10 changes x 3 pairs + 2 at 10 s is 320 s
+    assert plans[4][0] == pytest.approx(110.0)  # 3 arms x 3 pairs + 2 finals at 10 s
+    assert plans[1][1] and plans[4][1]
+
+
+def test_a_round_that_fits_only_in_lanes():
+    """40 s left beside the reserve: a round of 5 runs of 10 s does not fit one GPU; on 4 GPUs it takes 2 runs' time."""
+    fits = {}
+    for gpus, left in ((1, 40.0), (4, 40.0)):
+        tr = _Treatment(
+            BASE, FakeRunner(), TreatOptions(time_budget_s=1000.0, trial_gpus=gpus), lambda _: None, lambda c: None
+        )
+        tr.run_s, tr.adopted = [10.0], _adopted(1)
+        tr.t0 = time.time() - (1000 - left - tr.reserve())
+        fits[gpus] = tr._round_fits([{"changes": [{"expected_gain": {"throughput_x": 1.1}}]}])
+    assert fits == {1: False, 4: True}

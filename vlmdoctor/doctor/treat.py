@@ -300,13 +300,17 @@ class _Treatment:
 
     def reserve(self) -> float:
         """Seconds kept for the final ablation: its share of the budget, at most what ablating every adopted change
-        in min_pairs pairs takes at the mean run so far; none before a change is adopted, or without a budget."""
+        in min_pairs pairs takes at the mean run so far (on --trial-gpus N, each GPU ablates a share of the changes
+        at once); none before a change is adopted, or without a budget."""
         if self.opts.time_budget_s is None or not self.run_s:
             return 0.0
         k = sum(c["contribution"]["how"] in TO_ABLATE for changes in self.adopted for c in changes)
         p = self.opts.min_pairs
+        arms = math.ceil(k / max(1, self.opts.trial_gpus))  # the most arms one GPU runs
         kept = (
-            min(self.opts.ablation_share * self.opts.time_budget_s, (k * p + p - 1) * self.mean_run_s()) if k else 0.0
+            min(self.opts.ablation_share * self.opts.time_budget_s, (arms * p + p - 1) * self.mean_run_s())
+            if k
+            else 0.0
         )
         self.reserved = max(self.reserved, kept)
         return kept
@@ -430,12 +434,15 @@ class _Treatment:
     def _round_fits(self, comps: list[dict[str, Any]]) -> bool:
         """A later round of new compositions starts only when its pairs fit beside the ablation's reserve: two
         pairs where every composition is expected to beat the large-effect factor, else min_pairs. Round 1
-        always starts (nothing is adopted yet, so nothing is reserved)."""
+        always starts (nothing is adopted yet, so nothing is reserved). On --trial-gpus N the pairs run in lanes,
+        N at a time: a round of every arm per lane takes as long as one lane's."""
         if self.opts.time_budget_s is None or not self.run_s or not self.adopted:
             return True
         large = all((composed_x(c["changes"]) or 1.0) >= self.po.large_effect for c in comps)
         pairs = 2 if large and self.po.large_effect > 1 else self.po.min_pairs
-        need = (len(comps) * pairs + pairs - 1) * self.mean_run_s()
+        lanes = max(1, self.opts.trial_gpus)
+        runs = len(comps) * pairs + pairs - 1 if lanes == 1 else math.ceil(pairs / lanes) * (len(comps) + 1)
+        need = runs * self.mean_run_s()
         return need <= self.time_left() - self.reserve()
 
     def size(self) -> str:
