@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import threading
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
-from test_treat import BASE, FakeRunner, run_fake
+from test_treat import BASE, FakeRunner, MemoryRunner, SizedRunner, run_fake
 from typer.testing import CliRunner
 
+from vlmdoctor import supervise
 from vlmdoctor.cli import app
 from vlmdoctor.commands.treat import pinned
 from vlmdoctor.doctor.treat import TreatOptions, resolve_trial_gpus, treat
@@ -29,8 +31,8 @@ class DeviceRunner(FakeRunner):
     """The fake world's runs, each recording the GPU it was pinned to; a pinned run takes SLEEP_S. `devices` and the
     fake world's `calls` (config, diagnose, timeout) are recorded together, in one order."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
         self.lock = threading.Lock()
         self.devices: list[tuple[object, int | None]] = []
         self.spans: list[tuple[int, float, float]] = []  # each pinned run's GPU, start and end
@@ -275,3 +277,173 @@ def test_a_reused_final_run_leaves_room_for_an_arm_and_only_in_the_adopted_confi
         tr = ablation_stub(4, by_lane, lane_cfg)
         assert len(_candidates(tr, start, adopted(), final)) == n
         assert len(_reused_finals(tr, final, 4)) == (n - 1)
+
+
+# --- the first sizing step on N GPUs at once ---------------------------------------------------------------
+
+
+class SizingRunner(DeviceRunner):
+    """A memory world of test_treat.py on GPUs (mixed in after DeviceRunner): every run, lane 0's (unpinned) too,
+    takes SLEEP_S and keeps its config, GPU and span (`timed`), to show which runs were in progress at once."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.timed: list[tuple[object, int | None, float, float]] = []
+
+    def __call__(self, c, diagnose, timeout, device=None):  # type: ignore[override]
+        t0 = time.monotonic()
+        if device is None:
+            time.sleep(SLEEP_S)  # DeviceRunner sleeps for a pinned one
+        rep = super().__call__(c, diagnose, timeout, device)
+        with self.lock:
+            self.timed.append((c, device, t0, time.monotonic()))
+        return rep
+
+
+class SizedGpus(SizingRunner, SizedRunner):
+    """test_treat.py's SizedRunner world (round 1: bf16 weights at the rules' batch 11; 4 GiB + 1.6 GiB a sample of
+    80: batch 44 fits, 88 does not), its fake clock left unused."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(clock={"t": 0.0}, **kw)
+
+
+class MemoryGpus(SizingRunner, MemoryRunner):
+    pass
+
+
+def treat_on(runner: DeviceRunner, gpus: int, start=BASE, monkeypatch=None, **opts) -> dict:
+    if monkeypatch is not None:
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    cfg = dataclasses.replace(start, device="cuda")
+    o = TreatOptions(time_budget_s=None, trial_gpus=gpus, **opts)
+    return treat(cfg, runner, o, lambda _: None, validate=lambda c: None)
+
+
+def steps(timed: list) -> int:
+    """How many steps one after another the runs took: groups of runs in progress at the same moment."""
+    n, end = 0, -math.inf
+    for s, e in sorted((s, e) for *_, s, e in timed):
+        n, end = (n + 1, e) if s >= end else (n, max(end, e))
+    return n
+
+
+def round1_sizing(result: dict, timed: list) -> list:
+    """The runs of round 1's sizing (the state's first visit)."""
+    return next(got for v, got in by_visit(result, timed) if v["state"] == "size")
+
+
+def sizing(result: dict, round_: int = 0) -> list[tuple]:
+    return [(s["batch_size"], s["status"], s.get("device")) for s in result["rounds"][round_]["sizing"]]
+
+
+def test_four_gpus_size_four_batches_at_once_in_one_step(monkeypatch):
+    """--trial-gpus 4: round 1's composition at the rules' batch 11 on the first GPU (unpinned, as every run of lane
+    0) and at 22, 44 and 88 on GPUs 1-3, all in progress at once; 88 runs out of memory, and 44 ran at 93% of the
+    card, past the memory model's headroom (90%): not chosen. On one GPU the same world takes two steps (11, then
+    the ceiling 36 read from one run) and compares batch 36; on four, two steps too (the first of four runs, then
+    the ceiling 42 read from three), and compares 42."""
+    one = SizedGpus()
+    alone = treat_on(one, 1)
+    assert sizing(alone) == [(11, "ok", None), (36, "ok", None)]
+    assert steps(round1_sizing(alone, one.timed)) == 2
+    four = SizedGpus()
+    result = treat_on(four, 4, monkeypatch=monkeypatch)
+    assert sizing(result) == [(11, "ok", 0), (22, "ok", 1), (44, "ok", 2), (88, "oom", 3), (42, "ok", 0)]
+    sized = round1_sizing(result, four.timed)
+    assert [(c.batch_size, d) for c, d, *_ in sized if d is None] == [(11, None), (42, None)]
+    assert sorted((c.batch_size, d) for c, d, *_ in sized if d is not None) == [(22, 1), (44, 2), (88, 3)]
+    spans = [(s, e) for c, *_, s, e in sized if c.batch_size != 42]  # the first step
+    assert all(s1 < e2 and s2 < e1 for s1, e1 in spans for s2, e2 in spans)  # every two in progress at once
+    assert steps(sized) == 2
+    size = next(v for v in result["states"] if v["state"] == "size")
+    assert size["runs"] == 5
+    # the comparison pairs the largest batch that ran: at least one GPU's, its batch change saying how
+    first = result["trials"][0]
+    assert first["config_patch"] == {"weight_dtype": "bf16", "batch_size": 42}
+    assert first["config_patch"]["batch_size"] >= alone["trials"][0]["config_patch"]["batch_size"] == 36
+    batch = next(c for c in result["ladder"][1]["changes"] if c["rule"] == "batch")
+    assert batch["sized"]["from"] == 11 and batch["sized"]["to"] == 42
+    as_document(result, TreatResult, "treat.json")
+
+
+def test_an_out_of_memory_batch_of_the_first_step_bounds_the_next(monkeypatch):
+    """Memory readings promise batch 280 (2 GiB + 0.25 a sample of 80), but runs from batch 220 on run out of
+    memory: the probe's 32 and 64, 128, 256 run at once, 256 out of memory; the memory model, told so, bisects the
+    next step between 128 and 256: 192 ran, the comparison pairs it, and no step of 25% is left below 256."""
+    runner = MemoryGpus(fixed=2.0, per=0.25, total=80.0, oom_at=220, half=1000)
+    result = treat_on(runner, 4, monkeypatch=monkeypatch)
+    assert sizing(result) == [(32, "ok", 0), (64, "ok", 1), (128, "ok", 2), (256, "oom", 3), (192, "ok", 0)]
+    assert steps(round1_sizing(result, runner.timed)) == 2
+    assert result["trials"][0]["config_patch"] == {"batch_size": 192}
+    assert result["final_config"]["batch_size"] == 192
+    assert "batch 192; out of memory at 256" in result["stopped_because"]
+
+
+@pytest.mark.parametrize(
+    ("runner", "start", "want"),
+    [  # test_treat.py's one-GPU sizing, written against the sizing before N batches ran at once
+        (lambda: MemoryGpus(fixed=2.0, per=0.5, total=80.0, half=30), BASE, [(32, "ok"), (140, "ok")]),
+        (
+            lambda: MemoryGpus(fixed=2.0, per=0.5, total=80.0, oom_at=25, half=1000),
+            BASE,
+            [(32, "oom"), (18, "ok"), (25, "oom")],
+        ),
+        (lambda: MemoryGpus(fires={2}), BASE.replace(batch_size=22), [(106, "ok"), (150, "ok")]),
+        (SizedGpus, BASE.replace(batch_size=4), [(11, "ok"), (36, "ok")]),
+    ],
+)
+def test_one_gpu_sizes_one_run_at_a_time_as_before(runner, start, want):
+    r = runner()
+    result = treat_on(r, 1, start=start)
+    rows = result["rounds"][0]["sizing"]
+    assert [(s["batch_size"], s["status"]) for s in rows] == want
+    assert all(set(s) == {"name", "batch_size", "status", "peak_mem_gb"} for s in rows)  # no "device"
+    assert all(d is None for _, d in r.devices) and steps(round1_sizing(result, r.timed)) == len(want)
+
+
+def lane0_runs(result: dict, runner: SizingRunner) -> tuple[int, int]:
+    """Round 1's comparison on lane 0 (unpinned): the runs of its one composition, and of the current config."""
+    assert len(result["rounds"][0]["compositions"]) == 1
+    current = key(result["rounds"][0]["current_config"])
+    compare = next(got for v, got in by_visit(result, runner.timed) if v["state"] == "compare")
+    ran = [key(c) == current for c, d, *_ in compare if d is None]
+    return ran.count(False), ran.count(True)
+
+
+@pytest.mark.parametrize(
+    ("make", "gpu"),
+    [(lambda: MemoryGpus(fixed=2.0, per=0.25, total=80.0, half=1000), 3), (lambda: SizedGpus(oom_at=20), 0)],
+)
+def test_a_sizing_run_of_another_gpu_is_not_lane_0s_first_run(monkeypatch, make, gpu):
+    """The comparison's lane 0 reuses the chosen sizing run as its first run only where it ran on lane 0's GPU: batch
+    256 of GPU 3 (within the ceiling 280, no step of 25% left above it) would pair runs of two GPUs, and lane 0 runs
+    it itself (one run more than of the current config, whose round 1 run is reused); where 22 and up run out of
+    memory, the step after the first, 16, ran on lane 0 and is reused (as many runs as of the current config)."""
+    runner = make()
+    result = treat_on(runner, 4, monkeypatch=monkeypatch)
+    chosen = result["trials"][0]["config_patch"]["batch_size"]
+    assert [s.get("device") for s in result["rounds"][0]["sizing"] if s["batch_size"] == chosen] == [gpu]
+    if gpu:
+        assert sizing(result) == [(32, "ok", 0), (64, "ok", 1), (128, "ok", 2), (256, "ok", 3)]
+    else:
+        assert sizing(result) == [(11, "ok", 0), (22, "oom", 1), (44, "oom", 2), (88, "oom", 3), (16, "ok", 0)]
+    comp, current = lane0_runs(result, runner)
+    assert comp == current + (gpu != 0)
+
+
+def test_ctrl_c_during_the_first_sizing_step_stops_every_run(monkeypatch):
+    """A Ctrl-C while the first step's runs are in progress (here: raised in GPU 3's run, as `supervise` does in a
+    thread's run it stopped) stops the runs of the other threads and ends the treatment, kept as interrupted."""
+    stopped = []
+    monkeypatch.setattr(supervise, "stop_all", lambda: stopped.append(1))
+
+    class Interrupted(SizedGpus):
+        def __call__(self, c, diagnose, timeout, device=None):  # type: ignore[override]
+            if device == 3:
+                raise KeyboardInterrupt
+            return super().__call__(c, diagnose, timeout, device)
+
+    result = treat_on(Interrupted(), 4, monkeypatch=monkeypatch)
+    assert result["interrupted"] and result["stop_reason"] == "interrupted" and stopped == [1]
+    assert result["states"][-1]["state"] == "size" and result["rounds"][0]["sizing"] == []

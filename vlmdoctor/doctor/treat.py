@@ -45,13 +45,21 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from vlmdoctor import SCHEMA_VERSION, __version__
+from vlmdoctor import SCHEMA_VERSION, __version__, supervise
 from vlmdoctor.doctor.decide import ArmResult, interleaved, throughput
 from vlmdoctor.doctor.treat_ablation import ADOPTED_LIKELY, ADOPTED_OPEN, NOT_ABLATED, TO_ABLATE, final_ablation
-from vlmdoctor.doctor.treat_batch import PROBE_MIN_STEP, PROBE_RULE, MemoryModel, family, with_probe
+from vlmdoctor.doctor.treat_batch import (
+    PROBE_MAX_FACTOR,
+    PROBE_MIN_STEP,
+    PROBE_RULE,
+    MemoryModel,
+    family,
+    with_probe,
+)
 from vlmdoctor.doctor.treat_compose import apply, compose, config_key, merged_patch, smaller_batch
 from vlmdoctor.doctor.treat_options import TreatOptions  # the limits, declared in a light module
 from vlmdoctor.doctor.treat_trials import (
@@ -69,7 +77,8 @@ from vlmdoctor.run.config import RunConfig
 from vlmdoctor.supervise import describe_interruption, interrupted_exit_code
 
 #: run(cfg, diagnose, timeout[, device]) -> a profile report; treat calls run_isolated through the CLI. `device`
-#: (the GPU to pin the run to) is passed only where runs go to several GPUs at once (compare's lanes, the ablation)
+#: (the GPU to pin the run to) is passed only where runs go to several GPUs at once (sizing's first step, compare's
+#: lanes, the ablation)
 Runner = Callable[..., dict[str, Any]]
 #: runs in several threads at once (--trial-gpus) record their seconds and memory one at a time
 _RECORDING = threading.Lock()
@@ -455,47 +464,115 @@ class _Treatment:
             if got is None:
                 sized.append(comp)
                 continue
-            comp, rep, took = got
+            comp, rep, took, gpu = got
             sized.append(comp)
-            self.first[comp["name"]], self.first_s[comp["name"]] = rep, took
+            if gpu == 0:  # lane 0's first run; another GPU's run would pair runs of two GPUs: lane 0 runs it anew
+                self.first[comp["name"]], self.first_s[comp["name"]] = rep, took
         self.comps = sized
         return COMPARE
 
-    def _size(self, comp: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], float] | None:
-        """The composition at the batch its memory allows, with that run's report and seconds (None: no run fitted).
+    def _size(self, comp: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], float, int] | None:
+        """The composition at the batch its memory allows, with that run's report, seconds and GPU (None: no run
+        fitted).
 
         Its first run, at the batch the rules chose, measures its family's memory; where the ceiling is 25% or more
         above that batch, the batch is raised to it and run again; an out-of-memory run is bisected between the
-        largest batch that ran and it (or its batch step halved). The comparison pairs the largest batch that ran
-        (the runs it took stay in the round's `sizing`)."""
+        largest batch that ran and it (or its batch step halved). On --trial-gpus N the first step runs N batches
+        at once (`_size_at_once`) and the steps after it go on from the largest that ran. The comparison pairs the
+        largest batch that ran (the runs it took stay in the round's `sizing`)."""
         best = last = None
-        for _ in range(SIZE_MAX_RUNS):
+        runs = SIZE_MAX_RUNS
+        nxt: dict[str, Any] | None = comp
+        if self.opts.trial_gpus > 1:
             if self.time_left() <= 0:
+                return None
+            got = self._size_at_once(comp)
+            best = max(self._within_ceiling(got), key=lambda r: r[0]["config"].batch_size, default=None)
+            last = best or got[0]  # none ran: go on from the rules' batch, as on one GPU
+            nxt, runs = self._next_size(last[0], last[1]), SIZE_MAX_RUNS - 1
+        for _ in range(runs):
+            if nxt is None or self.time_left() <= 0:
                 break
+            comp = nxt
             b = comp["config"].batch_size
             self.notify(f"round {len(self.out['rounds'])}: sizing {comp['name']} at batch {b}")
             t = time.time()
             rep = self.runner(comp["config"], False)()
-            last = (comp, rep, time.time() - t)
-            self.out["rounds"][-1]["sizing"].append(
-                {
-                    "name": comp["name"],
-                    "batch_size": b,
-                    "status": rep.get("status"),
-                    "peak_mem_gb": (rep.get("metrics") or {}).get("peak_mem_gb"),
-                }
-            )
-            ran = rep.get("status") == "ok" and throughput(rep) is not None
-            if ran:
+            last = (comp, rep, time.time() - t, 0)
+            self._record_sizing(comp, rep, 0)
+            if _sized_ok(rep):
                 best = last
-            elif rep.get("status") != "oom":
-                break  # a failure other than memory: the comparison records it
-            nxt = self._resized(comp, ran)
-            if nxt is None:
-                break
-            self.tried.add(config_key(nxt["config"]))
-            comp = nxt
+            nxt = self._next_size(comp, rep)
         return best or last
+
+    def _within_ceiling(
+        self, got: list[tuple[dict[str, Any], dict[str, Any], float, int]]
+    ) -> list[tuple[dict[str, Any], dict[str, Any], float, int]]:
+        """The runs of the parallel step that ran cleanly at a batch the memory model's ceiling (its headroom
+        included) holds; the smallest clean one where none does. A batch that ran its few steps near the card's
+        limit is not chosen: a longer sequence bucket later in training would run out of memory."""
+        ok = [r for r in got if _sized_ok(r[1])]
+        ceiling = self.mem.ceiling(got[0][0]["config"]) if ok else None
+        if ceiling is None:
+            return ok
+        within = [r for r in ok if r[0]["config"].batch_size <= ceiling[0]]
+        return within or sorted(ok, key=lambda r: r[0]["config"].batch_size)[:1]
+
+    def _size_at_once(self, comp: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any], float, int]]:
+        """The first sizing step on --trial-gpus N GPUs at once, one run each: the rules' batch b0 on GPU 0 (lane 0,
+        unpinned, as every other run of the treatment), b0 * 2**g on GPU g, at most PROBE_MAX_FACTOR x b0 (a batch
+        tried already, or an invalid config, leaves its GPU idle). Each run's memory feeds the memory model
+        (`runner`). Why: sized one run at a time, a composition took 2-3 runs of 45-70 s each on four H200s
+        (2026-11-27) while the other GPUs idled."""
+        n, b0 = self.opts.trial_gpus, comp["config"].batch_size
+        lanes = [(0, comp)]
+        for g in range(1, n):
+            how = f"tried at once on GPU {g} while the rules' batch ran: {n} batches sized in one step"
+            spec = self._with_batch(comp, min(b0 * 2**g, PROBE_MAX_FACTOR * b0), how)
+            if spec is not None:
+                self.tried.add(config_key(spec["config"]))
+                lanes.append((g, spec))
+        batches = ", ".join(str(c["config"].batch_size) for _, c in lanes)
+        self.notify(f"round {len(self.out['rounds'])}: sizing {comp['name']} at batch {batches} on {len(lanes)} GPUs")
+
+        def timed(c: dict[str, Any], g: int) -> tuple[dict[str, Any], float]:
+            t = time.time()
+            rep = self.runner(c["config"], False, g or None)()
+            return rep, time.time() - t
+
+        with ThreadPoolExecutor(max_workers=len(lanes), thread_name_prefix="sizing-gpu") as pool:
+            futures = [pool.submit(timed, c, g) for g, c in lanes]
+            try:
+                done = [f.result() for f in futures]
+            except BaseException:  # Ctrl-C (the main thread's): every run in progress stops
+                supervise.stop_all()
+                raise
+        got = [(c, rep, took, g) for (g, c), (rep, took) in zip(lanes, done)]
+        for c, rep, _, g in got:
+            self._record_sizing(c, rep, g)
+        return got
+
+    def _record_sizing(self, comp: dict[str, Any], rep: dict[str, Any], gpu: int) -> None:
+        """A sizing run in the round's `sizing`; on --trial-gpus N with the GPU it ran on."""
+        self.out["rounds"][-1]["sizing"].append(
+            {
+                "name": comp["name"],
+                "batch_size": comp["config"].batch_size,
+                "status": rep.get("status"),
+                "peak_mem_gb": (rep.get("metrics") or {}).get("peak_mem_gb"),
+                **({"device": gpu} if self.opts.trial_gpus > 1 else {}),
+            }
+        )
+
+    def _next_size(self, comp: dict[str, Any], rep: dict[str, Any]) -> dict[str, Any] | None:
+        """After a sizing run of `comp`: the composition at the next batch to try (marked tried), or None."""
+        ran = _sized_ok(rep)
+        if not ran and rep.get("status") != "oom":
+            return None  # a failure other than memory: the comparison records it
+        nxt = self._resized(comp, ran)
+        if nxt is not None:
+            self.tried.add(config_key(nxt["config"]))
+        return nxt
 
     def _resized(self, comp: dict[str, Any], ran: bool) -> dict[str, Any] | None:
         """The composition at its next batch to try, or None: after a run, the ceiling when it is a step worth
@@ -679,6 +756,11 @@ class _Treatment:
         if self.current:
             self.current_cfg = final_ablation(self, self.cfg, self.adopted, self.current_cfg, self.current)
         return DONE
+
+
+def _sized_ok(rep: dict[str, Any]) -> bool:
+    """A sizing run that ran and measured a throughput."""
+    return rep.get("status") == "ok" and throughput(rep) is not None
 
 
 # --- calibration: the rules' expected gains against what was measured ------------------------------------------
