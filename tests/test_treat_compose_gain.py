@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from vlmdoctor.doctor.gain import MAX_SAVED_SHARE
 from vlmdoctor.doctor.treat import FAR_OFF
-from vlmdoctor.doctor.treat_trials import MAX_SAVED_SHARE, composed_x
+from vlmdoctor.doctor.treat_trials import composed_x
 
 ROOT = Path(__file__).resolve().parents[1]
 

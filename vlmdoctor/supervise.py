@@ -28,10 +28,11 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, TypeVar
 
 from vlmdoctor.errors import UsageError
 from vlmdoctor.files import check_output_dir
@@ -305,6 +306,28 @@ def stop_all() -> None:
     """Stop every run in progress in this process, in every thread (each stops its group as on Ctrl-C and raises
     KeyboardInterrupt in its thread): a signal reaches the main thread only. Runs started afterwards run."""
     _stopped_at.append(time.monotonic())
+
+
+T = TypeVar("T")
+
+
+def at_once(jobs: list[Callable[[], T]], name: str, stop: threading.Event | None = None) -> list[T]:
+    """Each job in a thread of its own, all at once (each job's runs are subprocesses): their results, in order.
+    On Ctrl-C (the main thread's) or a job's error, seen as soon as it happens: `stop` is set (a job checks it
+    before it starts another run), every run in progress stops (`stop_all`), and the error is raised again."""
+    with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix=name) as pool:
+        futures = [pool.submit(job) for job in jobs]
+        try:
+            wait(futures, return_when=FIRST_EXCEPTION)  # not after the jobs before it have finished
+            for f in futures:
+                if f.done() and f.exception() is not None:
+                    f.result()
+            return [f.result() for f in futures]
+        except BaseException:
+            if stop is not None:
+                stop.set()
+            stop_all()
+            raise
 
 
 def _others(procs: dict[int, _Proc], own: int) -> set[int]:

@@ -67,9 +67,8 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 #: a report comes back from a run; its throughput is the median over its timed windows
@@ -597,31 +596,40 @@ def _round(
     """One round on every lane of `plan`; which lanes completed it. One lane runs here, its runs kept as they come
     (what Ctrl-C keeps); several run at once, one thread each, and are kept after every lane has finished, each
     complete lane's values appended to the arms in lane order, so that the arms' values stay paired lane by lane.
-    A cut lane's runs are kept in the reports, its values not (a failed run's None is: the arm leaves), unless
-    `budget.partial` keeps its pairs (`_kept_of_cut`)."""
+    A cut lane is settled (`_settle_cut`)."""
     if len(plan) == 1:
         return [_one_lane(plan[0], res, next_s, value, budget, say(0))]
     got, complete = _at_once(plan, next_s, value, budget, say, lock)
     for lane, runs, ok in zip(plan, got, complete):
-        kept = None if ok else _kept_of_cut(lane, [n for n, _, _ in runs], budget)
         for n, rep, v in runs:
-            res[n].reports.append(rep)
-            res[n].lanes.append(lane.g)
-            if ok or v is None or kept is not None:
-                res[n].values.append(v)
-            if v is None and res[n].failed is None:
-                res[n].failed = rep
-        for n in kept or []:
-            res[n].values.append(None)  # not run in this cut round: no pair, the arms stay aligned
+            _keep(res, lane.g, n, rep, v)
+        if not ok:
+            _settle_cut(res, lane, [(n, v) for n, _, v in runs], budget)
     return complete
 
 
-def _kept_of_cut(lane: _Lane, ran: list[str], budget: _Budget) -> list[str] | None:
-    """What a cut round keeps: None (its values are dropped), or, with `budget.partial` where the reference ran, the
-    arms of the lane's order that did not run (each gets no value for this round, so that the values stay aligned)."""
-    if not budget.partial or budget.reference not in ran:
-        return None
-    return [n for n in lane.order if n not in ran]
+def _keep(res: dict[str, ArmResult], g: int, n: str, rep: Report, v: float | None) -> None:
+    """Arm n's run of lane g, kept: its report, lane and value; a run that failed (no value) ends the arm."""
+    res[n].reports.append(rep)
+    res[n].lanes.append(g)
+    res[n].values.append(v)
+    if v is None and res[n].failed is None:
+        res[n].failed = rep
+
+
+def _settle_cut(res: dict[str, ArmResult], lane: _Lane, ran: list[tuple[str, float | None]], budget: _Budget) -> None:
+    """A lane's round cut short, its runs kept (`_keep`): with `budget.partial`, where the reference ran, its pairs
+    stay and each arm of its order that did not run gets no value for the round (the arms stay aligned); else it
+    pairs nothing: its values are taken back (a failed run's None stays: the arm has left)."""
+    names = [n for n, _ in ran]
+    if budget.partial and budget.reference in names:
+        for n in lane.order:
+            if n not in names:
+                res[n].values.append(None)
+        return
+    for n, v in ran:
+        if v is not None:
+            res[n].values.pop()
 
 
 def _one_lane(
@@ -632,30 +640,20 @@ def _one_lane(
     budget: _Budget,
     say: Callable[[str], None],
 ) -> bool:
-    """The round on one lane, here: each run kept as it comes; a cut round's values are taken back, or with
-    `budget.partial` its pairs kept (`_kept_of_cut`)."""
-    ran: list[str] = []
+    """The round on one lane, here: each run kept as it comes (what Ctrl-C keeps); a cut round settled
+    (`_settle_cut`)."""
+    ran: list[tuple[str, float | None]] = []
 
     def keep(n: str, rep: Report, took: float | None) -> None:
         if took is not None:
             next_s[n] = took
         v = value(rep)
-        res[n].reports.append(rep)
-        res[n].lanes.append(0)
-        res[n].values.append(v)
-        ran.append(n)
-        if v is None:
-            res[n].failed = rep
+        _keep(res, 0, n, rep, v)
+        ran.append((n, v))
 
     ok = _run_lane(lane, budget, say, keep, threading.Event())
-    kept = None if ok else _kept_of_cut(lane, ran, budget)
-    if kept is not None:
-        for n in kept:
-            res[n].values.append(None)
-    elif not ok:  # an incomplete round pairs nothing: its runs are kept, not counted
-        for n in ran:
-            if res[n].failed is None:
-                res[n].values.pop()
+    if not ok:
+        _settle_cut(res, lane, ran, budget)
     return ok
 
 
@@ -684,18 +682,7 @@ def _at_once(
 
         return _run_lane(lane, budget, say(lane.g), keep, stop)
 
-    with ThreadPoolExecutor(max_workers=len(plan), thread_name_prefix="compare-lane") as pool:
-        futures = [pool.submit(run, i, lane) for i, lane in enumerate(plan)]
-        try:
-            wait(futures, return_when=FIRST_EXCEPTION)  # a lane's error is seen at once, not after the lanes before it
-            for f in futures:
-                if f.done() and f.exception() is not None:
-                    f.result()
-            complete = [f.result() for f in futures]
-        except BaseException:  # Ctrl-C (the main thread's) or a lane's error: every run stops, no further run starts
-            stop.set()
-            supervise.stop_all()
-            raise
+    complete = supervise.at_once([partial(run, i, lane) for i, lane in enumerate(plan)], "compare-lane", stop)
     return got, complete
 
 

@@ -45,7 +45,6 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -297,11 +296,12 @@ class _Treatment:
             rep = self.run(c, diagnose, limit) if device is None else self.run(c, diagnose, limit, device)
             if by_budget and rep.get("status") == "timeout":  # the budget stopped it, not its config's slowness
                 rep = {**rep, "status": STOPPED_BY_BUDGET}
+            took, key = time.time() - t, config_key(c)
             with _RECORDING:
-                self.run_s.append(time.time() - t)
-                if config_key(c) not in self.ran:
-                    self.ran.add(config_key(c))
-                    self.first_run_s.append(time.time() - t)
+                self.run_s.append(took)
+                if key not in self.ran:
+                    self.ran.add(key)
+                    self.first_run_s.append(took)
                 self.mem.observe(c, rep)
             return rep
 
@@ -535,18 +535,15 @@ class _Treatment:
         batches = ", ".join(str(c["config"].batch_size) for _, c in lanes)
         self.notify(f"round {len(self.out['rounds'])}: sizing {comp['name']} at batch {batches} on {len(lanes)} GPUs")
 
-        def timed(c: dict[str, Any], g: int) -> tuple[dict[str, Any], float]:
-            t = time.time()
-            rep = self.runner(c["config"], False, g or None)()
-            return rep, time.time() - t
+        def timed(c: dict[str, Any], g: int) -> Callable[[], tuple[dict[str, Any], float]]:
+            def go() -> tuple[dict[str, Any], float]:
+                t = time.time()
+                rep = self.runner(c["config"], False, g or None)()
+                return rep, time.time() - t
 
-        with ThreadPoolExecutor(max_workers=len(lanes), thread_name_prefix="sizing-gpu") as pool:
-            futures = [pool.submit(timed, c, g) for g, c in lanes]
-            try:
-                done = [f.result() for f in futures]
-            except BaseException:  # Ctrl-C (the main thread's): every run in progress stops
-                supervise.stop_all()
-                raise
+            return go
+
+        done = supervise.at_once([timed(c, g) for g, c in lanes], "sizing-gpu")  # Ctrl-C stops every run
         got = [(c, rep, took, g) for (g, c), (rep, took) in zip(lanes, done)]
         for c, rep, _, g in got:
             self._record_sizing(c, rep, g)

@@ -9,7 +9,6 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from vlmdoctor import supervise
@@ -185,19 +184,12 @@ def _on_gpus(
     def left() -> float:  # no run starts once the treatment was interrupted
         return -1.0 if stop.is_set() else tr.time_left()
 
-    with ThreadPoolExecutor(max_workers=gpus, thread_name_prefix="ablation-gpu") as pool:
-        futures = [
-            pool.submit(
-                _compare, tr, grp, final_cfg, final_report if g == 0 else reused.get(g), g, say(g), seen(g), left
-            )
-            for g, grp in enumerate(groups)
-        ]
-        try:
-            results = [f.result() for f in futures]
-        except BaseException:  # Ctrl-C (the main thread's): every run in progress stops, no further run starts
-            stop.set()
-            supervise.stop_all()
-            raise
+    def job(g: int, grp: list[tuple[dict[str, Any], RunConfig]]) -> Callable[[], dict[str, Any]]:
+        first = final_report if g == 0 else reused.get(g)
+        return lambda: _compare(tr, grp, final_cfg, first, g, say(g), seen(g), left)
+
+    # Ctrl-C: every run in progress stops, no further run starts (`left` reads `stop`)
+    results = supervise.at_once([job(g, grp) for g, grp in enumerate(groups)], "ablation-gpu", stop)
     return {
         "rounds": max(r["rounds"] for r in results),
         "arms": {n: a for r in reversed(results) for n, a in r["arms"].items()},  # "final": the first GPU's

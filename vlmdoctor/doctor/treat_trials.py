@@ -4,11 +4,11 @@ gain beside the measured one."""
 
 from __future__ import annotations
 
-import math
 import statistics
 from typing import Any
 
 from vlmdoctor.doctor.decide import ArmResult
+from vlmdoctor.doctor.gain import composed_ratio
 from vlmdoctor.doctor.treat_compose import merged_patch
 from vlmdoctor.errors import EXIT_USAGE
 
@@ -27,10 +27,6 @@ PROFILE_FACTS = (
 )
 #: what a comparison left open at its limit leans to (decide.lean)
 LIKELY = ("likely_gain", "likely_loss")
-#: the most of the step a composition's added shares may save: each share is estimated alone and they may overlap,
-#: so the composed estimate never assumes more than 90% of the step goes away (the largest sum in the committed
-#: treat results under bench/results is 0.81)
-MAX_SAVED_SHARE = 0.9
 
 
 def tokens(report: dict[str, Any]) -> list[float]:
@@ -117,32 +113,10 @@ def likely_why(decision: dict[str, Any]) -> dict[str, Any]:
     return {"why": "; ".join(w for w in (decision.get("why"), words) if w)}
 
 
-def _number(v: Any) -> float | None:
-    """v where it is a finite real number (a bool is not), else None."""
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
-
-
 def composed_x(changes: list[dict[str, Any]]) -> float | None:
-    """The throughput factor the rules expected of these changes together, None where a change has no estimate
-    (a batch probe).
-
-    The shares of the step (`share_of_step`) are parts of one traced step, so the time they save adds up:
-    1 / (1 - sum), the sum capped at MAX_SAVED_SHARE. Multiplying their speedups underestimates: on the 4xH200
-    qwen2-vl-2b runs of 2026-11-27 the ten-change composition was expected x6.85 by the product and measured
-    x12.57; added shares give x14.3. A change with only a speedup (`throughput_x`, the batch rule) multiplies."""
-    if not changes:
-        return None
-    factor, saved = 1.0, 0.0
-    for c in changes:
-        gain = c.get("expected_gain") or {}
-        share, x = _number(gain.get("share_of_step")), _number(gain.get("throughput_x"))
-        if share is not None and share < 1:
-            saved += share
-        elif x is not None and x > 0:
-            factor *= x
-        else:
-            return None
-    return factor / (1 - min(saved, MAX_SAVED_SHARE))
+    """The throughput factor the rules expected of these changes together (`gain.composed_ratio`: their shares of
+    the step add, a speedup without a share multiplies), None where a change has no estimate (a batch probe)."""
+    return composed_ratio([c.get("expected_gain") for c in changes])
 
 
 def record_trial(
