@@ -137,6 +137,29 @@ def test_a_comparison_the_time_cut_at_two_pairs_is_read_for_its_lean():
     assert d["outcome"] == "likely_gain" and d["pairs"] == 2 and "before the time ran out" in d["why"]
 
 
+@pytest.mark.parametrize(
+    "cand, outcome",
+    [(1060.0, "likely_gain"), (310.0, "likely_gain"), (290.0, "undecided"), (34.0, "undecided"), (30.0, "likely_loss")],
+)
+def test_one_pair_the_time_allowed_reads_as_likely_only_beyond_one_pair_x(cand, outcome):
+    """On two H200s qwen2-vl-2b's ten changes measured x10.6 on one pair and the treatment ended at its start
+    config: "undecided (1 of 3 pairs)". One pair beyond ONE_PAIR_X (3x) either way leans; below, it decides nothing;
+    a caller's own judge (the gate) never reads one pair."""
+    arms, runs = {}, []
+    for name, v in (("cur", 100.0), ("cand", cand)):
+        arms[name] = lambda v=v: (runs.append(1), {"status": "ok", "repeats": [{"real_tokens_per_s": v}]})[1]
+    r = interleaved(arms, "cur", PairedOptions(), time_left=lambda: 100.0 if len(runs) < 2 else -1.0)
+    d = r["decisions"]["cand"]
+    assert d["outcome"] == outcome and d["pairs"] == 1 and d["ratios"] == [pytest.approx(cand / 100.0)]
+    if outcome != "undecided":
+        assert d["how"] == "one pair" and "no time for a second" in d["why"]
+    runs.clear()
+    gate = interleaved(
+        arms, "cur", PairedOptions(), time_left=lambda: 100.0 if len(runs) < 2 else -1.0, judge=lambda r, f: {}
+    )
+    assert gate["decisions"]["cand"]["outcome"] == "undecided"
+
+
 def test_the_reserve_is_spent_only_on_a_comparison_that_gains_on_every_pair(monkeypatch):
     """450 s, 100 s of them reserved: after round 1 a round of two 100 s runs fits only in the reserve."""
 

@@ -851,6 +851,30 @@ def test_a_gain_on_every_pair_is_adopted_as_likely_when_the_time_runs_out(monkey
     assert mixed["trials"][0]["outcome"] == "undecided" and mixed["final_config"]["batch_size"] == 11
 
 
+def test_one_pair_far_beyond_noise_is_adopted_when_no_second_fits(monkeypatch):
+    """On two H200s (2026-11-27) qwen2-vl-2b's ten changes measured x10.6 on the one pair the budget held, and the
+    treatment ended at its start config. 80 s at 25 s a run hold one pair: x10 is adopted as a likely gain (not
+    shown), x2 decides nothing. The result is still its declaration (the one pair's interval is open: null)."""
+    from vlmdoctor.documents import TreatResult, as_document
+    from vlmdoctor.files import json_text
+
+    clock = {"t": 0.0}
+    monkeypatch.setattr(time, "time", lambda: clock["t"])
+    result = treat(
+        BASE.replace(batch_size=11), ScriptedRunner(clock, [10.0]), TreatOptions(time_budget_s=80), lambda c: None
+    )
+    trial = result["trials"][0]
+    assert trial["pairs"] == 1 and trial["outcome"] == "adopted" and trial["decided_by"] == "one pair"
+    assert trial["why"].startswith("1 pair at x10.00, beyond 3x up: no time for a second")
+    assert result["final_config"]["batch_size"] == 41 and result["ladder"][1]["speedup"] == pytest.approx(10.0)
+    as_document(json.loads(json_text(result)), TreatResult, "treat.json")
+    clock["t"] = 0.0
+    small = treat(
+        BASE.replace(batch_size=11), ScriptedRunner(clock, [2.0]), TreatOptions(time_budget_s=80), lambda c: None
+    )
+    assert small["trials"][0]["outcome"] == "undecided" and small["final_config"]["batch_size"] == 11
+
+
 class SizedRunner(MemoryRunner):
     """Round 1 composes bf16 weights (x8, more memory a sample in this fake: activations of a faster step kept) with
     the batch rule's batch 11; the memory of the composition's own family allows more."""

@@ -82,6 +82,13 @@ CONFIDENCE = 0.95
 MIN_PAIRS = 3
 
 
+#: one pair beyond this factor, when the time allows no second, reads as a likely gain (or loss): the widest spread
+#: between two pairs of one comparison measured here is 1.71x (qwen2-vl-2b's ten changes, x10.3 and x17.6, two
+#: H200s, 2026-11-27), run-to-run noise of one config on one GPU 1-5%. On two H200s a qwen2-vl-2b treatment
+#: measured its ten changes at x10.6 on one pair, had no time for a second, and ended at the start config
+ONE_PAIR_X = 3.0
+
+
 @dataclass
 class PairedOptions:
     min_gain: float = MIN_GAIN
@@ -89,6 +96,7 @@ class PairedOptions:
     min_pairs: int = MIN_PAIRS
     max_pairs: int = 10  # adaptive extra pairs stop here
     large_effect: float = 1.5  # two pairs both beyond this factor (either way) decide without a third
+    one_pair: float = ONE_PAIR_X  # at the limit, one pair beyond this factor (either way) reads as a likely gain / loss
     sign: bool = True  # every one of `sign_pairs` pairs or more on one side decides too (the sign test)
 
 
@@ -330,6 +338,19 @@ def large_effect(ratios: Sequence[float], opts: PairedOptions) -> dict[str, Any]
     }
 
 
+def _one_pair(r: float, opts: PairedOptions) -> dict[str, Any] | None:
+    """A lone pair's lean at the limit: likely gain / loss beyond `opts.one_pair` (ONE_PAIR_X) either way, else None."""
+    if opts.one_pair <= 1 or 1 / opts.one_pair <= r <= opts.one_pair:
+        return None
+    gain = r > opts.one_pair
+    return {
+        "outcome": "likely_gain" if gain else "likely_loss",
+        "how": "one pair",
+        "why": f"1 pair at x{r:.2f}, beyond {opts.one_pair:g}x {'up' if gain else 'down'}: no time for a second; "
+        f"not shown",
+    }
+
+
 def throughput(report: Report) -> float | None:
     """A run's real tokens/s by the one estimator (run/throughput.py); None when the run did not finish cleanly."""
     if report.get("status") != "ok":
@@ -502,6 +523,8 @@ def interleaved(
                     out["decisions"][n] = verdict(ratios, opts.min_gain, opts.confidence, True, False) | why
                     if out["decisions"][n]["outcome"] not in ("likely_gain", "likely_loss"):
                         out["decisions"][n]["outcome"] = "undecided"  # never kept or dropped on so few
+                elif early and len(ratios) == 1 and (one := _one_pair(ratios[0], opts)) is not None:
+                    out["decisions"][n] = verdict(ratios, opts.min_gain, opts.confidence, True, False) | one
                 else:
                     out["decisions"][n] = {"outcome": "undecided", "pairs": len(ratios), "ratios": ratios} | why
             else:

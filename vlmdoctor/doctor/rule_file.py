@@ -72,6 +72,7 @@ class Rule:
             self.unless or "",
             *alternatives(self.gain.get("saves_ms")),
             *alternatives(self.gain.get("speedup")),
+            *alternatives(self.gain.get("target_ms")),
         ]
         exprs += [v for v in self.patch.values() if isinstance(v, str) and looks_like_expr(v)]
         exprs += [m.group(1) for e in self.evidence for m in PLACEHOLDER.finditer(e)]
@@ -112,9 +113,12 @@ def rule_from(path: Path, data: Any) -> Rule:
             v is None or isinstance(v, str) or (isinstance(v, list) and bool(v) and all(isinstance(e, str) for e in v))
         )
 
-    if not isinstance(rule.gain, dict) or not all(_gain_forms_ok(rule.gain.get(k)) for k in ("saves_ms", "speedup")):
+    if not isinstance(rule.gain, dict) or not all(
+        _gain_forms_ok(rule.gain.get(k)) for k in ("saves_ms", "speedup", "target_ms")
+    ):
         raise RuleError(
-            f"{path}: rule {rule.id}: gain must be a mapping whose saves_ms and speedup are expressions in strings"
+            f"{path}: rule {rule.id}: gain must be a mapping whose saves_ms, speedup and target_ms are expressions "
+            "in strings"
         )
     if not isinstance(rule.stages, list) or not rule.stages or any(st not in (1, 2) for st in rule.stages):
         raise RuleError(f"{path}: rule {rule.id}: stages must be a list of 1 and/or 2")
@@ -134,7 +138,7 @@ def rule_from(path: Path, data: Any) -> Rule:
     if rule.severity not in SEVERITIES:
         raise RuleError(f"{path}: severity must be one of {', '.join(SEVERITIES)}")
     _check_contradictions(rule, path)
-    gains = alternatives(rule.gain.get("saves_ms")) + alternatives(rule.gain.get("speedup"))
+    gains = [e for k in ("saves_ms", "speedup", "target_ms") for e in alternatives(rule.gain.get(k))]
     for c in (rule.when, rule.unless, *gains):
         if c:
             parse(c, rule.where)

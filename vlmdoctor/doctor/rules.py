@@ -14,6 +14,7 @@ is kept as superseded rather than prescribed twice. A finding the user muted (`-
 
 from __future__ import annotations
 
+import ast
 import math
 import os
 from collections.abc import Sequence
@@ -30,6 +31,7 @@ from vlmdoctor.doctor.rule_expr import (
     alternatives,
     evaluate,
     looks_like_expr,
+    names,
     parsed,
 )
 from vlmdoctor.doctor.rule_file import Rule, rule_from
@@ -37,7 +39,7 @@ from vlmdoctor.errors import UsageError
 from vlmdoctor.inputs import read_yaml
 from vlmdoctor.run.config import LAYER_NAMES
 from vlmdoctor.trace import catalog
-from vlmdoctor.trace.accounts import WORK, step_accounts
+from vlmdoctor.trace.accounts import ACCOUNT_FACTS, WORK, step_accounts
 from vlmdoctor.trace.families.idle import SYNC_CODE
 
 
@@ -362,6 +364,49 @@ def in_apply_order(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(
         findings,
         key=lambda f: (f.get("apply_order") if f.get("apply_order") is not None else 10**6, f.get("layer") or 9),
+    )
+
+
+#: facts of the whole step that a `saves_ms` scales by (padding's share of the GPU's busy time): reading one is
+#: not sharing a cost with another rule
+WHOLE_STEP_FACTS = frozenset({"step.ms", "gpu.busy_ms", "gpu.busy_tflops", "gpu.busy_frac", "measured.gpu.busy_frac"})
+
+
+def target_ms(rule: Rule, facts: dict[str, Any]) -> float | None:
+    """The milliseconds per step of the cost the rule's fix removes, read from one trace's facts whether or not the
+    rule fires there (treat's trace attribution reads it in the start and the final trace): its `gain.target_ms`
+    where it declares one, else its `saves_ms` where that reads measured facts only (`casts.weight.ms`, not all
+    of `busy.cast`), else the sum of the step accounts it names (`accounts`: no saved fraction applied), else its
+    `saves_ms`; None where the trace lacks them."""
+    env = {**facts, **{k: c["value"] for k, c in rule.constants.items()}}
+    if rule.gain.get("target_ms"):
+        return _gain(rule, "target_ms", env)
+    if rule.accounts and not _reads_facts_only(rule):
+        ms = [facts.get(ACCOUNT_FACTS.get(a, "")) for a in rule.accounts]
+        ms = [float(v) for v in ms if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        return sum(ms) if ms else None
+    return _gain(rule, "saves_ms", env)
+
+
+def target_names(rule: Rule) -> frozenset[str]:
+    """What `target_ms` reads: two rules that read one account or fact measure one cost together."""
+    key = "target_ms" if rule.gain.get("target_ms") else "saves_ms"
+    if key == "saves_ms" and rule.accounts and not _reads_facts_only(rule):
+        return frozenset(rule.accounts)
+    return frozenset(
+        n
+        for e in alternatives(rule.gain.get(key))
+        for n in names(parsed(e))
+        if not n.isupper() and n not in WHOLE_STEP_FACTS
+    )
+
+
+def _reads_facts_only(rule: Rule) -> bool:
+    """The rule's `saves_ms` is facts alone: no constant, no number (a saved fraction is an estimate)."""
+    exprs = alternatives(rule.gain.get("saves_ms"))
+    trees = [parsed(e) for e in exprs]
+    return bool(trees) and not any(
+        isinstance(n, ast.Constant) or (isinstance(n, ast.Name) and n.id.isupper()) for t in trees for n in ast.walk(t)
     )
 
 

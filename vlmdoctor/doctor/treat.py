@@ -51,6 +51,7 @@ from typing import Any
 from vlmdoctor import SCHEMA_VERSION, __version__, supervise
 from vlmdoctor.doctor.decide import ArmResult, interleaved, throughput
 from vlmdoctor.doctor.treat_ablation import ADOPTED_LIKELY, ADOPTED_OPEN, NOT_ABLATED, TO_ABLATE, final_ablation
+from vlmdoctor.doctor.treat_attribution import attribute
 from vlmdoctor.doctor.treat_batch import (
     PROBE_MAX_FACTOR,
     PROBE_MIN_STEP,
@@ -86,12 +87,6 @@ Notify = Callable[[str], None]
 SIZE_MAX_RUNS = 3
 #: a rule's estimate this far from the measured ratio, either way, is called far off in the calibration
 FAR_OFF = 1.25
-#: seconds a run may go on past --time-budget (a run starts only where its expected time fits; this covers the
-#: estimate's error). It was 60: on four H200s a 0.5b ablation arm without compile, expected at 50 s, ran over
-#: 200 s, and the treatment ended 56 s past its budget, inside that arm, its pairs lost
-RUN_GRACE_S = 20.0
-#: the least limit of a run started near the end of the budget
-MIN_RUN_LIMIT_S = 30.0
 
 
 def _label(patch: dict[str, Any]) -> str:
@@ -252,6 +247,7 @@ class _Treatment:
         self.mem = MemoryModel()  # peak memory against the batch, from every run: where the batch ceiling is
         self.current_cfg = cfg
         self.current: dict[str, Any] = {}
+        self.start_report: dict[str, Any] = {}  # the start config's diagnosed run (the trace attribution's first)
         self.speedup = 1.0
         self.tried: set[str] = set()
         self.rediagnosed: set[str] = set()  # configs diagnosed a second time before the treatment could stop on them
@@ -287,11 +283,15 @@ class _Treatment:
         several GPUs: then runs of other threads record beside it, one at a time)."""
 
         def go() -> dict[str, Any]:
+            # the budget is a limit on the runs' ends: a run is stopped where the budget ends. On two H200s
+            # (2026-11-27) a run could go 20 s past it and a treatment with --time-budget 500 ended at 522 s
             left = self.time_left()
             limit = self.opts.trial_timeout_s
-            by_budget = not math.isinf(left) and max(MIN_RUN_LIMIT_S, left + RUN_GRACE_S) < limit
+            by_budget = left < limit
+            if by_budget and left <= 0:
+                return {"status": STOPPED_BY_BUDGET, "error": {"message": "the time budget ended before it started"}}
             if by_budget:
-                limit = max(MIN_RUN_LIMIT_S, left + RUN_GRACE_S)
+                limit = left
             t = time.time()
             rep = self.run(c, diagnose, limit) if device is None else self.run(c, diagnose, limit, device)
             if by_budget and rep.get("status") == "timeout":  # the budget stopped it, not its config's slowness
@@ -391,7 +391,7 @@ class _Treatment:
                 "elapsed_s": time.time() - self.t0,
             }
         )
-        self.current = current
+        self.current = self.start_report = current
         out["stop_reason"], out["stopped_because"] = STOP_NOTHING_LEFT, "no prescription left"
         return COMPOSE
 
@@ -750,6 +750,10 @@ class _Treatment:
         return COMPOSE
 
     def ablate(self) -> str:
+        if self.adopted:  # every adopted change's target in the start and the adopted config's traces: no run
+            att = attribute(self.start_report, self.current, self.adopted, self.opts.rules_dirs)
+            if att is not None:
+                self.out["trace_attribution"] = att
         if self.current:
             self.current_cfg = final_ablation(self, self.cfg, self.adopted, self.current_cfg, self.current)
         return DONE

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from vlmdoctor import supervise
 from vlmdoctor.doctor.decide import ArmResult, PairedOptions, interleaved, pooled_log_sd, pooled_verdict
+from vlmdoctor.doctor.treat_attribution import separable
 from vlmdoctor.doctor.treat_compose import apply, config_key
 from vlmdoctor.doctor.treat_options import TreatOptions
 from vlmdoctor.doctor.treat_trials import LIKELY, STOPPED_BY_BUDGET, is_shown, outcome_of, record_trial, summary
@@ -313,13 +314,18 @@ def _ablations_that_fit(
 ) -> list[tuple[dict[str, Any], RunConfig]]:
     """The ablations to run: every change when --max-trials and one pair each fit (k arms take k runs: the
     final config's first run is the last round's), else as many as fit: the changes no comparison measured
-    alone first, then the largest expected gain first (one pair resolves only a large contribution). An
+    alone first, then those whose target the traces cannot give them alone (`treat_attribution.separable`), then
+    the largest expected gain first (one pair resolves only a large contribution). An
     ablation that decides nothing leaves a one-change round's own evidence standing. The comparison then
     measures more pairs while the time lasts. Before, ablations were sized for three pairs each: on the
     H100 a 0.5b ladder ended with 183 s left at 39 s a run and ablated nothing, and in every ladder most
     of round 1's changes stayed "undecided": the user never learned which change mattered."""
-    # a change no comparison measured alone first (a one-change round's own pairs already say something)
-    order = sorted(cands, key=lambda cw: (cw[0]["contribution"].get("ratio") is not None, -_expected_x(cw[0])))
+    # a change no comparison measured alone first (a one-change round's own pairs already say something), then one
+    # whose target the traces cannot give it alone (doctor/treat_attribution.py: another change reads the same cost)
+    order = sorted(
+        cands,
+        key=lambda cw: (cw[0]["contribution"].get("ratio") is not None, separable(cw[0]), -_expected_x(cw[0])),
+    )
     n = most if math.isinf(runs_left) else min(most, int(runs_left))
     return order[: max(0, n)]
 

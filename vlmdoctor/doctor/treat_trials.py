@@ -105,6 +105,8 @@ def likely_why(decision: dict[str, Any]) -> dict[str, Any]:
     """The words a likely gain is adopted with: its evidence, and that it is not shown."""
     if decision.get("outcome") != "likely_gain":
         return {}
+    if decision.get("how") == "one pair":  # its words say it: its size, not a side of several pairs
+        return {"why": decision["why"]}
     n, bar = decision["pairs"], 1 + decision["min_gain"]
     words = (
         f"likely gain: all {n} pairs above x{bar:g} (a {0.5**n:.0%} chance with no effect); "

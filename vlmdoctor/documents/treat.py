@@ -68,7 +68,8 @@ class Rung(RunSummary, kw_only=True):
     composed_of: Annotated[list[str] | None, Meta(description="the findings the round applied together")] = None
     elapsed_s: Annotated[Seconds, Meta(description="since the treatment started")] | None = None
     changes: Annotated[
-        list[dict[str, Any]] | None, Meta(description="each change of the round, with its leave-one-out contribution")
+        list[dict[str, Any]] | None,
+        Meta(description="each change of the round: its leave-one-out contribution, its target in both traces"),
     ] = None
 
 
@@ -144,6 +145,18 @@ class CalibrationRow(Doc, kw_only=True):
     far_off: Annotated[bool | None, Meta(description="off beyond treat.FAR_OFF either way")] = None
 
 
+class TraceAttribution(Doc, kw_only=True):
+    """The start and the adopted config's traced steps that every adopted change's target is read in (each
+    change's `trace` in its rung: doctor/treat_attribution.py)."""
+
+    how: Annotated[str, Meta(description="where the numbers come from")]
+    start_us_per_token: Annotated[float, Meta(gt=0, description="the start config's timed step per real token")]
+    final_us_per_token: Annotated[float, Meta(gt=0, description="the adopted config's timed step per real token")]
+    saved_us_per_token: Annotated[float, Meta(description="start - final: what the changes' targets make up")]
+    start_step_ms: Annotated[float, Meta(gt=0, description="the start config's traced step, ms")]
+    final_step_ms: Annotated[float, Meta(gt=0, description="the adopted config's traced step, ms")]
+
+
 class TreatResult(Doc, kw_only=True):
     """treat.json of `vlmdoctor treat`: prescriptions applied one round at a time, each re-measured (docs/treat.md)."""
 
@@ -161,6 +174,7 @@ class TreatResult(Doc, kw_only=True):
     rounds: Annotated[list[dict[str, Any]], Meta(description="each round's compositions and what was adopted")] = []
     skipped: Annotated[list[Any], Meta(description="prescriptions not tried, and why")] = []
     final_ablation: Annotated[dict[str, Any] | None, Meta(description="changes dropped by leave-one-out")] = None
+    trace_attribution: TraceAttribution | None = None
     rediagnosed: Annotated[list[dict[str, Any]] | None, Meta(description="findings after each round")] = None
     stopped_because: Annotated[str | None, Meta(description="why the treatment ended")] = None
     stop_reason: Annotated[

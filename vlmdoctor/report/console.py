@@ -578,15 +578,27 @@ def render_ladder(result: TreatResult | dict[str, Any], console: Console) -> Non
     console.print(t)
     own = [(r.step, c) for r in r_.ladder for c in r.changes or []]
     if own:
-        t = _lean_table("each change's own contribution (leave-one-out)")
-        for col in ("#", "rule", "pairs", "verdict", "x own [95% CI]"):
+        t = _lean_table("each change's own contribution (leave-one-out; its target in the traces)")
+        for col in ("#", "rule", "pairs", "verdict", "target %\nsaved", "x own [95% CI]"):
             t.add_column(col, no_wrap=col != "x own [95% CI]", justify="right" if col in ("#", "pairs") else "left")
         for step, c in own:
             k = c["contribution"]
             t.add_row(
-                esc(step), esc(c["rule"]), esc(k.get("pairs") or ""), esc(k["outcome"]), _ci(k) or esc(k.get("why", ""))
+                esc(step),
+                esc(c["rule"]),
+                esc(k.get("pairs") or ""),
+                esc(k["outcome"]),
+                _target_cell(c.get("trace")),
+                _ci(k) or esc(k.get("why", "")),
             )
         console.print(t)
+        if any((c.get("trace") or {}).get("start_share") is not None for _, c in own):
+            console.print(
+                "target %: the share of the traced step its rule's target took at the start -> in the adopted "
+                "config, both measured (*: another change reads the same cost); saved: its drop per real token, as "
+                "a share of the time per token the treatment saved",
+                highlight=False,
+            )
     rejected = [x for x in r_.trials if x.outcome not in ("kept", "adopted")]
     if rejected:
         t = _lean_table("trials not kept")
@@ -618,6 +630,16 @@ def render_ladder(result: TreatResult | dict[str, Any], console: Console) -> Non
         console.print(f"skipped {esc(sk['rule'])}: {esc(sk['why'])}", highlight=False)
     if r_.wall_s:
         console.print(f"treatment took {r_.wall_s:.0f} s")
+
+
+def _target_cell(tr: dict[str, Any] | None) -> str:
+    """A change's target in the two traces, as % of each step, and its drop per real token as a share of the time
+    per token saved ("61->18* 53%"; "*": shared with another change)."""
+    if not tr or tr.get("start_share") is None:
+        return ""
+    cell = f"{tr['start_share'] * 100:.0f}->{tr['final_share'] * 100:.0f}" + ("*" if tr.get("shared_with") else "")
+    share = tr.get("share_of_saving")
+    return cell if share is None else f"{cell} {share * 100:.0f}%"
 
 
 def _ci(d: dict[str, Any]) -> str:

@@ -22,6 +22,12 @@ ACCOUNT_IDS = (
     *(f"idle.host.{c}" for c in HOST_CAUSES),
 )
 WORK = frozenset(f"busy.{a}" for a in WORK_ACCOUNTS)
+#: each account's fact: the milliseconds per step it holds
+ACCOUNT_FACTS = {
+    **{f"busy.{a}": fact for a, (fact, _, _) in BUSY_ACCOUNTS.items()},
+    **{f"idle.{c}": fact for c, (fact, _, _) in SPAN_CAUSES.items()},
+    **{f"idle.host.{c}": fact for c, (fact, _) in HOST_CAUSES.items()},
+}
 
 
 def _rows(facts: dict[str, Any]) -> list[dict[str, Any]]:

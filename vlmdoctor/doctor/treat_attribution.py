@@ -1,0 +1,92 @@
+"""Each adopted change's target measured in two traces (doctor/treat.py): the share of the traced step that the
+cost its rule was prescribed for took in the start config and takes in the adopted config, and how much of the
+measured time per real token saved that cost's drop makes up.
+
+Why: a leave-one-out ablation measures a change's own worth in the final config, but an arm is a run of 45-80 s
+and ten changes do not fit a 500 s budget (on the H200s, 2026-11-27, one to three of ten arms were measured). The
+start run and the adopted composition's first run are traced and diagnosed already: reading the same cost in both
+adds no run. What it says is measured, in both traces. What it does not say is the final config's loss without the
+change: another change may have cut the same cost (a larger batch shrinks every per-step cost per token). Changes
+whose rules read the same account or fact share a target and are measured together (`shared_with`); the
+ablation's arms go to those first (doctor/treat_ablation.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: the source of a change's trace attribution, as the report says it
+HOW = "its rule's target, read in the start trace and in the adopted config's trace"
+
+
+def _time_per_token_us(report: dict[str, Any]) -> float | None:
+    """Microseconds of the timed step per real token (1e6 / real tokens/s)."""
+    tps = (report.get("metrics") or {}).get("real_tokens_per_s")
+    return 1e6 / tps if isinstance(tps, (int, float)) and tps > 0 else None
+
+
+def _step_ms(report: dict[str, Any]) -> float | None:
+    step = (report.get("facts") or {}).get("step.ms")
+    return float(step) if isinstance(step, (int, float)) and step > 0 else None
+
+
+def attribute(
+    start: dict[str, Any] | None,
+    final: dict[str, Any] | None,
+    adopted: list[list[dict[str, Any]]],
+    rules_dirs: list[str] | tuple[str, ...] = (),
+) -> dict[str, Any] | None:
+    """Each adopted change's `trace` (its target in both traces, in place) and the two traces' time per real token;
+    None where either run has no traced step or no throughput: nothing is attributed then.
+
+    A cost's time per real token is its share of the traced step times the timed step's time per real token, so
+    that the accounts of one step add up to it (the traced step runs under the profiler, the timed one does not)."""
+    from vlmdoctor.doctor.rules import load_rules, target_ms, target_names  # deferred: the rule engine loads pandas
+
+    runs = [(r or {}, _step_ms(r or {}), _time_per_token_us(r or {})) for r in (start, final)]
+    if any(step is None or t is None for _, step, t in runs):
+        return None
+    (r0, step0, t0), (r1, step1, t1) = runs
+    f0, f1 = r0.get("facts") or {}, r1.get("facts") or {}
+    by_id = {r.id: r for r in load_rules(*rules_dirs)[0]}
+    changes = [c for round_ in adopted for c in round_]
+    reads = {id(c): target_names(by_id[c["rule"]]) for c in changes if c["rule"] in by_id}
+    saved = t0 - t1
+    for c in changes:
+        rule = by_id.get(c["rule"])
+        ms0 = target_ms(rule, f0) if rule else None
+        ms1 = target_ms(rule, f1) if rule else None
+        if rule is None or ms0 is None or ms1 is None:
+            why = "no rule names its target" if rule is None else "the traces do not hold its target"
+            c["trace"] = {"how": HOW, "why": why}
+            continue
+        u0, u1 = ms0 / step0 * t0, ms1 / step1 * t1
+        c["trace"] = {
+            "how": HOW,
+            "reads": sorted(reads[id(c)]),
+            "start_ms": ms0,
+            "start_share": ms0 / step0,
+            "final_ms": ms1,
+            "final_share": ms1 / step1,
+            "start_us_per_token": u0,
+            "final_us_per_token": u1,
+            "share_of_saving": (u0 - u1) / saved if saved > 0 else None,
+            "shared_with": [
+                o["rule"] for o in changes if o is not c and id(o) in reads and reads[id(o)] & reads[id(c)]
+            ],
+        }
+    return {
+        "how": HOW,
+        "start_us_per_token": t0,
+        "final_us_per_token": t1,
+        "saved_us_per_token": saved,
+        "start_step_ms": step0,
+        "final_step_ms": step1,
+    }
+
+
+def separable(change: dict[str, Any]) -> bool:
+    """The change's target was read in both traces and no other adopted change reads it: the trace attributes its
+    drop to it alone."""
+    tr = change.get("trace") or {}
+    return tr.get("start_share") is not None and not tr.get("shared_with")
