@@ -18,6 +18,7 @@ from vlmdoctor.doctor.rules import diagnose, load_rules
 from vlmdoctor.doctor.treat_ablation import _ablations_that_fit
 from vlmdoctor.doctor.treat_attribution import attribute, separable
 from vlmdoctor.report.console import render_ladder
+from vlmdoctor.report.html import treat_html
 from vlmdoctor.trace.facts import analyze
 from vlmdoctor.trace.measured import merge_measured
 
@@ -128,8 +129,13 @@ def test_the_ladder_shows_each_changes_target_within_80_columns():
     text = buf.getvalue()
     assert max(len(line) for line in text.splitlines()) <= 80
     host = changes[[c["rule"] for c in changes].index("batching-host-bound")]["trace"]
-    assert f"{host['start_share'] * 100:.0f}->{host['final_share'] * 100:.0f}" in text
+    assert f"{host['start_share'] * 100:.0f}->{host['final_share'] * 100:.0f}*" in text
     assert "target %: the share of the traced step" in text
+    # treat.html: the same changes, each with its verdict and its target
+    page = treat_html(result)
+    table = page[page.index("Each change's own contribution") :]
+    assert "<code>batching-host-bound</code>" in table and "batching-gpu-underfed" in table  # shared with
+    assert f"{host['start_share'] * 100:.1f}% → {host['final_share'] * 100:.1f}%" in table
 
 
 def test_a_declared_target_reads_what_is_left_after_the_fix_not_the_rules_estimate():

@@ -348,6 +348,10 @@ def treat_html(result: TreatResult | dict[str, Any]) -> str:
         body.append(f"<p>start: {esc(str(start.status))} {esc(start.error or '')}</p>")
     else:
         body.append(_ladder_table(doc.ladder))
+    own = [(r.step, c) for r in doc.ladder for c in r.changes or []]
+    if own:
+        body.append("<h2>Each change's own contribution</h2>")
+        body.append(_changes_table(own))
     if trials:
         body.append("<h2>Trials, in the order tried</h2>")
         body.append(_trials_table(trials))
@@ -402,6 +406,51 @@ def _ladder_table(ladder: list[Rung]) -> str:
         ("#", "change", "rule", "real tokens/s (repeats)", "x start", "ms/step", "MFU", "peak GiB"),
         rows,
         numeric=(0, 3, 4, 5, 6, 7),
+    )
+
+
+def _changes_table(own: list[tuple[int | None, dict[str, Any]]]) -> str:
+    """Each adopted change: its leave-one-out verdict in the final config, and its rule's target read in the start
+    trace and the adopted config's (doctor/treat_attribution.py)."""
+    rows = []
+    for step, c in own:
+        k, tr = c.get("contribution") or {}, c.get("trace") or {}
+        ratio = k.get("ratio")
+        lo, hi = k.get("ci_low"), k.get("ci_high")
+        x = "" if ratio is None else f"x{fmt_num(ratio, 2)}"
+        if ratio is not None and lo is not None and hi is not None and hi != float("inf"):
+            x += f" [{fmt_num(lo, 2)}-{fmt_num(hi, 2)}]"
+        if k.get("pairs"):
+            x += f" ({k['pairs']} pair(s))"
+        shared = ", ".join(tr.get("shared_with") or [])
+        target = (
+            f"{fmt_pct(tr['start_share'], 1)} → {fmt_pct(tr['final_share'], 1)}"
+            if tr.get("start_share") is not None
+            else str(tr.get("why") or "")
+        )
+        rows.append(
+            (
+                esc(str(step)),
+                f"<code>{esc(str(c.get('rule')))}</code>",
+                esc(str(k.get("outcome") or "")),
+                esc(x or str(k.get("why") or k.get("how") or "")),
+                esc(target),
+                esc(fmt_pct(tr.get("share_of_saving"), 0) if tr.get("share_of_saving") is not None else ""),
+                esc(shared),
+            )
+        )
+    return html_table(
+        (
+            "#",
+            "rule",
+            "leave-one-out",
+            "x own [95% CI]",
+            "its target, % of the step: start → final",
+            "of the time per token saved",
+            "target shared with",
+        ),
+        rows,
+        numeric=(0, 5),
     )
 
 
