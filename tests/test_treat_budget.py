@@ -8,10 +8,10 @@ from __future__ import annotations
 import time
 
 import pytest
-from test_treat import BASE, FakeRunner
+from test_treat import BASE, FakeRunner, SizedRunner
 
 from vlmdoctor.doctor.decide import ArmResult
-from vlmdoctor.doctor.treat import TreatOptions, _Treatment
+from vlmdoctor.doctor.treat import TreatOptions, _Treatment, treat
 from vlmdoctor.doctor.treat_ablation import NOT_ABLATED, _judge
 from vlmdoctor.doctor.treat_trials import STOPPED_BY_BUDGET, outcome_of
 
@@ -108,3 +108,20 @@ def test_a_round_that_fits_only_in_lanes():
         tr.t0 = time.time() - (1000 - left - tr.reserve())
         fits[gpus] = tr._round_fits([{"changes": [{"expected_gain": {"throughput_x": 1.1}}]}])
     assert fits == {1: False, 4: True}
+
+
+@pytest.mark.parametrize("budget", [60, 80, 100, 130])
+def test_no_run_starts_that_the_budget_would_stop(monkeypatch, budget):
+    """Every run takes 25 s of a fake clock: none, sizing runs included, is given less (at 60 s a second sizing run
+    started with 10 s left before: a run the budget stops measures nothing)."""
+    clock = {"t": 0.0}
+    monkeypatch.setattr(time, "time", lambda: clock["t"])
+    sized, limits = SizedRunner(clock), []
+
+    def run(c, diagnose, timeout):
+        limits.append(timeout)
+        return sized(c, diagnose, timeout)
+
+    result = treat(BASE.replace(batch_size=4), run, TreatOptions(time_budget_s=budget), validate=lambda c: None)
+    assert limits and min(limits) >= 25.0
+    assert result["wall_s"] <= budget

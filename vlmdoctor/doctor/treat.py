@@ -484,14 +484,14 @@ class _Treatment:
         runs = SIZE_MAX_RUNS
         nxt: dict[str, Any] | None = comp
         if self.opts.trial_gpus > 1:
-            if self.time_left() <= 0:
+            if not self._new_run_fits():
                 return None
             got = self._size_at_once(comp)
             best = max(self._within_ceiling(got), key=lambda r: r[0]["config"].batch_size, default=None)
             last = best or got[0]  # none ran: go on from the rules' batch, as on one GPU
             nxt, runs = self._next_size(last[0], last[1]), SIZE_MAX_RUNS - 1
         for _ in range(runs):
-            if nxt is None or self.time_left() <= 0:
+            if nxt is None or not self._new_run_fits():
                 break
             comp = nxt
             b = comp["config"].batch_size
@@ -504,6 +504,12 @@ class _Treatment:
                 best = last
             nxt = self._next_size(comp, rep)
         return best or last
+
+    def _new_run_fits(self) -> bool:
+        """A run of a config not run before ends within the budget (`new_run_s`): a sizing run that the budget would
+        stop measures nothing."""
+        left = self.time_left()
+        return left > 0 and left >= self.new_run_s()
 
     def _within_ceiling(
         self, got: list[tuple[dict[str, Any], dict[str, Any], float, int]]
