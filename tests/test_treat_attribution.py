@@ -105,7 +105,13 @@ def test_nothing_is_attributed_without_two_traced_steps_or_a_rule():
     odd = [change("treat-batch-probe"), change("system-accum-sync")]  # no rule file; a fact of several ranks
     attribute(start, report("healthy_s2"), [odd])
     assert odd[0]["trace"]["why"] == "no rule names its target"
-    assert odd[1]["trace"]["why"] == "the traces do not hold its target"
+    assert odd[1]["trace"]["why"] == "the traces do not hold its target: no dist.grad_sync.extra_ms (either)"
+    # a trace that lacks one fact of the target: the report names it, and which trace
+    head = [change("fusion-lm-head-unlabeled")]
+    adopted = report("healthy_s2")
+    del adopted["facts"]["loss.head_rows_frac"]
+    attribute(start, adopted, [head])
+    assert "loss.head_rows_frac (adopted)" in head[0]["trace"]["why"]
     assert not separable(odd[0]) and not separable(odd[1])
 
 

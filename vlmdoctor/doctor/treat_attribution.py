@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from vlmdoctor.trace.accounts import ACCOUNT_FACTS
+
 #: the source of a change's trace attribution, as the report says it
 HOW = "its rule's target, read in the start trace and in the adopted config's trace"
 
@@ -58,7 +60,8 @@ def attribute(
         ms1 = target_ms(rule, f1) if rule else None
         if rule is None or ms0 is None or ms1 is None:
             why = "no rule names its target" if rule is None else "the traces do not hold its target"
-            c["trace"] = {"how": HOW, "why": why}
+            lacks = [f"{n} ({w})" for n, w in _missing(reads.get(id(c), frozenset()), f0, f1)]
+            c["trace"] = {"how": HOW, "why": why + (f": no {', '.join(lacks)}" if lacks else "")}
             continue
         u0, u1 = ms0 / step0 * t0, ms1 / step1 * t1
         c["trace"] = {
@@ -83,6 +86,18 @@ def attribute(
         "start_step_ms": step0,
         "final_step_ms": step1,
     }
+
+
+def _missing(reads: frozenset[str], f0: dict[str, Any], f1: dict[str, Any]) -> list[tuple[str, str]]:
+    """The facts a target reads that a trace lacks, and which trace ("start", "adopted", "either"): what the report
+    names when it cannot read the target (an account's fact, for a target of accounts)."""
+    out = []
+    for n in sorted(reads):
+        fact = ACCOUNT_FACTS.get(n, n)
+        where = [w for w, f in (("start", f0), ("adopted", f1)) if f.get(fact) is None]
+        if where:
+            out.append((n, "either" if len(where) == 2 else where[0]))
+    return out
 
 
 def separable(change: dict[str, Any]) -> bool:
