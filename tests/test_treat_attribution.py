@@ -68,6 +68,10 @@ def test_each_change_of_the_start_diagnosis_gets_its_target_in_both_traces():
     # the weight casts (casts.weight.ms), not every cast kernel: bf16 weights leave activation casts
     assert tr["precision-autocast-casts"]["reads"] == ["casts.weight.ms"]
     assert tr["precision-autocast-casts"]["final_ms"] < 0.2 * tr["precision-autocast-casts"]["start_ms"]
+    # the drops added up, the shared host idle once: each target's share of the saving, summed over distinct targets
+    distinct = {tuple(t["reads"]): t["share_of_saving"] for t in tr.values()}
+    assert att["explained_share"] == pytest.approx(sum(distinct.values()))
+    assert sum(t["share_of_saving"] for t in tr.values()) > att["explained_share"]  # counted twice otherwise
     # the host-bound idle, the largest cost of the B4 step, makes up the largest share of the time saved; the batch
     # and host-bound rules both read it: shared
     top = max(tr, key=lambda r: tr[r]["share_of_saving"])
@@ -91,7 +95,7 @@ def test_changes_that_read_one_cost_share_it_and_are_ablated_first():
 def test_the_same_trace_twice_saves_nothing_and_moves_no_target():
     changes = [change("system-data-loader")]
     att = attribute(report("default_s2"), report("default_s2"), [changes])
-    assert att["saved_us_per_token"] == 0
+    assert att["saved_us_per_token"] == 0 and att["explained_share"] is None
     t = changes[0]["trace"]
     assert t["start_share"] == t["final_share"] and t["share_of_saving"] is None
 
@@ -137,6 +141,12 @@ def test_the_ladder_shows_each_changes_target_within_80_columns():
     host = changes[[c["rule"] for c in changes].index("batching-host-bound")]["trace"]
     assert f"{host['start_share'] * 100:.0f}->{host['final_share'] * 100:.0f}*" in text
     assert "target %: the share of the traced step" in text
+    assert "the targets' drops add up to" not in text  # the result holds no trace_attribution here
+    result["trace_attribution"] = attribute(report("default_s2"), report("healthy_s2"), [changes])
+    buf = io.StringIO()
+    render_ladder(result, Console(file=buf, width=80, force_terminal=False))
+    share = result["trace_attribution"]["explained_share"]
+    assert f"the targets' drops add up to {share * 100:.0f}% of the time per real token saved" in buf.getvalue()
     # treat.html: the same changes, each with its verdict and its target
     page = treat_html(result)
     table = page[page.index("Each change's own contribution") :]
@@ -156,3 +166,12 @@ def test_a_declared_target_reads_what_is_left_after_the_fix_not_the_rules_estima
     # padding: the padded share of the GPU's work (6.5% in both runs: one sampler), no saved fraction applied
     f = report("healthy_s2")["facts"]
     assert pad["start_ms"] == pytest.approx(f["gpu.busy_ms"] * f["data.pad_fraction"])
+
+
+def test_targets_that_overlap_in_part_are_not_added_up():
+    """The MoE batch rule reads the optimizer account and the host idle; the optimizer rule the optimizer account:
+    adding both drops would count the optimizer twice."""
+    changes = [change("batching-moe-tokens-per-expert"), change("system-non-fused-optimizer")]
+    att = attribute(report("default_s2"), report("healthy_s2"), [changes])
+    assert changes[0]["trace"]["shared_with"] == ["system-non-fused-optimizer"]
+    assert att["explained_share"] is None

@@ -155,6 +155,9 @@ class TraceAttribution(Doc, kw_only=True):
     saved_us_per_token: Annotated[float, Meta(description="start - final: what the changes' targets make up")]
     start_step_ms: Annotated[float, Meta(gt=0, description="the start config's traced step, ms")]
     final_step_ms: Annotated[float, Meta(gt=0, description="the adopted config's traced step, ms")]
+    explained_share: (
+        Annotated[float, Meta(description="the targets' drops together over the time per token saved")] | None
+    ) = None
 
 
 class TreatResult(Doc, kw_only=True):

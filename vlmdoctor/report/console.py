@@ -599,6 +599,13 @@ def render_ladder(result: TreatResult | dict[str, Any], console: Console) -> Non
                 "a share of the time per token the treatment saved",
                 highlight=False,
             )
+        att = r_.trace_attribution
+        if att is not None and att.explained_share is not None:
+            console.print(
+                f"the targets' drops add up to {att.explained_share * 100:.0f}% of the time per real token saved "
+                f"({att.start_us_per_token:,.1f} -> {att.final_us_per_token:,.1f} us per token)",
+                highlight=False,
+            )
     rejected = [x for x in r_.trials if x.outcome not in ("kept", "adopted")]
     if rejected:
         t = _lean_table("trials not kept")

@@ -352,6 +352,13 @@ def treat_html(result: TreatResult | dict[str, Any]) -> str:
     if own:
         body.append("<h2>Each change's own contribution</h2>")
         body.append(_changes_table(own))
+        att = doc.trace_attribution
+        if att is not None and att.explained_share is not None:
+            body.append(
+                f'<p class="note">the targets\' drops add up to {esc(fmt_pct(att.explained_share, 0))} of the time per '
+                f"real token saved ({esc(fmt_num(att.start_us_per_token, 1))} → "
+                f"{esc(fmt_num(att.final_us_per_token, 1))} µs per token)</p>"
+            )
     if trials:
         body.append("<h2>Trials, in the order tried</h2>")
         body.append(_trials_table(trials))
