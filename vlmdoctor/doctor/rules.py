@@ -374,31 +374,38 @@ WHOLE_STEP_FACTS = frozenset({"step.ms", "gpu.busy_ms", "gpu.busy_tflops", "gpu.
 
 def target_ms(rule: Rule, facts: dict[str, Any]) -> float | None:
     """The milliseconds per step of the cost the rule's fix removes, read from one trace's facts whether or not the
-    rule fires there (treat's trace attribution reads it in the start and the final trace): its `gain.target_ms`
-    where it declares one, else its `saves_ms` where that reads measured facts only (`casts.weight.ms`, not all
-    of `busy.cast`), else the sum of the step accounts it names (`accounts`: no saved fraction applied), else its
-    `saves_ms`; None where the trace lacks them."""
-    env = {**facts, **{k: c["value"] for k, c in rule.constants.items()}}
-    if rule.gain.get("target_ms"):
-        return _gain(rule, "target_ms", env)
-    if rule.accounts and not _reads_facts_only(rule):
+    rule fires there (treat's trace attribution reads it in the start and the final trace), from `_target_source`;
+    None where the trace lacks it."""
+    source = _target_source(rule)
+    if source == "accounts":
         ms = [facts.get(ACCOUNT_FACTS.get(a, "")) for a in rule.accounts]
         ms = [float(v) for v in ms if isinstance(v, (int, float)) and not isinstance(v, bool)]
         return sum(ms) if ms else None
-    return _gain(rule, "saves_ms", env)
+    return _gain(rule, source, {**facts, **{k: c["value"] for k, c in rule.constants.items()}})
 
 
 def target_names(rule: Rule) -> frozenset[str]:
     """What `target_ms` reads: two rules that read one account or fact measure one cost together."""
-    key = "target_ms" if rule.gain.get("target_ms") else "saves_ms"
-    if key == "saves_ms" and rule.accounts and not _reads_facts_only(rule):
+    source = _target_source(rule)
+    if source == "accounts":
         return frozenset(rule.accounts)
     return frozenset(
         n
-        for e in alternatives(rule.gain.get(key))
+        for e in alternatives(rule.gain.get(source))
         for n in names(parsed(e))
         if not n.isupper() and n not in WHOLE_STEP_FACTS
     )
+
+
+def _target_source(rule: Rule) -> str:
+    """Where a rule's target is read: its `gain.target_ms` where it declares one, else its `saves_ms` where that reads
+    measured facts only (`casts.weight.ms`, not all of `busy.cast`), else the step accounts it names (`accounts`: no
+    saved fraction applied), else its `saves_ms`."""
+    if rule.gain.get("target_ms"):
+        return "target_ms"
+    if rule.accounts and not _reads_facts_only(rule):
+        return "accounts"
+    return "saves_ms"
 
 
 def _reads_facts_only(rule: Rule) -> bool:

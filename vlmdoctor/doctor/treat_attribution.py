@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from vlmdoctor.doctor.decide import throughput
 from vlmdoctor.trace.accounts import ACCOUNT_FACTS
 
 #: the source of a change's trace attribution, as the report says it
@@ -22,9 +23,9 @@ HOW = "its rule's target, read in the start trace and in the adopted config's tr
 
 
 def _time_per_token_us(report: dict[str, Any]) -> float | None:
-    """Microseconds of the timed step per real token (1e6 / real tokens/s)."""
-    tps = (report.get("metrics") or {}).get("real_tokens_per_s")
-    return 1e6 / tps if isinstance(tps, (int, float)) and tps > 0 else None
+    """Microseconds of the timed step per real token, from the run's throughput by the one estimator (the ladder's)."""
+    tps = throughput(report)
+    return 1e6 / tps if tps else None
 
 
 def _step_ms(report: dict[str, Any]) -> float | None:

@@ -422,11 +422,7 @@ def _changes_table(own: list[tuple[int | None, dict[str, Any]]]) -> str:
     rows = []
     for step, c in own:
         k, tr = c.get("contribution") or {}, c.get("trace") or {}
-        ratio = k.get("ratio")
-        lo, hi = k.get("ci_low"), k.get("ci_high")
-        x = "" if ratio is None else f"x{fmt_num(ratio, 2)}"
-        if ratio is not None and lo is not None and hi is not None and hi != float("inf"):
-            x += f" [{fmt_num(lo, 2)}-{fmt_num(hi, 2)}]"
+        x = "" if k.get("ratio") is None else _ratio_ci(k["ratio"], k.get("ci_low"), k.get("ci_high"))
         if k.get("pairs"):
             x += f" ({k['pairs']} pair(s))"
         shared = ", ".join(tr.get("shared_with") or [])
@@ -510,9 +506,13 @@ def _trials_table(trials: list[Trial]) -> str:
 
 def _paired(t: Trial) -> str:
     """x1.23 [1.10-1.38] (3): the paired ratio, its interval and the pairs it rests on."""
-    lo, hi = t.ci_low, t.ci_high
+    return f"{_ratio_ci(t.ratio, t.ci_low, t.ci_high)} ({t.pairs})"
+
+
+def _ratio_ci(ratio: float, lo: float | None, hi: float | None) -> str:
+    """x1.23 [1.10-1.38]: a paired ratio and its interval (none where it is open)."""
     ci = f" [{lo:.2f}-{hi:.2f}]" if lo is not None and hi is not None and hi != float("inf") else ""
-    return f"x{t.ratio:.2f}{ci} ({t.pairs})"
+    return f"x{ratio:.2f}{ci}"
 
 
 def write_html(text: str, path: Path, force: bool = False) -> None:
