@@ -70,6 +70,46 @@ def test_two_lanes_give_two_pairs_a_round_each_of_one_lane():
     assert f.calls[0] == ["R", "A", "A", "R"] and f.calls[1] == ["A", "R", "R", "A"]
 
 
+def held(g: int, **speeds: float) -> dict:
+    """Runs made already on lane g (treat's, while it sized the batch): arm -> report."""
+    return {n: ok(v * LANE_SPEED[g], lane=g, held=True) for n, v in speeds.items()}
+
+
+def test_lanes_holding_whole_first_pairs_make_a_free_first_round_the_others_join_later():
+    """Lanes 0, 2 and 3 hold a whole first pair (made while the batch was sized) and lane 1 half of one: the first
+    round is the three held pairs alone, with no run; a second round (min_pairs 4) runs every lane, lane 1 reusing
+    the run it holds, and every pair is of one lane."""
+    f = Lanes({"R": 100.0, "A": 300.0})
+    first = held(0, R=100.0, A=300.0)
+    lane_first = {2: held(2, R=100.0, A=300.0), 3: held(3, R=100.0, A=300.0), 1: held(1, A=300.0)}
+    opts = PairedOptions(min_pairs=4, max_pairs=8, sign=False, large_effect=0)  # no two-pair shortcut
+    r = interleaved(f.arms(0), "R", opts, first=first, lanes=4, lane_arms=f.arms, lane_first=lane_first)
+    assert r["rounds"] == 2 and r["pairs"] == 7
+    assert paired_lanes(r, "R", "A")[:3] == [(0, 0), (2, 2), (3, 3)]  # round 1: the held pairs, lane order
+    assert sorted(paired_lanes(r, "R", "A")[3:]) == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    assert f.calls[1] == ["R"]  # lane 1 ran only the arm it did not hold
+    assert all(len(f.calls[g]) == 2 for g in (0, 2, 3))  # their second round: both arms, fresh
+    assert r["decisions"]["A"]["ratios"] == pytest.approx([3.0] * 7)
+
+
+def test_one_held_pair_is_no_free_round_each_lane_runs_what_it_lacks():
+    """Fewer than two whole held pairs decide nothing alone: the first round runs every lane, each running only the
+    arms it does not hold (lane 1 holds the reference, lane 2 nothing)."""
+    f = Lanes({"R": 100.0, "A": 300.0})
+    r = interleaved(
+        f.arms(0),
+        "R",
+        PairedOptions(max_pairs=3),
+        first=held(0, R=100.0, A=300.0),
+        lanes=3,
+        lane_arms=f.arms,
+        lane_first={1: held(1, R=100.0)},
+    )
+    assert r["rounds"] == 1 and r["pairs"] == 3
+    assert 0 not in f.calls and f.calls[1] == ["A"] and sorted(f.calls[2]) == ["A", "R"]
+    assert paired_lanes(r, "R", "A") == [(0, 0), (1, 1), (2, 2)]
+
+
 def test_the_lanes_of_a_round_run_at_once():
     """Every lane's first run waits for the others' (a barrier): lanes run one after another would break it."""
     f = Lanes({"R": 100.0, "A": 130.0})

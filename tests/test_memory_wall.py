@@ -109,3 +109,25 @@ def test_both_sides_of_the_trade_read_the_same_memory_model():
     wall, off = constants("batching-memory-wall-logits"), constants("fusion-fusedce-stage2")
     for k in ("HEADROOM", "MIN_GROWTH"):
         assert wall[k]["value"] == off[k]["value"], k
+
+
+def test_an_out_of_memory_batch_bounds_the_memory_a_sample_takes_from_below():
+    """The readings of qwen2-vl-2b's composition on an H200 (2026-11-28, 139.8 GiB): batches 11 and 22 read 1.41
+    GiB a sample and promise batch 81, which ran out of memory. The card filled between 22 and 81 means at least
+    (139.8 - 41.7) / 59 = 1.66 GiB a sample: batch 72 (one GPU measured batch 73 at 124.4 GiB, 89%), where the
+    middle of 22 and 81 (51) peaked at 82.9 GiB, 59%. A second out-of-memory batch falls back to the middle."""
+    from vlmdoctor.doctor.treat_batch import MemoryModel
+    from vlmdoctor.run.config import RunConfig
+
+    m, cfg = MemoryModel(), RunConfig()
+    for b, peak in ((11, 26.15), (22, 41.68)):
+        m.observe(
+            cfg.replace(batch_size=b), {"status": "ok", "metrics": {"peak_mem_gb": peak, "device_mem_total_gb": 139.8}}
+        )
+    assert m.ceiling(cfg.replace(batch_size=22))[0] == 81
+    for _ in range(4):  # one batch on four GPUs at once is one out-of-memory batch
+        m.observe(cfg.replace(batch_size=81), {"status": "oom"})
+    target, how = m.ceiling(cfg.replace(batch_size=22))
+    assert target == 72 and "at least 1.66 GiB a sample above batch 22" in how
+    m.observe(cfg.replace(batch_size=72), {"status": "oom"})
+    assert m.ceiling(cfg.replace(batch_size=22))[0] == (22 + 72) // 2

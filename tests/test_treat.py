@@ -712,14 +712,15 @@ def test_no_prescription_but_memory_to_spare_probes_a_larger_batch():
     runner = MemoryRunner(fixed=2.0, per=0.5, total=80.0, half=30)
     result = run_fake(runner)
     # sized in round 1: the probe's first run at 32 (8x, the cap, from one measured batch), then the ceiling
-    # from two measured batches, (0.9 x 80 - 2 GiB fixed) / 0.5 GiB a sample = 140: one round, not two
+    # from two measured batches, (0.9 x 80 - 2 GiB fixed) / 0.5 GiB a sample = 140, at most 4x the largest batch
+    # measured (PROBE_STEP_X): 128, in one round, not two
     sizing = [(s["batch_size"], s["status"]) for s in result["rounds"][0]["sizing"]]
-    assert sizing == [(32, "ok"), (140, "ok")]
+    assert sizing == [(32, "ok"), (128, "ok")]
     first = result["trials"][0]
-    assert first["rule"] == "treat-batch-probe" and first["config_patch"] == {"batch_size": 140}
+    assert first["rule"] == "treat-batch-probe" and first["config_patch"] == {"batch_size": 128}
     assert first["outcome"] in ("kept", "adopted") and len(result["rounds"]) == 1
-    assert result["final_config"]["batch_size"] == 140
-    # re-diagnosed before stopping; the memory model's ceiling named in the reason
+    assert result["final_config"]["batch_size"] == 128
+    # re-diagnosed before stopping; the memory model's ceiling named in the reason (140: no step of 25% left)
     assert result["rediagnosed"] and "memory model ceiling 140" in result["stopped_because"]
 
 
@@ -739,20 +740,20 @@ def test_the_issue_case_does_not_stop_at_batch_22_with_14_gib_of_79():
 
 
 def test_a_probe_that_runs_out_of_memory_is_bisected():
-    """The memory readings promise batch 108, but the run runs out of memory from batch 25 on: the batch step
-    is halved after each out-of-memory run, and the next probe aims between what ran and what did not."""
+    """The memory readings promise batch 140, but the run runs out of memory from batch 25 on, whatever they say:
+    after the first out-of-memory batch the memory a sample takes is bounded from below, after the second the next
+    probe aims between what ran and what did not."""
     runner = MemoryRunner(fixed=2.0, per=0.5, total=80.0, oom_at=25, half=1000)
     result = run_fake(runner)
-    # in round 1's sizing: 32 ran out of memory, bisected to (4 + 32) // 2 = 18, which ran; the model's next
-    # guess (140) is bisected to (18 + 32) // 2 = 25, out of memory again; the comparison pairs 18
+    # in round 1's sizing: 32 ran out of memory; a sample takes at least (80 - 4) / (32 - 4) GiB above batch 4,
+    # which holds 4 + (72 - 4) // 2.71 = 29: out of memory again; bisected to (4 + 29) // 2 = 16, which ran
     sizing = [(s["batch_size"], s["status"]) for s in result["rounds"][0]["sizing"]]
-    assert sizing == [(32, "oom"), (18, "ok"), (25, "oom")]
+    assert sizing == [(32, "oom"), (29, "oom"), (16, "ok")]
     sizes = [
         (t["config_patch"].get("batch_size"), t["outcome"]) for t in result["trials"] if t["kind"] == "composition"
     ]
-    assert sizes == [(18, "kept")] and result["final_config"]["batch_size"] == 18
-    # between 18 and 25 no step of 25% is left
-    assert "batch 18; out of memory at 25" in result["stopped_because"]
+    assert sizes == [(16, "kept")] and result["final_config"]["batch_size"] == 16
+    assert "batch 16; out of memory at 29" in result["stopped_because"]
 
 
 def test_no_probe_without_memory_facts():
@@ -986,3 +987,27 @@ def test_the_treat_result_with_states_budget_and_calibration_is_its_declaration(
     assert row.expected_x == pytest.approx(8.0 * 1.5) and row.measured_x == pytest.approx(result["trials"][0]["ratio"])
     assert doc.trials[0].expected_x == pytest.approx(12.0) and doc.trials[0].decided_by
     assert [s.state for s in doc.states] == [v["state"] for v in result["states"]]
+
+
+def test_a_batch_whose_throughput_stopped_rising_is_not_raised_further():
+    """Memory leaves room for batch 560 (0.1 GiB a sample: checkpointing kept), but throughput is saturated: batch
+    64 runs 1.02x batch 32. The sizing stops there instead of running a batch 4x larger, whose steps take 4x as
+    long; where it still rises, the next step goes on (capped at 4x the largest batch measured)."""
+    from vlmdoctor.doctor.treat_batch import MemoryModel
+
+    def seen(rates: dict[int, float]) -> MemoryModel:
+        m = MemoryModel()
+        for b, r in rates.items():
+            rep = {
+                "status": "ok",
+                "repeats": [{"real_tokens_per_s": r}],
+                "metrics": {"real_tokens_per_s": r, "peak_mem_gb": 5.0 + 0.1 * b, "device_mem_total_gb": 80.0},
+            }
+            m.observe(BASE.replace(batch_size=b), rep)
+        return m
+
+    flat = seen({16: 900.0, 32: 1000.0, 64: 1020.0})
+    target, how = flat.ceiling(BASE.replace(batch_size=64))
+    assert target == 64 and "1.02x from batch 32 to 64: saturated" in how
+    rising = seen({16: 700.0, 32: 1000.0, 64: 1300.0})
+    assert rising.ceiling(BASE.replace(batch_size=64))[0] == 256  # (72 - 5) / 0.1 = 670, at most 4 x 64

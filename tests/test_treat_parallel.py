@@ -337,57 +337,72 @@ def sizing(result: dict, round_: int = 0) -> list[tuple]:
     return [(s["batch_size"], s["status"], s.get("device")) for s in result["rounds"][round_]["sizing"]]
 
 
-def test_four_gpus_size_four_batches_at_once_in_one_step(monkeypatch):
+def test_four_gpus_size_in_two_steps_and_hold_two_pairs_before_the_comparison(monkeypatch):
     """--trial-gpus 4: round 1's composition at the rules' batch 11 on the first GPU (unpinned, as every run of lane
-    0) and at 22, 44 and 88 on GPUs 1-3, all in progress at once; 88 runs out of memory, and 44 ran at 93% of the
-    card, past the memory model's headroom (90%): not chosen. On one GPU the same world takes two steps (11, then
-    the ceiling 36 read from one run) and compares batch 36; on four, two steps too (the first of four runs, then
-    the ceiling 42 read from three), and compares 42."""
+    0), 22 on GPU 1 and 44 on GPU 2, the memory line's points, while GPU 3 runs the current config (its lane's
+    reference run); then the ceiling the line allows, 42, on all four GPUs at once, GPU 0's run traced. Lanes 0 and
+    3 then hold a whole first pair (lane 0's reference: the diagnosed start run): the comparison's first round is
+    those two pairs, with no run, and decides the large effect. On one GPU the same world takes two steps too (11,
+    then the ceiling 36 read from one run) and compares batch 36 with runs of its own."""
     one = SizedGpus()
     alone = treat_on(one, 1)
     assert sizing(alone) == [(11, "ok", None), (36, "ok", None)]
     assert steps(round1_sizing(alone, one.timed)) == 2
     four = SizedGpus()
     result = treat_on(four, 4, monkeypatch=monkeypatch)
-    assert sizing(result) == [(11, "ok", 0), (22, "ok", 1), (44, "ok", 2), (88, "oom", 3), (42, "ok", 0)]
+    assert sizing(result) == [(11, "ok", 0), (22, "ok", 1), (44, "ok", 2), *[(42, "ok", g) for g in range(4)]]
     sized = round1_sizing(result, four.timed)
-    assert [(c.batch_size, d) for c, d, *_ in sized if d is None] == [(11, None), (42, None)]
-    assert sorted((c.batch_size, d) for c, d, *_ in sized if d is not None) == [(22, 1), (44, 2), (88, 3)]
-    spans = [(s, e) for c, *_, s, e in sized if c.batch_size != 42]  # the first step
-    assert all(s1 < e2 and s2 < e1 for s1, e1 in spans for s2, e2 in spans)  # every two in progress at once
+    current = key(result["rounds"][0]["current_config"])
+    first = [(c, d) for c, d, *_ in sized if key(c) == current or c.batch_size in (11, 22, 44)]
+    assert sorted((key(c) == current, c.batch_size, d or 0) for c, d in first) == [
+        (False, 11, 0),
+        (False, 22, 1),
+        (False, 44, 2),
+        (True, 4, 3),
+    ]
+    spans = [(s, e) for c, _, s, e in sized if c.batch_size != 42]  # the first step: all four in progress at once
+    assert all(s1 < e2 and s2 < e1 for s1, e1 in spans for s2, e2 in spans)
     assert steps(sized) == 2
-    size = next(v for v in result["states"] if v["state"] == "size")
-    assert size["runs"] == 5
-    # the comparison pairs the largest batch that ran: at least one GPU's, its batch change saying how
-    first = result["trials"][0]
-    assert first["config_patch"] == {"weight_dtype": "bf16", "batch_size": 42}
-    assert first["config_patch"]["batch_size"] >= alone["trials"][0]["config_patch"]["batch_size"] == 36
+    diagnosed = [(c.batch_size, d) for (c, d), (_, diag, _) in zip(four.devices, four.calls) if diag]
+    assert (42, None) in diagnosed  # GPU 0's run of the chosen batch, traced: the next round composes from it
+    visits = {v["state"]: v for v in result["states"][:5]}
+    assert visits["size"]["runs"] == 8 and visits["compare"]["runs"] == 0
+    trial = result["trials"][0]
+    assert trial["config_patch"] == {"weight_dtype": "bf16", "batch_size": 42}
+    assert trial["pairs"] == 2 and trial["outcome"] == "kept" and "two pairs" in trial["why"]
+    assert result["rounds"][0]["pairs"] == 2
     batch = next(c for c in result["ladder"][1]["changes"] if c["rule"] == "batch")
     assert batch["sized"]["from"] == 11 and batch["sized"]["to"] == 42
     as_document(result, TreatResult, "treat.json")
 
 
-def test_an_out_of_memory_batch_of_the_first_step_bounds_the_next(monkeypatch):
-    """Memory readings promise batch 280 (2 GiB + 0.25 a sample of 80), but runs from batch 220 on run out of
-    memory: the probe's 32 and 64, 128, 256 run at once, 256 out of memory; the memory model, told so, bisects the
-    next step between 128 and 256: 192 ran, the comparison pairs it, and no step of 25% is left below 256."""
+def test_an_out_of_memory_step_runs_on_every_gpu_and_bounds_the_next(monkeypatch):
+    """Memory readings promise batch 280 (2 GiB + 0.25 a sample of 80, read at the probe's 32, 64 and 128), but runs
+    from batch 220 on run out of memory, whatever the readings say: 280 runs out on all four GPUs at once (one out
+    -of-memory batch, not four); the memory a sample takes is then at least (80 - 34) / (280 - 128) GiB, which
+    holds 253, out of memory too; no step is left, and the comparison pairs the largest batch that ran, 128."""
     runner = MemoryGpus(fixed=2.0, per=0.25, total=80.0, oom_at=220, half=1000)
     result = treat_on(runner, 4, monkeypatch=monkeypatch)
-    assert sizing(result) == [(32, "ok", 0), (64, "ok", 1), (128, "ok", 2), (256, "oom", 3), (192, "ok", 0)]
-    assert steps(round1_sizing(result, runner.timed)) == 2
-    assert result["trials"][0]["config_patch"] == {"batch_size": 192}
-    assert result["final_config"]["batch_size"] == 192
-    assert "batch 192; out of memory at 256" in result["stopped_because"]
+    assert sizing(result) == [
+        (32, "ok", 0),
+        (64, "ok", 1),
+        (128, "ok", 2),
+        *[(b, "oom", g) for b in (280, 253) for g in range(4)],
+    ]
+    assert steps(round1_sizing(result, runner.timed)) == 3
+    assert result["trials"][0]["config_patch"] == {"batch_size": 128}
+    assert result["final_config"]["batch_size"] == 128
+    assert "batch 128; out of memory at 253" in result["stopped_because"]
 
 
 @pytest.mark.parametrize(
     ("runner", "start", "want"),
     [  # test_treat.py's one-GPU sizing, written against the sizing before N batches ran at once
-        (lambda: MemoryGpus(fixed=2.0, per=0.5, total=80.0, half=30), BASE, [(32, "ok"), (140, "ok")]),
+        (lambda: MemoryGpus(fixed=2.0, per=0.5, total=80.0, half=30), BASE, [(32, "ok"), (128, "ok")]),
         (
             lambda: MemoryGpus(fixed=2.0, per=0.5, total=80.0, oom_at=25, half=1000),
             BASE,
-            [(32, "oom"), (18, "ok"), (25, "oom")],
+            [(32, "oom"), (29, "oom"), (16, "ok")],
         ),
         (lambda: MemoryGpus(fires={2}), BASE.replace(batch_size=22), [(106, "ok"), (150, "ok")]),
         (SizedGpus, BASE.replace(batch_size=4), [(11, "ok"), (36, "ok")]),
@@ -402,34 +417,40 @@ def test_one_gpu_sizes_one_run_at_a_time_as_before(runner, start, want):
     assert all(d is None for _, d in r.devices) and steps(round1_sizing(result, r.timed)) == len(want)
 
 
-def lane0_runs(result: dict, runner: SizingRunner) -> tuple[int, int]:
-    """Round 1's comparison on lane 0 (unpinned): the runs of its one composition, and of the current config."""
-    assert len(result["rounds"][0]["compositions"]) == 1
-    current = key(result["rounds"][0]["current_config"])
-    compare = next(got for v, got in by_visit(result, runner.timed) if v["state"] == "compare")
-    ran = [key(c) == current for c, d, *_ in compare if d is None]
-    return ran.count(False), ran.count(True)
+class UnevenGpus(SizedGpus):
+    """SizedGpus whose GPU g runs every config at 1 / (1 + 0.15 g) of GPU 0's speed: a pair of runs of two GPUs reads a
+    ratio off by up to 1.45x, a pair on one GPU the composition's own."""
+
+    def __call__(self, c, diagnose, timeout, device=None):  # type: ignore[override]
+        rep = super().__call__(c, diagnose, timeout, device)
+        if rep.get("status") == "ok":
+            slow = 1.0 + 0.15 * (device or 0)
+            for r in [*rep["repeats"], rep["metrics"]]:
+                r["real_tokens_per_s"] /= slow
+        return rep
 
 
 @pytest.mark.parametrize(
-    ("make", "gpu"),
-    [(lambda: MemoryGpus(fixed=2.0, per=0.25, total=80.0, half=1000), 3), (lambda: SizedGpus(oom_at=20), 0)],
+    ("make", "want"),
+    [
+        (UnevenGpus, [(11, "ok", 0), (22, "ok", 1), (44, "ok", 2), *[(42, "ok", g) for g in range(4)]]),
+        (
+            lambda: UnevenGpus(oom_at=20),
+            [(11, "ok", 0), (22, "oom", 1), (44, "oom", 2), *[(16, "ok", g) for g in range(4)]],
+        ),
+    ],
 )
-def test_a_sizing_run_of_another_gpu_is_not_lane_0s_first_run(monkeypatch, make, gpu):
-    """The comparison's lane 0 reuses the chosen sizing run as its first run only where it ran on lane 0's GPU: batch
-    256 of GPU 3 (within the ceiling 280, no step of 25% left above it) would pair runs of two GPUs, and lane 0 runs
-    it itself (one run more than of the current config, whose round 1 run is reused); where 22 and up run out of
-    memory, the step after the first, 16, ran on lane 0 and is reused (as many runs as of the current config)."""
+def test_each_lane_pairs_the_runs_its_own_gpu_made_while_sizing(monkeypatch, make, want):
+    """Each lane's first pair is the runs made on its own GPU while the batch was sized: GPUs of uneven speed (GPU 3
+    at 1 / 1.45 of GPU 0's speed) read the composition's ratio alike on every pair. Where 22 runs out of memory the
+    step after the first, 16, runs on every GPU and is the one paired."""
     runner = make()
     result = treat_on(runner, 4, monkeypatch=monkeypatch)
-    chosen = result["trials"][0]["config_patch"]["batch_size"]
-    assert [s.get("device") for s in result["rounds"][0]["sizing"] if s["batch_size"] == chosen] == [gpu]
-    if gpu:
-        assert sizing(result) == [(32, "ok", 0), (64, "ok", 1), (128, "ok", 2), (256, "ok", 3)]
-    else:
-        assert sizing(result) == [(11, "ok", 0), (22, "oom", 1), (44, "oom", 2), (88, "oom", 3), (16, "ok", 0)]
-    comp, current = lane0_runs(result, runner)
-    assert comp == current + (gpu != 0)
+    assert sizing(result) == want
+    trial = result["trials"][0]
+    assert trial["pairs"] == 2 and trial["outcome"] == "kept"
+    assert max(trial["ratios"]) / min(trial["ratios"]) < 1.2  # runs of two GPUs would read up to 1.45x apart
+    assert next(v for v in result["states"] if v["state"] == "compare")["runs"] == 0
 
 
 def test_ctrl_c_during_the_first_sizing_step_stops_every_run(monkeypatch):

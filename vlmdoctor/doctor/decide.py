@@ -87,6 +87,9 @@ MIN_PAIRS = 3
 #: H200s, 2026-11-27), run-to-run noise of one config on one GPU 1-5%. On two H200s a qwen2-vl-2b treatment
 #: measured its ten changes at x10.6 on one pair, had no time for a second, and ended at the start config
 ONE_PAIR_X = 3.0
+#: the pairs a large effect is decided on (`large_effect`); also the complete first pairs, already measured on as
+#: many GPUs, that make a comparison's first round on their lanes alone (`interleaved`'s `lane_first`)
+LARGE_EFFECT_PAIRS = 2
 
 
 @dataclass
@@ -324,7 +327,7 @@ def pooled_verdict(
 
 def large_effect(ratios: Sequence[float], opts: PairedOptions) -> dict[str, Any] | None:
     """The verdict on two pairs when both show a large effect the same way, else None."""
-    if len(ratios) < 2 or opts.large_effect <= 1:
+    if len(ratios) < LARGE_EFFECT_PAIRS or opts.large_effect <= 1:
         return None
     if all(r > opts.large_effect for r in ratios):
         outcome = "kept"
@@ -414,6 +417,7 @@ def interleaved(
     lane_arms: Callable[[int], dict[str, Arm]] | None = None,
     new_run_s: float = 0.0,
     partial_pairs: bool = False,
+    lane_first: dict[int, dict[str, Report]] | None = None,
 ) -> dict[str, Any]:
     """Measure the arms in rounds, each arm once per round, and decide each candidate against the reference.
 
@@ -438,11 +442,14 @@ def interleaved(
 
     `lanes`: a round runs on that many GPUs at once (threads), lane 0 with `arms`, lane g >= 1 with
     `lane_arms(g)` (the same arms, each run pinned to GPU g); each lane runs the round's arms one after
-    another, its order rotated by its own offset, so a pair's two runs are taken on one GPU. Only lane 0
-    reuses `first`. A complete lane adds one pair to every arm it ran (in lane order); a lane cut by the
-    time pairs nothing. `min_pairs`, `max_pairs` and the two-pair shortcut count pairs (the last round
-    runs no more lanes than `max_pairs` leaves); the result's "rounds" counts rounds, "pairs" pairs,
-    "lanes" the most lanes a round ran on. Ctrl-C stops every lane's run (`supervise.stop_all`).
+    another, its order rotated by its own offset, so a pair's two runs are taken on one GPU. Lane 0 reuses
+    `first`; lane g >= 1 reuses `lane_first[g]` (runs already made on GPU g: `treat` makes them while it sizes the
+    batch), each lane in the first round it runs. Where LARGE_EFFECT_PAIRS lanes or more hold a whole first pair
+    that way, the first round is those lanes alone, at no cost (enough to decide a large effect); the other lanes
+    join from the next round, with what they hold. A complete lane adds one pair to every arm it ran (in lane
+    order); a lane cut by the time pairs nothing. `min_pairs`, `max_pairs` and the two-pair shortcut count
+    pairs (the last round runs no more lanes than `max_pairs` leaves); the result's "rounds" counts rounds,
+    "pairs" pairs, "lanes" the most lanes a round ran on. Ctrl-C stops every lane's run (`supervise.stop_all`).
 
     A run starts only where its expected time (its arm's last run, else `new_run_s`, else the mean of the
     arms' runs) still fits in `time_left()`: the budget is a limit on the runs' ends, not their starts
@@ -463,6 +470,8 @@ def interleaved(
     # each arm's expected time for its next run (a `first` report's from what it took)
     next_s = {n: next_run_s(s, (first or {})[n]) for n, s in (first_s or {}).items() if n in (first or {})}
     rounds = pairs = widest = 0
+    # each lane's runs made already, until the first round it runs
+    held = {0: dict(first or {}), **{g: dict(r) for g, r in (lane_first or {}).items() if g and r}}
     decisions: dict[str, dict[str, Any]] = {}
     lock = threading.Lock()  # the lanes' progress messages and next_s, one at a time
     arms_of, more = {0: arms}, lane_arms or (lambda _g: arms)
@@ -483,10 +492,12 @@ def interleaved(
         if pairs >= opts.max_pairs or time_left() <= 0 or (rounds > 0 and round_s > avail):
             break  # the time budget is a hard limit, also before min_pairs: then there is no decision
         width = min(lanes, opts.max_pairs - pairs)  # the last round measures no more pairs than max_pairs leaves
-        for g in range(len(arms_of), width):
-            arms_of[g] = more(g)  # each lane's arms built once, pinned to its GPU
-        reused = {n: first[n] for n in order if n in first} if rounds == 0 and first else {}  # lane 0's only
-        plan = [_Lane(g, arms_of[g], _rotated(order, rounds + g), reused if g == 0 else {}) for g in range(width)]
+        ready = [g for g in range(lanes) if all(n in held.get(g, {}) for n in order)]  # a whole pair held: free
+        chosen = ready[:width] if rounds == 0 and len(ready) >= LARGE_EFFECT_PAIRS else list(range(width))
+        for g in chosen:
+            if g not in arms_of:
+                arms_of[g] = more(g)  # each lane's arms built once, pinned to its GPU
+        plan = [_Lane(g, arms_of[g], _rotated(order, rounds + g), _held(held, g, order)) for g in chosen]
         say = _progress(notify, lock, rounds + 1)
         expect = _expected(next_s, new_run_s)
         complete = _round(plan, res, next_s, value, _Budget(time_left, expect, reference, partial_pairs), say, lock)
@@ -543,6 +554,12 @@ class _Lane:
     arms: dict[str, Arm]
     order: list[str]
     reused: dict[str, Report]
+
+
+def _held(held: dict[int, dict[str, Report]], g: int, order: list[str]) -> dict[str, Report]:
+    """Lane g's runs made already of the arms in `order`, taken once: the first round the lane runs reuses them."""
+    mine = held.pop(g, {})
+    return {n: mine[n] for n in order if n in mine}
 
 
 def _rotated(order: list[str], k: int) -> list[str]:

@@ -85,6 +85,10 @@ _RECORDING = threading.Lock()
 Notify = Callable[[str], None]
 #: the most runs a composition's batch sizing takes: its first run, one raised to the ceiling, one bisection
 SIZE_MAX_RUNS = 3
+#: on N GPUs, the first sizing step's batches: b0, 2 b0, 4 b0 on GPUs 0-2, the memory line through the two largest.
+#: Two small ones misread it: on four H200s (qwen2-vl-2b, 2026-11-28) batches 11 and 22 read 1.41 GiB a sample
+#: and promised batch 81, which ran out of memory; batches 22 to 73 take 1.56-1.67
+SIZE_POINTS = 3
 #: a rule's estimate this far from the measured ratio, either way, is called far off in the calibration
 FAR_OFF = 1.25
 
@@ -261,6 +265,10 @@ class _Treatment:
         self.comps: list[dict[str, Any]] = []  # the round's compositions
         self.first: dict[str, dict[str, Any]] = {}  # a composition's sizing run: its first run of the comparison
         self.first_s: dict[str, float] = {}
+        # lane g >= 1's runs made already of the round's arms on GPU g (the current config, a composition at its
+        # sized batch): its first pair, or half of it, in the comparison (`interleaved`'s lane_first)
+        self.lane_first: dict[int, dict[str, dict[str, Any]]] = {}
+        self.sized_on: dict[tuple[str, int], tuple[dict[str, Any], float]] = {}  # (config, GPU): a sizing run
         self.reserved = 0.0  # the most seconds kept for the ablation
         self.machine = Machine(self.t0, lambda: len(self.run_s))
 
@@ -427,7 +435,8 @@ class _Treatment:
                 f"{self._budget_words()}: a round of {len(comps)} new composition(s) does not fit beside the "
                 f"{self.reserve():.0f} s kept for the ablation",
             )
-        self.comps, self.first, self.first_s = comps, {}, {}
+        self.comps, self.first, self.first_s, self.sized_on = comps, {}, {}, {}
+        self.lane_first = {g: {"current": r} for g, r in self._current_on_lanes().items()}
         out["rounds"].append(
             {
                 "round": len(out["rounds"]) + 1,
@@ -464,12 +473,24 @@ class _Treatment:
             if got is None:
                 sized.append(comp)
                 continue
-            comp, rep, took, gpu = got
+            comp = got[0]
             sized.append(comp)
-            if gpu == 0:  # lane 0's first run; another GPU's run would pair runs of two GPUs: lane 0 runs it anew
-                self.first[comp["name"]], self.first_s[comp["name"]] = rep, took
+            # each GPU's run of it: that lane's first run of the arm (lane 0's also where it failed: the comparison
+            # records the failure without running it again)
+            for g in range(max(1, self.opts.trial_gpus)):
+                run = self.sized_on.get((config_key(comp["config"]), g))
+                if run is not None and g == 0:
+                    self.first[comp["name"]], self.first_s[comp["name"]] = run
+                elif run is not None and _sized_ok(run[0]):
+                    self.lane_first.setdefault(g, {})[comp["name"]] = run[0]
         self.comps = sized
         return COMPARE
+
+    def _current_on_lanes(self) -> dict[int, dict[str, Any]]:
+        """Lane g >= 1's last clean run of the current config (compare's, of the config it adopted), by GPU."""
+        if self.final_by_lane_cfg != config_key(self.current_cfg):
+            return {}
+        return {g: r for g, r in self.final_by_lane.items() if g}
 
     def _size(self, comp: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], float, int] | None:
         """The composition at the batch its memory allows, with that run's report, seconds and GPU (None: no run
@@ -479,11 +500,16 @@ class _Treatment:
         above that batch, the batch is raised to it and run again; an out-of-memory run is bisected between the
         largest batch that ran and it (or its batch step halved). On --trial-gpus N the first step runs N batches
         at once (`_size_at_once`) and the steps after it go on from the largest that ran. The comparison pairs the
-        largest batch that ran (the runs it took stay in the round's `sizing`)."""
+        largest batch that ran (the runs it took stay in the round's `sizing`).
+
+        On N GPUs a step after the first runs its batch on every GPU at once, GPU 0's run traced and diagnosed (the
+        next round composes from it): where that batch is the one chosen, every lane holds its first run of it
+        (`size`), and the comparison's first round needs no run where a lane holds the current config's too."""
         best = last = None
         runs = SIZE_MAX_RUNS
         nxt: dict[str, Any] | None = comp
-        if self.opts.trial_gpus > 1:
+        n = self.opts.trial_gpus
+        if n > 1:
             if not self._new_run_fits():
                 return None
             got = self._size_at_once(comp)
@@ -495,15 +521,42 @@ class _Treatment:
                 break
             comp = nxt
             b = comp["config"].batch_size
-            self.notify(f"round {len(self.out['rounds'])}: sizing {comp['name']} at batch {b}")
-            t = time.time()
-            rep = self.runner(comp["config"], False)()
-            last = (comp, rep, time.time() - t, 0)
-            self._record_sizing(comp, rep, 0)
+            on = f" on {n} GPUs at once (each lane's first run of it)" if n > 1 else ""
+            self.notify(f"round {len(self.out['rounds'])}: sizing {comp['name']} at batch {b}{on}")
+            rep, took = self._size_step(comp) if n > 1 else self._size_one(comp)
+            last = (comp, rep, took, 0)
             if _sized_ok(rep):
                 best = last
             nxt = self._next_size(comp, rep)
         return best or last
+
+    def _size_one(self, comp: dict[str, Any]) -> tuple[dict[str, Any], float]:
+        """A sizing run on one GPU (lane 0's), recorded; its report and seconds."""
+        t = time.time()
+        rep = self.runner(comp["config"], False)()
+        took = time.time() - t
+        self._record_sizing(comp, rep, 0, took)
+        return rep, took
+
+    def _size_step(self, comp: dict[str, Any]) -> tuple[dict[str, Any], float]:
+        """A sizing step after the first on N GPUs: the batch on every GPU at once, GPU 0's run (unpinned, as lane 0's
+        every run) traced and diagnosed; each run recorded with its GPU; GPU 0's report and seconds. Why: on four
+        GPUs, this step ran on GPU 0 alone and the comparison's first round then ran both arms on GPUs 1-3, about
+        120 s in the chain to the adopted config."""
+        n = self.opts.trial_gpus
+
+        def timed(g: int) -> Callable[[], tuple[dict[str, Any], float]]:
+            def go() -> tuple[dict[str, Any], float]:
+                t = time.time()
+                rep = self.runner(comp["config"], g == 0, g or None)()
+                return rep, time.time() - t
+
+            return go
+
+        done = supervise.at_once([timed(g) for g in range(n)], "sizing-gpu")  # Ctrl-C stops every run
+        for g, (rep, took) in enumerate(done):
+            self._record_sizing(comp, rep, g, took)
+        return done[0]
 
     def _new_run_fits(self) -> bool:
         """A run of a config not run before ends within the budget (`new_run_s`): a sizing run that the budget would
@@ -526,37 +579,50 @@ class _Treatment:
 
     def _size_at_once(self, comp: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any], float, int]]:
         """The first sizing step on --trial-gpus N GPUs at once, one run each: the rules' batch b0 on GPU 0 (lane 0,
-        unpinned, as every other run of the treatment), b0 * 2**g on GPU g, at most PROBE_MAX_FACTOR x b0 (a batch
-        tried already, or an invalid config, leaves its GPU idle). Each run's memory feeds the memory model
-        (`runner`). Why: sized one run at a time, a composition took 2-3 runs of 45-70 s each on four H200s
-        (2026-11-27) while the other GPUs idled."""
+        unpinned, as every other run of the treatment), b0 * 2**g on GPU g < SIZE_POINTS (the memory line's points);
+        on GPU g >= SIZE_POINTS, the current config where lane g holds no run of it (its first pair's reference run,
+        kept in `lane_first`), else b0 * 2**g; at most PROBE_MAX_FACTOR x b0 (a batch tried already, or an invalid
+        config, leaves its GPU idle). Each run's memory feeds the memory model (`runner`). Why: sized one run at a
+        time, a composition took 2-3 runs of 45-70 s each on four H200s (2026-11-27) while the other GPUs idled; with
+        every GPU sizing, the comparison's first round then ran both arms on GPUs 1-3. Returns the sizing runs."""
         n, b0 = self.opts.trial_gpus, comp["config"].batch_size
-        lanes = [(0, comp)]
+        lanes: list[tuple[int, dict[str, Any] | None]] = [(0, comp)]  # None: the current config, lane g's reference
         for g in range(1, n):
+            if g >= SIZE_POINTS and "current" not in self.lane_first.get(g, {}):
+                lanes.append((g, None))
+                continue
             how = f"tried at once on GPU {g} while the rules' batch ran: {n} batches sized in one step"
             spec = self._with_batch(comp, min(b0 * 2**g, PROBE_MAX_FACTOR * b0), how)
             if spec is not None:
                 self.tried.add(config_key(spec["config"]))
                 lanes.append((g, spec))
-        batches = ", ".join(str(c["config"].batch_size) for _, c in lanes)
-        self.notify(f"round {len(self.out['rounds'])}: sizing {comp['name']} at batch {batches} on {len(lanes)} GPUs")
+        batches = ", ".join(str(c["config"].batch_size) for _, c in lanes if c is not None)
+        refs = [str(g) for g, c in lanes if c is None]
+        also = f"; the current config on GPU {', '.join(refs)} (each lane's first reference run)" if refs else ""
+        self.notify(f"round {len(self.out['rounds'])}: sizing {comp['name']} at batch {batches}{also}")
 
-        def timed(c: dict[str, Any], g: int) -> Callable[[], tuple[dict[str, Any], float]]:
+        def timed(c: dict[str, Any] | None, g: int) -> Callable[[], tuple[dict[str, Any], float]]:
             def go() -> tuple[dict[str, Any], float]:
                 t = time.time()
-                rep = self.runner(c["config"], False, g or None)()
+                rep = self.runner(self.current_cfg if c is None else c["config"], False, g or None)()
                 return rep, time.time() - t
 
             return go
 
         done = supervise.at_once([timed(c, g) for g, c in lanes], "sizing-gpu")  # Ctrl-C stops every run
-        got = [(c, rep, took, g) for (g, c), (rep, took) in zip(lanes, done)]
-        for c, rep, _, g in got:
-            self._record_sizing(c, rep, g)
+        got = []
+        for (g, c), (rep, took) in zip(lanes, done):
+            if c is None:
+                if _sized_ok(rep):
+                    self.lane_first.setdefault(g, {})["current"] = rep
+                continue
+            got.append((c, rep, took, g))
+            self._record_sizing(c, rep, g, took)
         return got
 
-    def _record_sizing(self, comp: dict[str, Any], rep: dict[str, Any], gpu: int) -> None:
-        """A sizing run in the round's `sizing`; on --trial-gpus N with the GPU it ran on."""
+    def _record_sizing(self, comp: dict[str, Any], rep: dict[str, Any], gpu: int, took: float) -> None:
+        """A sizing run in the round's `sizing` (on --trial-gpus N with the GPU it ran on) and in `sized_on`."""
+        self.sized_on[(config_key(comp["config"]), gpu)] = (rep, took)
         self.out["rounds"][-1]["sizing"].append(
             {
                 "name": comp["name"],
@@ -631,7 +697,13 @@ class _Treatment:
     def compare(self) -> str:
         out, opts, comps = self.out, self.opts, self.comps
         rnd = out["rounds"][-1]
-        diagnosed = {c["name"]: _first_diagnosed(self.runner, c["config"]) for c in comps}  # shared by the lanes
+        held = [self.first, *self.lane_first.values()]
+        diagnosed = {  # shared by the lanes; a composition's held run traced already (`_size_step`) is its diagnosis
+            c["name"]: _first_diagnosed(
+                self.runner, c["config"], any((h.get(c["name"]) or {}).get("findings") is not None for h in held)
+            )
+            for c in comps
+        }
 
         def lane_arms(g: int | None) -> dict[str, Callable[[], dict[str, Any]]]:
             """The arms of lane g, pinned to GPU g (lane 0: None, as every other run of the treatment)."""
@@ -657,6 +729,7 @@ class _Treatment:
             lane_arms=lane_arms,
             new_run_s=self.new_run_s(),
             partial_pairs=True,
+            lane_first=self.lane_first,
         )
         self.live.clear()
         rnd["lanes"], rnd["pairs"] = res["lanes"], res["pairs"]
@@ -800,13 +873,15 @@ def calibration(trials: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _first_diagnosed(
-    runner: Callable[[RunConfig, bool, int | None], Callable[[], dict[str, Any]]], cfg: RunConfig
+    runner: Callable[[RunConfig, bool, int | None], Callable[[], dict[str, Any]]],
+    cfg: RunConfig,
+    diagnosed: bool = False,
 ) -> Callable[[int | None], Callable[[], dict[str, Any]]]:
     """A composition's arm on each lane (GPU; None: the first, unpinned): its first run, on whichever lane comes
-    first, is traced and diagnosed (the next round needs its findings); the pairs after it, on every lane, are
-    timed only, which saves the trace window and its analysis. One count for every lane, under a lock: the lanes
-    run at once."""
-    lock, calls = threading.Lock(), {"n": 0}
+    first, is traced and diagnosed (the next round needs its findings) unless a run of it was (`diagnosed`); the
+    pairs after it, on every lane, are timed only, which saves the trace window and its analysis. One count for
+    every lane, under a lock: the lanes run at once."""
+    lock, calls = threading.Lock(), {"n": int(diagnosed)}
 
     def on(device: int | None) -> Callable[[], dict[str, Any]]:
         def go() -> dict[str, Any]:

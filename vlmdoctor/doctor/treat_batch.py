@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from vlmdoctor.doctor.decide import throughput
 from vlmdoctor.doctor.treat_compose import MEASUREMENT_KNOBS, apply, config_key
 from vlmdoctor.errors import UsageError
 from vlmdoctor.run.config import RunConfig
@@ -26,6 +27,13 @@ PROBE_HEADROOM = 0.9
 PROBE_MIN_STEP = 1.25
 #: the most a probe multiplies the batch by, as the batch rule does: memory per sample is extrapolated
 PROBE_MAX_FACTOR = 8
+#: the most a memory line (two measured batches) is extrapolated: this many times its largest batch. On four H100s
+#: (qwen2-vl-2b with gradient checkpointing kept, 2026-11-28) batches 8, 16 and 32 read 0.08 GiB a sample and
+#: promised batch 256, whose runs (steps 8x as long) did not end in the 140 s the budget had left
+PROBE_STEP_X = 4
+#: a doubling of the batch that raised the measured throughput less than this is saturated: no larger batch is
+#: sized (runs side by side on one host differ by a few percent; an underfed GPU gains 20% and more a doubling)
+PROBE_MIN_RISE = 1.10
 
 
 def family(cfg: RunConfig) -> str:
@@ -40,12 +48,19 @@ class MemoryModel:
 
     The batch a family can hold is (usable - fixed) / per_sample: from two measured batches, the line
     through them; from one, per_sample = peak / batch (fixed taken as 0, which overestimates the memory a
-    sample needs and so underestimates the batch). An out-of-memory run bounds it from above; the next
-    guess after one is the middle between the largest batch that ran and the smallest that did not."""
+    sample needs and so underestimates the batch). An out-of-memory run bounds it from above, and bounds the memory a
+    sample takes from below: at least the card less the largest batch that ran's peak, over the batches between.
+    After a family's first out-of-memory run the next guess is that bound's batch; after another, the middle between
+    the largest batch that ran and the smallest that did not. Why: on four H200s (qwen2-vl-2b, 2026-11-28) batches 11
+    and 22 read 1.41 GiB a sample, batch 81 ran out of memory, the middle (51) peaked at 59% of the card, and the
+    bound reads 1.66 GiB a sample: batch 72 (one GPU measured 73 at 89%)."""
 
     points: dict[str, dict[int, float]] = field(default_factory=dict)
     oom: dict[str, int] = field(default_factory=dict)
+    # the batches of the family that ran out of memory (one batch on N GPUs at once is one): bound first, then middle
+    oom_batches: dict[str, set[int]] = field(default_factory=dict)
     flat: dict[str, int] = field(default_factory=dict)  # a larger batch measured and not kept: saturated
+    rates: dict[str, dict[int, float]] = field(default_factory=dict)  # tokens/s by batch, from the same runs
     total_gb: float | None = None
 
     def observe(self, cfg: RunConfig, report: dict[str, Any]) -> None:
@@ -53,12 +68,25 @@ class MemoryModel:
         m = report.get("metrics") or {}
         if report.get("status") == "oom":
             self.oom[fam] = min(self.oom.get(fam, b), b)
+            self.oom_batches.setdefault(fam, set()).add(b)
             return
         if report.get("status") != "ok" or not m.get("peak_mem_gb") or not m.get("device_mem_total_gb"):
             return
         self.total_gb = float(m["device_mem_total_gb"])
         pts = self.points.setdefault(fam, {})
         pts[b] = max(pts.get(b, 0.0), float(m["peak_mem_gb"]))
+        rate = throughput(report)
+        if rate:
+            self.rates.setdefault(fam, {})[b] = max(self.rates.get(fam, {}).get(b, 0.0), rate)
+
+    def saturated(self, cfg: RunConfig) -> tuple[int, str] | None:
+        """The smallest measured batch past which the family's throughput stopped rising (less than PROBE_MIN_RISE a
+        doubling, from the batch before it, at least 1.5x smaller), with the words; None while it still rises."""
+        r = sorted(self.rates.get(family(cfg), {}).items())
+        for (b1, t1), (b2, t2) in zip(r, r[1:]):
+            if b2 >= 1.5 * b1 and t2 / t1 < PROBE_MIN_RISE ** math.log2(b2 / b1):
+                return b2, f"throughput {t2 / t1:.2f}x from batch {b1} to {b2}: saturated"
+        return None
 
     def ceiling(self, cfg: RunConfig) -> tuple[int, str] | None:
         """The largest batch the family should hold, and how that was worked out; None without memory facts."""
@@ -78,10 +106,26 @@ class MemoryModel:
         target = int((usable - fixed) // per)
         how += f"; {PROBE_HEADROOM:.0%} of {self.total_gb:.0f} GiB holds batch {target}"
         target = min(target, PROBE_MAX_FACTOR * cfg.batch_size)
+        if len(pts) >= 2 and target > PROBE_STEP_X * b2:
+            target = PROBE_STEP_X * b2
+            how += f"; at most {PROBE_STEP_X}x the largest batch measured: {target}"
+        sat = self.saturated(cfg)
+        if sat is not None and target > sat[0]:
+            target = sat[0]
+            how += f"; {sat[1]}"
         if fam in self.oom and target >= self.oom[fam]:
-            fits = max([b for b, _ in pts if b < self.oom[fam]], default=cfg.batch_size)
-            target = (fits + self.oom[fam]) // 2
-            how += f"; out of memory at batch {self.oom[fam]}: bisected to {target}"
+            oom = self.oom[fam]
+            fits, p_fit = max([(b, p) for b, p in pts if b < oom], default=(cfg.batch_size, None))
+            if len(self.oom_batches.get(fam, ())) <= 1 and p_fit is not None and p_fit < usable:
+                least = (self.total_gb - p_fit) / (oom - fits)  # the card filled between `fits` and `oom`, at least
+                target = fits + int((usable - p_fit) // least)
+                how += (
+                    f"; out of memory at batch {oom}: at least {least:.2f} GiB a sample above batch {fits} holds "
+                    f"batch {target}"
+                )
+            else:
+                target = (fits + oom) // 2
+                how += f"; out of memory at batch {oom}: bisected to {target}"
         return target, how
 
 
