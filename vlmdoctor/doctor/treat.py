@@ -469,11 +469,11 @@ class _Treatment:
         self.out["rounds"][-1]["sizing"] = []
         sized = []
         for comp in self.comps:
-            got = self._size(comp)
-            if got is None:
+            chosen = self._size(comp)
+            if chosen is None:
                 sized.append(comp)
                 continue
-            comp = got[0]
+            comp = chosen
             sized.append(comp)
             # each GPU's run of it: that lane's first run of the arm (lane 0's also where it failed: the comparison
             # records the failure without running it again)
@@ -492,9 +492,8 @@ class _Treatment:
             return {}
         return {g: r for g, r in self.final_by_lane.items() if g}
 
-    def _size(self, comp: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], float, int] | None:
-        """The composition at the batch its memory allows, with that run's report, seconds and GPU (None: no run
-        fitted).
+    def _size(self, comp: dict[str, Any]) -> dict[str, Any] | None:
+        """The composition at the batch its memory allows (None: no run fitted); its runs are in `sized_on`.
 
         Its first run, at the batch the rules chose, measures its family's memory; where the ceiling is 25% or more
         above that batch, the batch is raised to it and run again; an out-of-memory run is bisected between the
@@ -528,13 +527,22 @@ class _Treatment:
             if _sized_ok(rep):
                 best = last
             nxt = self._next_size(comp, rep)
-        return best or last
+        chosen = best or last
+        return None if chosen is None else chosen[0]
+
+    def _timed(self, c: RunConfig, diagnose: bool, gpu: int) -> Callable[[], tuple[dict[str, Any], float]]:
+        """A run of `c` on GPU `gpu` (0: lane 0's, unpinned) that returns its report and seconds."""
+
+        def go() -> tuple[dict[str, Any], float]:
+            t = time.time()
+            rep = self.runner(c, diagnose, gpu or None)()
+            return rep, time.time() - t
+
+        return go
 
     def _size_one(self, comp: dict[str, Any]) -> tuple[dict[str, Any], float]:
         """A sizing run on one GPU (lane 0's), recorded; its report and seconds."""
-        t = time.time()
-        rep = self.runner(comp["config"], False)()
-        took = time.time() - t
+        rep, took = self._timed(comp["config"], False, 0)()
         self._record_sizing(comp, rep, 0, took)
         return rep, took
 
@@ -543,17 +551,8 @@ class _Treatment:
         every run) traced and diagnosed; each run recorded with its GPU; GPU 0's report and seconds. Why: on four
         GPUs, this step ran on GPU 0 alone and the comparison's first round then ran both arms on GPUs 1-3, about
         120 s in the chain to the adopted config."""
-        n = self.opts.trial_gpus
-
-        def timed(g: int) -> Callable[[], tuple[dict[str, Any], float]]:
-            def go() -> tuple[dict[str, Any], float]:
-                t = time.time()
-                rep = self.runner(comp["config"], g == 0, g or None)()
-                return rep, time.time() - t
-
-            return go
-
-        done = supervise.at_once([timed(g) for g in range(n)], "sizing-gpu")  # Ctrl-C stops every run
+        jobs = [self._timed(comp["config"], g == 0, g) for g in range(self.opts.trial_gpus)]
+        done = supervise.at_once(jobs, "sizing-gpu")  # Ctrl-C stops every run
         for g, (rep, took) in enumerate(done):
             self._record_sizing(comp, rep, g, took)
         return done[0]
@@ -601,15 +600,8 @@ class _Treatment:
         also = f"; the current config on GPU {', '.join(refs)} (each lane's first reference run)" if refs else ""
         self.notify(f"round {len(self.out['rounds'])}: sizing {comp['name']} at batch {batches}{also}")
 
-        def timed(c: dict[str, Any] | None, g: int) -> Callable[[], tuple[dict[str, Any], float]]:
-            def go() -> tuple[dict[str, Any], float]:
-                t = time.time()
-                rep = self.runner(self.current_cfg if c is None else c["config"], False, g or None)()
-                return rep, time.time() - t
-
-            return go
-
-        done = supervise.at_once([timed(c, g) for g, c in lanes], "sizing-gpu")  # Ctrl-C stops every run
+        jobs = [self._timed(self.current_cfg if c is None else c["config"], False, g) for g, c in lanes]
+        done = supervise.at_once(jobs, "sizing-gpu")  # Ctrl-C stops every run
         got = []
         for (g, c), (rep, took) in zip(lanes, done):
             if c is None:

@@ -56,18 +56,21 @@ class MemoryModel:
     bound reads 1.66 GiB a sample: batch 72 (one GPU measured 73 at 89%)."""
 
     points: dict[str, dict[int, float]] = field(default_factory=dict)
-    oom: dict[str, int] = field(default_factory=dict)
     # the batches of the family that ran out of memory (one batch on N GPUs at once is one): bound first, then middle
     oom_batches: dict[str, set[int]] = field(default_factory=dict)
     flat: dict[str, int] = field(default_factory=dict)  # a larger batch measured and not kept: saturated
     rates: dict[str, dict[int, float]] = field(default_factory=dict)  # tokens/s by batch, from the same runs
     total_gb: float | None = None
 
+    @property
+    def oom(self) -> dict[str, int]:
+        """Each family's smallest batch that ran out of memory."""
+        return {fam: min(bs) for fam, bs in self.oom_batches.items()}
+
     def observe(self, cfg: RunConfig, report: dict[str, Any]) -> None:
         fam, b = family(cfg), cfg.batch_size
         m = report.get("metrics") or {}
         if report.get("status") == "oom":
-            self.oom[fam] = min(self.oom.get(fam, b), b)
             self.oom_batches.setdefault(fam, set()).add(b)
             return
         if report.get("status") != "ok" or not m.get("peak_mem_gb") or not m.get("device_mem_total_gb"):
@@ -113,10 +116,10 @@ class MemoryModel:
         if sat is not None and target > sat[0]:
             target = sat[0]
             how += f"; {sat[1]}"
-        if fam in self.oom and target >= self.oom[fam]:
-            oom = self.oom[fam]
+        oom = min(self.oom_batches.get(fam, ()), default=None)
+        if oom is not None and target >= oom:
             fits, p_fit = max([(b, p) for b, p in pts if b < oom], default=(cfg.batch_size, None))
-            if len(self.oom_batches.get(fam, ())) <= 1 and p_fit is not None and p_fit < usable:
+            if len(self.oom_batches[fam]) == 1 and p_fit is not None and p_fit < usable:
                 least = (self.total_gb - p_fit) / (oom - fits)  # the card filled between `fits` and `oom`, at least
                 target = fits + int((usable - p_fit) // least)
                 how += (
