@@ -359,7 +359,7 @@ def test_a_timed_out_distributed_trial_leaves_no_rank_behind(monkeypatch):
     cfg = RunConfig(
         model="tiny",
         device="cpu",
-        steps=200,
+        steps=100_000,  # hours on any CPU: the 15 s limit must stop it
         warmup=0,
         batch_size=1,
         num_samples=8,

@@ -12,6 +12,7 @@ Two classes, each one harness over many inputs:
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -327,6 +328,22 @@ def test_an_error_of_vlmdoctor_never_reaches_the_loop(
     assert not torch.autograd._profiler_enabled()
     assert _python_dispatch._get_current_dispatch_mode() is None
     assert not module_hooks._global_forward_hooks and not module_hooks._global_forward_pre_hooks
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_the_model_is_freed_once_the_script_drops_it(way, fast_reports, tmp_path):
+    """Nothing of vlmdoctor's holds the model after its window: a DistributedDataParallel kept alive past
+    destroy_process_group deadlocks torch's gloo group in its destructor or aborts the rank at exit
+    (examples/train_ddp.py releases it first; a reference in vlmdoctor would undo that)."""
+    from _user_loop import Tiny
+
+    def alive() -> int:
+        gc.collect()
+        return sum(type(o) is Tiny for o in gc.get_objects())
+
+    before = alive()
+    WAYS[way](tmp_path / "out")
+    assert alive() == before
 
 
 def test_a_failing_flop_count_leaves_mfu_null_with_its_reason(reference, fast_reports, monkeypatch, tmp_path):
