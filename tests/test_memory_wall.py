@@ -131,3 +131,71 @@ def test_an_out_of_memory_batch_bounds_the_memory_a_sample_takes_from_below():
     assert target == 72 and "at least 1.66 GiB a sample above batch 22" in how
     m.observe(cfg.replace(batch_size=72), {"status": "oom"})
     assert m.ceiling(cfg.replace(batch_size=22))[0] == (22 + 72) // 2
+
+
+def _read(m, cfg, b: int, peak: float, rate: float | None = None) -> None:
+    rep = {"status": "ok", "metrics": {"peak_mem_gb": peak, "device_mem_total_gb": 139.8}}
+    if rate is not None:
+        rep["metrics"]["real_tokens_per_s"] = rate
+        rep["repeats"] = [{"real_tokens_per_s": rate}]
+    m.observe(cfg.replace(batch_size=b), rep)
+
+
+@pytest.mark.parametrize("order", [(11, 52, 80), (80, 52, 11)])
+def test_a_batch_at_the_wall_that_runs_slower_counts_as_out_of_memory(order):
+    """qwen2-vl-2b's composition on two H200s (2026-11-28, 139.8 GiB): batch 52 peaked at 91.7 GiB and ran 34,933
+    real tokens/s; batch 80 peaked at 135.5 (97%) and ran 11,255, its steps 3.6x as long. Batch 80 is at the wall:
+    out of memory for the model (whatever order the runs came in), and the ceiling is the line below it, 73 (one GPU
+    of that host measured 73 at 124.4 GiB, 34,898 tokens/s)."""
+    from vlmdoctor.doctor.treat_batch import MemoryModel
+    from vlmdoctor.run.config import RunConfig
+
+    m, cfg = MemoryModel(), RunConfig()
+    readings = {11: (26.15, None), 52: (91.73, 34_933.0), 80: (135.46, 11_255.0)}
+    for b in order:
+        _read(m, cfg, b, *readings[b])
+    assert m.at_wall(cfg.replace(batch_size=80)) and not m.at_wall(cfg.replace(batch_size=52))
+    assert m.oom[next(iter(m.points))] == 80
+    target, how = m.ceiling(cfg.replace(batch_size=52))
+    assert target == 73 and "batch 80 at the memory wall" in how
+
+
+def test_the_wall_says_the_allocators_retries_where_the_run_counted_them():
+    """A run's `alloc_retries` (the caching allocator's retries in its timed steps) goes with the wall's words: the
+    slowdown's likely cause, measured where the run report has it."""
+    from vlmdoctor.doctor.treat_batch import MemoryModel
+    from vlmdoctor.run.config import RunConfig
+
+    m, cfg = MemoryModel(), RunConfig()
+    _read(m, cfg, 52, 91.73, 34_933.0)
+    m.observe(
+        cfg.replace(batch_size=80),
+        {
+            "status": "ok",
+            "repeats": [{"real_tokens_per_s": 11_255.0}],
+            "metrics": {
+                "peak_mem_gb": 135.46,
+                "device_mem_total_gb": 139.8,
+                "alloc_retries": 30,
+                "real_tokens_per_s": 11_255.0,
+            },
+        },
+    )
+    assert "30 allocator retries in its timed steps" in m.ceiling(cfg.replace(batch_size=52))[1]
+
+
+def test_a_batch_near_the_wall_that_runs_faster_and_a_slower_one_below_it_are_not_at_the_wall():
+    """Batch 80 at 135.5 GiB ran 34,068 tokens/s on another two-H200 host (2026-11-27): faster than batch 52, so it
+    is kept. A larger batch that runs slower below PROBE_HEADROOM of the card is the saturation check's, not the
+    wall's (runs side by side differ by a few percent)."""
+    from vlmdoctor.doctor.treat_batch import MemoryModel
+    from vlmdoctor.run.config import RunConfig
+
+    m, cfg = MemoryModel(), RunConfig()
+    _read(m, cfg, 52, 91.73, 33_000.0)
+    _read(m, cfg, 80, 135.46, 34_068.0)
+    assert not m.at_wall(cfg.replace(batch_size=80)) and not m.oom
+    m2 = MemoryModel()
+    _read(m2, cfg, 22, 41.8, 30_000.0)
+    _read(m2, cfg, 52, 91.73, 20_000.0)
+    assert not m2.at_wall(cfg.replace(batch_size=52)) and not m2.oom

@@ -249,3 +249,13 @@ def test_a_rate_is_computed_only_by_the_one_writer(key):
             elsewhere[rel] = found
     assert not elsewhere, f"{key} computed outside run/metrics.py: {elsewhere}"
     assert "vlmdoctor/run/throughput.py" in seen  # the scan reads the estimator's own assignment
+
+
+@pytest.mark.parametrize(("per_window", "want"), [((3, 0, 2), 5), ((3, None, 2), None), ((), None)])
+def test_the_allocators_retries_are_summed_over_the_timed_windows(per_window, want):
+    """`alloc_retries`: each window's count of the caching allocator's retries (runner._window, on a GPU), summed by
+    the one writer; a window without it (a CPU run) leaves it unknown, not zero."""
+    windows = [{"step_ms": [30.0, 31.0], "step_real_tokens": [90, 70], "alloc_retries": r} for r in per_window]
+    if not per_window:
+        windows = [{"step_ms": [30.0, 31.0], "step_real_tokens": [90, 70]}]
+    assert metrics.write(windows, peak=None, device_total_gb=None, spread_of=()).metrics["alloc_retries"] == want

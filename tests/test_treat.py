@@ -753,7 +753,7 @@ def test_a_probe_that_runs_out_of_memory_is_bisected():
         (t["config_patch"].get("batch_size"), t["outcome"]) for t in result["trials"] if t["kind"] == "composition"
     ]
     assert sizes == [(16, "kept")] and result["final_config"]["batch_size"] == 16
-    assert "batch 16; out of memory at 29" in result["stopped_because"]
+    assert "batch 16; out of memory at batch 29" in result["stopped_because"]
 
 
 def test_no_probe_without_memory_facts():

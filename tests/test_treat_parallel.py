@@ -392,7 +392,42 @@ def test_an_out_of_memory_step_runs_on_every_gpu_and_bounds_the_next(monkeypatch
     assert steps(round1_sizing(result, runner.timed)) == 3
     assert result["trials"][0]["config_patch"] == {"batch_size": 128}
     assert result["final_config"]["batch_size"] == 128
-    assert "batch 128; out of memory at 253" in result["stopped_because"]
+    assert "batch 128; out of memory at batch 253" in result["stopped_because"]
+
+
+class WallGpus(MemoryGpus):
+    """Memory that grows faster than the line through small batches (2 + 0.25 b + 0.0003 b**2 GiB of 80), and the
+    memory wall: a run past 95% of the card runs 3.6x slower, as qwen2-vl-2b's batch
+    80 did on two H200s (2026-11-28)."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(fixed=2.0, per=0.25, total=80.0, half=1000, **kw)
+
+    def __call__(self, c, diagnose, timeout, device=None):  # type: ignore[override]
+        rep = super().__call__(c, diagnose, timeout, device)
+        if rep.get("status") == "ok":
+            peak = rep["metrics"]["peak_mem_gb"] + 0.0003 * c.batch_size**2
+            if peak > self.total:
+                return {"status": "oom", "error": {"message": "CUDA out of memory"}}
+            rep["metrics"]["peak_mem_gb"] = peak
+            if peak > 0.95 * self.total:
+                for r in [*rep["repeats"], rep["metrics"]]:
+                    r["real_tokens_per_s"] /= 3.6
+        return rep
+
+
+def test_two_gpus_size_one_and_four_times_the_batch_and_step_back_from_the_wall(monkeypatch):
+    """On two GPUs the first step runs the rules' batch and 4x it (32 and 128: two small points misread the line);
+    the line promises 239, which runs at 98.6% of the card and slower than 128 on both GPUs: at the wall, it counts
+    as out of memory, and the next step runs the batch the line through 128 and 239 holds below it (199, 80% of the
+    card), the one compared."""
+    runner = WallGpus()
+    result = treat_on(runner, 2, monkeypatch=monkeypatch)
+    assert sizing(result) == [(32, "ok", 0), (128, "ok", 1), *[(b, "ok", g) for b in (239, 199) for g in (0, 1)]]
+    assert result["trials"][0]["config_patch"] == {"batch_size": 199}
+    assert result["final_config"]["batch_size"] == 199
+    batch = next(ch for ch in result["ladder"][1]["changes"] if "batch_size" in ch["config_patch"])
+    assert "batch 239 at the memory wall" in batch["sized"]["how"]
 
 
 @pytest.mark.parametrize(

@@ -85,9 +85,10 @@ _RECORDING = threading.Lock()
 Notify = Callable[[str], None]
 #: the most runs a composition's batch sizing takes: its first run, one raised to the ceiling, one bisection
 SIZE_MAX_RUNS = 3
-#: on N GPUs, the first sizing step's batches: b0, 2 b0, 4 b0 on GPUs 0-2, the memory line through the two largest.
-#: Two small ones misread it: on four H200s (qwen2-vl-2b, 2026-11-28) batches 11 and 22 read 1.41 GiB a sample
-#: and promised batch 81, which ran out of memory; batches 22 to 73 take 1.56-1.67
+#: on N GPUs, the first sizing step's batches: b0, 2 b0, 4 b0 on GPUs 0-2 (on two GPUs b0 and 4 b0), the memory
+#: line through the two largest. Two small ones misread it: on four H200s (qwen2-vl-2b, 2026-11-28) batches 11 and
+#: 22 read 1.41 GiB a sample and promised batch 81, which ran out of memory; batches 22 to 73 take 1.56-1.67. On two
+#: H200s the same day, 11 and 22 promised 80, which ran at the memory wall (WALL_SLOWER)
 SIZE_POINTS = 3
 #: a rule's estimate this far from the measured ratio, either way, is called far off in the calibration
 FAR_OFF = 1.25
@@ -113,7 +114,7 @@ def _nothing_left(out: dict[str, Any], found: list[dict[str, Any]], cfg: RunConf
     if fam in mem.flat:
         parts.append(f"batch {mem.flat[fam]} measured no better than {cfg.batch_size}")
     elif fam in mem.oom:
-        parts.append(f"batch {cfg.batch_size}; out of memory at {mem.oom[fam]}")
+        parts.append(f"batch {cfg.batch_size}; {mem.over_words(fam, mem.oom[fam])}")
     elif ceiling is not None:
         parts.append(f"batch {cfg.batch_size}, memory model ceiling {ceiling[0]}")
     else:
@@ -524,7 +525,7 @@ class _Treatment:
             self.notify(f"round {len(self.out['rounds'])}: sizing {comp['name']} at batch {b}{on}")
             rep, took = self._size_step(comp) if n > 1 else self._size_one(comp)
             last = (comp, rep, took, 0)
-            if _sized_ok(rep):
+            if self._fits(comp, rep):
                 best = last
             nxt = self._next_size(comp, rep)
         chosen = best or last
@@ -557,6 +558,10 @@ class _Treatment:
             self._record_sizing(comp, rep, g, took)
         return done[0]
 
+    def _fits(self, comp: dict[str, Any], rep: dict[str, Any]) -> bool:
+        """A sizing run that ran, measured a throughput, and not at the memory wall (`MemoryModel.too_large`)."""
+        return _sized_ok(rep) and not self.mem.at_wall(comp["config"])
+
     def _new_run_fits(self) -> bool:
         """A run of a config not run before ends within the budget (`new_run_s`): a sizing run that the budget would
         stop measures nothing."""
@@ -569,7 +574,7 @@ class _Treatment:
         """The runs of the parallel step that ran cleanly at a batch the memory model's ceiling (its headroom
         included) holds; the smallest clean one where none does. A batch that ran its few steps near the card's
         limit is not chosen: a longer sequence bucket later in training would run out of memory."""
-        ok = [r for r in got if _sized_ok(r[1])]
+        ok = [r for r in got if self._fits(r[0], r[1])]
         ceiling = self.mem.ceiling(got[0][0]["config"]) if ok else None
         if ceiling is None:
             return ok
@@ -578,7 +583,7 @@ class _Treatment:
 
     def _size_at_once(self, comp: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any], float, int]]:
         """The first sizing step on --trial-gpus N GPUs at once, one run each: the rules' batch b0 on GPU 0 (lane 0,
-        unpinned, as every other run of the treatment), b0 * 2**g on GPU g < SIZE_POINTS (the memory line's points);
+        unpinned, as every other run of the treatment), b0 * `_point_x` on GPU g < SIZE_POINTS (the line's points);
         on GPU g >= SIZE_POINTS, the current config where lane g holds no run of it (its first pair's reference run,
         kept in `lane_first`), else b0 * 2**g; at most PROBE_MAX_FACTOR x b0 (a batch tried already, or an invalid
         config, leaves its GPU idle). Each run's memory feeds the memory model (`runner`). Why: sized one run at a
@@ -591,7 +596,7 @@ class _Treatment:
                 lanes.append((g, None))
                 continue
             how = f"tried at once on GPU {g} while the rules' batch ran: {n} batches sized in one step"
-            spec = self._with_batch(comp, min(b0 * 2**g, PROBE_MAX_FACTOR * b0), how)
+            spec = self._with_batch(comp, min(b0 * _point_x(g, n), PROBE_MAX_FACTOR * b0), how)
             if spec is not None:
                 self.tried.add(config_key(spec["config"]))
                 lanes.append((g, spec))
@@ -621,14 +626,15 @@ class _Treatment:
                 "batch_size": comp["config"].batch_size,
                 "status": rep.get("status"),
                 "peak_mem_gb": (rep.get("metrics") or {}).get("peak_mem_gb"),
+                **{k: v for k in ("alloc_retries",) if (v := (rep.get("metrics") or {}).get(k)) is not None},
                 **({"device": gpu} if self.opts.trial_gpus > 1 else {}),
             }
         )
 
     def _next_size(self, comp: dict[str, Any], rep: dict[str, Any]) -> dict[str, Any] | None:
         """After a sizing run of `comp`: the composition at the next batch to try (marked tried), or None."""
-        ran = _sized_ok(rep)
-        if not ran and rep.get("status") != "oom":
+        ran = self._fits(comp, rep)
+        if not ran and rep.get("status") != "oom" and not self.mem.at_wall(comp["config"]):
             return None  # a failure other than memory: the comparison records it
         nxt = self._resized(comp, ran)
         if nxt is not None:
@@ -828,6 +834,13 @@ class _Treatment:
         if self.current:
             self.current_cfg = final_ablation(self, self.cfg, self.adopted, self.current_cfg, self.current)
         return DONE
+
+
+def _point_x(g: int, n: int) -> int:
+    """GPU g's multiple of the rules' batch in the first sizing step on n GPUs: the SIZE_POINTS points span 1x to
+    4x whatever n (two GPUs: 1x and 4x), past them 2**g."""
+    k = min(n, SIZE_POINTS)
+    return 2 ** round(2 * g / (k - 1)) if g < k else 2**g
 
 
 def _sized_ok(rep: dict[str, Any]) -> bool:

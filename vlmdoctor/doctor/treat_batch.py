@@ -34,6 +34,12 @@ PROBE_STEP_X = 4
 #: a doubling of the batch that raised the measured throughput less than this is saturated: no larger batch is
 #: sized (runs side by side on one host differ by a few percent; an underfed GPU gains 20% and more a doubling)
 PROBE_MIN_RISE = 1.10
+#: a batch past PROBE_HEADROOM of the card that runs this much slower than a smaller batch of its family is at the
+#: memory wall (likely the allocator freeing and retrying; not measured): counted as out of memory. On two H200s
+#: (qwen2-vl-2b, 2026-11-28) batch 80 peaked at 135.5 of 139.8 GiB (97%) and ran 4,075 ms a step (11,255 tokens/s),
+#: where batch 73 at 89% ran 1,130 ms (34,898) on the same host; the treatment adopted it. Where it ran near the wall
+#: and faster than any smaller batch, it is kept: the same batch on another two-H200 host the day before ran 34,068
+WALL_SLOWER = 1 / PROBE_MIN_RISE
 
 
 def family(cfg: RunConfig) -> str:
@@ -60,12 +66,30 @@ class MemoryModel:
     oom_batches: dict[str, set[int]] = field(default_factory=dict)
     flat: dict[str, int] = field(default_factory=dict)  # a larger batch measured and not kept: saturated
     rates: dict[str, dict[int, float]] = field(default_factory=dict)  # tokens/s by batch, from the same runs
+    retries: dict[str, dict[int, int]] = field(default_factory=dict)  # the allocator's retries in the timed steps
     total_gb: float | None = None
 
     @property
     def oom(self) -> dict[str, int]:
-        """Each family's smallest batch that ran out of memory."""
-        return {fam: min(bs) for fam, bs in self.oom_batches.items()}
+        """Each family's smallest batch that ran out of memory or ran at the memory wall (`too_large`)."""
+        return {fam: min(bs) for fam in {*self.oom_batches, *self.points} if (bs := self.too_large(fam))}
+
+    def at_wall(self, cfg: RunConfig) -> bool:
+        """The config's batch ran at the memory wall (`too_large`, not out of memory)."""
+        return cfg.batch_size in self.too_large(family(cfg)) - self.oom_batches.get(family(cfg), set())
+
+    def too_large(self, fam: str) -> set[int]:
+        """The family's batches that ran out of memory, and those that ran at the memory wall: past PROBE_HEADROOM of
+        the card, and slower than a smaller batch of the family (WALL_SLOWER)."""
+        pts, rates = self.points.get(fam, {}), self.rates.get(fam, {})
+        wall = set()
+        if self.total_gb:
+            for b, t in rates.items():
+                if pts.get(b, 0.0) >= PROBE_HEADROOM * self.total_gb and any(
+                    bb < b and tt * WALL_SLOWER > t for bb, tt in rates.items()
+                ):
+                    wall.add(b)
+        return set(self.oom_batches.get(fam, set())) | wall
 
     def observe(self, cfg: RunConfig, report: dict[str, Any]) -> None:
         fam, b = family(cfg), cfg.batch_size
@@ -78,6 +102,9 @@ class MemoryModel:
         self.total_gb = float(m["device_mem_total_gb"])
         pts = self.points.setdefault(fam, {})
         pts[b] = max(pts.get(b, 0.0), float(m["peak_mem_gb"]))
+        if m.get("alloc_retries") is not None:
+            got = self.retries.setdefault(fam, {})
+            got[b] = max(got.get(b, 0), int(m["alloc_retries"]))
         rate = throughput(report)
         if rate:
             self.rates.setdefault(fam, {})[b] = max(self.rates.get(fam, {}).get(b, 0.0), rate)
@@ -116,20 +143,33 @@ class MemoryModel:
         if sat is not None and target > sat[0]:
             target = sat[0]
             how += f"; {sat[1]}"
-        oom = min(self.oom_batches.get(fam, ()), default=None)
+        over = self.too_large(fam)
+        oom = min(over, default=None)
         if oom is not None and target >= oom:
             fits, p_fit = max([(b, p) for b, p in pts if b < oom], default=(cfg.batch_size, None))
-            if len(self.oom_batches[fam]) == 1 and p_fit is not None and p_fit < usable:
+            if len(over) == 1 and p_fit is not None and p_fit < usable:
                 least = (self.total_gb - p_fit) / (oom - fits)  # the card filled between `fits` and `oom`, at least
                 target = fits + int((usable - p_fit) // least)
                 how += (
-                    f"; out of memory at batch {oom}: at least {least:.2f} GiB a sample above batch {fits} holds "
+                    f"; {self.over_words(fam, oom)}: at least {least:.2f} GiB a sample above batch {fits} holds "
                     f"batch {target}"
                 )
             else:
                 target = (fits + oom) // 2
-                how += f"; out of memory at batch {oom}: bisected to {target}"
+                how += f"; {self.over_words(fam, oom)}: bisected to {target}"
+        elif oom is not None:
+            how += f"; {self.over_words(fam, oom)}"
         return target, how
+
+    def over_words(self, fam: str, b: int) -> str:
+        """Why the family's batch b is too large: out of memory, or at the memory wall."""
+        if b in self.oom_batches.get(fam, set()):
+            return f"out of memory at batch {b}"
+        retried = self.retries.get(fam, {}).get(b)
+        also = f", {retried} allocator retries in its timed steps" if retried is not None else ""
+        return (
+            f"batch {b} at the memory wall (slower than a smaller batch, past {PROBE_HEADROOM:.0%} of the card{also})"
+        )
 
 
 def batch_probe(cfg: RunConfig, mem: MemoryModel) -> dict[str, Any] | None:

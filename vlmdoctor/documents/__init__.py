@@ -21,6 +21,7 @@ from vlmdoctor.documents.analysis import AccountRow, Analysis, AnalyzedFile, Eff
 from vlmdoctor.documents.base import (
     MAX_DOCUMENT_BYTES,
     OWN_SOURCES,
+    AllocRetries,
     Amount,
     CompileS,
     Count,
@@ -96,6 +97,7 @@ from vlmdoctor.documents.treat import (
 )
 
 __all__ = [
+    "AllocRetries",
     "AccountRow",
     "AccountVerdict",
     "Amount",

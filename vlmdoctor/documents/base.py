@@ -50,6 +50,10 @@ StepMsP10 = Annotated[Ms, Meta(description="10th percentile optimizer step")]
 StepMsP90 = Annotated[Ms, Meta(description="90th percentile optimizer step")]
 PeakMemGb = Annotated[GiB, Meta(description="peak allocated device memory (null on CPU)")]
 PeakMemReservedGb = Annotated[GiB, Meta(description="peak memory the allocator reserved (null on CPU)")]
+AllocRetries = Annotated[
+    Count,
+    Meta(description="the CUDA caching allocator's retries in the timed steps: a failed cudaMalloc, the cache freed"),
+]
 FinalLoss = Annotated[float, Meta(description="the loss of the last timed step")]
 WarmupS = Annotated[Seconds, Meta(description="wall time of the warm-up")]
 CompileS = Annotated[Seconds, Meta(description="warm-up time beyond steady steps: compilation, autotuning")]

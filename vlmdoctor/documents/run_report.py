@@ -12,6 +12,7 @@ from msgspec import Meta
 
 from vlmdoctor.documents.base import (
     OWN_SOURCES,
+    AllocRetries,
     Amount,
     CompileS,
     Count,
@@ -170,6 +171,7 @@ class Metrics(Doc, kw_only=True):
     step_ms_p90: StepMsP90 | None = None
     peak_mem_gb: PeakMemGb | None = None
     peak_mem_reserved_gb: PeakMemReservedGb | None = None
+    alloc_retries: AllocRetries | None = None
     device_mem_total_gb: Annotated[GiB, Meta(description="the device's memory")] | None = None
     host_peak_rss_gb: Annotated[GiB, Meta(description="the process's peak resident memory")] | None = None
     final_loss: FinalLoss | None = None
@@ -237,6 +239,7 @@ class Repeat(Doc, kw_only=True):
     mfu: Mfu | None = None
     peak_mem_gb: PeakMemGb | None = None
     peak_mem_reserved_gb: PeakMemReservedGb | None = None
+    alloc_retries: AllocRetries | None = None
     final_loss: FinalLoss | None = None
     step_ms: Annotated[list[Ms] | None, Meta(description="wall time of each timed step")] = None
     step_cpu_ms: Annotated[list[Ms] | None, Meta(description="the process's CPU time of each timed step")] = None

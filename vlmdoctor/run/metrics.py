@@ -158,6 +158,8 @@ def write(
     for k in ("peak_mem_gb", "peak_mem_reserved_gb"):
         mem = [w.get(k) for w in windows]
         m[k] = max(mem) if mem and None not in mem else None
+    retries = [w.get("alloc_retries") for w in windows]
+    m["alloc_retries"] = sum(retries) if retries and None not in retries else None
     m["device_mem_total_gb"] = device_total_gb
     m["host_peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     losses = [x for w in windows for x in w.get("losses") or []]

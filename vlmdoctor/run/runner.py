@@ -112,8 +112,10 @@ def _dpo_loss(p: Patient, batch: dict[str, Any], index: list[int]) -> torch.Tens
 # ------------------------------------------------------------------------------------------------
 def _window(p: Patient, steps: int, peak: float | None, progress: Progress, label: str) -> dict[str, Any]:
     """Timed steps; every step ends with a device synchronize."""
+    retries = 0
     if p.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(p.device)
+        retries = torch.cuda.memory_stats(p.device).get("num_alloc_retries", 0)
     step_s, step_tokens, step_loss, step_padded, step_flops, losses = [], [], [], [], [], []
     step_cpu: list[float] = []
     for i in range(steps):
@@ -147,6 +149,7 @@ def _window(p: Patient, steps: int, peak: float | None, progress: Progress, labe
     if p.device.type == "cuda":
         w["peak_mem_gb"] = torch.cuda.max_memory_allocated(p.device) / 2**30
         w["peak_mem_reserved_gb"] = torch.cuda.max_memory_reserved(p.device) / 2**30
+        w["alloc_retries"] = torch.cuda.memory_stats(p.device).get("num_alloc_retries", 0) - retries
     return w
 
 
