@@ -30,6 +30,7 @@ from vlmdoctor.doctor.diagnosis import examine
 from vlmdoctor.documents import as_report
 from vlmdoctor.own.outputs import diagnose_report
 from vlmdoctor.report import console as con
+from vlmdoctor.report.html import profile_html
 from vlmdoctor.report.summary import render_summary
 from vlmdoctor.report.text import SafeConsole
 from vlmdoctor.run import runner
@@ -130,6 +131,21 @@ def test_verbose_is_every_table_as_before(gpu_reports, name):
         assert table in verbose, table
     assert verbose.count("seen: ") >= len(report["diagnosis"]["findings"]) and "fix: " in verbose
     assert len(verbose.splitlines()) > len(_printed(lambda c: con.render_profile(report, c)).splitlines())
+
+
+def test_the_allocators_retries_are_said_where_the_run_counted_some(gpu_reports):
+    """`metrics.alloc_retries` (a run at the memory wall: the caching allocator freed its cache and retried) is said
+    in the default memory line and in the verbose table; a run with none, or that did not count them, says nothing."""
+    report = copy.deepcopy(gpu_reports[GPU[0]])
+    plain = _printed(lambda c: con.render_profile(report, c, True))
+    assert "allocator retries" not in plain
+    report["metrics"]["alloc_retries"] = 30
+    default = _printed(lambda c: con.render_profile(report, c))
+    verbose = _printed(lambda c: con.render_profile(report, c, True))
+    assert "30 allocator retries (the card was full)" in " ".join(default.split())
+    assert "│ allocator retries        │                    30 │" in verbose and "timed steps: card full" in verbose
+    _fits(default, report["trace"]["path"])
+    assert "allocator retries" in profile_html(report) and "allocator retries" not in profile_html(gpu_reports[GPU[0]])
 
 
 def test_a_report_without_accounts_or_diagnosis_prints_its_numbers():

@@ -144,6 +144,8 @@ def _memory_line(m: Metrics) -> str | None:
         line = f"peak memory {fmt(m.peak_mem_gb, ' GiB', 2)} allocated"
         if m.device_mem_total_gb is not None:
             line += f" of {fmt(m.device_mem_total_gb, ' GiB')}"
+        if m.alloc_retries:
+            line += f"; {m.alloc_retries} allocator retries (the card was full)"
     elif m.host_peak_rss_gb is not None:
         line = f"host peak RSS {fmt(m.host_peak_rss_gb, ' GiB', 2)}"
     else:
@@ -351,6 +353,8 @@ def _metrics_table(r: RunReport) -> Table:
             f"{fmt(m.peak_mem_gb, ' GiB', 2)} / {fmt(m.peak_mem_reserved_gb, ' GiB', 2)}",
             f"of {fmt(m.device_mem_total_gb, ' GiB')}",
         )
+        if m.alloc_retries:
+            t.add_row("allocator retries", str(m.alloc_retries), "timed steps: card full")
     else:
         t.add_row("host peak RSS", fmt(m.host_peak_rss_gb, " GiB", 2), "")
     loss = m.final_loss

@@ -177,6 +177,8 @@ def _zoo_metrics(report: RunReport, tps: float | None) -> list[str]:
                 f"of {fmt_num(m.device_mem_total_gb)} GiB",
             )
         )
+        if m.alloc_retries:
+            rows.append(("allocator retries", str(m.alloc_retries), "timed steps: card full"))
     elif m.host_peak_rss_gb is not None:
         rows.append(("host peak RSS", fmt_num(m.host_peak_rss_gb, 2, " GiB"), ""))
     rows.append(
