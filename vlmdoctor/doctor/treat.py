@@ -626,15 +626,16 @@ class _Treatment:
                 "batch_size": comp["config"].batch_size,
                 "status": rep.get("status"),
                 "peak_mem_gb": (rep.get("metrics") or {}).get("peak_mem_gb"),
-                **{k: v for k in ("alloc_retries",) if (v := (rep.get("metrics") or {}).get(k)) is not None},
+                **({"alloc_retries": r} if (r := (rep.get("metrics") or {}).get("alloc_retries")) is not None else {}),
                 **({"device": gpu} if self.opts.trial_gpus > 1 else {}),
             }
         )
 
     def _next_size(self, comp: dict[str, Any], rep: dict[str, Any]) -> dict[str, Any] | None:
         """After a sizing run of `comp`: the composition at the next batch to try (marked tried), or None."""
-        ran = self._fits(comp, rep)
-        if not ran and rep.get("status") != "oom" and not self.mem.at_wall(comp["config"]):
+        wall = self.mem.at_wall(comp["config"])
+        ran = _sized_ok(rep) and not wall
+        if not ran and rep.get("status") != "oom" and not wall:
             return None  # a failure other than memory: the comparison records it
         nxt = self._resized(comp, ran)
         if nxt is not None:

@@ -75,21 +75,24 @@ class MemoryModel:
         return {fam: min(bs) for fam in {*self.oom_batches, *self.points} if (bs := self.too_large(fam))}
 
     def at_wall(self, cfg: RunConfig) -> bool:
-        """The config's batch ran at the memory wall (`too_large`, not out of memory)."""
-        return cfg.batch_size in self.too_large(family(cfg)) - self.oom_batches.get(family(cfg), set())
+        """The config's batch ran at the memory wall (`_wall`)."""
+        return cfg.batch_size in self._wall(family(cfg))
 
     def too_large(self, fam: str) -> set[int]:
-        """The family's batches that ran out of memory, and those that ran at the memory wall: past PROBE_HEADROOM of
-        the card, and slower than a smaller batch of the family (WALL_SLOWER)."""
+        """The family's batches that ran out of memory, and those that ran at the memory wall (`_wall`)."""
+        return self.oom_batches.get(fam, set()) | self._wall(fam)
+
+    def _wall(self, fam: str) -> set[int]:
+        """The family's batches past PROBE_HEADROOM of the card that ran slower than a smaller batch (WALL_SLOWER)."""
         pts, rates = self.points.get(fam, {}), self.rates.get(fam, {})
-        wall = set()
-        if self.total_gb:
-            for b, t in rates.items():
-                if pts.get(b, 0.0) >= PROBE_HEADROOM * self.total_gb and any(
-                    bb < b and tt * WALL_SLOWER > t for bb, tt in rates.items()
-                ):
-                    wall.add(b)
-        return set(self.oom_batches.get(fam, set())) | wall
+        if not self.total_gb:
+            return set()
+        usable = PROBE_HEADROOM * self.total_gb
+        return {
+            b
+            for b, t in rates.items()
+            if pts.get(b, 0.0) >= usable and any(bb < b and tt * WALL_SLOWER > t for bb, tt in rates.items())
+        }
 
     def observe(self, cfg: RunConfig, report: dict[str, Any]) -> None:
         fam, b = family(cfg), cfg.batch_size

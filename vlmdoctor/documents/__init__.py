@@ -97,9 +97,9 @@ from vlmdoctor.documents.treat import (
 )
 
 __all__ = [
-    "AllocRetries",
     "AccountRow",
     "AccountVerdict",
+    "AllocRetries",
     "Amount",
     "Analysis",
     "AnalyzedFile",
