@@ -5,11 +5,11 @@ python bench/treat_tables.py --calibration    # rewrite docs/treat.md's calibrat
 
 The calibration table sets each rule's expected gain (its estimate, `expected_gain.throughput_x`) beside
 what treat measured of it: the paired ratio of a trial that measured the change alone (a one-change
-composition, or its leave-one-out ablation in the final config), and for compositions their changes'
-estimates composed (`treat_trials.composed_x`: the shares of the step add) beside the composition's paired
-ratio, composed again from the changes so that older results are estimated as the rules compose now. The
-first treat (2026-11-23, before paired runs) measured each change alone against one run of the current
-config: those rows are counted as unpaired.
+composition, or its leave-one-out ablation in the final config, in fresh processes or in one), and for
+compositions their changes' estimates composed (`treat_trials.composed_x`: the shares of the step add)
+beside the composition's paired ratio, composed again from the changes so that older results are
+estimated as the rules compose now. The first treat (2026-11-23, before paired runs) measured each change
+alone against one run of the current config: those rows are counted as unpaired.
 """
 
 from __future__ import annotations
@@ -60,6 +60,11 @@ def measurements(doc: TreatResult, source: str) -> list[Measured]:
             expected = t.expected_gain.throughput_x
         if expected:
             out.append(Measured(t.rule if single else "composition", expected, got, t.ratio is not None, source))
+    for rung in doc.ladder:  # a change's own pairs in one process (docs/treat.md, item 8): no trial records them
+        for c in rung.changes or []:
+            k, g = c.get("contribution") or {}, c.get("expected_gain") or {}
+            if k.get("in_process") and k.get("ratio") and g.get("throughput_x"):
+                out.append(Measured(c["rule"], g["throughput_x"], k["ratio"], True, source))
     return out
 
 

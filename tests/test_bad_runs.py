@@ -62,6 +62,6 @@ def test_ctrl_c_during_treats_start_measurement_says_interrupted(monkeypatch):
 
     monkeypatch.setattr(supervise, "run", child_interrupted)
     cfg = RunConfig(model="tiny", device="cpu", steps=1, warmup=0)
-    result = treat(cfg, lambda c, d, t: runner.run_isolated(c, timeout=60, diagnose=d), TreatOptions())
+    result = treat(cfg, lambda c, d, t, **_: runner.run_isolated(c, timeout=60, diagnose=d), TreatOptions())
     assert result["interrupted"] and result["stopped_because"] == "interrupted (Ctrl-C)"
     assert result["ladder"] == []

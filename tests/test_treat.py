@@ -195,7 +195,7 @@ class FakeRunner:
         self.noise, self.fail = noise, fail or {}
         self.calls: list[tuple[RunConfig, bool, float | None]] = []
 
-    def __call__(self, c: RunConfig, diagnose: bool, timeout: float | None) -> dict:
+    def __call__(self, c: RunConfig, diagnose: bool, timeout: float | None, **_) -> dict:
         self.calls.append((c, diagnose, timeout))
         for knob, (value, status) in self.fail.items():
             if getattr(c, knob) == value:
@@ -253,7 +253,7 @@ def test_an_ablation_left_open_by_the_pairs_keeps_the_change():
         return 1000.0 * (1.6 if c.batch_size >= 8 else 1.0) * (1.15 if c.weight_dtype == "bf16" else 1.0)
 
     class Runner(FakeRunner):
-        def __call__(self, c, diagnose, timeout):
+        def __call__(self, c, diagnose, timeout, **_):
             self.calls.append((c, diagnose, timeout))
             v = speed(c) * float(np.exp(self.rng.normal(0, self.noise)))
             findings = [
@@ -335,7 +335,7 @@ def test_time_budget_caps_runs_and_the_treatment(monkeypatch):
     monkeypatch.setattr(time, "time", lambda: clock["t"])
     runner = FakeRunner()
 
-    def timed(c, d, timeout):
+    def timed(c, d, timeout, **_):
         clock["t"] += 40.0  # every run takes 40 s
         return runner(c, d, timeout)
 
@@ -348,7 +348,7 @@ def test_time_budget_caps_runs_and_the_treatment(monkeypatch):
 def test_interrupt_keeps_the_ladder_measured_so_far():
     runner = FakeRunner()
 
-    def run(c, d, timeout):
+    def run(c, d, timeout, **_):
         if len(runner.calls) == 3:
             raise KeyboardInterrupt  # Ctrl-C during the first round of pairs
         return runner(c, d, timeout)
@@ -360,7 +360,9 @@ def test_interrupt_keeps_the_ladder_measured_so_far():
 
 
 def test_a_start_config_that_fails_is_reported():
-    result = treat(BASE, lambda c, d, t: {"status": "oom", "error": {"message": "CUDA out of memory"}}, TreatOptions())
+    result = treat(
+        BASE, lambda c, d, t, **_: {"status": "oom", "error": {"message": "CUDA out of memory"}}, TreatOptions()
+    )
     assert result["ladder"] == [] and "did not run (oom)" in result["stopped_because"]
 
 
@@ -444,7 +446,7 @@ def test_every_change_is_ablated_when_one_pair_each_fits(monkeypatch):
     monkeypatch.setattr(time, "time", lambda: clock["t"])
     runner = FakeRunner()
 
-    def timed(c, d, timeout):
+    def timed(c, d, timeout, **_):
         clock["t"] += 40.0
         return runner(c, d, timeout)
 
@@ -474,7 +476,7 @@ def test_treat_json_to_stdout_with_the_runs_faked(tmp_path, monkeypatch):
     fake = FakeRunner()
     envs = []
 
-    def run_isolated(cfg, timeout=None, diagnose=True, rules_dirs=None, env=None, python=None):
+    def run_isolated(cfg, timeout=None, diagnose=True, rules_dirs=None, env=None, python=None, **_):
         envs.append(env)
         return fake(cfg, diagnose, timeout)
 
@@ -512,7 +514,7 @@ def test_changes_that_pay_only_together_are_kept_as_a_group():
         return 1000.0 * (1.04 if c.fused_optimizer else 1.0) * (1.04 if c.sampler == "length_bucketed" else 1.0)
 
     class Runner(FakeRunner):
-        def __call__(self, c, diagnose, timeout):
+        def __call__(self, c, diagnose, timeout, **_):
             self.calls.append((c, diagnose, timeout))
             v = speed(c) * float(np.exp(self.rng.normal(0, 0.003)))
             findings = [
@@ -608,7 +610,7 @@ def test_with_room_for_one_pair_each_every_change_is_ablated_and_judged_pooled(m
     monkeypatch.setitem(globals(), "fake_diagnosis", with_gains)
     runner = FakeRunner()
 
-    def timed(c, d, timeout):
+    def timed(c, d, timeout, **_):
         clock["t"] += 40.0
         return runner(c, d, timeout)
 
@@ -640,7 +642,7 @@ def test_an_ablation_arm_that_runs_out_of_memory_keeps_the_change_and_says_why()
     from vlmdoctor.report.html import treat_html
 
     class Runner(FakeRunner):
-        def __call__(self, c, diagnose, timeout):
+        def __call__(self, c, diagnose, timeout, **_):
             if c.batch_size == 16 and c.compile == "off":
                 self.calls.append((c, diagnose, timeout))
                 return {
@@ -684,7 +686,7 @@ class MemoryRunner(FakeRunner):
         self.fixed, self.per, self.total, self.oom_at, self.half = fixed, per, total, oom_at, half
         self.fires, self.diagnoses = set(fires), 0
 
-    def __call__(self, c, diagnose, timeout):
+    def __call__(self, c, diagnose, timeout, **_):
         self.calls.append((c, diagnose, timeout))
         peak = self.fixed + self.per * c.batch_size
         if peak > self.total or (self.oom_at and c.batch_size >= self.oom_at):
@@ -769,7 +771,7 @@ def test_two_pairs_beyond_the_large_effect_are_adopted_but_not_kept():
     calls = {4: 0, 8: 0}
 
     class Runner(FakeRunner):
-        def __call__(self, c, diagnose, timeout):
+        def __call__(self, c, diagnose, timeout, **_):
             self.calls.append((c, diagnose, timeout))
             seq = values[c.batch_size]
             v = seq[calls[c.batch_size] % len(seq)]
@@ -809,7 +811,7 @@ class ScriptedRunner(FakeRunner):
         super().__init__(**kw)
         self.clock, self.ratios, self.run_s, self.n = clock, ratios, run_s, 0
 
-    def __call__(self, c, diagnose, timeout):
+    def __call__(self, c, diagnose, timeout, **_):
         self.calls.append((c, diagnose, timeout))
         self.clock["t"] += self.run_s
         v = 1000.0
@@ -884,7 +886,7 @@ class SizedRunner(MemoryRunner):
         super().__init__(fixed=4.0, per=1.6, total=80.0, half=20, **kw)
         self.clock = clock
 
-    def __call__(self, c, diagnose, timeout):
+    def __call__(self, c, diagnose, timeout, **_):
         self.clock["t"] += 25.0
         rep = super().__call__(c, diagnose, timeout)
         if rep["status"] == "ok":
@@ -925,7 +927,7 @@ def test_the_state_machine_says_where_the_budget_went_and_why_it_stopped(monkeyp
     monkeypatch.setattr(time, "time", lambda: clock["t"])
     runner = FakeRunner()
 
-    def timed(c, d, timeout):
+    def timed(c, d, timeout, **_):
         clock["t"] += 40.0
         return runner(c, d, timeout)
 
@@ -951,7 +953,7 @@ def test_the_state_machine_says_where_the_budget_went_and_why_it_stopped(monkeyp
     assert result["stop_reason"] == "nothing_left"
     # each way to stop has its code
     assert run_fake(FakeRunner(), max_trials=2)["stop_reason"] == "max_trials"
-    failed = treat(BASE, lambda c, d, t: {"status": "oom", "error": {"message": "OOM"}}, TreatOptions())
+    failed = treat(BASE, lambda c, d, t, **_: {"status": "oom", "error": {"message": "OOM"}}, TreatOptions())
     assert failed["stop_reason"] == "start_failed" and [v["state"] for v in failed["states"]] == ["start"]
 
 
@@ -962,7 +964,7 @@ def test_a_later_round_that_does_not_fit_beside_the_ablations_reserve_is_not_sta
     monkeypatch.setattr(time, "time", lambda: clock["t"])
     runner = FakeRunner()
 
-    def timed(c, d, timeout):
+    def timed(c, d, timeout, **_):
         clock["t"] += 40.0
         return runner(c, d, timeout)
 

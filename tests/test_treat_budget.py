@@ -23,7 +23,7 @@ class TimingOut(FakeRunner):
         super().__init__()
         self.limits: list[float] = []
 
-    def __call__(self, c, diagnose, timeout, device=None):  # type: ignore[override]
+    def __call__(self, c, diagnose, timeout, device=None, **_):  # type: ignore[override]
         self.limits.append(timeout)
         return {"status": "timeout", "error": {"message": f"took longer than {timeout:.0f} s"}}
 
@@ -118,7 +118,7 @@ def test_no_run_starts_that_the_budget_would_stop(monkeypatch, budget):
     monkeypatch.setattr(time, "time", lambda: clock["t"])
     sized, limits = SizedRunner(clock), []
 
-    def run(c, diagnose, timeout):
+    def run(c, diagnose, timeout, **_):
         limits.append(timeout)
         return sized(c, diagnose, timeout)
 

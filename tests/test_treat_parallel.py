@@ -42,7 +42,7 @@ class DeviceRunner(FakeRunner):
         holds on a loaded machine too)."""
         return any(s1 < e2 and s2 < e1 for g1, s1, e1 in self.spans if g1 == a for g2, s2, e2 in self.spans if g2 == b)
 
-    def __call__(self, c, diagnose, timeout, device=None):  # type: ignore[override]
+    def __call__(self, c, diagnose, timeout, device=None, **_):  # type: ignore[override]
         if device is not None:
             t0 = time.monotonic()
             time.sleep(SLEEP_S)
@@ -290,7 +290,7 @@ class SizingRunner(DeviceRunner):
         super().__init__(**kw)
         self.timed: list[tuple[object, int | None, float, float]] = []
 
-    def __call__(self, c, diagnose, timeout, device=None):  # type: ignore[override]
+    def __call__(self, c, diagnose, timeout, device=None, **_):  # type: ignore[override]
         t0 = time.monotonic()
         if device is None:
             time.sleep(SLEEP_S)  # DeviceRunner sleeps for a pinned one
@@ -403,7 +403,7 @@ class WallGpus(MemoryGpus):
     def __init__(self, **kw) -> None:
         super().__init__(fixed=2.0, per=0.25, total=80.0, half=1000, **kw)
 
-    def __call__(self, c, diagnose, timeout, device=None):  # type: ignore[override]
+    def __call__(self, c, diagnose, timeout, device=None, **_):  # type: ignore[override]
         rep = super().__call__(c, diagnose, timeout, device)
         if rep.get("status") == "ok":
             peak = rep["metrics"]["peak_mem_gb"] + 0.0003 * c.batch_size**2
@@ -456,7 +456,7 @@ class UnevenGpus(SizedGpus):
     """SizedGpus whose GPU g runs every config at 1 / (1 + 0.15 g) of GPU 0's speed: a pair of runs of two GPUs reads a
     ratio off by up to 1.45x, a pair on one GPU the composition's own."""
 
-    def __call__(self, c, diagnose, timeout, device=None):  # type: ignore[override]
+    def __call__(self, c, diagnose, timeout, device=None, **_):  # type: ignore[override]
         rep = super().__call__(c, diagnose, timeout, device)
         if rep.get("status") == "ok":
             slow = 1.0 + 0.15 * (device or 0)
@@ -495,7 +495,7 @@ def test_ctrl_c_during_the_first_sizing_step_stops_every_run(monkeypatch):
     monkeypatch.setattr(supervise, "stop_all", lambda: stopped.append(1))
 
     class Interrupted(SizedGpus):
-        def __call__(self, c, diagnose, timeout, device=None):  # type: ignore[override]
+        def __call__(self, c, diagnose, timeout, device=None, **_):  # type: ignore[override]
             if device == 3:
                 raise KeyboardInterrupt
             return super().__call__(c, diagnose, timeout, device)

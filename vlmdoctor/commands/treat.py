@@ -187,9 +187,12 @@ def _run(cfg: RunConfig, opts: TreatOptions, folder: Path, selection: Any, silen
 
     compile_env = cache_env(folder / "compile-cache")  # trials of one treatment reuse each other's compiled kernels
 
-    def run_one(c: RunConfig, diagnose: bool, timeout: float | None, device: int | None = None) -> dict[str, Any]:
+    def run_one(
+        c: RunConfig, diagnose: bool, timeout: float | None, device: int | None = None, **arms: Any
+    ) -> dict[str, Any]:
         env = compile_env | pinned(device)  # the child's environment only: this process's stays as it is
-        report = run_isolated(c, timeout=timeout, diagnose=diagnose, rules_dirs=opts.rules_dirs, env=env)
+        # `arms`: in_process and in_process_s, the leave-one-out arms the run measures in its own process
+        report = run_isolated(c, timeout=timeout, diagnose=diagnose, rules_dirs=opts.rules_dirs, env=env, **arms)
         return mute_report(report, selection)  # a muted rule's fix is not tried
 
     if silent:

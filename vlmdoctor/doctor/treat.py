@@ -23,7 +23,9 @@ visit, its seconds and runs are kept in the result's `states` and `budget`):
 6. ablate: each adopted change's own contribution by leave-one-out in the final config, every
    change given a pair where the time holds one each (a share of the budget is kept for it once a
    change is adopted: `reserve`), few pairs judged with the treatment's pooled spread. A change
-   shown to stay below `min_gain` is dropped; one whose interval is still open stays.
+   shown to stay below `min_gain` is dropped; one whose interval is still open stays. Before it, the
+   arms that the composition's runs measured in their own process (run/arms.py) decide the changes
+   they show to pay (`_plan_arms`, `treat_ablation.in_process_contributions`).
 
 "kept" means the gain is shown (the interval's lower bound above 1, or the sign test). A
 composition taken on two pairs both beyond 1.5x (`decide.large_effect`) whose interval still
@@ -50,8 +52,15 @@ from typing import Any
 
 from vlmdoctor import SCHEMA_VERSION, __version__, supervise
 from vlmdoctor.doctor.decide import ArmResult, interleaved, throughput
-from vlmdoctor.doctor.treat_ablation import ADOPTED_LIKELY, ADOPTED_OPEN, NOT_ABLATED, TO_ABLATE, final_ablation
-from vlmdoctor.doctor.treat_attribution import attribute
+from vlmdoctor.doctor.treat_ablation import (
+    ADOPTED_LIKELY,
+    ADOPTED_OPEN,
+    NOT_ABLATED,
+    TO_ABLATE,
+    final_ablation,
+    in_process_contributions,
+)
+from vlmdoctor.doctor.treat_attribution import attribute, unseparable
 from vlmdoctor.doctor.treat_batch import (
     PROBE_MAX_FACTOR,
     PROBE_MIN_STEP,
@@ -73,6 +82,7 @@ from vlmdoctor.doctor.treat_trials import (
     summary,
 )
 from vlmdoctor.errors import UsageError
+from vlmdoctor.run.arms import ARMS_S, MAX_ARMS, MIN_ARMS_S, switch_patch
 from vlmdoctor.run.config import RunConfig
 from vlmdoctor.supervise import describe_interruption, interrupted_exit_code
 
@@ -92,6 +102,8 @@ SIZE_MAX_RUNS = 3
 SIZE_POINTS = 3
 #: a rule's estimate this far from the measured ratio, either way, is called far off in the calibration
 FAR_OFF = 1.25
+#: seconds a run with in-process arms keeps after them for what follows (its diagnosis, its report)
+ARMS_MARGIN_S = 10.0
 
 
 def _label(patch: dict[str, Any]) -> str:
@@ -148,7 +160,8 @@ DECISION_RULE = (
     "every one of 6 or more pairs (the sign test at 95%) is; harmful when its upper bound is below 1 (or every "
     "such pair is); no gain when its upper bound is below 1 + min_gain; at the limit, an open interval with "
     "every pair above 1 + min_gain is a likely gain, adopted but not kept; changes of an adopted composition "
-    "are measured by leave-one-out ablation in the final config"
+    "are measured by leave-one-out in the final config: in its own process where their knobs switch there, and "
+    "in fresh processes (only these drop a change)"
 )
 
 
@@ -271,6 +284,12 @@ class _Treatment:
         self.lane_first: dict[int, dict[str, dict[str, Any]]] = {}
         self.sized_on: dict[tuple[str, int], tuple[dict[str, Any], float]] = {}  # (config, GPU): a sizing run
         self.reserved = 0.0  # the most seconds kept for the ablation
+        # in-process arms (run/arms.py): a composition's, by its config's key; the configs whose runs measured them in
+        # two rounds or more (no further run is asked for them); what each run measured, by its config's key
+        self.arms_by_cfg: dict[str, dict[str, dict[str, Any]]] = {}
+        self.arms_done: set[str] = set()
+        self.in_process: dict[str, list[dict[str, Any]]] = {}
+        self.last_s: dict[str, float] = {}  # each config's last run's seconds: what its next run is expected to take
         self.machine = Machine(self.t0, lambda: len(self.run_s))
 
     # --- the clock and the runs ---
@@ -301,20 +320,61 @@ class _Treatment:
                 return {"status": STOPPED_BY_BUDGET, "error": {"message": "the time budget ended before it started"}}
             if by_budget:
                 limit = left
+            key = config_key(c)
+            asked = self._arms_for(key, limit)
             t = time.time()
-            rep = self.run(c, diagnose, limit) if device is None else self.run(c, diagnose, limit, device)
+            where = () if device is None else (device,)
+            rep = self.run(c, diagnose, limit, *where, **asked)
             if by_budget and rep.get("status") == "timeout":  # the budget stopped it, not its config's slowness
                 rep = {**rep, "status": STOPPED_BY_BUDGET}
-            took, key = time.time() - t, config_key(c)
+            took = time.time() - t
             with _RECORDING:
                 self.run_s.append(took)
+                self.last_s[key] = took - (asked.get("in_process_s", 0.0) if asked else 0.0)
                 if key not in self.ran:
                     self.ran.add(key)
                     self.first_run_s.append(took)
                 self.mem.observe(c, rep)
+                got = rep.get("in_process") or {}
+                if asked and got.get("arms"):
+                    self.in_process.setdefault(key, []).append(got)
+                    if (got.get("rounds") or 0) >= 2:
+                        self.arms_done.add(key)
             return rep
 
         return go
+
+    def _arms_for(self, key: str, limit: float | None) -> dict[str, Any]:
+        """The in-process arms a run of config `key` is asked to measure (the run's keyword arguments), and in how many
+        seconds: what its limit leaves after the run itself is expected to end (its config's last run, else a new
+        config's), at most ARMS_S; none below MIN_ARMS_S, for a config without arms, or one measured already."""
+        arms = self.arms_by_cfg.get(key)
+        if not arms or key in self.arms_done:
+            return {}
+        expected = self.last_s.get(key, self.new_run_s())
+        seconds = min(ARMS_S, (math.inf if limit is None else limit) - expected - ARMS_MARGIN_S)
+        return {"in_process": arms, "in_process_s": seconds} if seconds >= MIN_ARMS_S else {}
+
+    def _plan_arms(self, comp: dict[str, Any]) -> None:
+        """The composition's leave-one-out arms that a run of it can measure in its own process (run/arms.py), at most
+        MAX_ARMS: first the changes whose target the traces cannot give them alone (`unseparable`: the trace
+        attribution measures the others' targets), then the largest expected gain. A one-change composition's own
+        pairs are its change's worth: none."""
+        changes = comp["changes"]
+        if len(changes) < 2:
+            return
+        need = unseparable(self.start_report, changes, self.opts.rules_dirs)
+        arms: dict[str, dict[str, Any]] = {}
+        for ch in sorted(changes, key=lambda x: (x["rule"] not in need, -(composed_x([x]) or 1.0))):
+            try:
+                without = apply(self.current_cfg, [x for x in changes if x is not ch])
+            except UsageError:
+                continue
+            patch = switch_patch(comp["config"], without)
+            if patch and len(arms) < MAX_ARMS:
+                arms[f"without {ch['rule']}"] = patch
+        if arms:
+            self.arms_by_cfg[config_key(comp["config"])] = arms
 
     def reserve(self) -> float:
         """Seconds kept for the final ablation: its share of the budget, at most what ablating every adopted change
@@ -708,6 +768,8 @@ class _Treatment:
             """The arms of lane g, pinned to GPU g (lane 0: None, as every other run of the treatment)."""
             return {"current": self.runner(self.current_cfg, False, g), **{n: d(g) for n, d in diagnosed.items()}}
 
+        for c in comps:
+            self._plan_arms(c)
         lanes = max(1, opts.trial_gpus)
         on = f" (pairs on {lanes} GPUs at once)" if lanes > 1 else ""
         self.notify(
@@ -832,6 +894,10 @@ class _Treatment:
             att = attribute(self.start_report, self.current, self.adopted, self.opts.rules_dirs)
             if att is not None:
                 self.out["trace_attribution"] = att
+        measured = self.in_process.get(config_key(self.current_cfg), [])
+        if self.adopted and measured:  # the last round's changes, from the arms its composition's runs measured
+            self.out["in_process"] = measured
+            in_process_contributions(self.adopted[-1], measured, self.opts)
         if self.current:
             self.current_cfg = final_ablation(self, self.cfg, self.adopted, self.current_cfg, self.current)
         return DONE

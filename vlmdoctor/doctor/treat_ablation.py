@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from vlmdoctor import supervise
-from vlmdoctor.doctor.decide import ArmResult, PairedOptions, interleaved, pooled_log_sd, pooled_verdict
+from vlmdoctor.doctor.decide import ArmResult, PairedOptions, interleaved, pooled_log_sd, pooled_verdict, verdict
 from vlmdoctor.doctor.treat_attribution import separable
 from vlmdoctor.doctor.treat_compose import apply, config_key
 from vlmdoctor.doctor.treat_options import TreatOptions
@@ -32,8 +32,13 @@ NOT_ABLATED = "not ablated: --max-trials or the time budget left no room"
 ADOPTED_OPEN = "the composition, adopted on two pairs beyond 1.5x; its interval does not exclude no gain"
 #: a one-change composition adopted as a likely gain at the limit (every pair above the bar, too few to decide)
 ADOPTED_LIKELY = "the composition, adopted as a likely gain: every pair above the bar, too few pairs to decide"
+#: a change's own worth from the arms a run of the final config measured in its own process (run/switch.py)
+IN_PROCESS = "leave-one-out in one process: windows of the final config and windows without the change, in turn"
+#: the same, where those pairs did not show a gain: a change is dropped on fresh-process pairs only, so the final
+#: ablation's fresh-process arm decides where the time holds one
+IN_PROCESS_OPEN = IN_PROCESS + "; not shown to pay there: a fresh-process arm decides where the time holds one"
 #: the contributions the final ablation measures: what no comparison of that change alone decided
-TO_ABLATE = (NOT_ABLATED, ADOPTED_OPEN, ADOPTED_LIKELY)
+TO_ABLATE = (NOT_ABLATED, ADOPTED_OPEN, ADOPTED_LIKELY, IN_PROCESS_OPEN)
 #: the least degrees of freedom of the treatment's pooled spread before an ablation arm with fewer than min_pairs
 #: pairs is judged with it (two comparisons of three pairs): below, its few pairs stay undecided or likely
 POOLED_MIN_DF = 4
@@ -209,6 +214,40 @@ def _reused_finals(tr: Treatment, final_cfg: RunConfig, gpus: int) -> dict[int, 
     return {g: r for g, r in tr.final_by_lane.items() if 1 <= g < gpus}
 
 
+def in_process_contributions(changes: list[dict[str, Any]], results: list[dict[str, Any]], opts: TreatOptions) -> None:
+    """Each change's contribution from the in-process arms that runs of the final config measured (`results`: their
+    reports' `in_process`, the pairs pooled over the runs), where no comparison of it alone decided it: two pairs or
+    more are judged as the ablation's are, at the limit; out of memory without it before two pairs, it is needed (on
+    one H200 the arm without qwen2-vl-2b's labeled-rows head ran two windows at batch 52, then ran out of memory: its
+    pairs stand). One pair, or an arm that failed otherwise, leaves the contribution as it was."""
+    for c in changes:
+        if c["contribution"]["how"] not in TO_ABLATE:
+            continue
+        name = f"without {c['rule']}"
+        arms = [r["arms"][name] for r in results if name in (r.get("arms") or {})]
+        ratios = [x for a in arms for x in a.get("ratios") or []]
+        oom = any(a.get("status") == "oom" for a in arms)
+        if oom and len(ratios) < 2:  # out of memory before it measured two pairs: the final config needs it
+            c["contribution"] = {
+                "outcome": "kept",
+                "how": IN_PROCESS,
+                "why": "out of memory without it (in one process)",
+                "in_process": True,
+            }
+        elif len(ratios) >= 2:
+            d = verdict(ratios, opts.min_gain, opts.confidence, final=True)
+            c["contribution"] = (
+                {k: d[k] for k in ("ratio", "ci_low", "ci_high", "pairs", "ratios")}
+                | {
+                    "outcome": d["outcome"],
+                    "how": IN_PROCESS if d["outcome"] == "kept" else IN_PROCESS_OPEN,
+                    "decided_by": d["how"],
+                    "in_process": True,
+                }
+                | ({"why": "ran out of memory in a later window (in one process)"} if oom else {})
+            )
+
+
 def _candidates(
     tr: Treatment, start: RunConfig, adopted: list[list[dict[str, Any]]], final_cfg: RunConfig
 ) -> list[tuple[dict[str, Any], RunConfig]]:
@@ -276,7 +315,11 @@ def _dropped(ladder: list[dict[str, Any]], adopted: list[list[dict[str, Any]]]) 
     round did, keeps them as the group it measured."""
     dropped: list[dict[str, Any]] = []
     for rung, changes in zip(ladder[1:], adopted):
-        out_ = [c for c in changes if c["contribution"]["outcome"] in ("no_gain", "harmful")]
+        out_ = [
+            c
+            for c in changes
+            if c["contribution"]["outcome"] in ("no_gain", "harmful") and c["contribution"]["how"] != IN_PROCESS_OPEN
+        ]
         if out_ and len(out_) == len(changes) and all(c["contribution"]["outcome"] == "no_gain" for c in out_):
             for c in out_:  # the round paid, but no change of it could be resolved alone: kept as the group measured
                 c["contribution"]["kept_as_group"] = True

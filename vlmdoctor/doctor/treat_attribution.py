@@ -120,3 +120,29 @@ def separable(change: dict[str, Any]) -> bool:
     drop to it alone."""
     tr = change.get("trace") or {}
     return tr.get("start_share") is not None and not tr.get("shared_with")
+
+
+def unseparable(
+    start: dict[str, Any] | None, changes: list[dict[str, Any]], rules_dirs: list[str] | tuple[str, ...] = ()
+) -> set[str]:
+    """The rules of `changes` whose drop the traces cannot give them alone, known before any is adopted: no rule
+    names a target, the start trace does not hold it, or another of the changes reads the same cost. Their own
+    worth needs a measurement with and without them (the in-process arms first: doctor/treat.py). A target read
+    through one of several facts (not step accounts, which a trace leaves out where they are empty) counts as
+    unreadable where any of them is missing."""
+    from vlmdoctor.doctor.rules import load_rules, target_ms, target_names  # deferred: the rule engine loads pandas
+
+    facts = (start or {}).get("facts") or {}
+    by_id = {r.id: r for r in load_rules(*rules_dirs)[0]}
+    reads = {c["rule"]: target_names(by_id[c["rule"]]) for c in changes if c["rule"] in by_id}
+    out = set()
+    for c in changes:
+        rule = by_id.get(c["rule"])
+        # any fact its target reads missing at the start: the adopted trace may miss what the start read too (on one
+        # H200, qwen2-vl-2b's start trace held loss.head_rows_frac, the adopted one neither it nor cpu.lm_head.ms)
+        lacks = [n for n, _ in _missing(reads.get(c["rule"], frozenset()), facts, facts) if n not in ACCOUNT_FACTS]
+        if rule is None or target_ms(rule, facts) is None or lacks:
+            out.add(c["rule"])
+        elif any(o["rule"] != c["rule"] and reads.get(o["rule"], frozenset()) & reads[c["rule"]] for o in changes):
+            out.add(c["rule"])
+    return out

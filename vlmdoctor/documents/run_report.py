@@ -346,6 +346,35 @@ class CrossRank(Doc, kw_only=True):
     muted: Annotated[list[Finding] | None, Meta(description="the diagnosis' muted findings")] = None
 
 
+class InProcessArm(Doc, kw_only=True):
+    """One leave-one-out arm measured in the run's own process (run/switch.py)."""
+
+    patch: Annotated[dict[str, Any], Meta(description="the knobs the arm sets otherwise than the run")]
+    status: Annotated[str, Meta(description="ok, oom (out of memory without the change) or error")] = "ok"
+    tokens_per_s: Annotated[
+        list[RealTokensPerS], Meta(description="each of its windows' real tokens/s, round by round")
+    ] = []
+    ratios: Annotated[
+        list[Annotated[float, Meta(gt=0)]],
+        Meta(description="each round's pair: the run's window's real tokens/s over the arm's window's after it"),
+    ] = []
+    error: Annotated[str | None, Meta(description="how it failed, where it did")] = None
+
+
+class InProcess(Doc, kw_only=True):
+    """The leave-one-out arms a treatment asked this run to measure in its own process, after its windows."""
+
+    window_steps: Annotated[int, Meta(ge=1, description="timed steps of each window")] | None = None
+    rounds: Annotated[Count, Meta(description="rounds run: the run's window, then each arm's")] = 0
+    stopped: Annotated[str | None, Meta(description="rounds (all run) or time (the seconds given ran out)")] = None
+    seconds: Annotated[Seconds | None, Meta(description="wall seconds the arms took")] = None
+    final_tokens_per_s: Annotated[
+        list[RealTokensPerS], Meta(description="each round's window of the run's own config, real tokens/s")
+    ] = []
+    arms: Annotated[dict[str, InProcessArm], Meta(description="each arm, by name")] = {}
+    error: Annotated[str | None, Meta(description="why the arms stopped, where they failed as a whole")] = None
+
+
 class Script(Doc, kw_only=True):
     """The user's command that `vlmdoctor run` measured, and how it ended."""
 
@@ -400,6 +429,7 @@ class RunReport(Doc, kw_only=True):
     distributed: Distributed | None = None
     cross_rank: CrossRank | None = None
     script: Script | None = None
+    in_process: InProcess | None = None
     notes: Annotated[list[str] | None, Meta(description="what the reader of the numbers should know")] = None
     warnings: Annotated[list[str] | None, Meta(description="what went wrong without stopping the run")] = None
     audience: Annotated[str | None, Meta(description="whose terms the advice uses: loop or trainer")] = None

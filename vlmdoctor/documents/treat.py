@@ -24,7 +24,7 @@ from vlmdoctor.documents.base import (
     WarmupS,
 )
 from vlmdoctor.documents.diagnosis import ExpectedGain
-from vlmdoctor.documents.run_report import Env
+from vlmdoctor.documents.run_report import Env, InProcess
 
 
 class TreatDecision(Doc, kw_only=True):
@@ -178,6 +178,10 @@ class TreatResult(Doc, kw_only=True):
     skipped: Annotated[list[Any], Meta(description="prescriptions not tried, and why")] = []
     final_ablation: Annotated[dict[str, Any] | None, Meta(description="changes dropped by leave-one-out")] = None
     trace_attribution: TraceAttribution | None = None
+    in_process: Annotated[
+        list[InProcess] | None,
+        Meta(description="the leave-one-out arms runs of the final config measured in their own process, each run's"),
+    ] = None
     rediagnosed: Annotated[list[dict[str, Any]] | None, Meta(description="findings after each round")] = None
     stopped_because: Annotated[str | None, Meta(description="why the treatment ended")] = None
     stop_reason: Annotated[

@@ -590,12 +590,18 @@ def render_ladder(result: TreatResult | dict[str, Any], console: Console) -> Non
             t.add_row(
                 esc(step),
                 esc(c["rule"]),
-                esc(k.get("pairs") or ""),
+                esc(f"{k['pairs']}{'p' if k.get('in_process') else ''}" if k.get("pairs") else ""),
                 esc(k["outcome"]),
                 _target_cell(c.get("trace")),
                 _ci(k) or esc(k.get("why", "")),
             )
         console.print(t)
+        if any(c["contribution"].get("in_process") for _, c in own):
+            console.print(
+                "p: pairs measured in one process, windows of the final config and windows without the change in "
+                "turn (a change is dropped on fresh-process pairs only)",
+                highlight=False,
+            )
         if any((c.get("trace") or {}).get("start_share") is not None for _, c in own):
             console.print(
                 "target %: the share of the traced step its rule's target took at the start -> in the adopted "

@@ -426,7 +426,9 @@ def _changes_table(own: list[tuple[int | None, dict[str, Any]]]) -> str:
         k, tr = c.get("contribution") or {}, c.get("trace") or {}
         x = "" if k.get("ratio") is None else _ratio_ci(k["ratio"], k.get("ci_low"), k.get("ci_high"))
         if k.get("pairs"):
-            x += f" ({k['pairs']} pair(s))"
+            x += f" ({k['pairs']} pair(s){' in one process' if k.get('in_process') else ''})"
+        elif k.get("in_process") and k.get("why"):
+            x = f"{k['why']}"
         shared = ", ".join(tr.get("shared_with") or [])
         target = (
             f"{fmt_pct(tr['start_share'], 1)} → {fmt_pct(tr['final_share'], 1)}"

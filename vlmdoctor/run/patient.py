@@ -79,6 +79,8 @@ class Patient:
     flop_mode: flops.Mode = field(default_factory=flops.Mode)
     reference: modes.Reference | None = None
     mode_info: dict[str, Any] = field(default_factory=dict)
+    dataset: Any = None  # what the loader reads, and how it collates: an in-process arm's loader (run/switch.py)
+    collator: Any = None
 
     def step_flops(self, counts: dict[str, Any]) -> float:
         head = counts["loss_tokens"] if self.cfg.lm_head_labeled_only else None
@@ -119,9 +121,24 @@ def _apply_liger(vlm: VLM, cfg: RunConfig) -> None:
     )
 
 
-def _cycle(loader) -> Iterator[dict[str, Any]]:
+def cycle(loader: Any) -> Iterator[dict[str, Any]]:
+    """Batches without end, epoch after epoch (a patient's `batches`; an in-process arm's: run/switch.py)."""
     while True:
         yield from loader
+
+
+def make_loader(
+    cfg: RunConfig, dataset: Any, collator: Any, device: torch.device, dist: distributed.Dist | None = None
+) -> torch.utils.data.DataLoader:
+    """The loader a run config describes over a built dataset (a run's own; an in-process arm's: run/switch.py)."""
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=_batch_sampler(cfg, dataset.lengths, dist),
+        collate_fn=collator,
+        num_workers=cfg.num_workers,
+        pin_memory=cfg.pin_memory and device.type == "cuda",
+        persistent_workers=cfg.num_workers > 0,
+    )
 
 
 def _batch_sampler(cfg: RunConfig, lengths: list[int], dist: distributed.Dist | None):
@@ -245,14 +262,7 @@ def _assemble(
     dpo = cfg.objective == "dpo"
     if dpo:
         collator = PairCollator(collator)
-    loader = torch.utils.data.DataLoader(
-        dataset,
-        batch_sampler=_batch_sampler(cfg, dataset.lengths, dist),
-        collate_fn=collator,
-        num_workers=cfg.num_workers,
-        pin_memory=cfg.pin_memory and device.type == "cuda",
-        persistent_workers=cfg.num_workers > 0,
-    )
+    loader = make_loader(cfg, dataset, collator, device, dist)
     reference = modes.Reference(vlm, cfg, projector) if dpo else None
     if dist is None:
         params = [p for p in vlm.parameters() if p.requires_grad]
@@ -268,12 +278,14 @@ def _assemble(
         model,
         vlm,
         optimizer,
-        _cycle(loader),
+        cycle(loader),
         flop_model,
         data_info,
         dist,
         info,
         reference=reference,
+        dataset=dataset,
+        collator=collator,
     )
     return _with_mode(patient, mode_info, dataset, collator)
 

@@ -31,7 +31,7 @@ import torch
 
 from vlmdoctor import SCHEMA_VERSION, __version__, supervise
 from vlmdoctor.errors import EXIT_FAILED_RUN, EXIT_NAN, EXIT_OK, EXIT_OOM, UsageError, first_line, is_out_of_memory
-from vlmdoctor.run import distributed, envinfo, flops, metrics, modes, native, throughput
+from vlmdoctor.run import arms, distributed, envinfo, flops, metrics, modes, native, switch, throughput
 from vlmdoctor.run.capture import TraceOptions, capture, lost_note, measured_metadata, trace_path
 from vlmdoctor.run.checks import check
 from vlmdoctor.run.compile import compiled, graphs_compiled, mark_lengths_dynamic
@@ -246,6 +246,8 @@ def run_profile(cfg: RunConfig, progress: Progress = quiet, trace: TraceOptions 
         windows = _measure(patient, report, peak, progress)
         if trace is not None:
             interrupted = _trace(patient, report, trace, windows, env, peak, dist, progress)
+        if interrupted is None and dist is None:
+            interrupted = _in_process_arms(patient, report, progress)
     except UsageError:
         raise
     except Exception as e:  # a crash inside a step (illegal memory access, no SDPA kernel, compile failure)
@@ -337,6 +339,26 @@ def _trace(
         return e  # Ctrl-C / SIGTERM after the timed windows: what they measured is kept
     if report["trace"].get("lost"):  # a trace that could not be written never costs the measurement
         report.setdefault("warnings", []).append(lost_note(report["trace"]["lost"]))
+    return None
+
+
+def _in_process_arms(p: Patient, report: dict[str, Any], progress: Progress) -> KeyboardInterrupt | None:
+    """The leave-one-out arms a treatment asked this run for (run/arms.py), measured in this process after the
+    timed and traced windows, into the report's `in_process`; a Ctrl-C / SIGTERM in them comes back (what the timed
+    windows measured is kept). A crash in them is said in the report, not raised: the run's numbers stand."""
+    asked = arms.read_request()
+    if asked is None:
+        return None
+    wanted, seconds = asked
+    progress("in-process arms", 0, 1)
+    try:
+        report["in_process"] = switch.measure(p, wanted, seconds, train_step)
+    except KeyboardInterrupt as e:
+        return e
+    except Exception as e:  # the arms are extra: their failure costs the run nothing
+        report["in_process"] = {"error": f"{type(e).__name__}: {first_line(e)}", "arms": {}}
+        _release(p.device)
+    progress("in-process arms", 1, 1)
     return None
 
 
@@ -497,6 +519,8 @@ def run_isolated(
     env: dict[str, str] | None = None,
     python: str | None = None,
     own_cwd: bool = False,
+    in_process: dict[str, dict[str, Any]] | None = None,
+    in_process_s: float = 0.0,
 ) -> dict[str, Any]:
     """Run one configuration in a fresh Python process and return its report (diagnosed unless asked not to).
 
@@ -505,6 +529,8 @@ def run_isolated(
     `own_cwd` starts the child in its own empty folder: `python -m` imports from the working
     folder first, so in a checkout the child would run that checkout's vlmdoctor whatever
     `env`'s PYTHONPATH or `python` say (the gate's baseline side needs its own code).
+    `in_process`: leave-one-out arms (name: knobs) the child measures in its own process after its
+    windows, in at most `in_process_s` seconds (run/arms.py; its report's `in_process`).
     """
     with supervise.scratch("vlmdoctor-") as folder:
         tmp = str(folder)
@@ -527,6 +553,9 @@ def run_isolated(
         (folder / "scratch").mkdir()
         # the child's own temporary folders (a trace, torchrun's rank folder) go inside this one: removed with it
         child_env = {**os.environ, **(env or {}), supervise.SCRATCH_ENV: str(folder / "scratch")}
+        child_env.pop(arms.ARMS_ENV, None)  # only this call's own request reaches the child
+        if in_process:
+            child_env[arms.ARMS_ENV] = str(arms.write_request(folder, in_process, in_process_s))
         log = folder / "child.log"
         with open(log, "wb") as f:
             # its own process group: a timeout, Ctrl-C or SIGTERM stops it and all it started (torchrun, its ranks)
