@@ -191,8 +191,9 @@ def _eager(p: Patient) -> Iterator[None]:
 
 
 def _release(p: Patient) -> None:
-    """Gradients dropped and the allocator's cache emptied: the next window allocates what its config needs."""
+    """Gradients dropped and the allocator's cache emptied: the next window allocates what its config needs (a CPU
+    has no cache to empty, and a collection there costs every window time)."""
     p.optimizer.zero_grad(set_to_none=True)
-    gc.collect()
     if p.device.type == "cuda":
+        gc.collect()
         torch.cuda.empty_cache()
