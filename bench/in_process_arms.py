@@ -16,8 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from vlmdoctor.doctor.treat_compose import apply
-from vlmdoctor.run.arms import ARMS_ENV, switch_patch, write_request
+from vlmdoctor.doctor.treat_ablation import in_process_arms
+from vlmdoctor.run.arms import ARMS_ENV, write_request
 from vlmdoctor.run.config import RunConfig
 
 
@@ -27,11 +27,8 @@ def main() -> None:
     rung = treat["ladder"][-1]
     start = RunConfig.from_dict(treat["start_config"])  # a treatment of one adopted round
     final = RunConfig.from_dict(treat["final_config"])
-    arms = {}
-    for ch in rung["changes"]:
-        patch = switch_patch(final, apply(start, [x for x in rung["changes"] if x is not ch]))
-        if patch and (not only or ch["rule"] in only):
-            arms[f"without {ch['rule']}"] = patch
+    chosen = [ch for ch in rung["changes"] if not only or ch["rule"] in only]
+    arms = in_process_arms(start, final, rung["changes"], chosen)
     with tempfile.TemporaryDirectory() as d:
         cfg = Path(d) / "config.json"
         final.dump(cfg)

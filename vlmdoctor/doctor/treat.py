@@ -58,6 +58,7 @@ from vlmdoctor.doctor.treat_ablation import (
     NOT_ABLATED,
     TO_ABLATE,
     final_ablation,
+    in_process_arms,
     in_process_contributions,
 )
 from vlmdoctor.doctor.treat_attribution import attribute, unseparable
@@ -82,7 +83,7 @@ from vlmdoctor.doctor.treat_trials import (
     summary,
 )
 from vlmdoctor.errors import UsageError
-from vlmdoctor.run.arms import ARMS_S, MAX_ARMS, MIN_ARMS_S, switch_patch
+from vlmdoctor.run.arms import ARMS_S, MAX_ARMS, MIN_ARMS_S
 from vlmdoctor.run.config import RunConfig
 from vlmdoctor.supervise import describe_interruption, interrupted_exit_code
 
@@ -284,10 +285,8 @@ class _Treatment:
         self.lane_first: dict[int, dict[str, dict[str, Any]]] = {}
         self.sized_on: dict[tuple[str, int], tuple[dict[str, Any], float]] = {}  # (config, GPU): a sizing run
         self.reserved = 0.0  # the most seconds kept for the ablation
-        # in-process arms (run/arms.py): a composition's, by its config's key; the configs whose runs measured them in
-        # two rounds or more (no further run is asked for them); what each run measured, by its config's key
+        # in-process arms (run/arms.py), by the config's key: a composition's, and what each run of it measured
         self.arms_by_cfg: dict[str, dict[str, dict[str, Any]]] = {}
-        self.arms_done: set[str] = set()
         self.in_process: dict[str, list[dict[str, Any]]] = {}
         self.last_s: dict[str, float] = {}  # each config's last run's seconds: what its next run is expected to take
         self.machine = Machine(self.t0, lambda: len(self.run_s))
@@ -330,7 +329,7 @@ class _Treatment:
             took = time.time() - t
             with _RECORDING:
                 self.run_s.append(took)
-                self.last_s[key] = took - (asked.get("in_process_s", 0.0) if asked else 0.0)
+                self.last_s[key] = took - asked.get("in_process_s", 0.0)
                 if key not in self.ran:
                     self.ran.add(key)
                     self.first_run_s.append(took)
@@ -338,8 +337,6 @@ class _Treatment:
                 got = rep.get("in_process") or {}
                 if asked and got.get("arms"):
                     self.in_process.setdefault(key, []).append(got)
-                    if (got.get("rounds") or 0) >= 2:
-                        self.arms_done.add(key)
             return rep
 
         return go
@@ -347,9 +344,10 @@ class _Treatment:
     def _arms_for(self, key: str, limit: float | None) -> dict[str, Any]:
         """The in-process arms a run of config `key` is asked to measure (the run's keyword arguments), and in how many
         seconds: what its limit leaves after the run itself is expected to end (its config's last run, else a new
-        config's), at most ARMS_S; none below MIN_ARMS_S, for a config without arms, or one measured already."""
+        config's), at most ARMS_S; none below MIN_ARMS_S, for a config without arms, or one a run measured in two
+        rounds or more already."""
         arms = self.arms_by_cfg.get(key)
-        if not arms or key in self.arms_done:
+        if not arms or any((r.get("rounds") or 0) >= 2 for r in self.in_process.get(key, [])):
             return {}
         expected = self.last_s.get(key, self.new_run_s())
         seconds = min(ARMS_S, (math.inf if limit is None else limit) - expected - ARMS_MARGIN_S)
@@ -364,15 +362,8 @@ class _Treatment:
         if len(changes) < 2:
             return
         need = unseparable(self.start_report, changes, self.opts.rules_dirs)
-        arms: dict[str, dict[str, Any]] = {}
-        for ch in sorted(changes, key=lambda x: (x["rule"] not in need, -(composed_x([x]) or 1.0))):
-            try:
-                without = apply(self.current_cfg, [x for x in changes if x is not ch])
-            except UsageError:
-                continue
-            patch = switch_patch(comp["config"], without)
-            if patch and len(arms) < MAX_ARMS:
-                arms[f"without {ch['rule']}"] = patch
+        order = sorted(changes, key=lambda x: (x["rule"] not in need, -(composed_x([x]) or 1.0)))
+        arms = dict(list(in_process_arms(self.current_cfg, comp["config"], changes, order).items())[:MAX_ARMS])
         if arms:
             self.arms_by_cfg[config_key(comp["config"])] = arms
 

@@ -18,6 +18,7 @@ from vlmdoctor.doctor.treat_compose import apply, config_key
 from vlmdoctor.doctor.treat_options import TreatOptions
 from vlmdoctor.doctor.treat_trials import LIKELY, STOPPED_BY_BUDGET, is_shown, outcome_of, record_trial, summary
 from vlmdoctor.errors import UsageError
+from vlmdoctor.run.arms import switch_patch
 from vlmdoctor.run.config import RunConfig
 
 #: what an ablation arm that failed says of the change it left out: the final config needs it
@@ -212,6 +213,24 @@ def _reused_finals(tr: Treatment, final_cfg: RunConfig, gpus: int) -> dict[int, 
     if tr.final_by_lane_cfg is None or tr.final_by_lane_cfg != config_key(final_cfg):
         return {}
     return {g: r for g, r in tr.final_by_lane.items() if 1 <= g < gpus}
+
+
+def in_process_arms(
+    current: RunConfig, config: RunConfig, changes: list[dict[str, Any]], among: list[dict[str, Any]] | None = None
+) -> dict[str, dict[str, Any]]:
+    """The leave-one-out arms of a composition (`config`: `changes` applied to `current`) that a run of it can switch
+    to in its own process (run/arms.py): each change of `among` (default: every one), in its order, whose config
+    without it differs in such knobs only, by arm name ("without RULE"), with the knobs it sets."""
+    arms: dict[str, dict[str, Any]] = {}
+    for ch in changes if among is None else among:
+        try:
+            without = apply(current, [x for x in changes if x is not ch])
+        except UsageError:
+            continue
+        patch = switch_patch(config, without)
+        if patch:
+            arms[f"without {ch['rule']}"] = patch
+    return arms
 
 
 def in_process_contributions(changes: list[dict[str, Any]], results: list[dict[str, Any]], opts: TreatOptions) -> None:

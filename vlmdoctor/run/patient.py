@@ -6,6 +6,7 @@ pinned, the batch on the device.
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import time
 from collections.abc import Callable, Iterator
@@ -421,6 +422,13 @@ def to_device(batch: dict[str, Any], device: torch.device, dtype: torch.dtype) -
                 v = v.to(dtype)
         out[k] = v
     return out
+
+
+def release(device: torch.device) -> None:
+    """What a failed or finished window held, freed: the tensors collected, the allocator's cache emptied on a GPU."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def sync(device: torch.device) -> None:

@@ -12,7 +12,6 @@ synchronize so that wall time is what the GPU really took.
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import os
 import re
@@ -46,6 +45,7 @@ from vlmdoctor.run.patient import (
     build_patient,
     input_dtype,
     quiet,
+    release,
     sync,
     to_device,
 )
@@ -357,14 +357,14 @@ def _in_process_arms(p: Patient, report: dict[str, Any], progress: Progress) -> 
         return e
     except Exception as e:  # the arms are extra: their failure costs the run nothing
         report["in_process"] = {"error": f"{type(e).__name__}: {first_line(e)}", "arms": {}}
-        _release(p.device)
+        release(p.device)
     progress("in-process arms", 1, 1)
     return None
 
 
 def _crashed(report: dict[str, Any], e: Exception, device: torch.device) -> dict[str, Any]:
     """The report of a run that crashed in a step (called while handling `e`): out of memory, or the error."""
-    _release(device)
+    release(device)
     if is_out_of_memory(e):  # the GPU's or the host's (MemoryError, torch's CPU allocator): exit 3 either way
         report.update(status="oom", error=_oom_details(e, device))
         return report
@@ -478,12 +478,6 @@ def recompile_warning(cfg: RunConfig, windows: list[dict[str, Any]]) -> str | No
                 "window, so tokens/s is too low; use more --warmup steps"
             )
     return None
-
-
-def _release(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def _oom_details(e: BaseException, device: torch.device) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from vlmdoctor.errors import first_line, is_out_of_memory
 from vlmdoctor.run.arms import COMPILE_KNOBS, LOADER_KNOBS, MAX_ROUNDS, SETTLE_STEPS, WINDOW_STEPS
 from vlmdoctor.run.compile import graphs_compiled, repeated_blocks
 from vlmdoctor.run.head import head_loss
-from vlmdoctor.run.patient import Patient, cycle, make_loader, sync
+from vlmdoctor.run.patient import Patient, cycle, make_loader, release, sync
 
 Step = Callable[[Patient], tuple[torch.Tensor, dict[str, Any]]]
 
@@ -195,5 +195,4 @@ def _release(p: Patient) -> None:
     has no cache to empty, and a collection there costs every window time)."""
     p.optimizer.zero_grad(set_to_none=True)
     if p.device.type == "cuda":
-        gc.collect()
-        torch.cuda.empty_cache()
+        release(p.device)
