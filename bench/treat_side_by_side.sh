@@ -17,8 +17,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:?OUT=DIR}"; MODEL="${MODEL:-qwen2-vl-2b}"; BUDGET="${BUDGET:-500}"
-TREAT_GPUS="${TREAT_GPUS:-0 1 2}"; PEERS="${PEERS-3:48,64}"  # PEERS="" runs no peer (unset: the default)
-TREATS="${TREATS:-$(for g in $TREAT_GPUS; do printf '%s:%s ' "$g" "$MODEL"; done)}"
+TREAT_GPUS="${TREAT_GPUS-0 1 2}"; PEERS="${PEERS-3:48,64}"  # "" runs none (unset: the default)
+TREATS="${TREATS-$(for g in $TREAT_GPUS; do printf '%s:%s ' "$g" "$MODEL"; done)}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 W=/tmp/treat_side_by_side; mkdir -p "$OUT" "$W"
 {

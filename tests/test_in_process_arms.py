@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import numpy as np
 import pytest
 import torch
 
 from vlmdoctor.doctor.treat import TreatOptions, treat
-from vlmdoctor.doctor.treat_ablation import IN_PROCESS, IN_PROCESS_OPEN
-from vlmdoctor.documents import read_report
+from vlmdoctor.doctor.treat_ablation import IN_ONE_PROCESS, IN_PROCESS, IN_PROCESS_OPEN
+from vlmdoctor.documents import TreatResult, as_document, read_report
 from vlmdoctor.run import arms, switch
 from vlmdoctor.run.arms import ARMS_ENV, MIN_ARMS_S, switch_patch, write_request
 from vlmdoctor.run.config import RunConfig
@@ -49,7 +50,8 @@ TINY = RunConfig(
         ({"batch_size": 2, "warmup": 9}, {"batch_size": 2}),  # the measurement's knobs are not the training's
         ({"warmup": 9}, None),  # nothing of the training differs
         ({"weight_dtype": "bf16"}, None),  # the model would be built again
-        ({"batch_size": 2, "num_workers": 2}, None),  # one knob it cannot switch is enough to refuse
+        ({"num_workers": 2, "pin_memory": True}, {"num_workers": 2, "pin_memory": True}),  # the loader's workers
+        ({"batch_size": 2, "attention": "eager"}, None),  # one knob it cannot switch is enough to refuse
         ({"gradient_checkpointing": True}, None),
     ],
 )
@@ -89,6 +91,7 @@ def test_a_run_measures_its_arms_in_pairs_after_its_own_numbers(tmp_path, monkey
         "without batch": {"batch_size": 2},
         "without pad": {"pad_to_multiple_of": 1},
         "without head": {"lm_head_labeled_only": False},
+        "with workers": {"num_workers": 1, "pin_memory": True},  # an arm may add a change: a loader worker process
     }
     monkeypatch.setenv(ARMS_ENV, str(write_request(tmp_path, asked, 60)))
     monkeypatch.setattr(switch, "MAX_ROUNDS", 2)  # two rounds make pairs: the test suite's time
@@ -159,16 +162,19 @@ class ArmsRunner:
     """Runs faked from `speed`, with 1% noise; a run asked for in-process arms measures them in three rounds (an arm
     without compile runs out of memory: the final config's fused loss needs it)."""
 
-    def __init__(self, noise: float = 0.01) -> None:
+    def __init__(self, noise: float = 0.01, speed_of=speed, loader_finding: bool = False) -> None:
         self.rng, self.noise = np.random.default_rng(0), noise
+        self.speed, self.loader_finding = speed_of, loader_finding
         self.asked: list[tuple[RunConfig, dict, float]] = []
 
     def noisy(self, v: float) -> float:
         return v * float(np.exp(self.rng.normal(0, self.noise)))
 
     def __call__(self, c, diagnose, timeout, device=None, in_process=None, in_process_s=0.0):
-        v = self.noisy(speed(c))
+        v = self.noisy(self.speed(c))
         findings = []
+        if self.loader_finding and c.batch_size >= 8 and c.num_workers == 0:  # the loader's wait shows at batch 8
+            findings = [finding("loader", 5, {"num_workers": 4, "pin_memory": True})]
         if c.batch_size < 8:
             findings = [
                 finding("bf16", 1, {"weight_dtype": "bf16"}),
@@ -186,13 +192,13 @@ class ArmsRunner:
         }
         if in_process:
             self.asked.append((c, in_process, in_process_s))
-            finals = [self.noisy(speed(c)) for _ in range(3)]
+            finals = [self.noisy(self.speed(c)) for _ in range(3)]
             got = {}
             for name, patch in in_process.items():
                 if patch.get("compile") == "off":
                     got[name] = {"patch": patch, "status": "oom", "tokens_per_s": [], "ratios": []}
                     continue
-                arm = [self.noisy(speed(c.replace(**patch))) for _ in range(3)]
+                arm = [self.noisy(self.speed(c.replace(**patch))) for _ in range(3)]
                 got[name] = {
                     "patch": patch,
                     "status": "ok",
@@ -283,6 +289,62 @@ def test_an_arm_short_of_pairs_goes_first_in_a_round(monkeypatch):
     assert order[:4] == ["b", "a", "a", "b"]
     assert got["arms"]["a"]["recompiled"] == 1 and len(got["arms"]["a"]["ratios"]) == got["rounds"] - 1
     assert got["arms"]["b"]["ratios"] == [2.0] * got["rounds"]
+
+
+def treat_on_a_clock(monkeypatch, runner: ArmsRunner, budget: float) -> dict:
+    """A treatment whose runs take 40 s each, and the seconds of their in-process arms after."""
+    clock = {"t": 0.0}
+    monkeypatch.setattr(time, "time", lambda: clock["t"])
+
+    def timed(c, d, timeout, device=None, in_process=None, in_process_s=0.0):
+        clock["t"] += 40.0 + (in_process_s if in_process else 0.0)
+        return runner(c, d, timeout, device, in_process, in_process_s)
+
+    return treat(BASE, timed, TreatOptions(time_budget_s=budget), validate=lambda c: None)
+
+
+@pytest.mark.parametrize("workers_x", [1.15, 1.0])
+def test_a_later_round_with_no_room_for_fresh_pairs_is_measured_in_one_run(monkeypatch, workers_x):
+    """qwen2-vl-2b on one H200: the adopted config waited on the loader, and the round that would add workers (three
+    fresh pairs) did not fit. Its composition switches in one process: one run of the adopted config measures it as
+    an arm, and it is adopted only where its pairs show the gain."""
+
+    def loader_speed(c: RunConfig) -> float:
+        return speed(c) * (workers_x if c.num_workers >= 4 else 1.0)
+
+    runner = ArmsRunner(speed_of=loader_speed, loader_finding=True)
+    result = treat_on_a_clock(monkeypatch, runner, 350)
+    assert [v["state"] for v in result["states"]][-4:] == ["compose", "one_process", "compose", "ablate"]
+    (cfg, asked, _), *_ = runner.asked[1:]  # the adopted config's run, asked for the composition as an arm
+    assert (cfg.batch_size, cfg.num_workers) == (8, 0) and asked == {
+        "composition": {"num_workers": 4, "pin_memory": True}
+    }
+    rnd = result["rounds"][1]
+    trial = result["trials"][rnd["compositions"][0] - 1]
+    assert rnd["in_one_process"] and trial["in_process"] and trial["pairs"] == 3
+    assert trial["ratio"] == pytest.approx(workers_x, rel=0.03)
+    final = RunConfig.from_dict(result["final_config"])
+    if workers_x > 1:
+        assert trial["outcome"] == "kept" and rnd["adopted"] == "composition" and final.num_workers == 4
+        rung = result["ladder"][-1]
+        assert rung["in_process"] and rung["speedup"] == pytest.approx(result["ladder"][1]["speedup"] * trial["ratio"])
+        assert rung["changes"][0]["contribution"]["how"] == IN_ONE_PROCESS
+    else:  # three pairs about x1.0: not shown, not adopted (in one process a lean is not enough)
+        assert trial["outcome"] not in ("kept", "likely_gain") and rnd["adopted"] is None and final.num_workers == 0
+        assert len(result["ladder"]) == 2
+    as_document(json.loads(json.dumps(result)), TreatResult, "treat.json")  # the declared document holds it
+    if workers_x > 1:  # the reports say which rung and trial were measured in one process
+        from rich.console import Console
+
+        from vlmdoctor.report.console import render_ladder
+        from vlmdoctor.report.html import treat_html
+
+        console = Console(width=80, record=True)
+        render_ladder(result, console)
+        text = console.export_text()
+        assert "#p: adopted on pairs of windows in one run" in text and "\n2p " in text
+        assert max(len(line) for line in text.splitlines()) <= 80
+        assert "adopted on pairs of windows in one process" in treat_html(result)
 
 
 def test_the_reports_say_which_pairs_were_measured_in_one_process():

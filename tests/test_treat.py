@@ -13,6 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from vlmdoctor.cli import app
+from vlmdoctor.doctor import treat as treat_module
 from vlmdoctor.doctor.decide import verdict
 from vlmdoctor.doctor.treat import TreatOptions, treat
 from vlmdoctor.doctor.treat_trials import adopted_outcome
@@ -959,9 +960,11 @@ def test_the_state_machine_says_where_the_budget_went_and_why_it_stopped(monkeyp
 
 def test_a_later_round_that_does_not_fit_beside_the_ablations_reserve_is_not_started(monkeypatch):
     """With 300 s at 40 s a run, round 2 (three pairs, 5 runs) would leave nothing for the ablation: the treatment
-    stops composing and ablates round 1's changes instead, and says why."""
+    stops composing and ablates round 1's changes instead, and says why (where no round in one process fits either:
+    tests/test_in_process_arms.py has the round that does)."""
     clock = {"t": 0.0}
     monkeypatch.setattr(time, "time", lambda: clock["t"])
+    monkeypatch.setattr(treat_module, "ONE_PROCESS_MIN_S", math.inf)
     runner = FakeRunner()
 
     def timed(c, d, timeout, **_):

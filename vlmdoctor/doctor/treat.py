@@ -51,10 +51,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vlmdoctor import SCHEMA_VERSION, __version__, supervise
-from vlmdoctor.doctor.decide import ArmResult, interleaved, throughput
+from vlmdoctor.doctor.decide import ArmResult, interleaved, throughput, verdict
 from vlmdoctor.doctor.treat_ablation import (
     ADOPTED_LIKELY,
     ADOPTED_OPEN,
+    IN_ONE_PROCESS,
     NOT_ABLATED,
     TO_ABLATE,
     final_ablation,
@@ -83,7 +84,7 @@ from vlmdoctor.doctor.treat_trials import (
     summary,
 )
 from vlmdoctor.errors import UsageError
-from vlmdoctor.run.arms import ARMS_S, MAX_ARMS, MIN_ARMS_S
+from vlmdoctor.run.arms import ARMS_S, MAX_ARMS, MIN_ARMS_S, switch_patch
 from vlmdoctor.run.config import RunConfig
 from vlmdoctor.supervise import describe_interruption, interrupted_exit_code
 
@@ -105,6 +106,9 @@ SIZE_POINTS = 3
 FAR_OFF = 1.25
 #: seconds a run with in-process arms keeps after them for what follows (its diagnosis, its report)
 ARMS_MARGIN_S = 10.0
+#: the fewest seconds of windows a round in one process is started for: two rounds of windows, the fewest pairs its
+#: verdict reads (four rounds of two windows took 58 s at qwen2-vl-2b's batch 52 on one H200, 2026-11-28)
+ONE_PROCESS_MIN_S = 30.0
 
 
 def _label(patch: dict[str, Any]) -> str:
@@ -145,6 +149,7 @@ START = "start"  # measure and diagnose the start config
 COMPOSE = "compose"  # build the round's compositions from the current diagnosis (no run)
 SIZE = "size"  # run each composition once and size its batch from the memory that run measured
 COMPARE = "compare"  # paired runs of the compositions against the current config; adopt the best
+ONE_PROCESS = "one_process"  # a later round with no room for fresh pairs: its compositions as arms of one run
 REDIAGNOSE = "rediagnose"  # nothing new to try: the adopted config diagnosed again, with a trace
 ABLATE = "ablate"  # each adopted change's own contribution, leave-one-out in the final config
 DONE = "done"
@@ -162,7 +167,9 @@ DECISION_RULE = (
     "such pair is); no gain when its upper bound is below 1 + min_gain; at the limit, an open interval with "
     "every pair above 1 + min_gain is a likely gain, adopted but not kept; changes of an adopted composition "
     "are measured by leave-one-out in the final config: in its own process where their knobs switch there, and "
-    "in fresh processes (only these drop a change)"
+    "in fresh processes (only these drop a change); a later round with no room for fresh pairs, whose compositions "
+    "switch in one process, is measured as windows of the current config and of each composition in turn in one run, "
+    "and adopted only where the interval (not the limit's lean) shows the gain"
 )
 
 
@@ -289,6 +296,11 @@ class _Treatment:
         self.arms_by_cfg: dict[str, dict[str, dict[str, Any]]] = {}
         self.in_process: dict[str, list[dict[str, Any]]] = {}
         self.last_s: dict[str, float] = {}  # each config's last run's seconds: what its next run is expected to take
+        # the adopted rounds whose config `current`'s trace is of (a round adopted in one process has no trace), and
+        # the round whose leave-one-out arms the ablation reads from its config's runs (its index, the config's key)
+        self.traced_rounds = 0
+        self.arms_round: tuple[int, str] | None = None
+        self.current_key: str | None = None  # the config `current` is a run of (after a round in one process: older)
         self.machine = Machine(self.t0, lambda: len(self.run_s))
 
     # --- the clock and the runs ---
@@ -305,9 +317,12 @@ class _Treatment:
         arms took about 80 s where the treatment's runs had averaged 50 s, and the last one ran past the budget."""
         return statistics.fmean(self.first_run_s) if self.first_run_s else self.mean_run_s()
 
-    def runner(self, c: RunConfig, diagnose: bool, device: int | None = None) -> Callable[[], dict[str, Any]]:
+    def runner(
+        self, c: RunConfig, diagnose: bool, device: int | None = None, arms: dict[str, dict[str, Any]] | None = None
+    ) -> Callable[[], dict[str, Any]]:
         """A run of `c` in a fresh process; `device`: the GPU it is pinned to (compare's lanes, the ablation on
-        several GPUs: then runs of other threads record beside it, one at a time)."""
+        several GPUs: then runs of other threads record beside it, one at a time); `arms`: the in-process arms it
+        measures (default: those planned for its config, `_arms_for`)."""
 
         def go() -> dict[str, Any]:
             # the budget is a limit on the runs' ends: a run is stopped where the budget ends. On two H200s
@@ -320,7 +335,7 @@ class _Treatment:
             if by_budget:
                 limit = left
             key = config_key(c)
-            asked = self._arms_for(key, limit)
+            asked = self._arms_for(key, limit, arms)
             t = time.time()
             where = () if device is None else (device,)
             rep = self.run(c, diagnose, limit, *where, **asked)
@@ -341,13 +356,18 @@ class _Treatment:
 
         return go
 
-    def _arms_for(self, key: str, limit: float | None) -> dict[str, Any]:
+    def _open_arms(self, key: str) -> dict[str, dict[str, Any]]:
+        """The leave-one-out arms planned for config `key` (`_plan_arms`), unless a run measured them in two rounds or
+        more already."""
+        arms = self.arms_by_cfg.get(key) or {}
+        return {} if any((r.get("rounds") or 0) >= 2 for r in self.in_process.get(key, [])) else arms
+
+    def _arms_for(self, key: str, limit: float | None, arms: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
         """The in-process arms a run of config `key` is asked to measure (the run's keyword arguments), and in how many
         seconds: what its limit leaves after the run itself is expected to end (its config's last run, else a new
-        config's), at most ARMS_S; none below MIN_ARMS_S, for a config without arms, or one a run measured in two
-        rounds or more already."""
-        arms = self.arms_by_cfg.get(key)
-        if not arms or any((r.get("rounds") or 0) >= 2 for r in self.in_process.get(key, [])):
+        config's), at most ARMS_S; none below MIN_ARMS_S or without arms. `arms` default: `_open_arms`."""
+        arms = self._open_arms(key) if arms is None else arms
+        if not arms:
             return {}
         expected = self.last_s.get(key, self.new_run_s())
         seconds = min(ARMS_S, (math.inf if limit is None else limit) - expected - ARMS_MARGIN_S)
@@ -400,6 +420,7 @@ class _Treatment:
             COMPOSE: self.compose,
             SIZE: self.size,
             COMPARE: self.compare,
+            ONE_PROCESS: self.one_process,
             REDIAGNOSE: self.rediagnose,
             ABLATE: self.ablate,
         }
@@ -452,6 +473,7 @@ class _Treatment:
             }
         )
         self.current = self.start_report = current
+        self.current_key = config_key(self.cfg)
         out["stop_reason"], out["stopped_because"] = STOP_NOTHING_LEFT, "no prescription left"
         return COMPOSE
 
@@ -482,16 +504,25 @@ class _Treatment:
                 )
             return REDIAGNOSE
         if not self._round_fits(comps):
+            switched = self._one_process_arms(comps)
+            if switched and self._one_process_s() >= ONE_PROCESS_MIN_S:
+                self._open_round([c for c in comps if c["name"] in switched])
+                return ONE_PROCESS
             return self.stop(
                 STOP_TIME,
                 f"{self._budget_words()}: a round of {len(comps)} new composition(s) does not fit beside the "
                 f"{self.reserve():.0f} s kept for the ablation",
             )
+        self._open_round(comps)
+        return SIZE if self.mem.total_gb else COMPARE
+
+    def _open_round(self, comps: list[dict[str, Any]]) -> None:
+        """A new round of `comps` in the result, each marked tried."""
         self.comps, self.first, self.first_s, self.sized_on = comps, {}, {}, {}
         self.lane_first = {g: {"current": r} for g, r in self._current_on_lanes().items()}
-        out["rounds"].append(
+        self.out["rounds"].append(
             {
-                "round": len(out["rounds"]) + 1,
+                "round": len(self.out["rounds"]) + 1,
                 "started_s": time.time() - self.t0,
                 "current_config": self.current_cfg.to_dict(),
                 "compositions": [],
@@ -499,7 +530,6 @@ class _Treatment:
         )
         for c in comps:
             self.tried.add(config_key(c["config"]))
-        return SIZE if self.mem.total_gb else COMPARE
 
     def _round_fits(self, comps: list[dict[str, Any]]) -> bool:
         """A later round of new compositions starts only when its pairs fit beside the ablation's reserve: two
@@ -772,7 +802,10 @@ class _Treatment:
             "current",
             self.po,
             self.time_left,
-            first={"current": self.current, **self.first},
+            first={
+                **({"current": self.current} if self.current_key == config_key(self.current_cfg) else {}),
+                **self.first,
+            },
             first_s=self.first_s,
             notify=self.notify,
             on_round=lambda r: self.live.update(arms=r, kind="composition", comps=comps),
@@ -862,10 +895,101 @@ class _Treatment:
             }
         )
         self.adopted.append(changes)
+        self.traced_rounds = len(self.adopted) if composed_report.get("findings") is not None else self.traced_rounds
+        self.arms_round = (len(self.adopted) - 1, config_key(comp["config"]))
         self.current_cfg, self.current = comp["config"], composed_report
+        self.current_key = config_key(comp["config"])
         # a new config: each lane's last clean run of it replaces the previous config's
         self.final_by_lane = {g: r for g, r in zip(arm.lanes, arm.reports) if r.get("status") == "ok" and throughput(r)}
         self.final_by_lane_cfg = config_key(comp["config"])
+
+    # --- a later round in one process ---
+
+    def _one_process_arms(self, comps: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """Each composition whose config differs from the current one only in knobs a run switches in its own process
+        (run/arms.py: the loader's, regional compile off), by name, with those knobs; at most MAX_ARMS."""
+        arms = {}
+        for c in comps:
+            patch = switch_patch(self.current_cfg, c["config"])
+            if patch:
+                arms[c["name"]] = patch
+        return dict(list(arms.items())[:MAX_ARMS])
+
+    def _one_process_s(self) -> float:
+        """Seconds of windows a run of the current config can still give arms: the time left after the run itself
+        (its config's last run) and ARMS_MARGIN_S, at most ARMS_S. The ablation's reserve is not kept from them: the
+        run also measures the current config's own leave-one-out arms where they are open."""
+        expected = self.last_s.get(config_key(self.current_cfg), self.new_run_s())
+        return min(ARMS_S, self.time_left() - expected - ARMS_MARGIN_S)
+
+    def one_process(self) -> str:
+        """The round's compositions, for which fresh-process pairs leave no room, as arms of one run of the current
+        config: windows of the current config and of each composition in turn (run/switch.py), each window pair a
+        ratio. The best composition whose interval shows its gain is adopted on those pairs; a lean at the limit is
+        not enough here. Why: on qwen2-vl-2b (one H200, 2026-11-28) the adopted config waited 68.7 ms of a 931 ms
+        step on the loader, and the round that would add workers (three fresh pairs, five runs of about 78 s) did
+        not fit the 102 s left; the same change measured x1.14 in another run's ablation."""
+        out, rnd = self.out, self.out["rounds"][-1]
+        key = config_key(self.current_cfg)
+        arms = self._one_process_arms(self.comps)
+        loo = list(self._open_arms(key).items())[: max(0, MAX_ARMS - len(arms))]
+        rnd["in_one_process"] = True
+        self.notify(f"round {rnd['round']}: {', '.join(arms)}, in one run of the current config (no room for pairs)")
+        rep = self.runner(self.current_cfg, False, arms={**arms, **dict(loo)})()
+        got = ((rep.get("in_process") or {}).get("arms")) or {}
+        best = None
+        for c in self.comps:
+            d = _one_process_verdict(got.get(c["name"]) or {}, self.opts)
+            arm = ArmResult(c["name"], [], list((got.get(c["name"]) or {}).get("tokens_per_s") or []))
+            entry = record_trial(out, "composition", c["name"], c["changes"], d["outcome"], d, arm)
+            entry["in_process"] = True
+            rnd["compositions"].append(entry["trial"])
+            if is_shown(d) and (best is None or d["ratio"] > best[0]["ratio"]):
+                best = (d, c, entry)
+        rnd["adopted"] = None
+        if best is not None:
+            self._adopt_in_one_process(*best)
+        return COMPOSE
+
+    def _adopt_in_one_process(self, d: dict[str, Any], comp: dict[str, Any], entry: dict[str, Any]) -> None:
+        """The composition adopted on its pairs in one process: its rung's tokens/s are its windows' median; no run of
+        it is traced, so the trace attribution and the next diagnosis stay with the rung before."""
+        rnd = self.out["rounds"][-1]
+        self.speedup *= d["ratio"]
+        rnd["adopted"], rnd["ended_s"] = comp["name"], time.time() - self.t0
+        own = {k: d[k] for k in ("ratio", "ci_low", "ci_high", "pairs")}
+        changes = [
+            {
+                **ch,
+                "contribution": (
+                    {"outcome": "kept", "how": IN_ONE_PROCESS, "in_process": True, **own}
+                    if len(comp["changes"]) == 1
+                    else {"outcome": "undecided", "how": NOT_ABLATED}
+                ),
+            }
+            for ch in comp["changes"]
+        ]
+        self.out["ladder"].append(
+            {
+                "step": len(self.out["ladder"]),
+                "change": _label(merged_patch(comp["changes"])),
+                "rule": ", ".join(ch["rule"] for ch in comp["changes"]),
+                "config_patch": merged_patch(comp["changes"]),
+                "status": "ok",
+                "real_tokens_per_s": entry.get("real_tokens_per_s"),
+                "speedup": self.speedup,
+                "paired_ratio": d["ratio"],
+                "ci": [d["ci_low"], d["ci_high"]],
+                "speedup_how": "paired windows in one process: the composition against the rung before, in turn",
+                "composed_of": [ch["rule"] for ch in comp["changes"]],
+                "dropped": [],
+                "changes": changes,
+                "elapsed_s": time.time() - self.t0,
+                "in_process": True,
+            }
+        )
+        self.adopted.append(changes)
+        self.current_cfg = comp["config"]
 
     def rediagnose(self) -> str:
         """One diagnosed run decided that nothing is left: diagnose the adopted config again, with a trace (one
@@ -874,24 +998,41 @@ class _Treatment:
         self.notify("nothing new to try: diagnosing the adopted config again, with a trace")
         again = self.runner(self.current_cfg, True)()
         if again.get("status") == "ok" and again.get("findings") is not None and throughput(again):
-            self.current = again
+            self.current, self.traced_rounds = again, len(self.adopted)
+            self.current_key = config_key(self.current_cfg)
             self.out.setdefault("rediagnosed", []).append(
                 {"round": len(self.out["rounds"]), "findings": [f["id"] for f in again["findings"]]}
             )
         return COMPOSE
 
     def ablate(self) -> str:
-        if self.adopted:  # every adopted change's target in the start and the adopted config's traces: no run
-            att = attribute(self.start_report, self.current, self.adopted, self.opts.rules_dirs)
+        traced = self.adopted[: self.traced_rounds]
+        if traced:  # each traced round's change's target in the start and the adopted config's traces: no run
+            att = attribute(self.start_report, self.current, traced, self.opts.rules_dirs)
             if att is not None:
                 self.out["trace_attribution"] = att
-        measured = self.in_process.get(config_key(self.current_cfg), [])
-        if self.adopted and measured:  # the last round's changes, from the arms its composition's runs measured
+        measured = self.in_process.get(self.arms_round[1], []) if self.arms_round else []
+        if measured:  # the last fresh-adopted round's changes, from the arms its composition's runs measured
             self.out["in_process"] = measured
-            in_process_contributions(self.adopted[-1], measured, self.opts)
-        if self.current:
-            self.current_cfg = final_ablation(self, self.cfg, self.adopted, self.current_cfg, self.current)
+            in_process_contributions(self.adopted[self.arms_round[0]], measured, self.opts)
+        if self.current:  # its diagnosed run is the final arm's first where it is of the final config
+            final_run = self.current if self.current_key == config_key(self.current_cfg) else None
+            self.current_cfg = final_ablation(self, self.cfg, self.adopted, self.current_cfg, final_run)
         return DONE
+
+
+def _one_process_verdict(arm: dict[str, Any], opts: TreatOptions) -> dict[str, Any]:
+    """A composition measured as an arm of one run: its pairs' ratios are the arm's windows over the current config's
+    (the inverse of what the arm records: the run's own over the arm's). Two pairs or more are judged as a round's,
+    not at the limit; out of memory before two pairs is "oom"; fewer pairs is undecided."""
+    gains = [1 / r for r in arm.get("ratios") or [] if r > 0]
+    if len(gains) >= 2:
+        return verdict(gains, opts.min_gain, opts.confidence) | {"why": f"{len(gains)} pairs of windows in one process"}
+    if arm.get("status") == "oom":
+        return {"outcome": "oom", "why": "out of memory in one process"}
+    if arm.get("status") == "error":
+        return {"outcome": "error", "why": arm.get("error") or "its windows failed in one process"}
+    return {"outcome": "undecided", "why": f"{len(gains)} pair(s) of windows in one process: too few to decide"}
 
 
 def _point_x(g: int, n: int) -> int:

@@ -39,6 +39,8 @@ IN_PROCESS = "leave-one-out in one process: windows of the final config and wind
 #: ablation's fresh-process arm decides where the time holds one
 IN_PROCESS_OPEN = IN_PROCESS + "; not shown to pay there: a fresh-process arm decides where the time holds one"
 #: the contributions the final ablation measures: what no comparison of that change alone decided
+#: a change adopted alone in a later round measured in one process (doctor/treat.py `one_process`): its own pairs
+IN_ONE_PROCESS = "the composition, in one process: windows of it and of the rung before, in turn"
 TO_ABLATE = (NOT_ABLATED, ADOPTED_OPEN, ADOPTED_LIKELY, IN_PROCESS_OPEN)
 #: the least degrees of freedom of the treatment's pooled spread before an ablation arm with fewer than min_pairs
 #: pairs is judged with it (two comparisons of three pairs): below, its few pairs stay undecided or likely
@@ -82,7 +84,7 @@ def final_ablation(
     start: RunConfig,
     adopted: list[list[dict[str, Any]]],
     final_cfg: RunConfig,
-    final_report: dict[str, Any],
+    final_report: dict[str, Any] | None,
 ) -> RunConfig:
     """Each adopted change's own contribution, by leave-one-out in the final config; the config without
     the changes shown not to pay.
@@ -100,7 +102,8 @@ def final_ablation(
     cands = _candidates(tr, start, adopted, final_cfg)
     if not cands:
         return final_cfg
-    gpus = min(max(1, tr.opts.trial_gpus), len(cands))
+    # without a run of the final config to reuse (its last round was adopted in one process), on one GPU
+    gpus = min(max(1, tr.opts.trial_gpus), len(cands)) if final_report is not None else 1
     tr.out["trial_gpus"] = gpus
     on = f" on {gpus} GPUs, one comparison each" if gpus > 1 else ""
     tr.notify(f"ablation of {len(cands)} changes in the final config{on}")

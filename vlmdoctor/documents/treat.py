@@ -71,6 +71,10 @@ class Rung(RunSummary, kw_only=True):
         list[dict[str, Any]] | None,
         Meta(description="each change of the round: its leave-one-out contribution, its target in both traces"),
     ] = None
+    in_process: Annotated[
+        bool | None,
+        Meta(description="adopted on pairs of windows in one run (a later round with no room for fresh pairs)"),
+    ] = None
 
 
 class Trial(RunSummary, kw_only=True):
@@ -106,11 +110,14 @@ class Trial(RunSummary, kw_only=True):
     ) = None
     decided_by: Annotated[str | None, Meta(description="t-interval, sign test, pooled spread, the limit's lean")] = None
     p_sign: Annotated[Fraction, Meta(description="0.5^pairs: every pair on one side with no effect")] | None = None
+    in_process: Annotated[
+        bool | None, Meta(description="measured as an arm of one run of the current config, not in fresh processes")
+    ] = None
 
 
 class TreatState(Doc, kw_only=True):
-    """One visit of the treatment's state machine (doctor/treat.py): start, compose, size, compare, rediagnose,
-    ablate."""
+    """One visit of the treatment's state machine (doctor/treat.py): start, compose, size, compare, one_process,
+    rediagnose, ablate."""
 
     state: Annotated[str, Meta(description="the state")]
     round: Annotated[Count, Meta(description="the rounds started before it ended")] | None = None

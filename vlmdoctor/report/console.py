@@ -570,7 +570,7 @@ def render_ladder(result: TreatResult | dict[str, Any], console: Console) -> Non
     t.add_column("change")
     for r in r_.ladder:
         t.add_row(
-            esc(r.step),
+            esc(f"{r.step}{'p' if r.in_process else ''}"),
             fmt(r.real_tokens_per_s, "", 0),
             fmt(r.speedup, "", 2),
             fmt(r.step_ms),
@@ -580,6 +580,12 @@ def render_ladder(result: TreatResult | dict[str, Any], console: Console) -> Non
             _knobs_cell(r.change or ""),
         )
     console.print(t)
+    if any(r.in_process for r in r_.ladder):
+        console.print(
+            "#p: adopted on pairs of windows in one run of the rung before (no room for fresh pairs); its tokens/s are "
+            "its windows' median",
+            highlight=False,
+        )
     own = [(r.step, c) for r in r_.ladder for c in r.changes or []]
     if own:
         t = _lean_table("each change's own contribution (leave-one-out; its target in the traces)")
@@ -598,8 +604,8 @@ def render_ladder(result: TreatResult | dict[str, Any], console: Console) -> Non
         console.print(t)
         if any(c["contribution"].get("in_process") for _, c in own):
             console.print(
-                "p: pairs measured in one process, windows of the final config and windows without the change in "
-                "turn (a change is dropped on fresh-process pairs only)",
+                "p: pairs measured in one process, windows of the config with and without the change in turn (a "
+                "change is dropped on fresh-process pairs only)",
                 highlight=False,
             )
         if any((c.get("trace") or {}).get("start_share") is not None for _, c in own):
@@ -636,13 +642,15 @@ def render_ladder(result: TreatResult | dict[str, Any], console: Console) -> Non
             if x.kind == "composition" and x.config_patch:  # which knobs, not just "composition"
                 what = _knobs_cell(", ".join(f"{k}={v}" for k, v in x.config_patch.items()))
             t.add_row(
-                esc(x.trial),
+                esc(f"{x.trial}{'p' if x.in_process else ''}"),
                 fmt(x.real_tokens_per_s, "", 0) if x.real_tokens_per_s else "",
                 esc(x.outcome),
                 measured,
                 what,
             )
         console.print(t)
+        if any(x.in_process for x in rejected):
+            console.print("p: measured as an arm of one run of the config it would change", highlight=False)
     for sk in r_.skipped:
         console.print(f"skipped {esc(sk['rule'])}: {esc(sk['why'])}", highlight=False)
     if r_.wall_s:

@@ -402,7 +402,7 @@ def _ladder_table(ladder: list[Rung]) -> str:
         rows.append(
             (
                 esc(str(r.step)),
-                esc(str(r.change)),
+                esc(str(r.change) + (" (adopted on pairs of windows in one process)" if r.in_process else "")),
                 f"<code>{esc(r.rule)}</code>" if r.rule else "",
                 esc(fmt_num(r.real_tokens_per_s, 0) + spread),
                 esc("x" + fmt_num(r.speedup, 2)),
@@ -464,7 +464,7 @@ def _changes_table(own: list[tuple[int | None, dict[str, Any]]]) -> str:
 def _measured(t: Trial) -> str:
     """What a trial measured, as its decision read it."""
     if t.ratio is not None:
-        return esc(_paired(t))
+        return esc(_paired(t) + (" in one process" if t.in_process else ""))
     if t.gain is not None:  # a treat.json of the first treat: gain against the spread-based margin
         return f"{t.gain * 100:+.1f}% vs ±{(t.margin or 0) * 100:.1f}%"
     if t.ratios:  # the time cut the comparison short: the pairs it did measure

@@ -4,9 +4,11 @@ windows, and how the request travels to the run (no torch here: the treatment pl
 Why: a leave-one-out arm in a fresh process is a run of 45-80 s (start, model build, compile, warm-up), so ten
 changes do not fit a 500 s budget; on qwen2-vl-2b one GPU ablated none of ten changes in three runs of 2026-11-28.
 Some knobs can be switched between windows of one process without building the model again: the loader's batch,
-padding, order and labeled-rows head (another loader over the same data), and regional compilation (the layers'
-compiled calls set aside, then put back). A window of the final config and a window without the change, in turn,
-make a pair; a few pairs cost seconds, not a run each (run/switch.py measures them).
+padding, order, labeled-rows head, worker processes and pinned memory (another loader over the same data), and
+regional compilation (the layers' compiled calls set aside, then put back). A window of the final config and a
+window without the change, in turn, make a pair; a few pairs cost seconds, not a run each (run/switch.py measures
+them). An arm may also add such a change: a later round of `treat` with no room for fresh pairs measures its
+compositions so (doctor/treat.py `one_process`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from vlmdoctor.run.config import RunConfig
 #: the environment variable that names a run's arms request (a JSON file): set by `run_isolated` for its child only
 ARMS_ENV = "VLMDOCTOR_ARMS"
 #: knobs switched by giving the step another loader over the same dataset (run/switch.py)
-LOADER_KNOBS = ("batch_size", "pad_to_multiple_of", "sampler", "lm_head_labeled_only")
+LOADER_KNOBS = ("batch_size", "pad_to_multiple_of", "sampler", "lm_head_labeled_only", "num_workers", "pin_memory")
 #: regional compilation, switched off: an arm may turn `compile` off where the run compiled its regions
 COMPILE_KNOBS = ("compile", "compile_regions")
 #: knobs of the measurement, not of the training: an arm that differs only in them is the run itself

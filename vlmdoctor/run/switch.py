@@ -3,9 +3,10 @@
 After the run's timed and traced windows: rounds of short windows, the run's own config first and then each arm; a
 window of the run's config and the arm's window after it make a pair, whose ratio (the run's real tokens/s over the
 arm's) is the change's own worth in that round. An arm switches the loader (another loader over the same dataset:
-its batch, padding, order or labeled-rows head) and may set regional compilation aside (each compiled layer's call
-put back after). Each window starts with one untimed step, which takes the switch: a new loader's first batch, the
-caching allocator's new blocks (emptied before each switch, so one config's cached blocks do not crowd the other's).
+its batch, padding, order, labeled-rows head, workers or pinned memory) and may set regional compilation aside
+(each compiled layer's call put back after). Each window starts with untimed steps, which take the switch: a new
+loader's first batches (its workers' start), the caching allocator's new blocks (emptied before each switch, so one
+config's cached blocks do not crowd the other's).
 
 What it cannot measure it says: an arm that runs out of memory is out of memory without the change in this process
 (the final config needs it); one that fails otherwise is an error; neither stops the other arms. The run's own
