@@ -877,22 +877,13 @@ class _Treatment:
                 k = {"outcome": "undecided", "how": NOT_ABLATED}
             changes.append({**ch, "contribution": k})
         out["ladder"].append(
-            {
-                "step": len(out["ladder"]),
-                "change": _label(merged_patch(comp["changes"])),
-                "rule": ", ".join(ch["rule"] for ch in comp["changes"]),
-                "config_patch": merged_patch(comp["changes"]),
-                **summary(composed_report),
-                "real_tokens_per_s": throughput(composed_report),
-                "speedup": self.speedup,
-                "paired_ratio": d["ratio"],
-                "ci": [d["ci_low"], d["ci_high"]],
-                "speedup_how": "paired ratio of the composition vs the rung before",
-                "composed_of": [ch["rule"] for ch in comp["changes"]],
-                "dropped": [],
-                "changes": changes,
-                "elapsed_s": time.time() - self.t0,
-            }
+            self._rung(
+                comp,
+                d,
+                changes,
+                {**summary(composed_report), "real_tokens_per_s": throughput(composed_report)},
+                "paired ratio of the composition vs the rung before",
+            )
         )
         self.adopted.append(changes)
         self.traced_rounds = len(self.adopted) if composed_report.get("findings") is not None else self.traced_rounds
@@ -970,26 +961,42 @@ class _Treatment:
             for ch in comp["changes"]
         ]
         self.out["ladder"].append(
-            {
-                "step": len(self.out["ladder"]),
-                "change": _label(merged_patch(comp["changes"])),
-                "rule": ", ".join(ch["rule"] for ch in comp["changes"]),
-                "config_patch": merged_patch(comp["changes"]),
-                "status": "ok",
-                "real_tokens_per_s": entry.get("real_tokens_per_s"),
-                "speedup": self.speedup,
-                "paired_ratio": d["ratio"],
-                "ci": [d["ci_low"], d["ci_high"]],
-                "speedup_how": "paired windows in one process: the composition against the rung before, in turn",
-                "composed_of": [ch["rule"] for ch in comp["changes"]],
-                "dropped": [],
-                "changes": changes,
-                "elapsed_s": time.time() - self.t0,
-                "in_process": True,
-            }
+            self._rung(
+                comp,
+                d,
+                changes,
+                {"status": "ok", "real_tokens_per_s": entry.get("real_tokens_per_s")},
+                "paired windows in one process: the composition against the rung before, in turn",
+            )
+            | {"in_process": True}
         )
         self.adopted.append(changes)
         self.current_cfg = comp["config"]
+
+    def _rung(
+        self,
+        comp: dict[str, Any],
+        d: dict[str, Any],
+        changes: list[dict[str, Any]],
+        numbers: dict[str, Any],
+        how: str,
+    ) -> dict[str, Any]:
+        """The ladder's rung of an adopted composition: its knobs, its numbers, its paired ratio and changes."""
+        return {
+            "step": len(self.out["ladder"]),
+            "change": _label(merged_patch(comp["changes"])),
+            "rule": ", ".join(ch["rule"] for ch in comp["changes"]),
+            "config_patch": merged_patch(comp["changes"]),
+            **numbers,
+            "speedup": self.speedup,
+            "paired_ratio": d["ratio"],
+            "ci": [d["ci_low"], d["ci_high"]],
+            "speedup_how": how,
+            "composed_of": [ch["rule"] for ch in comp["changes"]],
+            "dropped": [],
+            "changes": changes,
+            "elapsed_s": time.time() - self.t0,
+        }
 
     def rediagnose(self) -> str:
         """One diagnosed run decided that nothing is left: diagnose the adopted config again, with a trace (one
