@@ -18,23 +18,17 @@ import sys
 import tempfile
 from pathlib import Path
 
+from vlmdoctor.commands.knobs import parse_sets
 from vlmdoctor.doctor.treat_ablation import in_process_arms
 from vlmdoctor.run.arms import ARMS_ENV, switch_patch, write_request
 from vlmdoctor.run.config import RunConfig
-
-
-def _value(v: str) -> bool | int | str:
-    """A knob's value as typed: true/false, an integer, else the word."""
-    if v.lower() in ("true", "false"):
-        return v.lower() == "true"
-    return int(v) if v.lstrip("-").isdigit() else v
 
 
 def main() -> None:
     args, added = sys.argv[1:], None
     if "--with" in args:
         i = args.index("--with")
-        added = dict(kv.split("=", 1) for kv in args[i + 1].split(","))
+        added = args[i + 1]
         args = args[:i] + args[i + 2 :]
     treat = json.loads(Path(args[0]).read_text())
     out, seconds, only = args[1], float(args[2]), set(args[3:])
@@ -44,9 +38,9 @@ def main() -> None:
     chosen = [ch for ch in rung["changes"] if not only or ch["rule"] in only]
     arms = in_process_arms(start, final, rung["changes"], chosen)
     if added is not None:
-        patch = switch_patch(final, final.replace(**{k: _value(v) for k, v in added.items()}))
+        patch = switch_patch(final, final.replace(**parse_sets(added.split(","))))  # the CLI's --set values
         if not patch:
-            sys.exit(f"--with {sys.argv[sys.argv.index('--with') + 1]}: nothing a run switches in its own process")
+            sys.exit(f"--with {added}: nothing a run switches in its own process")
         arms = {f"with {', '.join(f'{k}={v}' for k, v in patch.items())}": patch, **arms}
     with tempfile.TemporaryDirectory() as d:
         cfg = Path(d) / "config.json"

@@ -930,8 +930,9 @@ class _Treatment:
         got = ((rep.get("in_process") or {}).get("arms")) or {}
         best = None
         for c in self.comps:
-            d = _one_process_verdict(got.get(c["name"]) or {}, self.opts)
-            arm = ArmResult(c["name"], [], list((got.get(c["name"]) or {}).get("tokens_per_s") or []))
+            measured = got.get(c["name"]) or {}
+            d = _one_process_verdict(measured, self.opts)
+            arm = ArmResult(c["name"], [], list(measured.get("tokens_per_s") or []))
             entry = record_trial(out, "composition", c["name"], c["changes"], d["outcome"], d, arm)
             entry["in_process"] = True
             rnd["compositions"].append(entry["trial"])
