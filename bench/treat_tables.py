@@ -20,9 +20,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+
 from vlmdoctor import docgen
+from vlmdoctor.doctor.rules import load_rules
 from vlmdoctor.doctor.treat import FAR_OFF
-from vlmdoctor.doctor.treat_trials import composed_x
+from vlmdoctor.doctor.treat_trials import composed_x, final_config_x
 from vlmdoctor.documents import DocumentError, TreatResult, read_document
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,9 +47,21 @@ class Measured:
     source: str
 
 
+#: each rule's `gain.per` (rules/README.md), as the rules say now: an older result's estimates did not keep it
+PER = {rule.id: rule.gain.get("per", "step") for rule in load_rules()[0]}
+
+
 def measurements(doc: TreatResult, source: str) -> list[Measured]:
-    """The trials of one treat result that measured something the rules estimated."""
+    """The trials of one treat result that measured something the rules estimated. A leave-one-out in the final
+    config (an ablation, or a change's own pairs in one process) is set beside the estimate moved to the final
+    config (`treat_trials.final_config_x`, as the rules declare `per` now)."""
     changes_of = {rung.rule: rung.changes for rung in doc.ladder if rung.rule and rung.changes}
+    rungs = [rung for rung in doc.ladder if rung.rule]  # the last: the final config (not a rung without dropped ones)
+    sizes = ((doc.start_config or {}).get("batch_size"), (doc.final_config or {}).get("batch_size"))
+
+    def in_final(rule: str, gain: dict | None, step_ms: float | None) -> float | None:
+        return final_config_x({"expected_gain": (gain or {}) | {"per": PER.get(rule)}}, *sizes, step_ms)
+
     out = []
     for t in doc.trials:
         got = t.ratio if t.ratio is not None else (1 + t.gain if t.gain is not None else None)
@@ -55,6 +70,8 @@ def measurements(doc: TreatResult, source: str) -> list[Measured]:
         single = "," not in t.rule
         # a composition's changes are composed again: an older result kept their product as its expected_x
         expected = None if single else composed_x(changes_of.get(t.rule) or [])
+        if single and t.kind == "ablation" and t.expected_gain is not None and rungs:
+            expected = in_final(t.rule, msgspec.structs.asdict(t.expected_gain), rungs[-1].step_ms)
         expected = expected or t.expected_x
         if expected is None and single and t.expected_gain is not None:
             expected = t.expected_gain.throughput_x
@@ -63,8 +80,9 @@ def measurements(doc: TreatResult, source: str) -> list[Measured]:
     for rung in doc.ladder:  # a change's own pairs in one process (docs/treat.md, item 8): no trial records them
         for c in rung.changes or []:
             k, g = c.get("contribution") or {}, c.get("expected_gain") or {}
-            if k.get("in_process") and k.get("ratio") and g.get("throughput_x"):
-                out.append(Measured(c["rule"], g["throughput_x"], k["ratio"], True, source))
+            expected = in_final(c["rule"], g, rung.step_ms) if g.get("throughput_x") else None
+            if k.get("in_process") and k.get("ratio") and expected:
+                out.append(Measured(c["rule"], expected, k["ratio"], True, source))
     return out
 
 
@@ -151,14 +169,24 @@ def main(path: str) -> None:
         )
     rejected = [t for t in r["trials"] if t["outcome"] != "kept"]
     if rejected:
-        print("\n| trial | rule | change | outcome | real tokens/s | gain vs margin |")
+        print("\n| trial | rule | change | outcome | real tokens/s | evidence |")
         print("|---:|---|---|---|---:|---|")
         for t in rejected:
             ch = ", ".join(f"{k}={v}" for k, v in t["config_patch"].items())
             tok = f"{t['real_tokens_per_s']:,.0f}" if t.get("real_tokens_per_s") else "-"
-            gm = f"{t['gain'] * 100:+.1f}% vs ±{t['margin'] * 100:.1f}%" if "gain" in t else (t.get("error") or "")
-            print(f"| {t['trial']} | {t['rule']} | {ch} | {t['outcome']} | {tok} | {gm} |")
+            print(f"| {t['trial']} | {t['rule']} | {ch} | {t['outcome']} | {tok} | {_evidence(t)} |")
     print()
+
+
+def _evidence(t: dict) -> str:
+    """A trial's evidence in one cell: its paired ratios (the paired treat's trials), its gain against the noise
+    margin (the first treat's, unpaired), else why it was not decided."""
+    if t.get("ratios"):
+        ratios = ", ".join(f"x{x:.2f}" for x in t["ratios"])
+        return f"{len(t['ratios'])} pair(s): {ratios}"
+    if "margin" in t:
+        return f"{t['gain'] * 100:+.1f}% vs ±{t['margin'] * 100:.1f}%"
+    return t.get("error") or t.get("why") or ""
 
 
 if __name__ == "__main__":

@@ -73,6 +73,7 @@ LOAD_CASES = [
     ("id is a number", rule().replace("id: user-bad", "id: 5"), "id must be"),
     ("layer is a bool", rule().replace("layer: 2", "layer: true"), "layer"),
     ("gain is a number", rule() + "gain: {saves_ms: 5}\n", "gain"),
+    ("gain per token", rule() + "gain: {saves_ms: gpu.busy_ms, per: token}\n", "gain.per must be one of step, sample"),
     (
         "constants is a list",
         rule().replace("constants: {LIMIT: {value: 0.9, why: test}}", "constants: [1]"),

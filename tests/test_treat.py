@@ -1016,3 +1016,39 @@ def test_a_batch_whose_throughput_stopped_rising_is_not_raised_further():
     assert target == 64 and "1.02x from batch 32 to 64: saturated" in how
     rising = seen({16: 700.0, 32: 1000.0, 64: 1300.0})
     assert rising.ceiling(BASE.replace(batch_size=64))[0] == 256  # (72 - 5) / 0.1 = 670, at most 4 x 64
+
+
+def test_an_ablation_expects_a_per_sample_cost_at_the_final_batch_and_a_per_step_one_as_diagnosed(monkeypatch):
+    """Two H200s, qwen2-vl-2b: the loader's wait read at batch 4 expected x1.25 of the workers; their ablation at
+    batch 52 measured x3.14, x3.24. A cost of each sample (`gain.per: sample`) is moved to the final batch over
+    the final step; a cost of each step keeps the estimate of the config that was diagnosed."""
+    from vlmdoctor.doctor.treat_trials import final_config_x
+    from vlmdoctor.documents import TreatResult, as_document
+
+    per_sample = {"saves_ms_per_step": 0.1, "share_of_step": 0.1, "throughput_x": 1 / 0.9, "per": "sample"}
+    per_step = {"saves_ms_per_step": 0.05, "share_of_step": 0.05, "throughput_x": 1 / 0.95, "per": "step"}
+
+    diagnosis = fake_diagnosis
+
+    def with_gains(c):
+        findings, superseded = diagnosis(c)
+        for f in findings:
+            f["expected_gain"] = {"pad": per_sample, "fused-adamw": per_step}.get(f["id"], {"throughput_x": 1.5})
+        return findings, superseded
+
+    monkeypatch.setitem(globals(), "fake_diagnosis", with_gains)
+    result = run_fake(FakeRunner())
+    doc = as_document(result, TreatResult, "treat.json")  # `expected_at` is declared
+    final_rung = [r for r in result["ladder"] if r.get("rule")][-1]
+    start_b, final_b = BASE.batch_size, RunConfig.from_dict(result["final_config"]).batch_size
+    assert final_b == 4 * start_b  # the batch grew: the per-sample cost with it
+    ablated = {t.rule: t for t in doc.trials if t.kind == "ablation"}
+    moved = 1 + 0.1 * final_b / start_b / final_rung["step_ms"]
+    assert ablated["pad"].expected_x == pytest.approx(moved) and ablated["pad"].expected_at == "final"
+    assert ablated["fused-adamw"].expected_x == pytest.approx(1 / 0.95) and ablated["fused-adamw"].expected_at is None
+    # the calibration rows carry the moved estimate
+    cal = {(r["kind"], r["rule"]): r for r in result["calibration"]}
+    assert cal[("ablation", "pad")]["expected_x"] == pytest.approx(moved)
+    # without the batches or the final step, nothing is moved
+    assert final_config_x({"expected_gain": per_sample}, None, 16, 1.0) == pytest.approx(1 / 0.9)
+    assert final_config_x({"expected_gain": per_sample}, 4, 16, None) == pytest.approx(1 / 0.9)

@@ -34,6 +34,10 @@ KNOWN_FACTS = [f.pattern for f in catalog.FACTS] + [
 ]
 
 
+#: how the time a fix saves grows with the micro-batch (a rule's `gain.per`): a cost of each step, or of each sample
+GAIN_PER = ("step", "sample")
+
+
 @dataclass
 class Rule:
     id: str
@@ -120,6 +124,8 @@ def rule_from(path: Path, data: Any) -> Rule:
             f"{path}: rule {rule.id}: gain must be a mapping whose saves_ms, speedup and target_ms are expressions "
             "in strings"
         )
+    if rule.gain.get("per", "step") not in GAIN_PER:
+        raise RuleError(f"{path}: rule {rule.id}: gain.per must be one of {', '.join(GAIN_PER)}")
     if not isinstance(rule.stages, list) or not rule.stages or any(st not in (1, 2) for st in rule.stages):
         raise RuleError(f"{path}: rule {rule.id}: stages must be a list of 1 and/or 2")
     if not isinstance(rule.conflicts, list) or not isinstance(rule.sources, list):

@@ -16,7 +16,15 @@ from vlmdoctor.doctor.decide import ArmResult, PairedOptions, interleaved, poole
 from vlmdoctor.doctor.treat_attribution import separable
 from vlmdoctor.doctor.treat_compose import apply, config_key
 from vlmdoctor.doctor.treat_options import TreatOptions
-from vlmdoctor.doctor.treat_trials import LIKELY, STOPPED_BY_BUDGET, is_shown, outcome_of, record_trial, summary
+from vlmdoctor.doctor.treat_trials import (
+    LIKELY,
+    STOPPED_BY_BUDGET,
+    final_config_x,
+    is_shown,
+    outcome_of,
+    record_trial,
+    summary,
+)
 from vlmdoctor.errors import UsageError
 from vlmdoctor.run.arms import switch_patch
 from vlmdoctor.run.config import RunConfig
@@ -115,7 +123,9 @@ def final_ablation(
     spreads = [t["ratios"] for t in tr.out["trials"] if t.get("ratios")]
     spreads += [ab["decisions"][f"without {c['rule']}"].get("ratios") or [] for c, _ in cands]
     pooled = pooled_log_sd(spreads)
-    trials = [_judge(tr, c, ab, pooled) for c, _ in cands]
+    step_ms = tr.out["ladder"][-1].get("step_ms")  # the final config's rung, before a rung without dropped changes
+    sizes = (start.batch_size, final_cfg.batch_size, step_ms)
+    trials = [_judge(tr, c, ab, pooled, final_config_x(c, *sizes)) for c, _ in cands]
     dropped = _dropped(tr.out["ladder"], adopted)
     tr.out["final_ablation"] = {
         "trials": trials,
@@ -299,8 +309,11 @@ def _candidates(
     return _ablations_that_fit(cands, max(0, tr.opts.max_trials - len(tr.out["trials"])), runs_left)
 
 
-def _judge(tr: Treatment, c: dict[str, Any], ab: dict[str, Any], pooled: tuple[float, int] | None) -> int:
-    """One ablation arm's trial, and the change's contribution from it; returns the trial's number."""
+def _judge(
+    tr: Treatment, c: dict[str, Any], ab: dict[str, Any], pooled: tuple[float, int] | None, expected_x: float | None
+) -> int:
+    """One ablation arm's trial, and the change's contribution from it (`expected_x`: the rules' estimate of it in
+    the final config, `final_config_x`); returns the trial's number."""
     opts = tr.opts
     name = f"without {c['rule']}"
     dd, a = ab["decisions"][name], ab["arms"][name]
@@ -319,6 +332,8 @@ def _judge(tr: Treatment, c: dict[str, Any], ab: dict[str, Any], pooled: tuple[f
         o = "likely_gain"  # two pairs beyond 1.5x, but their interval does not exclude no gain: not shown
     o = "kept" if broke else o
     entry = record_trial(tr.out, "ablation", name, [c], o, dd | why, a)
+    if expected_x is not None and expected_x != entry["expected_x"]:
+        entry |= {"expected_x": expected_x, "expected_at": "final"}
     prior = c["contribution"]
     if o == "undecided" and prior.get("ratio") is not None:  # its composition's own pairs say more
         prior["ablation"] = f"trial {entry['trial']}: undecided in {dd.get('pairs') or 0} pair(s)"

@@ -3,7 +3,7 @@ besides prescribing (muted, superseded, not evaluated, not applicable), and the 
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from msgspec import Meta
 
@@ -19,6 +19,13 @@ class ExpectedGain(Doc, kw_only=True):
     step_ms: Annotated[float | None, Meta(description="the traced step the ms and share are of")] = None
     window: Annotated[str | None, Meta(description="traced: the step the gain is measured on")] = None
     how: Annotated[str | None, Meta(description="where the expected gain comes from")] = None
+    per: (
+        Annotated[
+            Literal["step", "sample"],
+            Meta(description="the saved time is a cost of each step, or of each sample (it grows with the batch)"),
+        ]
+        | None
+    ) = None
 
 
 class Finding(Doc, kw_only=True):

@@ -3,7 +3,7 @@ numbers, the treatment's states and budget, and each trial's expected against me
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from msgspec import Meta
 
@@ -105,6 +105,13 @@ class Trial(RunSummary, kw_only=True):
             Meta(
                 gt=0, description="the rules' expected ratio (a composition: composed_x, its shares of the step added)"
             ),
+        ]
+        | None
+    ) = None
+    expected_at: (
+        Annotated[
+            Literal["final"],
+            Meta(description="final: expected_x is moved to the final config (an ablation of a cost of each sample)"),
         ]
         | None
     ) = None
