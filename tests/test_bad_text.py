@@ -55,7 +55,7 @@ NAME = EVERY.replace("\x00", "").replace("/", "")
 RAW = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 SGR = re.compile(r"\x1b\[[0-9;]*m")  # rich's own colours on a terminal
 #: report fields whose values are an enumeration the tools act on: left as they are
-ENUMS = {"status", "kind", "severity", "schema_version", "outcome", "verdict", "audience", "type", "source"}
+ENUMS = {"status", "kind", "severity", "schema_version", "outcome", "verdict", "audience", "type", "source", "per"}
 
 
 def assert_shown_as_text(output: str) -> None:

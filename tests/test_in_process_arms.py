@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from vlmdoctor.doctor import treat as treat_module
 from vlmdoctor.doctor.treat import TreatOptions, treat
 from vlmdoctor.doctor.treat_ablation import IN_ONE_PROCESS, IN_PROCESS, IN_PROCESS_OPEN
 from vlmdoctor.documents import TreatResult, as_document, read_report
@@ -301,6 +302,30 @@ def treat_on_a_clock(monkeypatch, runner: ArmsRunner, budget: float) -> dict:
         return runner(c, d, timeout, device, in_process, in_process_s)
 
     return treat(BASE, timed, TreatOptions(time_budget_s=budget), validate=lambda c: None)
+
+
+def test_a_final_ablation_short_of_time_measures_the_switchable_changes_in_one_run(monkeypatch):
+    """Two H200s, qwen2-vl-2b: 185 s were left for the final ablation, and two fresh arms at about 90 s a run gave
+    one pair each. Where fresh pairs do not fit every change, the changes whose removal switches in one process
+    (here padding and regional compile, which round 1's runs, asked for one arm, did not measure) are arms of one
+    run of the final config first; the time after it goes to a fresh arm (bf16 weights). With time for fresh pairs
+    the final config is not asked again (the test above)."""
+    monkeypatch.setattr(treat_module, "MAX_ARMS", 1)
+    runner = ArmsRunner()
+    result = treat_on_a_clock(monkeypatch, runner, 420)
+    assert [(cfg.batch_size, sorted(asked)) for cfg, asked, _ in runner.asked] == [
+        (8, ["without batch"]),  # round 1's composition
+        (8, ["without compile", "without pad"]),  # the final ablation's run
+    ]
+    contrib = {c["rule"]: c["contribution"] for c in result["ladder"][1]["changes"]}
+    assert contrib["compile"]["how"] == IN_PROCESS and contrib["compile"]["why"].startswith("out of memory")
+    assert contrib["pad"]["how"] == IN_PROCESS_OPEN and contrib["pad"]["pairs"] == 3  # only kept, never dropped
+    assert contrib["batch"]["how"] == IN_PROCESS and contrib["batch"]["outcome"] == "kept"
+    assert [t["rule"] for t in result["trials"] if t["kind"] == "ablation"] == ["bf16"]
+    ablate = next(v for v in result["states"] if v["state"] == "ablate")
+    assert ablate["runs"] == 2 and result["wall_s"] <= 420
+    assert len(result["in_process"]) == 2  # round 1's run and the ablation's, both of the final config
+    as_document(json.loads(json.dumps(result)), TreatResult, "treat.json")
 
 
 @pytest.mark.parametrize("workers_x", [1.15, 1.0])

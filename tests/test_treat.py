@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from vlmdoctor.cli import app
 from vlmdoctor.doctor import treat as treat_module
+from vlmdoctor.doctor import treat_ablation
 from vlmdoctor.doctor.decide import verdict
 from vlmdoctor.doctor.treat import TreatOptions, treat
 from vlmdoctor.doctor.treat_trials import adopted_outcome
@@ -445,6 +446,7 @@ def test_every_change_is_ablated_when_one_pair_each_fits(monkeypatch):
     pairs: each change's own worth is known, the padding (-15%) and the fused optimizer (nothing) dropped."""
     clock = {"t": 0.0}
     monkeypatch.setattr(time, "time", lambda: clock["t"])
+    monkeypatch.setattr(treat_ablation, "TWO_ROUNDS_S", math.inf)  # the fake runs measure no arms in one process
     runner = FakeRunner()
 
     def timed(c, d, timeout, **_):
@@ -596,6 +598,7 @@ def test_with_room_for_one_pair_each_every_change_is_ablated_and_judged_pooled(m
     pooled over the treatment's pairs; the largest expected goes first."""
     clock = {"t": 0.0}
     monkeypatch.setattr(time, "time", lambda: clock["t"])
+    monkeypatch.setattr(treat_ablation, "TWO_ROUNDS_S", math.inf)  # the fake runs measure no arms in one process
     speed, diagnosis = fake_speed, fake_diagnosis
 
     def big_compile(c):  # compile pays 2x here, and the rule says so
@@ -926,6 +929,7 @@ def test_the_batch_is_sized_in_round_1_from_the_compositions_own_memory(monkeypa
 def test_the_state_machine_says_where_the_budget_went_and_why_it_stopped(monkeypatch):
     clock = {"t": 0.0}
     monkeypatch.setattr(time, "time", lambda: clock["t"])
+    monkeypatch.setattr(treat_ablation, "TWO_ROUNDS_S", math.inf)  # the fake runs measure no arms in one process
     runner = FakeRunner()
 
     def timed(c, d, timeout, **_):
@@ -964,7 +968,7 @@ def test_a_later_round_that_does_not_fit_beside_the_ablations_reserve_is_not_sta
     tests/test_in_process_arms.py has the round that does)."""
     clock = {"t": 0.0}
     monkeypatch.setattr(time, "time", lambda: clock["t"])
-    monkeypatch.setattr(treat_module, "ONE_PROCESS_MIN_S", math.inf)
+    monkeypatch.setattr(treat_module, "TWO_ROUNDS_S", math.inf)
     runner = FakeRunner()
 
     def timed(c, d, timeout, **_):

@@ -84,7 +84,7 @@ from vlmdoctor.doctor.treat_trials import (
     summary,
 )
 from vlmdoctor.errors import UsageError
-from vlmdoctor.run.arms import ARMS_S, MAX_ARMS, MIN_ARMS_S, switch_patch
+from vlmdoctor.run.arms import ARMS_MARGIN_S, ARMS_S, MAX_ARMS, MIN_ARMS_S, TWO_ROUNDS_S, switch_patch
 from vlmdoctor.run.config import RunConfig
 from vlmdoctor.supervise import describe_interruption, interrupted_exit_code
 
@@ -104,11 +104,6 @@ SIZE_MAX_RUNS = 3
 SIZE_POINTS = 3
 #: a rule's estimate this far from the measured ratio, either way, is called far off in the calibration
 FAR_OFF = 1.25
-#: seconds a run with in-process arms keeps after them for what follows (its diagnosis, its report)
-ARMS_MARGIN_S = 10.0
-#: the fewest seconds of windows a round in one process is started for: two rounds of windows, the fewest pairs its
-#: verdict reads (four rounds of two windows took 58 s at qwen2-vl-2b's batch 52 on one H200, 2026-11-28)
-ONE_PROCESS_MIN_S = 30.0
 
 
 def _label(patch: dict[str, Any]) -> str:
@@ -505,7 +500,7 @@ class _Treatment:
             return REDIAGNOSE
         if not self._round_fits(comps):
             switched = self._one_process_arms(comps)
-            if switched and self._one_process_s() >= ONE_PROCESS_MIN_S:
+            if switched and self.arms_s() >= TWO_ROUNDS_S:
                 self._open_round([c for c in comps if c["name"] in switched])
                 return ONE_PROCESS
             return self.stop(
@@ -906,10 +901,11 @@ class _Treatment:
                 arms[c["name"]] = patch
         return dict(list(arms.items())[:MAX_ARMS])
 
-    def _one_process_s(self) -> float:
+    def arms_s(self) -> float:
         """Seconds of windows a run of the current config can still give arms: the time left after the run itself
-        (its config's last run) and ARMS_MARGIN_S, at most ARMS_S. The ablation's reserve is not kept from them: the
-        run also measures the current config's own leave-one-out arms where they are open."""
+        (its config's last run) and ARMS_MARGIN_S, at most ARMS_S. The ablation's reserve is not kept from them in a
+        later round in one process: the run also measures the current config's own leave-one-out arms where they
+        are open."""
         expected = self.last_s.get(config_key(self.current_cfg), self.new_run_s())
         return min(ARMS_S, self.time_left() - expected - ARMS_MARGIN_S)
 

@@ -26,7 +26,7 @@ from vlmdoctor.doctor.treat_trials import (
     summary,
 )
 from vlmdoctor.errors import UsageError
-from vlmdoctor.run.arms import switch_patch
+from vlmdoctor.run.arms import MAX_ARMS, TWO_ROUNDS_S, switch_patch
 from vlmdoctor.run.config import RunConfig
 
 #: what an ablation arm that failed says of the change it left out: the final config needs it
@@ -46,9 +46,9 @@ IN_PROCESS = "leave-one-out in one process: windows of the final config and wind
 #: the same, where those pairs did not show a gain: a change is dropped on fresh-process pairs only, so the final
 #: ablation's fresh-process arm decides where the time holds one
 IN_PROCESS_OPEN = IN_PROCESS + "; not shown to pay there: a fresh-process arm decides where the time holds one"
-#: the contributions the final ablation measures: what no comparison of that change alone decided
 #: a change adopted alone in a later round measured in one process (doctor/treat.py `one_process`): its own pairs
 IN_ONE_PROCESS = "the composition, in one process: windows of it and of the rung before, in turn"
+#: the contributions the final ablation measures: what no comparison of that change alone decided
 TO_ABLATE = (NOT_ABLATED, ADOPTED_OPEN, ADOPTED_LIKELY, IN_PROCESS_OPEN)
 #: the least degrees of freedom of the treatment's pooled spread before an ablation arm with fewer than min_pairs
 #: pairs is judged with it (two comparisons of three pairs): below, its few pairs stay undecided or likely
@@ -67,14 +67,19 @@ class Treatment(Protocol):
     notify: Callable[[str], None]
     final_by_lane: dict[int, dict[str, Any]]  # the adopted config's last clean run on each of compare's lanes
     final_by_lane_cfg: str | None  # the config those runs measured (`config_key`)
+    in_process: dict[str, list[dict[str, Any]]]  # by config: its runs' in-process arms (run/arms.py)
 
     def time_left(self) -> float: ...
+
+    def arms_s(self) -> float: ...
 
     def mean_run_s(self) -> float: ...
 
     def new_run_s(self) -> float: ...
 
-    def runner(self, c: RunConfig, diagnose: bool, device: int | None = None) -> Callable[[], dict[str, Any]]: ...
+    def runner(
+        self, c: RunConfig, diagnose: bool, device: int | None = None, arms: dict[str, dict[str, Any]] | None = None
+    ) -> Callable[[], dict[str, Any]]: ...
 
 
 def _rebuild(start: RunConfig, adopted: list[list[dict[str, Any]]], leave_out: list[dict[str, Any]]) -> RunConfig:
@@ -107,6 +112,7 @@ def final_ablation(
     assumption, said in `decided_by`, is that the pairs of one treatment share one noise level.
     A change whose interval is still open stays: the composition it came in was measured to pay.
     """
+    _in_one_run(tr, start, adopted, final_cfg)
     cands = _candidates(tr, start, adopted, final_cfg)
     if not cands:
         return final_cfg
@@ -246,6 +252,42 @@ def in_process_arms(
     return arms
 
 
+def _in_one_run(tr: Treatment, start: RunConfig, adopted: list[list[dict[str, Any]]], final_cfg: RunConfig) -> None:
+    """The changes still to ablate whose final config without them a run switches to in its own process (run/arms.py:
+    the loader's knobs, regional compile off), as arms of one run of the final config, before any fresh-process arm:
+    at most MAX_ARMS, those no pair measured yet first, then the largest expected in the final config; only where
+    the time left does not give every change to ablate min_pairs fresh pairs (fresh pairs can also show a change
+    not to pay, and drop it; pairs in one process only keep). Their pairs
+    are pooled with the final config's earlier runs' (`in_process_contributions`); what they leave open goes on to
+    the fresh-process arms where the time holds them. Why: on two H200s (qwen2-vl-2b, 2026-11-28) the final
+    ablation had 185 s: two fresh arms at about 90 s a run gave one pair each (loader workers x3.14, shape churn
+    x1.09), and the budget cut the third."""
+    arms: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    for c in (c for changes in adopted for c in changes):
+        if c["contribution"]["how"] not in TO_ABLATE:
+            continue
+        try:
+            patch = switch_patch(final_cfg, _rebuild(start, adopted, [c]))
+        except UsageError:
+            continue
+        if patch:
+            arms.append((c, patch))
+    todo = sum(c["contribution"]["how"] in TO_ABLATE for changes in adopted for c in changes)
+    fresh_fit = tr.time_left() >= (todo * tr.opts.min_pairs + 1) * tr.new_run_s()  # min_pairs each, and a final run
+    if not arms or fresh_fit or tr.arms_s() < TWO_ROUNDS_S:
+        return
+    steps = [r for r in tr.out["ladder"] if r.get("rule")]
+    sizes = (start.batch_size, final_cfg.batch_size, steps[-1].get("step_ms") if steps else None)
+    arms.sort(key=lambda ca: (bool(ca[0]["contribution"].get("ratios")), -(final_config_x(ca[0], *sizes) or 1.0)))
+    asked = {f"without {c['rule']}": patch for c, patch in arms[:MAX_ARMS]}
+    tr.notify(f"ablation in one run of the final config: {', '.join(asked)}")
+    tr.runner(final_cfg, False, arms=asked)()
+    results = tr.in_process.get(config_key(final_cfg), [])
+    measured = tr.out.setdefault("in_process", [])
+    measured += [r for r in results if not any(r is m for m in measured)]
+    in_process_contributions([c for c, _ in arms], results, tr.opts)
+
+
 def in_process_contributions(changes: list[dict[str, Any]], results: list[dict[str, Any]], opts: TreatOptions) -> None:
     """Each change's contribution from the in-process arms that runs of the final config measured (`results`: their
     reports' `in_process`, the pairs pooled over the runs), where no comparison of it alone decided it: two pairs or
@@ -310,7 +352,11 @@ def _candidates(
 
 
 def _judge(
-    tr: Treatment, c: dict[str, Any], ab: dict[str, Any], pooled: tuple[float, int] | None, expected_x: float | None
+    tr: Treatment,
+    c: dict[str, Any],
+    ab: dict[str, Any],
+    pooled: tuple[float, int] | None,
+    expected_x: float | None = None,
 ) -> int:
     """One ablation arm's trial, and the change's contribution from it (`expected_x`: the rules' estimate of it in
     the final config, `final_config_x`); returns the trial's number."""

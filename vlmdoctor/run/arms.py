@@ -39,6 +39,12 @@ MAX_ROUNDS = 4
 ARMS_S = 60.0
 #: fewer seconds than this left for the arms: none are asked for
 MIN_ARMS_S = 10.0
+#: seconds a run with in-process arms keeps after them for what follows (its diagnosis, its report)
+ARMS_MARGIN_S = 10.0
+#: the fewest seconds of windows a run is started for when its arms are why it runs (treat's later round in one
+#: process, the final ablation's run): two rounds of windows, the fewest pairs a verdict reads (four rounds of two
+#: windows took 58 s at qwen2-vl-2b's batch 52 on one H200, 2026-11-28)
+TWO_ROUNDS_S = 30.0
 #: the most arms one run measures (those whose target the traces cannot give them alone first: doctor/treat.py)
 MAX_ARMS = 3
 
