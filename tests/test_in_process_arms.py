@@ -292,7 +292,7 @@ def test_an_arm_short_of_pairs_goes_first_in_a_round(monkeypatch):
     assert got["arms"]["b"]["ratios"] == [2.0] * got["rounds"]
 
 
-def treat_on_a_clock(monkeypatch, runner: ArmsRunner, budget: float) -> dict:
+def treat_on_a_clock(monkeypatch, runner: ArmsRunner, budget: float, **opts) -> dict:
     """A treatment whose runs take 40 s each, and the seconds of their in-process arms after."""
     clock = {"t": 0.0}
     monkeypatch.setattr(time, "time", lambda: clock["t"])
@@ -301,7 +301,7 @@ def treat_on_a_clock(monkeypatch, runner: ArmsRunner, budget: float) -> dict:
         clock["t"] += 40.0 + (in_process_s if in_process else 0.0)
         return runner(c, d, timeout, device, in_process, in_process_s)
 
-    return treat(BASE, timed, TreatOptions(time_budget_s=budget), validate=lambda c: None)
+    return treat(BASE, timed, TreatOptions(time_budget_s=budget, **opts), validate=lambda c: None)
 
 
 def test_a_final_ablation_short_of_time_measures_the_switchable_changes_in_one_run(monkeypatch):
@@ -326,6 +326,10 @@ def test_a_final_ablation_short_of_time_measures_the_switchable_changes_in_one_r
     assert ablate["runs"] == 2 and result["wall_s"] <= 420
     assert len(result["in_process"]) == 2  # round 1's run and the ablation's, both of the final config
     as_document(json.loads(json.dumps(result)), TreatResult, "treat.json")
+    # a run limit that leaves fewer than two rounds of windows after a 40-s run: the final config is not asked again
+    runner = ArmsRunner()
+    treat_on_a_clock(monkeypatch, runner, 420, trial_timeout_s=40 + arms.ARMS_MARGIN_S + arms.TWO_ROUNDS_S - 1)
+    assert [sorted(asked) for _, asked, _ in runner.asked] == [["without batch"]]
 
 
 @pytest.mark.parametrize("workers_x", [1.15, 1.0])

@@ -902,12 +902,13 @@ class _Treatment:
         return dict(list(arms.items())[:MAX_ARMS])
 
     def arms_s(self) -> float:
-        """Seconds of windows a run of the current config can still give arms: the time left after the run itself
-        (its config's last run) and ARMS_MARGIN_S, at most ARMS_S. The ablation's reserve is not kept from them in a
-        later round in one process: the run also measures the current config's own leave-one-out arms where they
-        are open."""
+        """Seconds of windows a run of the current config can still give arms: what its limit (the time left, at most
+        --trial-timeout) leaves after the run itself (its config's last run) and ARMS_MARGIN_S, at most ARMS_S, as
+        `_arms_for` asks them. The ablation's reserve is not kept from them in a later round in one process: the run
+        also measures the current config's own leave-one-out arms where they are open."""
         expected = self.last_s.get(config_key(self.current_cfg), self.new_run_s())
-        return min(ARMS_S, self.time_left() - expected - ARMS_MARGIN_S)
+        limit = min(self.time_left(), self.opts.trial_timeout_s or math.inf)
+        return min(ARMS_S, limit - expected - ARMS_MARGIN_S)
 
     def one_process(self) -> str:
         """The round's compositions, for which fresh-process pairs leave no room, as arms of one run of the current

@@ -283,8 +283,8 @@ def _in_one_run(tr: Treatment, start: RunConfig, adopted: list[list[dict[str, An
     tr.notify(f"ablation in one run of the final config: {', '.join(asked)}")
     tr.runner(final_cfg, False, arms=asked)()
     results = tr.in_process.get(config_key(final_cfg), [])
-    measured = tr.out.setdefault("in_process", [])
-    measured += [r for r in results if not any(r is m for m in measured)]
+    before = tr.out.get("in_process") or []  # the runs of round 1's composition, where it is the final config
+    tr.out["in_process"] = before + [r for r in results if not any(r is m for m in before)]
     in_process_contributions([c for c, _ in arms], results, tr.opts)
 
 
