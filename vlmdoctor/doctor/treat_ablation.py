@@ -129,8 +129,7 @@ def final_ablation(
     spreads = [t["ratios"] for t in tr.out["trials"] if t.get("ratios")]
     spreads += [ab["decisions"][f"without {c['rule']}"].get("ratios") or [] for c, _ in cands]
     pooled = pooled_log_sd(spreads)
-    step_ms = tr.out["ladder"][-1].get("step_ms")  # the final config's rung, before a rung without dropped changes
-    sizes = (start.batch_size, final_cfg.batch_size, step_ms)
+    sizes = _sizes(tr, start, final_cfg)
     trials = [_judge(tr, c, ab, pooled, final_config_x(c, *sizes)) for c, _ in cands]
     dropped = _dropped(tr.out["ladder"], adopted)
     tr.out["final_ablation"] = {
@@ -257,9 +256,9 @@ def _in_one_run(tr: Treatment, start: RunConfig, adopted: list[list[dict[str, An
     the loader's knobs, regional compile off), as arms of one run of the final config, before any fresh-process arm:
     at most MAX_ARMS, those no pair measured yet first, then the largest expected in the final config; only where
     the time left does not give every change to ablate min_pairs fresh pairs (fresh pairs can also show a change
-    not to pay, and drop it; pairs in one process only keep). Their pairs
-    are pooled with the final config's earlier runs' (`in_process_contributions`); what they leave open goes on to
-    the fresh-process arms where the time holds them. Why: on two H200s (qwen2-vl-2b, 2026-11-28) the final
+    not to pay, and drop it; pairs in one process only keep). Their pairs are pooled with the final config's
+    earlier runs' (`in_process_contributions`); what they leave open goes on to the fresh-process arms where the
+    time holds them. Why: on two H200s (qwen2-vl-2b, 2026-11-28) the final
     ablation had 185 s: two fresh arms at about 90 s a run gave one pair each (loader workers x3.14, shape churn
     x1.09), and the budget cut the third."""
     arms: list[tuple[dict[str, Any], dict[str, Any]]] = []
@@ -276,8 +275,7 @@ def _in_one_run(tr: Treatment, start: RunConfig, adopted: list[list[dict[str, An
     fresh_fit = tr.time_left() >= (todo * tr.opts.min_pairs + 1) * tr.new_run_s()  # min_pairs each, and a final run
     if not arms or fresh_fit or tr.arms_s() < TWO_ROUNDS_S:
         return
-    steps = [r for r in tr.out["ladder"] if r.get("rule")]
-    sizes = (start.batch_size, final_cfg.batch_size, steps[-1].get("step_ms") if steps else None)
+    sizes = _sizes(tr, start, final_cfg)
     arms.sort(key=lambda ca: (bool(ca[0]["contribution"].get("ratios")), -(final_config_x(ca[0], *sizes) or 1.0)))
     asked = {f"without {c['rule']}": patch for c, patch in arms[:MAX_ARMS]}
     tr.notify(f"ablation in one run of the final config: {', '.join(asked)}")
@@ -286,6 +284,12 @@ def _in_one_run(tr: Treatment, start: RunConfig, adopted: list[list[dict[str, An
     before = tr.out.get("in_process") or []  # the runs of round 1's composition, where it is the final config
     tr.out["in_process"] = before + [r for r in results if not any(r is m for m in before)]
     in_process_contributions([c for c, _ in arms], results, tr.opts)
+
+
+def _sizes(tr: Treatment, start: RunConfig, final_cfg: RunConfig) -> tuple[int, int, float | None]:
+    """The start and final batches and the final config's step (its rung is the ladder's last while it is
+    ablated), for `final_config_x`."""
+    return start.batch_size, final_cfg.batch_size, tr.out["ladder"][-1].get("step_ms")
 
 
 def in_process_contributions(changes: list[dict[str, Any]], results: list[dict[str, Any]], opts: TreatOptions) -> None:
