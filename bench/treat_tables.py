@@ -14,6 +14,7 @@ alone against one run of the current config: those rows are counted as unpaired.
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import sys
@@ -47,8 +48,10 @@ class Measured:
     source: str
 
 
-#: each rule's `gain.per` (rules/README.md), as the rules say now: an older result's estimates did not keep it
-PER = {rule.id: rule.gain.get("per", "step") for rule in load_rules()[0]}
+@functools.cache
+def gain_per() -> dict[str, str]:
+    """Each rule's `gain.per` (rules/README.md), as the rules say now: an older result's estimates did not keep it."""
+    return {rule.id: rule.gain_per for rule in load_rules()[0]}
 
 
 def measurements(doc: TreatResult, source: str) -> list[Measured]:
@@ -60,7 +63,7 @@ def measurements(doc: TreatResult, source: str) -> list[Measured]:
     sizes = ((doc.start_config or {}).get("batch_size"), (doc.final_config or {}).get("batch_size"))
 
     def in_final(rule: str, gain: dict | None, step_ms: float | None) -> float | None:
-        return final_config_x({"expected_gain": (gain or {}) | {"per": PER.get(rule)}}, *sizes, step_ms)
+        return final_config_x({"expected_gain": (gain or {}) | {"per": gain_per().get(rule)}}, *sizes, step_ms)
 
     out = []
     for t in doc.trials:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from vlmdoctor.doctor.gain import SEVERITIES
 from vlmdoctor.doctor.rule_expr import (
@@ -21,6 +21,7 @@ from vlmdoctor.doctor.rule_expr import (
     parse,
     small,
 )
+from vlmdoctor.documents.diagnosis import GainPer
 from vlmdoctor.run.config import RunConfig
 from vlmdoctor.trace import catalog
 from vlmdoctor.trace.accounts import ACCOUNT_IDS
@@ -34,8 +35,8 @@ KNOWN_FACTS = [f.pattern for f in catalog.FACTS] + [
 ]
 
 
-#: how the time a fix saves grows with the micro-batch (a rule's `gain.per`): a cost of each step, or of each sample
-GAIN_PER = ("step", "sample")
+#: the values of a rule's `gain.per` (documents/diagnosis.py `GainPer`), the first its default
+GAIN_PER = get_args(GainPer)
 
 
 @dataclass
@@ -59,6 +60,11 @@ class Rule:
     accounts: list[str] = field(default_factory=list)  # the step's accounts (trace/accounts.py) its fix speaks to
     #: the facts that would contradict the title: each {when: expression, says: text with {fact} placeholders}
     contradicted_by: list[dict[str, str]] = field(default_factory=list)
+
+    @property
+    def gain_per(self) -> str:
+        """Whether the time its fix saves is a cost of each step or of each sample (`gain.per`, default step)."""
+        return self.gain.get("per", GAIN_PER[0])
 
     @property
     def where(self) -> str:
@@ -124,7 +130,7 @@ def rule_from(path: Path, data: Any) -> Rule:
             f"{path}: rule {rule.id}: gain must be a mapping whose saves_ms, speedup and target_ms are expressions "
             "in strings"
         )
-    if rule.gain.get("per", "step") not in GAIN_PER:
+    if rule.gain_per not in GAIN_PER:
         raise RuleError(f"{path}: rule {rule.id}: gain.per must be one of {', '.join(GAIN_PER)}")
     if not isinstance(rule.stages, list) or not rule.stages or any(st not in (1, 2) for st in rule.stages):
         raise RuleError(f"{path}: rule {rule.id}: stages must be a list of 1 and/or 2")

@@ -316,7 +316,7 @@ def _fire(
             "window": "traced",
             "throughput_x": speedup,
             "how": rule.gain.get("how"),
-            "per": rule.gain.get("per", "step"),
+            "per": rule.gain_per,
         },
         "_order": equivalent or 0.0,
         "sources": rule.sources,

@@ -364,9 +364,14 @@ class _Treatment:
         arms = self._open_arms(key) if arms is None else arms
         if not arms:
             return {}
-        expected = self.last_s.get(key, self.new_run_s())
-        seconds = min(ARMS_S, (math.inf if limit is None else limit) - expected - ARMS_MARGIN_S)
+        seconds = self._arms_seconds(key, limit)
         return {"in_process": arms, "in_process_s": seconds} if seconds >= MIN_ARMS_S else {}
+
+    def _arms_seconds(self, key: str, limit: float | None) -> float:
+        """What a run of config `key` under `limit` leaves its arms after the run itself is expected to end (its
+        config's last run, else a new config's) and ARMS_MARGIN_S, at most ARMS_S."""
+        expected = self.last_s.get(key, self.new_run_s())
+        return min(ARMS_S, (math.inf if limit is None else limit) - expected - ARMS_MARGIN_S)
 
     def _plan_arms(self, comp: dict[str, Any]) -> None:
         """The composition's leave-one-out arms that a run of it can measure in its own process (run/arms.py), at most
@@ -906,9 +911,7 @@ class _Treatment:
         --trial-timeout) leaves after the run itself (its config's last run) and ARMS_MARGIN_S, at most ARMS_S, as
         `_arms_for` asks them. The ablation's reserve is not kept from them in a later round in one process: the run
         also measures the current config's own leave-one-out arms where they are open."""
-        expected = self.last_s.get(config_key(self.current_cfg), self.new_run_s())
-        limit = min(self.time_left(), self.opts.trial_timeout_s or math.inf)
-        return min(ARMS_S, limit - expected - ARMS_MARGIN_S)
+        return self._arms_seconds(config_key(self.current_cfg), min(self.time_left(), self.opts.trial_timeout_s))
 
     def one_process(self) -> str:
         """The round's compositions, for which fresh-process pairs leave no room, as arms of one run of the current

@@ -261,18 +261,18 @@ def _in_one_run(tr: Treatment, start: RunConfig, adopted: list[list[dict[str, An
     time holds them. Why: on two H200s (qwen2-vl-2b, 2026-11-28) the final
     ablation had 185 s: two fresh arms at about 90 s a run gave one pair each (loader workers x3.14, shape churn
     x1.09), and the budget cut the third."""
+    todo = [c for changes in adopted for c in changes if c["contribution"]["how"] in TO_ABLATE]
     arms: list[tuple[dict[str, Any], dict[str, Any]]] = []
-    for c in (c for changes in adopted for c in changes):
-        if c["contribution"]["how"] not in TO_ABLATE:
-            continue
+    for c in todo:
         try:
             patch = switch_patch(final_cfg, _rebuild(start, adopted, [c]))
         except UsageError:
             continue
         if patch:
             arms.append((c, patch))
-    todo = sum(c["contribution"]["how"] in TO_ABLATE for changes in adopted for c in changes)
-    fresh_fit = tr.time_left() >= (todo * tr.opts.min_pairs + 1) * tr.new_run_s()  # min_pairs each, and a final run
+    fresh_fit = (
+        tr.time_left() >= (len(todo) * tr.opts.min_pairs + 1) * tr.new_run_s()
+    )  # min_pairs each, and a final run
     if not arms or fresh_fit or tr.arms_s() < TWO_ROUNDS_S:
         return
     sizes = _sizes(tr, start, final_cfg)

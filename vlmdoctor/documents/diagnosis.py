@@ -9,6 +9,10 @@ from msgspec import Meta
 
 from vlmdoctor.documents.base import Doc, Layer, Severity
 
+#: how the time a fix saves grows with the micro-batch (a rule's `gain.per`, the first the default): a cost of each
+#: step, or of each sample
+GainPer = Literal["step", "sample"]
+
 
 class ExpectedGain(Doc, kw_only=True):
     """What a finding's fix is expected to win, measured on the traced step."""
@@ -21,7 +25,7 @@ class ExpectedGain(Doc, kw_only=True):
     how: Annotated[str | None, Meta(description="where the expected gain comes from")] = None
     per: (
         Annotated[
-            Literal["step", "sample"],
+            GainPer,
             Meta(description="the saved time is a cost of each step, or of each sample (it grows with the batch)"),
         ]
         | None
