@@ -1022,6 +1022,31 @@ def test_a_batch_whose_throughput_stopped_rising_is_not_raised_further():
     assert rising.ceiling(BASE.replace(batch_size=64))[0] == 256  # (72 - 5) / 0.1 = 670, at most 4 x 64
 
 
+def test_a_measured_batch_that_ran_faster_is_not_dropped_by_the_saturation_cap():
+    """Four H200s, llava-siglip2-0.5b: batches 32, 64 and 128 ran at once; 32 to 64 rose less than 10%, and the cap
+    at 64 left the measured, faster 128 out. The cap is the fastest measured batch past where the rise stopped; a
+    larger batch that ran slower is still left out, and nothing is raised past the measured batches."""
+    from vlmdoctor.doctor.treat_batch import MemoryModel
+
+    def seen(rates: dict[int, float]) -> MemoryModel:
+        m = MemoryModel()
+        for b, r in rates.items():
+            rep = {
+                "status": "ok",
+                "repeats": [{"real_tokens_per_s": r}],
+                "metrics": {"real_tokens_per_s": r, "peak_mem_gb": 3.5 + 0.72 * b, "device_mem_total_gb": 139.8},
+            }
+            m.observe(BASE.replace(batch_size=b), rep)
+        return m
+
+    faster = seen({32: 133_000.0, 64: 142_000.0, 128: 150_000.0})
+    target, how = faster.ceiling(BASE.replace(batch_size=32))
+    assert target == 128 and "batch 128 measured faster still" in how  # memory alone holds 169
+    slower = seen({32: 133_000.0, 64: 142_000.0, 128: 139_000.0})
+    target, how = slower.ceiling(BASE.replace(batch_size=32))
+    assert target == 64 and "faster still" not in how
+
+
 def test_an_ablation_expects_a_per_sample_cost_at_the_final_batch_and_a_per_step_one_as_diagnosed(monkeypatch):
     """Two H200s, qwen2-vl-2b: the loader's wait read at batch 4 expected x1.25 of the workers; their ablation at
     batch 52 measured x3.14, x3.24. A cost of each sample (`gain.per: sample`) is moved to the final batch over

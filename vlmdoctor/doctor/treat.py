@@ -596,6 +596,11 @@ class _Treatment:
             got = self._size_at_once(comp)
             best = max(self._within_ceiling(got), key=lambda r: r[0]["config"].batch_size, default=None)
             last = best or got[0]  # none ran: go on from the rules' batch, as on one GPU
+            if best is not None and (ceiling := self.mem.ceiling(best[0]["config"])) is not None:
+                self.out["rounds"][-1]["sized_at_once"] = {
+                    "batch_size": best[0]["config"].batch_size,
+                    "how": ceiling[1],
+                }
             nxt, runs = self._next_size(last[0], last[1]), SIZE_MAX_RUNS - 1
         for _ in range(runs):
             if nxt is None or not self._new_run_fits():
@@ -707,6 +712,7 @@ class _Treatment:
                 "batch_size": comp["config"].batch_size,
                 "status": rep.get("status"),
                 "peak_mem_gb": (rep.get("metrics") or {}).get("peak_mem_gb"),
+                "real_tokens_per_s": throughput(rep),
                 **({"alloc_retries": r} if (r := (rep.get("metrics") or {}).get("alloc_retries")) is not None else {}),
                 **({"device": gpu} if self.opts.trial_gpus > 1 else {}),
             }
