@@ -998,27 +998,29 @@ def test_the_treat_result_with_states_budget_and_calibration_is_its_declaration(
     assert [s.state for s in doc.states] == [v["state"] for v in result["states"]]
 
 
+def _memory_seen(rates: dict[int, float], fixed: float, per: float, total: float):
+    """A MemoryModel that observed a run of each batch at its rate, peak memory fixed + per x batch of `total`."""
+    from vlmdoctor.doctor.treat_batch import MemoryModel
+
+    m = MemoryModel()
+    for b, r in rates.items():
+        rep = {
+            "status": "ok",
+            "repeats": [{"real_tokens_per_s": r}],
+            "metrics": {"real_tokens_per_s": r, "peak_mem_gb": fixed + per * b, "device_mem_total_gb": total},
+        }
+        m.observe(BASE.replace(batch_size=b), rep)
+    return m
+
+
 def test_a_batch_whose_throughput_stopped_rising_is_not_raised_further():
     """Memory leaves room for batch 560 (0.1 GiB a sample: checkpointing kept), but throughput is saturated: batch
     64 runs 1.02x batch 32. The sizing stops there instead of running a batch 4x larger, whose steps take 4x as
     long; where it still rises, the next step goes on (capped at 4x the largest batch measured)."""
-    from vlmdoctor.doctor.treat_batch import MemoryModel
-
-    def seen(rates: dict[int, float]) -> MemoryModel:
-        m = MemoryModel()
-        for b, r in rates.items():
-            rep = {
-                "status": "ok",
-                "repeats": [{"real_tokens_per_s": r}],
-                "metrics": {"real_tokens_per_s": r, "peak_mem_gb": 5.0 + 0.1 * b, "device_mem_total_gb": 80.0},
-            }
-            m.observe(BASE.replace(batch_size=b), rep)
-        return m
-
-    flat = seen({16: 900.0, 32: 1000.0, 64: 1020.0})
+    flat = _memory_seen({16: 900.0, 32: 1000.0, 64: 1020.0}, 5.0, 0.1, 80.0)
     target, how = flat.ceiling(BASE.replace(batch_size=64))
     assert target == 64 and "1.02x from batch 32 to 64: saturated" in how
-    rising = seen({16: 700.0, 32: 1000.0, 64: 1300.0})
+    rising = _memory_seen({16: 700.0, 32: 1000.0, 64: 1300.0}, 5.0, 0.1, 80.0)
     assert rising.ceiling(BASE.replace(batch_size=64))[0] == 256  # (72 - 5) / 0.1 = 670, at most 4 x 64
 
 
@@ -1026,23 +1028,10 @@ def test_a_measured_batch_that_ran_faster_is_not_dropped_by_the_saturation_cap()
     """Four H200s, llava-siglip2-0.5b: batches 32, 64 and 128 ran at once; 32 to 64 rose less than 10%, and the cap
     at 64 left the measured, faster 128 out. The cap is the fastest measured batch past where the rise stopped; a
     larger batch that ran slower is still left out, and nothing is raised past the measured batches."""
-    from vlmdoctor.doctor.treat_batch import MemoryModel
-
-    def seen(rates: dict[int, float]) -> MemoryModel:
-        m = MemoryModel()
-        for b, r in rates.items():
-            rep = {
-                "status": "ok",
-                "repeats": [{"real_tokens_per_s": r}],
-                "metrics": {"real_tokens_per_s": r, "peak_mem_gb": 3.5 + 0.72 * b, "device_mem_total_gb": 139.8},
-            }
-            m.observe(BASE.replace(batch_size=b), rep)
-        return m
-
-    faster = seen({32: 133_000.0, 64: 142_000.0, 128: 150_000.0})
+    faster = _memory_seen({32: 133_000.0, 64: 142_000.0, 128: 150_000.0}, 3.5, 0.72, 139.8)
     target, how = faster.ceiling(BASE.replace(batch_size=32))
     assert target == 128 and "batch 128 measured faster still" in how  # memory alone holds 169
-    slower = seen({32: 133_000.0, 64: 142_000.0, 128: 139_000.0})
+    slower = _memory_seen({32: 133_000.0, 64: 142_000.0, 128: 139_000.0}, 3.5, 0.72, 139.8)
     target, how = slower.ceiling(BASE.replace(batch_size=32))
     assert target == 64 and "faster still" not in how
 
