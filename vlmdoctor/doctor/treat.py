@@ -594,9 +594,10 @@ class _Treatment:
             if not self._new_run_fits():
                 return None
             got = self._size_at_once(comp)
-            best = max(self._within_ceiling(got), key=lambda r: r[0]["config"].batch_size, default=None)
+            within, ceiling = self._within_ceiling(got)
+            best = max(within, key=lambda r: r[0]["config"].batch_size, default=None)
             last = best or got[0]  # none ran: go on from the rules' batch, as on one GPU
-            if best is not None and (ceiling := self.mem.ceiling(best[0]["config"])) is not None:
+            if best is not None and ceiling is not None:
                 self.out["rounds"][-1]["sized_at_once"] = {
                     "batch_size": best[0]["config"].batch_size,
                     "how": ceiling[1],
@@ -656,16 +657,17 @@ class _Treatment:
 
     def _within_ceiling(
         self, got: list[tuple[dict[str, Any], dict[str, Any], float, int]]
-    ) -> list[tuple[dict[str, Any], dict[str, Any], float, int]]:
+    ) -> tuple[list[tuple[dict[str, Any], dict[str, Any], float, int]], tuple[int, str] | None]:
         """The runs of the parallel step that ran cleanly at a batch the memory model's ceiling (its headroom
-        included) holds; the smallest clean one where none does. A batch that ran its few steps near the card's
-        limit is not chosen: a longer sequence bucket later in training would run out of memory."""
+        included) holds, the smallest clean one where none does; and that ceiling (None: none ran, or no memory
+        facts). A batch that ran its few steps near the card's limit is not chosen: a longer sequence bucket later
+        in training would run out of memory."""
         ok = [r for r in got if self._fits(r[0], r[1])]
         ceiling = self.mem.ceiling(got[0][0]["config"]) if ok else None
         if ceiling is None:
-            return ok
+            return ok, None
         within = [r for r in ok if r[0]["config"].batch_size <= ceiling[0]]
-        return within or sorted(ok, key=lambda r: r[0]["config"].batch_size)[:1]
+        return within or sorted(ok, key=lambda r: r[0]["config"].batch_size)[:1], ceiling
 
     def _size_at_once(self, comp: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any], float, int]]:
         """The first sizing step on --trial-gpus N GPUs at once, one run each: the rules' batch b0 on GPU 0 (lane 0,

@@ -270,10 +270,8 @@ def _in_one_run(tr: Treatment, start: RunConfig, adopted: list[list[dict[str, An
             continue
         if patch:
             arms.append((c, patch))
-    fresh_fit = (
-        tr.time_left() >= (len(todo) * tr.opts.min_pairs + 1) * tr.new_run_s()
-    )  # min_pairs each, and a final run
-    if not arms or fresh_fit or tr.arms_s() < TWO_ROUNDS_S:
+    fresh_runs = len(todo) * tr.opts.min_pairs + 1  # min_pairs each, and a run of the final config
+    if not arms or tr.time_left() >= fresh_runs * tr.new_run_s() or tr.arms_s() < TWO_ROUNDS_S:
         return
     sizes = _sizes(tr, start, final_cfg)
     arms.sort(key=lambda ca: (bool(ca[0]["contribution"].get("ratios")), -(final_config_x(ca[0], *sizes) or 1.0)))
