@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -163,15 +165,21 @@ class ArmsRunner:
     """Runs faked from `speed`, with 1% noise; a run asked for in-process arms measures them in three rounds (an arm
     without compile runs out of memory: the final config's fused loss needs it)."""
 
-    def __init__(self, noise: float = 0.01, speed_of=speed, loader_finding: bool = False) -> None:
+    def __init__(self, noise: float = 0.01, speed_of=speed, loader_finding: bool = False, more: list | None = None):
         self.rng, self.noise = np.random.default_rng(0), noise
         self.speed, self.loader_finding = speed_of, loader_finding
+        self.more = more or []  # findings added to the start's
         self.asked: list[tuple[RunConfig, dict, float]] = []
+        self.lock = threading.Lock()  # --trial-gpus: the lanes' runs call at once
 
     def noisy(self, v: float) -> float:
         return v * float(np.exp(self.rng.normal(0, self.noise)))
 
     def __call__(self, c, diagnose, timeout, device=None, in_process=None, in_process_s=0.0):
+        with self.lock:
+            return self._run(c, diagnose, in_process, in_process_s)
+
+    def _run(self, c, diagnose, in_process, in_process_s):
         v = self.noisy(self.speed(c))
         findings = []
         if self.loader_finding and c.batch_size >= 8 and c.num_workers == 0:  # the loader's wait shows at batch 8
@@ -182,6 +190,7 @@ class ArmsRunner:
                 finding("batch", 2, {"batch_size": 8}),
                 finding("pad", 3, {"pad_to_multiple_of": 64}),
                 finding("compile", 4, {"compile": "default", "compile_regions": True, "warmup": 10}),
+                *self.more,
             ]
         rep = {
             "status": "ok",
@@ -233,6 +242,46 @@ def test_treat_measures_each_change_in_one_process_and_runs_fresh_arms_only_for_
     assert contrib["bf16"]["ratio"] == pytest.approx(1.1, rel=0.03)
     # the composition's config was asked once its runs had measured its arms in two rounds: not again
     assert len(runner.asked) == 1
+
+
+def six_switchable(c: RunConfig) -> float:
+    """The fake world with three more changes that switch in one process, each worth 5%."""
+    more = (c.num_workers >= 4) + c.lm_head_labeled_only + (c.sampler == "length_bucketed")
+    return speed(c) * 1.05**more
+
+
+MORE = [
+    finding("loader", 5, {"num_workers": 4, "pin_memory": True}),
+    finding("head", 4, {"lm_head_labeled_only": True}),
+    finding("order", 3, {"sampler": "length_bucketed"}),
+]
+
+
+@pytest.mark.parametrize("gpus", [4, 1])
+def test_runs_of_one_composition_on_several_gpus_measure_different_arms(monkeypatch, gpus):
+    """Four H200s, llava-siglip2-0.5b: the three lanes' runs of the adopted composition each measured the same three
+    arms (two out of memory at once), and the loader's workers and padding, which switch in one process too, were
+    never measured. On --trial-gpus N the runs of one composition take its arms' groups of MAX_ARMS in turn; on one GPU
+    a run measures the first MAX_ARMS, as before, and the rest go to the final ablation's fresh arms."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    runner = ArmsRunner(speed_of=six_switchable, more=MORE)
+    cfg = replace(BASE, device="cuda")
+    result = treat(cfg, runner, TreatOptions(time_budget_s=None, trial_gpus=gpus), validate=lambda c: None)
+    switchable = {"without batch", "without pad", "without compile", "without loader", "without head", "without order"}
+    asked = [set(a) for c, a, _ in runner.asked if c.batch_size == 8 and c.num_workers == 4]
+    assert asked and all(len(a) <= arms.MAX_ARMS for a in asked)
+    measured = {  # each arm the composition's runs measured: two pairs or more, or out of memory at once
+        name
+        for r in result["in_process"]
+        for name, a in r["arms"].items()
+        if len(a["ratios"]) >= 2 or a["status"] == "oom"
+    }
+    if gpus > 1:
+        assert set().union(*asked) == switchable == measured and asked[0].isdisjoint(asked[1])
+        assert {c["rule"]: c["contribution"]["how"] for c in result["ladder"][1]["changes"]}["head"] == IN_PROCESS
+    else:
+        assert len(asked) == 1 and len(asked[0]) == arms.MAX_ARMS and measured == asked[0]
+    as_document(json.loads(json.dumps(result)), TreatResult, "treat.json")
 
 
 def test_in_process_pairs_that_show_no_gain_never_drop_a_change_on_their_own():

@@ -290,6 +290,7 @@ class _Treatment:
         # in-process arms (run/arms.py), by the config's key: a composition's, and what each run of it measured
         self.arms_by_cfg: dict[str, dict[str, dict[str, Any]]] = {}
         self.in_process: dict[str, list[dict[str, Any]]] = {}
+        self.arm_turns: dict[str, int] = {}  # runs of a config that took a share of its arms (`_share`)
         self.last_s: dict[str, float] = {}  # each config's last run's seconds: what its next run is expected to take
         # the adopted rounds whose config `current`'s trace is of (a round adopted in one process has no trace), and
         # the round whose leave-one-out arms the ablation reads from its config's runs (its index, the config's key)
@@ -352,16 +353,35 @@ class _Treatment:
         return go
 
     def _open_arms(self, key: str) -> dict[str, dict[str, Any]]:
-        """The leave-one-out arms planned for config `key` (`_plan_arms`), unless a run measured them in two rounds or
-        more already."""
+        """The leave-one-out arms planned for config `key` (`_plan_arms`) that no run has measured in two rounds or
+        more yet. On one GPU a run measures the first MAX_ARMS of them, and one such run closes them all."""
         arms = self.arms_by_cfg.get(key) or {}
-        return {} if any((r.get("rounds") or 0) >= 2 for r in self.in_process.get(key, [])) else arms
+        runs = [r for r in self.in_process.get(key, []) if (r.get("rounds") or 0) >= 2]
+        if self.opts.trial_gpus <= 1:
+            return {} if runs else arms
+        done = {name for r in runs for name in r.get("arms") or {}}
+        return {name: patch for name, patch in arms.items() if name not in done}
+
+    def _share(self, key: str, arms: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """The arms one run of config `key` measures, at most MAX_ARMS: on one GPU the first; on --trial-gpus N the
+        runs of one config take the open arms' groups of MAX_ARMS in turn, so that lanes running it at once measure
+        different changes. Why: on four H200s (llava-siglip2-0.5b, 2026-11-28) the three lanes' runs of the adopted
+        composition each measured the same three arms (two of them out of memory at once), and the loader's
+        workers, padding to 64 and to a multiple, which switch in one process too, had no time left for an arm."""
+        items = list(arms.items())
+        if self.opts.trial_gpus <= 1 or len(items) <= MAX_ARMS:
+            return dict(items[:MAX_ARMS])
+        groups = [items[i : i + MAX_ARMS] for i in range(0, len(items), MAX_ARMS)]
+        with _RECORDING:  # the lanes ask at once, from their threads
+            turn = self.arm_turns.get(key, 0)
+            self.arm_turns[key] = turn + 1
+        return dict(groups[turn % len(groups)])
 
     def _arms_for(self, key: str, limit: float | None, arms: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
         """The in-process arms a run of config `key` is asked to measure (the run's keyword arguments), and in how many
         seconds: what its limit leaves after the run itself is expected to end (its config's last run, else a new
         config's), at most ARMS_S; none below MIN_ARMS_S or without arms. `arms` default: `_open_arms`."""
-        arms = self._open_arms(key) if arms is None else arms
+        arms = self._share(key, self._open_arms(key)) if arms is None else arms
         if not arms:
             return {}
         seconds = self._arms_seconds(key, limit)
@@ -374,16 +394,16 @@ class _Treatment:
         return min(ARMS_S, (math.inf if limit is None else limit) - expected - ARMS_MARGIN_S)
 
     def _plan_arms(self, comp: dict[str, Any]) -> None:
-        """The composition's leave-one-out arms that a run of it can measure in its own process (run/arms.py), at most
-        MAX_ARMS: first the changes whose target the traces cannot give them alone (`unseparable`: the trace
-        attribution measures the others' targets), then the largest expected gain. A one-change composition's own
-        pairs are its change's worth: none."""
+        """The composition's leave-one-out arms that a run of it can measure in its own process (run/arms.py), in
+        order (a run takes MAX_ARMS of them: `_share`): first the changes whose target the traces cannot give them
+        alone (`unseparable`: the trace attribution measures the others' targets), then the largest expected gain. A
+        one-change composition's own pairs are its change's worth: none."""
         changes = comp["changes"]
         if len(changes) < 2:
             return
         need = unseparable(self.start_report, changes, self.opts.rules_dirs)
         order = sorted(changes, key=lambda x: (x["rule"] not in need, -(composed_x([x]) or 1.0)))
-        arms = dict(list(in_process_arms(self.current_cfg, comp["config"], changes, order).items())[:MAX_ARMS])
+        arms = in_process_arms(self.current_cfg, comp["config"], changes, order)
         if arms:
             self.arms_by_cfg[config_key(comp["config"])] = arms
 
