@@ -42,10 +42,17 @@ TUNED = [run for run in RUNS if run.endswith("_tuned")]
 
 
 @cache
+def analysis(run: str) -> dict[str, Any]:
+    """One run's analysis, once per test process (a label key: a folder of rank traces, or a trace file without its
+    suffix)."""
+    path = FIX / run
+    return analyze(path if path.is_dir() else FIX / f"{run}.pt.trace.json.gz")
+
+
+@cache
 def entry(run: str) -> dict[str, Any]:
     """One run's analysis and diagnosis (a folder of rank traces: the first rank's facts and the ranks joined)."""
-    path = FIX / run  # a label key: a folder of rank traces, or a trace file without its suffix
-    doc = analyze(path if path.is_dir() else FIX / f"{run}.pt.trace.json.gz")
+    doc = analysis(run)
     facts = dict(doc["files"][0]["facts"])
     facts.update((doc.get("cross_rank") or {}).get("facts", {}))
     d = diagnose(facts, RULES)
@@ -106,7 +113,7 @@ def test_a_rank_waits_only_where_nothing_of_its_own_runs(run):
     """A rank's wait for late ranks is bounded by its collectives' exposed time: an all-reduce that waits while the
     rank's own backward runs beside it costs that rank nothing (it once made the fast ranks' busy time 21 ms of a
     161 ms step on dist_gpu4/ddp_long_rank1, their GPU compute alone being about 48 ms)."""
-    doc = analyze(FIX / run)
+    doc = analysis(run)
     exposed = {  # each rank's collectives' own exposed time, kind by kind (comm.<kind>.exposed_ms), per step
         e["rank"]: sum(e["facts"][f"comm.{kind}.exposed_ms"] for kind in e["facts"]["comm.kinds"]) for e in doc["files"]
     }
@@ -118,7 +125,7 @@ def test_the_skew_of_many_ranks_is_the_slowest_against_the_median_of_the_others(
     """With 4 ranks the fastest one is no baseline: the skew is the straggler's busy time above the others' median,
     which on 2 ranks is the other rank, as before."""
     for run in JOBS4:
-        busy = sorted(r["busy_ms"] for r in analyze(FIX / run)["cross_rank"]["ranks"])
+        busy = sorted(r["busy_ms"] for r in analysis(run)["cross_rank"]["ranks"])
         assert entry(run)["facts"]["dist.step_skew_ms"] == pytest.approx(busy[3] - busy[1])  # the others: 0, 1, 2
 
 
@@ -143,7 +150,7 @@ def test_a_ranks_wait_for_the_others_is_named_by_the_jobs_finding(run):
     """As `vlmdoctor analyze` reads a rank folder: each rank diagnosed on its own facts, then the joined ranks. The
     fast ranks' wait (idle.host.ranks, 57% of rank 0's step on 2 ranks) is caused on rank 1, so only the job's
     finding names it: each rank's account verdicts are given the job's findings."""
-    doc = analyze(FIX / run)
+    doc = analysis(run)
     for e in doc["files"]:
         e["diagnosis"] = diagnose(e["facts"], RULES)
     cross = doc["cross_rank"]
