@@ -13,6 +13,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+import torch.optim.adam as torch_adam
 
 from vlmdoctor.doctor import treat as treat_module
 from vlmdoctor.doctor.treat import TreatOptions, treat
@@ -56,9 +57,11 @@ TINY = RunConfig(
         ({"num_workers": 2, "pin_memory": True}, {"num_workers": 2, "pin_memory": True}),  # the loader's workers
         ({"batch_size": 2, "attention": "eager"}, None),  # one knob it cannot switch is enough to refuse
         ({"gradient_checkpointing": True}, None),
+        ({"vision_no_grad": True}, {"vision_no_grad": True}),  # flags a step reads each time
+        ({"fused_optimizer": True, "batch_size": 2}, {"fused_optimizer": True, "batch_size": 2}),
     ],
 )
-def test_an_arm_switches_only_loader_knobs_and_regional_compile(arm, patch):
+def test_an_arm_switches_loader_knobs_regional_compile_and_what_a_step_reads(arm, patch):
     assert switch_patch(TINY, TINY.replace(**arm)) == patch
 
 
@@ -137,6 +140,42 @@ def test_an_arm_out_of_memory_ends_that_arm_and_leaves_the_run_as_it_was(monkeyp
     assert got["arms"]["without pad"]["status"] == "ok" and len(got["arms"]["without pad"]["ratios"]) == got["rounds"]
     assert got["rounds"] == 2 and p.batches is own
     assert any(seen) and not all(seen)  # both the run's own batches and an arm's were stepped
+
+
+def test_an_arm_flips_the_towers_no_grad_and_adamws_kernel_for_its_windows_only(monkeypatch):
+    """Each window's steps ran with its own tower no_grad and AdamW implementation (the fused kernel in the fused
+    arm's windows only), and after the arms the optimizer's groups and step counts are the run's again."""
+    monkeypatch.setattr(switch, "MAX_ROUNDS", 2)
+    p = build_patient(TINY, torch.device("cpu"))
+    train_step(p)  # the optimizer holds its state, as after the run's own windows
+    own = [(g["fused"], g["foreach"]) for g in p.optimizer.param_groups]
+    fused_calls: list[int] = []
+    real_fused = torch_adam._fused_adam
+
+    def spy(*args, **kwargs):
+        fused_calls.append(1)
+        return real_fused(*args, **kwargs)
+
+    monkeypatch.setattr(torch_adam, "_fused_adam", spy)
+    seen: set[tuple[bool, bool]] = set()
+
+    def step(pt):
+        before = len(fused_calls)
+        out = train_step(pt)
+        seen.add((pt.vlm.vision_no_grad, len(fused_calls) > before))
+        return out
+
+    asked = {"with fused": {"fused_optimizer": True}, "with no_grad": {"vision_no_grad": True}}
+    got = switch.measure(p, asked, 60, step)
+    assert all(a["status"] == "ok" and len(a["ratios"]) == got["rounds"] == 2 for a in got["arms"].values())
+    assert seen == {(False, False), (False, True), (True, False)}  # the run's, the fused arm's, the no_grad arm's
+    assert p.vlm.vision_no_grad is False and [(g["fused"], g["foreach"]) for g in p.optimizer.param_groups] == own
+    counts = [s["step"] for s in p.optimizer.state.values()]
+    assert counts and all(c.device.type == "cpu" and c.dtype == torch.float32 for c in counts)
+    assert all(c.item() == counts[0].item() > 1 for c in counts)  # one count, carried on through every arm's steps
+    n = len(fused_calls)
+    train_step(p)
+    assert len(fused_calls) == n  # the run's own optimizer again: foreach
 
 
 def test_an_arm_whose_loader_cannot_hold_a_batch_is_an_error_not_a_hang():

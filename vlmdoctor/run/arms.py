@@ -4,8 +4,9 @@ windows, and how the request travels to the run (no torch here: the treatment pl
 Why: a leave-one-out arm in a fresh process is a run of 45-80 s (start, model build, compile, warm-up), so ten
 changes do not fit a 500 s budget; on qwen2-vl-2b one GPU ablated none of ten changes in three runs of 2026-11-28.
 Some knobs can be switched between windows of one process without building the model again: the loader's batch,
-padding, order, labeled-rows head, worker processes and pinned memory (another loader over the same data), and
-regional compilation (the layers' compiled calls set aside, then put back). A window of the final config and a
+padding, order, labeled-rows head, worker processes and pinned memory (another loader over the same data), regional
+compilation (the layers' compiled calls set aside, then put back), the frozen tower's no_grad and AdamW's fused
+implementation (a flag the step reads each time). A window of the final config and a
 window without the change, in turn, make a pair; a few pairs cost seconds, not a run each (run/switch.py measures
 them). An arm may also add such a change: a later round of `treat` with no room for fresh pairs measures its
 compositions so (doctor/treat.py `one_process`).
@@ -26,6 +27,10 @@ ARMS_ENV = "VLMDOCTOR_ARMS"
 LOADER_KNOBS = ("batch_size", "pad_to_multiple_of", "sampler", "lm_head_labeled_only", "num_workers", "pin_memory")
 #: regional compilation, switched off: an arm may turn `compile` off where the run compiled its regions
 COMPILE_KNOBS = ("compile", "compile_regions")
+#: knobs of the built model and optimizer that a step reads each time: the tower's no_grad, AdamW's fused kernel
+#: (not gradient checkpointing: switched around regionally compiled layers, whose recompute torch runs with dynamo
+#: disabled, its windows were never checked against fresh processes; not bf16 weights: the model is built again)
+MODEL_KNOBS = ("vision_no_grad", "fused_optimizer")
 #: knobs of the measurement, not of the training: an arm that differs only in them is the run itself
 MEASUREMENT_KNOBS = ("warmup", "steps", "repeats")
 #: timed steps in each window
@@ -54,7 +59,7 @@ def switch_patch(run: RunConfig, arm: RunConfig) -> dict[str, Any] | None:
     where it cannot (any other knob differs) or nothing differs."""
     a, b = run.to_dict(), arm.to_dict()
     diff = {k: b[k] for k in a if a[k] != b[k] and k not in MEASUREMENT_KNOBS}
-    if not diff or any(k not in LOADER_KNOBS + COMPILE_KNOBS for k in diff):
+    if not diff or any(k not in LOADER_KNOBS + COMPILE_KNOBS + MODEL_KNOBS for k in diff):
         return None
     if any(k in diff for k in COMPILE_KNOBS) and not (
         run.compile != "off" and run.compile_regions and arm.compile == "off"

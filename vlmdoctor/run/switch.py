@@ -3,10 +3,11 @@
 After the run's timed and traced windows: rounds of short windows, the run's own config first and then each arm; a
 window of the run's config and the arm's window after it make a pair, whose ratio (the run's real tokens/s over the
 arm's) is the change's own worth in that round. An arm switches the loader (another loader over the same dataset:
-its batch, padding, order, labeled-rows head, workers or pinned memory) and may set regional compilation aside
-(each compiled layer's call put back after). Each window starts with untimed steps, which take the switch: a new
-loader's first batches (its workers' start), the caching allocator's new blocks (emptied before each switch, so one
-config's cached blocks do not crowd the other's).
+its batch, padding, order, labeled-rows head, workers or pinned memory), may set regional compilation aside
+(each compiled layer's call put back after), and may flip what a step reads each time: the frozen tower's no_grad,
+AdamW's fused implementation (its step counts moved to where that implementation keeps them; put back after). Each
+window starts with untimed steps, which take the switch: a new loader's first batches (its workers' start), the
+caching allocator's new blocks (emptied before each switch, so one config's cached blocks do not crowd the other's).
 
 What it cannot measure it says: an arm that runs out of memory is out of memory without the change in this process
 (the final config needs it); one that fails otherwise is an error; neither stops the other arms. The run's own
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 
 from vlmdoctor.errors import first_line, is_out_of_memory
-from vlmdoctor.run.arms import COMPILE_KNOBS, LOADER_KNOBS, MAX_ROUNDS, SETTLE_STEPS, WINDOW_STEPS
+from vlmdoctor.run.arms import COMPILE_KNOBS, LOADER_KNOBS, MAX_ROUNDS, MODEL_KNOBS, SETTLE_STEPS, WINDOW_STEPS
 from vlmdoctor.run.compile import graphs_compiled, repeated_blocks
 from vlmdoctor.run.head import head_loss
 from vlmdoctor.run.patient import Patient, cycle, make_loader, release, sync
@@ -138,7 +139,11 @@ def _arm_window(p: Patient, a: _Arm, own: Iterator[dict[str, Any]], step: Step) 
     """The arm's window (over the run's own batches where it sets no loader knob); None where it could not run (its
     status says why: oom or error)."""
     try:
-        with _eager(p) if any(k in a.patch for k in COMPILE_KNOBS) else contextlib.nullcontext():
+        with contextlib.ExitStack() as arm:
+            if any(k in a.patch for k in COMPILE_KNOBS):
+                arm.enter_context(_eager(p))
+            if any(k in a.patch for k in MODEL_KNOBS):
+                arm.enter_context(_model_knobs(p, a.patch))
             return _window(p, a.batches or own, step)
     except Exception as e:  # an arm that fails ends that arm only; the run's own numbers are already taken
         oom = is_out_of_memory(e)
@@ -189,6 +194,45 @@ def _eager(p: Patient) -> Iterator[None]:
             b._compiled_call_impl = c
         if owner is not None:
             owner.head_loss = compiled_head
+
+
+@contextlib.contextmanager
+def _model_knobs(p: Patient, patch: dict[str, Any]) -> Iterator[None]:
+    """The tower's no_grad and AdamW's implementation as the arm sets them; the run's own put back after."""
+    own = [(g.get("fused"), g.get("foreach")) for g in p.optimizer.param_groups]
+    try:
+        if "vision_no_grad" in patch:
+            _set_vision_no_grad(p, bool(patch["vision_no_grad"]))
+        if "fused_optimizer" in patch:  # as AdamW(fused=True) sets it, or torch's default (foreach on a GPU)
+            _set_implementation(p.optimizer, [(True, None) if patch["fused_optimizer"] else (None, None)] * len(own))
+        yield
+    finally:
+        if "vision_no_grad" in patch:
+            _set_vision_no_grad(p, p.cfg.vision_no_grad)
+        if "fused_optimizer" in patch:
+            _set_implementation(p.optimizer, own)
+
+
+def _set_vision_no_grad(p: Patient, on: bool) -> None:
+    setter = getattr(p.vlm, "set_vision_no_grad", None)  # a native class's hooks; the composite model's flag
+    if setter is not None:
+        setter(on)
+    else:
+        p.vlm.vision_no_grad = on
+
+
+def _set_implementation(optimizer: torch.optim.Optimizer, flags: list[tuple[Any, Any]]) -> None:
+    """Each group's (fused, foreach), which AdamW's step reads at every call. The fused kernel keeps each step count
+    on the parameter's device, foreach without capturable on the CPU (where torch's own `__setstate__` puts them), so
+    the counts move with the flags; the moments stay where they are."""
+    for group, (fused, foreach) in zip(optimizer.param_groups, flags, strict=True):
+        group["fused"], group["foreach"] = fused, foreach
+        on_device = bool(group.get("capturable")) or bool(fused)
+        for q in group["params"]:
+            state = optimizer.state.get(q)
+            count = state.get("step") if state else None
+            if isinstance(count, torch.Tensor):
+                state["step"] = count.to(q.device if on_device else "cpu")
 
 
 def _release(p: Patient) -> None:
