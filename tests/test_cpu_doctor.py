@@ -316,3 +316,28 @@ def test_the_matmul_probe_draws_nothing_from_the_users_random_streams():
     after = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
     assert torch.equal(before[0], after[0])
     assert (before[1] == after[1]).all() and before[2] == after[2]
+
+
+def test_a_long_probe_call_is_timed_once_a_round_and_a_process_probes_once(monkeypatch):
+    """An emulated bf16 matmul of the probe's shape took about 100 ms on a 2-core CPU: best-of-three rounds made the
+    probe 0.6 s of every CPU run. A call at least PROBE_LONG_S long ends its round; and one process probes once."""
+    from vlmdoctor.run import envinfo
+
+    reads = []  # the probe's clock: each read twice PROBE_LONG_S later (other callers of the clock read 0)
+
+    def clock() -> float:
+        if sys._getframe(1).f_code.co_name != "_rate":
+            return 0.0
+        reads.append(1)
+        return len(reads) * 2 * envinfo.PROBE_LONG_S
+
+    monkeypatch.setattr(envinfo.time, "perf_counter", clock)
+    rates = matmul_probe()
+    m, k, n = envinfo.PROBE_SHAPE
+    one_call = pytest.approx(2 * m * k * n / (2 * envinfo.PROBE_LONG_S) / 1e9)
+    assert rates == {"fp32": one_call, "bf16": one_call}
+    assert len(reads) == 2 * 2 * 2  # per dtype two rounds (they agree), one timed call each: two clock reads a call
+    envinfo._probed.cache_clear()
+    first = envinfo.collect(torch.device("cpu"))["cpu_matmul_gflops"]
+    assert len(reads) == 16
+    assert envinfo.collect(torch.device("cpu"))["cpu_matmul_gflops"] == first and len(reads) == 16
