@@ -288,3 +288,17 @@ def test_a_long_list_fact_renders_cut_in_evidence(tmp_path, monkeypatch, facts):
     result = diagnose(many, rules)
     f = next(f for f in result["findings"] + result["superseded"] if f["id"] == "user-bad")
     assert len(f["evidence"][0]) <= MAX_RENDERED + 10 and f["evidence"][0].endswith("...")
+
+
+def test_an_expression_is_checked_once_and_a_refused_one_is_refused_where_it_is_each_time(monkeypatch):
+    """Checked trees are kept by their text (a rule folder's 740 expressions at every diagnosis); a refusal is not
+    kept: each rule that writes it is told, by its own name."""
+    from vlmdoctor.doctor import rule_expr
+
+    tree = rule_expr.parse("=step.ms > 1 and has(idle.host.ms)", "r1: ")
+    monkeypatch.setattr(rule_expr.ast, "parse", lambda *a, **k: pytest.fail("parsed again"))
+    assert rule_expr.parse("step.ms > 1 and has(idle.host.ms)", "r2: ") is tree
+    monkeypatch.undo()
+    for where in ("r1: ", "r2: "):
+        with pytest.raises(rule_expr.RuleError, match=f"^{where}Lambda is not allowed"):
+            rule_expr.parse("lambda: 1", where)

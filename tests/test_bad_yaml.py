@@ -214,3 +214,16 @@ def test_the_shipped_rules_and_grids_load_through_the_bounded_loader():
     for g in grids:
         assert isinstance(parse_yaml(g.read_text(), str(g)), dict)
     assert grid_rows(root / "bench" / "grids" / "issue2_0.5b.yaml")
+
+
+def test_a_text_parsed_again_is_a_fresh_copy_and_its_error_names_each_place():
+    """Parsed texts are kept (the rule folder is read at every diagnosis): each caller still gets a value of its own,
+    and a text that does not parse says where it was read, each time."""
+    text = "a: [1, 2]\nb: {c: 3}\n"
+    first = parse_yaml(text, "config one")
+    first["a"].append(9)
+    first["b"]["c"] = 0
+    assert parse_yaml(text, "config two") == {"a": [1, 2], "b": {"c": 3}}
+    for where in ("file one", "file two"):
+        with pytest.raises(UsageError, match=f"^{where}: does not parse"):
+            parse_yaml("a: [1, 2\n", where)
