@@ -7,6 +7,7 @@ has no finding above low."""
 
 from __future__ import annotations
 
+import copy
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -150,7 +151,7 @@ def test_a_ranks_wait_for_the_others_is_named_by_the_jobs_finding(run):
     """As `vlmdoctor analyze` reads a rank folder: each rank diagnosed on its own facts, then the joined ranks. The
     fast ranks' wait (idle.host.ranks, 57% of rank 0's step on 2 ranks) is caused on rank 1, so only the job's
     finding names it: each rank's account verdicts are given the job's findings."""
-    doc = analysis(run)
+    doc = copy.deepcopy(analysis(run))  # diagnosed here: the shared analysis stays as analyze wrote it
     for e in doc["files"]:
         e["diagnosis"] = diagnose(e["facts"], RULES)
     cross = doc["cross_rank"]
