@@ -65,6 +65,10 @@ class VLM(nn.Module):
         self._fused_loss: nn.Module | None = None
         self.head_loss = head_loss  # regional compilation swaps in a compiled copy
 
+    def set_vision_no_grad(self, on: bool) -> None:
+        """Run the frozen tower under torch.no_grad() or not (the native class's switch of the same name)."""
+        self.vision_no_grad = on
+
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Frozen tower forward; under no_grad only when the run config asks for it."""
         ctx = torch.no_grad() if self.vision_no_grad else nullcontext()

@@ -191,7 +191,7 @@ def build_patient(
         apply_unsloth(spec.llm["family"])
     vlm = build_model(spec, cfg.weight_dtype, cfg.attention, cfg.weights, device)
     apply_stage(vlm, cfg.stage)
-    vlm.vision_no_grad = cfg.vision_no_grad
+    vlm.set_vision_no_grad(cfg.vision_no_grad)
     vlm.fused_ce = cfg.liger_fused_linear_cross_entropy
     if cfg.uses_liger:
         _apply_liger(vlm, cfg)

@@ -202,23 +202,15 @@ def _model_knobs(p: Patient, patch: dict[str, Any]) -> Iterator[None]:
     own = [(g.get("fused"), g.get("foreach")) for g in p.optimizer.param_groups]
     try:
         if "vision_no_grad" in patch:
-            _set_vision_no_grad(p, bool(patch["vision_no_grad"]))
+            p.vlm.set_vision_no_grad(bool(patch["vision_no_grad"]))
         if "fused_optimizer" in patch:  # as AdamW(fused=True) sets it, or torch's default (foreach on a GPU)
             _set_implementation(p.optimizer, [(True, None) if patch["fused_optimizer"] else (None, None)] * len(own))
         yield
     finally:
         if "vision_no_grad" in patch:
-            _set_vision_no_grad(p, p.cfg.vision_no_grad)
+            p.vlm.set_vision_no_grad(p.cfg.vision_no_grad)
         if "fused_optimizer" in patch:
             _set_implementation(p.optimizer, own)
-
-
-def _set_vision_no_grad(p: Patient, on: bool) -> None:
-    setter = getattr(p.vlm, "set_vision_no_grad", None)  # a native class's hooks; the composite model's flag
-    if setter is not None:
-        setter(on)
-    else:
-        p.vlm.vision_no_grad = on
 
 
 def _set_implementation(optimizer: torch.optim.Optimizer, flags: list[tuple[Any, Any]]) -> None:
