@@ -10,18 +10,17 @@ the first traced step's loader call 4.6-5.6x the second's.
 from __future__ import annotations
 
 import collections
-import gzip
-import json
 import sys
+from pathlib import Path
+
+from vlmdoctor.trace.read import iter_events
 
 PIXEL_OPS = ("aten::mul_", "aten::sub_", "aten::div_", "aten::add_", "aten::stack", "aten::cat")
 
 
 def main(paths: list[str]) -> None:
     for path in paths:
-        opener = gzip.open if path.endswith(".gz") else open
-        with opener(path, "rt") as f:
-            events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+        events = [e for e in iter_events(Path(path)) if e.get("ph") == "X"]
         calls = sorted((e for e in events if "DataLoader" in e.get("name", "")), key=lambda e: e["ts"])
         ops = [e for e in events if e.get("cat") == "cpu_op"]
         print(path)
