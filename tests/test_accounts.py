@@ -11,6 +11,7 @@ import pytest
 from vlmdoctor.trace.accounts import MAX_UNATTRIBUTED, step_accounts
 from vlmdoctor.trace.facts import analyze
 from vlmdoctor.trace.families.idle import name_cause
+from vlmdoctor.trace.read import iter_events
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures"
 #: GPU traces of several classes and habits: vlmdoctor's own runs, users' scripts (plain torch.profiler, the
@@ -155,3 +156,21 @@ def test_a_rule_naming_an_unknown_account_is_refused(tmp_path):
     )
     _, problems = load_rules(tmp_path)
     assert any("unknown: idle.synk" in p for p in problems)
+
+
+@pytest.mark.parametrize("trace", ["traces/default_s2.pt.trace.json.gz", "traces/bucketed_b32_s2.pt.trace.json.gz"])
+def test_the_loaders_least_step_is_the_shorter_call_not_the_mean(trace):
+    """Two traced steps of the single-process loader on an H100: one call stalled (50.1 and 90.9 ms), the other
+    did the batch's work (9.0 and 19.8 ms). `idle.data_loader.least_ms` is the GPU's wait in the step with the
+    shorter call (the GPU idles through it), the mean is mostly the stall: what `treat` moves per sample is the
+    least (rules/system-data-loader.yaml `gain.grows_ms`)."""
+    events = [e for e in iter_events(FIX / trace) if e.get("ph") == "X"]
+    host = [e for e in events if e.get("cat") == "user_annotation"]  # the step markers and the loader's calls
+    steps = [(e["ts"], e["ts"] + e["dur"]) for e in host if e["name"].startswith("ProfilerStep#")]
+    calls = [e for e in host if "DataLoader" in e["name"]]
+    per_step = [
+        max((c["dur"] for c in calls if s <= c["ts"] < end), default=0.0) / 1e3 for s, end in steps[-2:]
+    ]  # the outermost call of each of the analyzed (last two) steps
+    f = analyzed(trace)["facts"]
+    assert f["idle.data_loader.least_ms"] == pytest.approx(min(per_step), rel=0.05)
+    assert f["idle.data_loader.least_ms"] < 0.5 * f["idle.data_loader.ms"]

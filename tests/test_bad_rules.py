@@ -75,6 +75,11 @@ LOAD_CASES = [
     ("gain is a number", rule() + "gain: {saves_ms: 5}\n", "gain"),
     ("gain per token", rule() + "gain: {saves_ms: gpu.busy_ms, per: token}\n", "gain.per must be one of step, sample"),
     (
+        "a growing part of a per-step cost",
+        rule() + "gain: {saves_ms: gpu.busy_ms, grows_ms: gpu.busy_ms}\n",
+        "gain.grows_ms is the part of saves_ms that grows with the batch: it needs gain.per: sample",
+    ),
+    (
         "constants is a list",
         rule().replace("constants: {LIMIT: {value: 0.9, why: test}}", "constants: [1]"),
         "constants",

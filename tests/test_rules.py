@@ -504,3 +504,15 @@ def test_launch_bound_is_said_only_where_kernels_do_not_queue():
     unknown = {k: v for k, v in facts.items() if k != "launch.delay_us_median"}
     f = next(f for f in diagnose(unknown, RULES)["findings"] if f["id"] == "fusion-compile-launch-bound")
     assert any(e.startswith("not measured: launch.delay_us_median") for e in f["evidence"]), f["evidence"]
+
+
+def test_the_loaders_finding_says_which_part_of_its_wait_grows_with_the_batch():
+    """fixtures/traces/default_s2 (H100, no loader workers): the loader's calls took 50.1 ms in one traced step and
+    9.0 ms in the other. The finding's saving is the mean wait (what workers would hide at this batch); the part
+    each sample costs, the one `treat` moves to a larger batch, is the wait of the step that had least of it."""
+    facts = measured("default_s2")
+    g = fired_on(facts)["system-data-loader"]["expected_gain"]
+    assert g["per"] == "sample"
+    assert g["saves_ms_per_step"] == pytest.approx(facts["idle.data_loader.ms"])
+    assert g["grows_ms_per_step"] == pytest.approx(facts["idle.data_loader.least_ms"])
+    assert 8.0 < g["grows_ms_per_step"] < 10.0 < 25.0 < g["saves_ms_per_step"]

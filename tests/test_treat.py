@@ -1070,3 +1070,8 @@ def test_an_ablation_expects_a_per_sample_cost_at_the_final_batch_and_a_per_step
     # without the batches or the final step, nothing is moved
     assert final_config_x({"expected_gain": per_sample}, None, 16, 1.0) == pytest.approx(1 / 0.9)
     assert final_config_x({"expected_gain": per_sample}, 4, 16, None) == pytest.approx(1 / 0.9)
+    # where the rule says which part each sample costs (`gain.grows_ms`: the loader's least step, not a stall), only
+    # that part is moved; never more than the saving itself
+    grows = per_sample | {"grows_ms_per_step": 0.02}
+    assert final_config_x({"expected_gain": grows}, 4, 16, 1.0) == pytest.approx(1 + 0.02 * 4)
+    assert final_config_x({"expected_gain": grows | {"grows_ms_per_step": 0.0}}, 4, 16, 1.0) == pytest.approx(1.0)

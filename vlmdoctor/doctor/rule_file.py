@@ -83,12 +83,37 @@ class Rule:
             *alternatives(self.gain.get("saves_ms")),
             *alternatives(self.gain.get("speedup")),
             *alternatives(self.gain.get("target_ms")),
+            *alternatives(self.gain.get("grows_ms")),
         ]
         exprs += [v for v in self.patch.values() if isinstance(v, str) and looks_like_expr(v)]
         exprs += [m.group(1) for e in self.evidence for m in PLACEHOLDER.finditer(e)]
         for c in self.contradicted_by:
             exprs += [c["when"], *(m.group(1) for m in PLACEHOLDER.finditer(c["says"]))]
         return {n for e in exprs if e for n in names(parse(e, self.where)) if not n.isupper()}
+
+
+def _check_gain(rule: Rule, path: Path) -> None:
+    """A rule's `gain` (rules/README.md): each estimate one expression or a list of them, `per` one of GAIN_PER."""
+
+    def _gain_forms_ok(v: Any) -> bool:  # one expression, or a list of them (a GPU form, then a CPU form)
+        return (
+            v is None or isinstance(v, str) or (isinstance(v, list) and bool(v) and all(isinstance(e, str) for e in v))
+        )
+
+    if not isinstance(rule.gain, dict) or not all(
+        _gain_forms_ok(rule.gain.get(k)) for k in ("saves_ms", "speedup", "target_ms", "grows_ms")
+    ):
+        raise RuleError(
+            f"{path}: rule {rule.id}: gain must be a mapping whose saves_ms, speedup, target_ms and grows_ms are "
+            "expressions in strings"
+        )
+    if rule.gain_per not in GAIN_PER:
+        raise RuleError(f"{path}: rule {rule.id}: gain.per must be one of {', '.join(GAIN_PER)}")
+    if rule.gain.get("grows_ms") is not None and rule.gain_per != "sample":
+        raise RuleError(
+            f"{path}: rule {rule.id}: gain.grows_ms is the part of saves_ms that grows with the batch: "
+            "it needs gain.per: sample"
+        )
 
 
 def rule_from(path: Path, data: Any) -> Rule:
@@ -118,20 +143,7 @@ def rule_from(path: Path, data: Any) -> Rule:
     if not isinstance(rule.patch, dict) or not all(isinstance(k, str) for k in rule.patch):
         raise RuleError(f"{path}: rule {rule.id}: patch must be a mapping of knob names to values")
 
-    def _gain_forms_ok(v: Any) -> bool:  # one expression, or a list of them (a GPU form, then a CPU form)
-        return (
-            v is None or isinstance(v, str) or (isinstance(v, list) and bool(v) and all(isinstance(e, str) for e in v))
-        )
-
-    if not isinstance(rule.gain, dict) or not all(
-        _gain_forms_ok(rule.gain.get(k)) for k in ("saves_ms", "speedup", "target_ms")
-    ):
-        raise RuleError(
-            f"{path}: rule {rule.id}: gain must be a mapping whose saves_ms, speedup and target_ms are expressions "
-            "in strings"
-        )
-    if rule.gain_per not in GAIN_PER:
-        raise RuleError(f"{path}: rule {rule.id}: gain.per must be one of {', '.join(GAIN_PER)}")
+    _check_gain(rule, path)
     if not isinstance(rule.stages, list) or not rule.stages or any(st not in (1, 2) for st in rule.stages):
         raise RuleError(f"{path}: rule {rule.id}: stages must be a list of 1 and/or 2")
     if not isinstance(rule.conflicts, list) or not isinstance(rule.sources, list):

@@ -291,6 +291,7 @@ def _fire(
     env.update({f"patch.{k}": v for k, v in patch.items()})
     saves = _gain(rule, "saves_ms", env)
     speedup = _gain(rule, "speedup", env)
+    grows = _gain(rule, "grows_ms", env) if saves is not None else None
     step = facts.get("step.ms")
     if speedup is None and saves is not None and step and saves < step:
         speedup = step / (step - saves)
@@ -317,6 +318,8 @@ def _fire(
             "throughput_x": speedup,
             "how": rule.gain.get("how"),
             "per": rule.gain_per,
+            # the part of saves_ms that each sample costs (gain.grows_ms), never more than saves_ms
+            **({"grows_ms_per_step": min(grows, saves)} if grows is not None else {}),
         },
         "_order": equivalent or 0.0,
         "sources": rule.sources,

@@ -127,11 +127,17 @@ def final_config_x(
     """The rules' expected ratio of the final config over the final config without `change` (its ablation): a cost
     of each sample (`gain.per: sample`, rules/README.md) read at the start's batch is moved to the final batch, over
     the final step; any other estimate stays the start config's (`composed_x`). Why: the loader's wait read at
-    qwen2-vl-2b's batch 4 expected x1.25 of the workers, and their ablation at batch 52 measured x3.14."""
+    qwen2-vl-2b's batch 4 expected x1.25 of the workers, and their ablation at batch 52 measured x3.14. What is
+    moved is the part each sample costs (`grows_ms_per_step`, the rule's `gain.grows_ms`) where the rule says it:
+    the loader's wait in the step that had least of it, not a stall of 10-80 ms that one step had (moved per
+    sample, such a stall expected x8.7-10.5 of the workers at llava-siglip2-0.5b's batch 128, which measured
+    x1.36-1.40)."""
     g = change.get("expected_gain") or {}
     saves = g.get("saves_ms_per_step")
+    grows = g.get("grows_ms_per_step")
+    grows = saves if grows is None else grows
     if g.get("per") == "sample" and saves and start_batch and final_batch and final_step_ms:
-        return 1 + saves * final_batch / start_batch / final_step_ms
+        return 1 + grows * final_batch / start_batch / final_step_ms
     return composed_x([change])
 
 

@@ -30,6 +30,10 @@ class ExpectedGain(Doc, kw_only=True):
         ]
         | None
     ) = None
+    grows_ms_per_step: Annotated[
+        float | None,
+        Meta(description="the part of saves_ms_per_step that each sample costs (per: sample); default all of it"),
+    ] = None
 
 
 class Finding(Doc, kw_only=True):

@@ -198,6 +198,12 @@ FACTS: list[Fact] = [
         [
             ("idle.data_loader.ms", "ms/step", "GPU idle while a DataLoader op ran on the host"),
             ("idle.data_loader.share", "fraction", "share of GPU idle time under a DataLoader op"),
+            (
+                "idle.data_loader.least_ms",
+                "ms/step",
+                "idle.data_loader.ms of the analyzed step that had least of it: the wait every step paid, "
+                "without a stall that some steps had",
+            ),
             ("idle.sync.ms", "ms/step", "GPU idle from host syncs (the sync and the relaunch after it)"),
             ("idle.sync.share", "fraction", "share of GPU idle time from host syncs"),
             (
