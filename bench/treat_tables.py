@@ -46,12 +46,28 @@ class Measured:
     measured_x: float
     paired: bool
     source: str
+    #: "" where the estimate is the rules' as they read now; else what the result did not keep that they read now
+    basis: str = ""
 
 
 @functools.cache
 def gain_per() -> dict[str, str]:
     """Each rule's `gain.per` (rules/README.md), as the rules say now: an older result's estimates did not keep it."""
     return {rule.id: rule.gain_per for rule in load_rules()[0]}
+
+
+@functools.cache
+def grows_declared() -> set[str]:
+    """The rules that say which part of their saving each sample costs (`gain.grows_ms`, rules/README.md)."""
+    return {rule.id for rule in load_rules()[0] if rule.gain.get("grows_ms")}
+
+
+def _basis(rule: str, gain: dict | None) -> str:
+    """What a final-config estimate lacks of what its rule reads now: a result from before `gain.grows_ms` moved
+    its whole saving per sample (the loader's mean wait, an occasional stall included)."""
+    if rule in grows_declared() and (gain or {}).get("grows_ms_per_step") is None:
+        return "estimated before `gain.grows_ms`"
+    return ""
 
 
 def measurements(doc: TreatResult, source: str) -> list[Measured]:
@@ -73,19 +89,22 @@ def measurements(doc: TreatResult, source: str) -> list[Measured]:
         single = "," not in t.rule
         # a composition's changes are composed again: an older result kept their product as its expected_x
         expected = None if single else composed_x(changes_of.get(t.rule) or [])
+        basis = ""
         if single and t.kind == "ablation" and t.expected_gain is not None and rungs:
-            expected = in_final(t.rule, msgspec.structs.asdict(t.expected_gain), rungs[-1].step_ms)
+            gain = msgspec.structs.asdict(t.expected_gain)
+            expected, basis = in_final(t.rule, gain, rungs[-1].step_ms), _basis(t.rule, gain)
         expected = expected or t.expected_x
         if expected is None and single and t.expected_gain is not None:
             expected = t.expected_gain.throughput_x
         if expected:
-            out.append(Measured(t.rule if single else "composition", expected, got, t.ratio is not None, source))
+            rule = t.rule if single else "composition"
+            out.append(Measured(rule, expected, got, t.ratio is not None, source, basis))
     for rung in doc.ladder:  # a change's own pairs in one process (docs/treat.md, item 8): no trial records them
         for c in rung.changes or []:
             k, g = c.get("contribution") or {}, c.get("expected_gain") or {}
             expected = in_final(c["rule"], g, rung.step_ms) if g.get("throughput_x") else None
             if k.get("in_process") and k.get("ratio") and expected:
-                out.append(Measured(c["rule"], expected, k["ratio"], True, source))
+                out.append(Measured(c["rule"], expected, k["ratio"], True, source, _basis(c["rule"], g)))
     return out
 
 
@@ -121,13 +140,13 @@ def calibration_table(rows: list[Measured]) -> str:
         "| rule | measured (unpaired) | expected | measured: median [range] | measured / expected | |",
         "|---|---:|---:|---|---:|---|",
     ]
-    rules = sorted({r.rule for r in rows if r.rule != "composition"})
-    for rule in rules:
-        rs = [r for r in rows if r.rule == rule]
+    rules = sorted({(r.rule, r.basis) for r in rows if r.rule != "composition"})
+    for rule, basis in rules:
+        rs = [r for r in rows if (r.rule, r.basis) == (rule, basis)]
         off = statistics.median(r.measured_x / r.expected_x for r in rs)
         got = [r.measured_x for r in rs]
         lines.append(
-            f"| `{rule}` | {len(rs)} ({sum(not r.paired for r in rs)}) | "
+            f"| `{rule}`{', ' + basis if basis else ''} | {len(rs)} ({sum(not r.paired for r in rs)}) | "
             f"{_x(statistics.median(r.expected_x for r in rs))} | "
             f"{_x(statistics.median(got))} [{min(got):.2f}-{max(got):.2f}] | {off:.2f} | "
             f"{'far off' if not 1 / FAR_OFF <= off <= FAR_OFF else ''} |"

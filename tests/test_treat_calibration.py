@@ -65,3 +65,29 @@ def test_every_committed_treatment_counts_once():
     assert len(dino) == 1  # the same treat.json is committed twice under preset15b/call1
     side = [r for r in rows if r.rule == "composition" and r.source == "2026-11-27-4xh200-issue39/run_a"]
     assert len(side) == 3  # three treatments side by side, two of them started in the same second
+
+
+def test_a_loader_estimate_from_before_grows_ms_is_counted_apart():
+    """A result from before `gain.grows_ms` kept only the loader's mean wait: its estimate in the final config moved
+    a stall per sample (x10 where x1.4 was measured). Its rows are counted apart from those the rule estimates as it
+    reads now (the least step's wait moved), so the table says which estimate is off."""
+    old = {"saves_ms_per_step": 100.0, "throughput_x": 1.25, "per": "sample"}
+    new = old | {"grows_ms_per_step": 5.0}
+    doc = _doc(
+        created_at="x",
+        start_config={"batch_size": 4},
+        final_config={"batch_size": 128},
+        ladder=[{"step": 0}, {"step": 1, "rule": "system-data-loader", "step_ms": 400.0}],
+        trials=[
+            {"trial": 1, "kind": "ablation", "rule": "system-data-loader", "ratio": 1.4, "expected_gain": old},
+            {"trial": 2, "kind": "ablation", "rule": "system-data-loader", "ratio": 1.4, "expected_gain": new},
+        ],
+    )
+    rows = tables.measurements(doc, "here")
+    assert [(r.basis, r.expected_x) for r in rows] == [
+        ("estimated before `gain.grows_ms`", pytest.approx(1 + 100 * 32 / 400)),
+        ("", pytest.approx(1 + 5 * 32 / 400)),
+    ]
+    lines = tables.calibration_table(rows).splitlines()
+    assert next(x for x in lines if x.startswith("| `system-data-loader` |")).endswith("| 1.00 |  |")
+    assert next(x for x in lines if "before `gain.grows_ms`" in x).endswith("far off |")
