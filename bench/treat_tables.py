@@ -51,21 +51,16 @@ class Measured:
 
 
 @functools.cache
-def gain_per() -> dict[str, str]:
-    """Each rule's `gain.per` (rules/README.md), as the rules say now: an older result's estimates did not keep it."""
-    return {rule.id: rule.gain_per for rule in load_rules()[0]}
-
-
-@functools.cache
-def grows_declared() -> set[str]:
-    """The rules that say which part of their saving each sample costs (`gain.grows_ms`, rules/README.md)."""
-    return {rule.id for rule in load_rules()[0] if rule.gain.get("grows_ms")}
+def gains_now() -> dict[str, dict]:
+    """Each rule's `gain` as the rules declare it now (rules/README.md): an older result's estimates did not keep
+    its `per`, nor which part of the saving grows with the batch."""
+    return {rule.id: {"per": rule.gain_per, "grows": bool(rule.gain.get("grows_ms"))} for rule in load_rules()[0]}
 
 
 def _basis(rule: str, gain: dict | None) -> str:
     """What a final-config estimate lacks of what its rule reads now: a result from before `gain.grows_ms` moved
     its whole saving per sample (the loader's mean wait, an occasional stall included)."""
-    if rule in grows_declared() and (gain or {}).get("grows_ms_per_step") is None:
+    if gains_now().get(rule, {}).get("grows") and (gain or {}).get("grows_ms_per_step") is None:
         return "estimated before `gain.grows_ms`"
     return ""
 
@@ -79,7 +74,9 @@ def measurements(doc: TreatResult, source: str) -> list[Measured]:
     sizes = ((doc.start_config or {}).get("batch_size"), (doc.final_config or {}).get("batch_size"))
 
     def in_final(rule: str, gain: dict | None, step_ms: float | None) -> float | None:
-        return final_config_x({"expected_gain": (gain or {}) | {"per": gain_per().get(rule)}}, *sizes, step_ms)
+        return final_config_x(
+            {"expected_gain": (gain or {}) | {"per": gains_now().get(rule, {}).get("per")}}, *sizes, step_ms
+        )
 
     out = []
     for t in doc.trials:

@@ -56,3 +56,9 @@ def _measure(iv: Intervals, x: np.ndarray) -> np.ndarray:
     k = np.searchsorted(s, x, side="right")
     over = np.where(k > 0, np.maximum(e[np.maximum(k - 1, 0)] - x, 0.0), 0.0)
     return cum[k] - over
+
+
+def per_window(iv: Intervals, windows: list[tuple[float, float]]) -> np.ndarray:
+    """Length of iv inside each (start, end) window: one step's share of a set the facts give per step."""
+    ws, we = np.array([s for s, _ in windows], dtype=float), np.array([e for _, e in windows], dtype=float)
+    return _measure(iv, we) - _measure(iv, ws)

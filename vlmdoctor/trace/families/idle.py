@@ -30,7 +30,7 @@ from vlmdoctor.trace.context import (
 from vlmdoctor.trace.context import (
     BACKWARD_NODE as BACKWARD_RANGE,
 )
-from vlmdoctor.trace.intervals import Intervals, _measure, intersect, subtract, total, union
+from vlmdoctor.trace.intervals import Intervals, _measure, intersect, per_window, subtract, total, union
 from vlmdoctor.trace.tables import COMM_OPS, MODULE_PREFIX, Tables
 
 PRODUCES = by_producer(__name__)
@@ -129,8 +129,9 @@ def produce(r: Reading, facts: dict[str, Any]) -> None:
         facts[share_fact] = total(hit) / idle_total
         if cause == "sync":
             _sync_by_code(facts, syncs, owner, hit, idle, n)
-        if cause == "data_loader":
-            facts["idle.data_loader.least_ms"] = _least_step_ms(hit, r.windows)
+        if cause == "data_loader":  # most steps' wait is the batch's work, now and then one stalls 10-80 ms
+            # (docs/treat.md, `system-data-loader`): the least step's wait is the work every step paid
+            facts["idle.data_loader.least_ms"] = float(per_window(hit, r.windows).min()) / 1e3
         left = subtract(left, hit)
     host_ms = 0.0
     for cause, iv in host_causes.items():
@@ -176,16 +177,6 @@ def _sync_by_code(
         if code == "loop":
             facts["idle.sync.loop_ms"] = total(mine) / 1e3 / n
     facts["idle.sync.by_code"] = sorted(rows, key=lambda x: -x["ms"])
-
-
-def _least_step_ms(hit: Intervals, windows: list[tuple[float, float]]) -> float:
-    """The least of `hit` inside one step window, in ms. Why: the single-process loader's wait is the batch's
-    work in most steps and a stall of 10-80 ms now and then (docs/treat.md, `system-data-loader`); the mean
-    over two traced steps is mostly the stall, the least of them the work every step paid."""
-    if not windows:
-        return 0.0
-    ws, we = np.array([s for s, _ in windows]), np.array([e for _, e in windows])
-    return float(np.min(_measure(hit, we) - _measure(hit, ws))) / 1e3
 
 
 def sync_owners(r: Reading, rt_rows: np.ndarray) -> np.ndarray:
