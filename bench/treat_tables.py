@@ -26,7 +26,7 @@ import msgspec
 from vlmdoctor import docgen
 from vlmdoctor.doctor.rules import load_rules
 from vlmdoctor.doctor.treat import FAR_OFF
-from vlmdoctor.doctor.treat_trials import composed_x, final_config_x
+from vlmdoctor.doctor.treat_trials import busy_frac, composed_x, final_config_x
 from vlmdoctor.documents import DocumentError, TreatResult, read_document
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,6 +65,19 @@ def _basis(rule: str, gain: dict | None) -> str:
     return ""
 
 
+def _share_of_gpu(traced: list, gain: dict) -> float | None:
+    """The share of the GPU's work a saving was, for a result from before `per: gpu` kept it: the saving over the GPU
+    time of the run whose traced step the estimate read (its profile's step is the estimate's; the oldest results
+    kept the step only as saves_ms / share_of_step)."""
+    saves, share = gain.get("saves_ms_per_step"), gain.get("share_of_step")
+    step = gain.get("step_ms") or (saves / share if saves and share else None)
+    for run in traced:
+        p = run.profile or {}
+        if step and p.get("step.ms") and abs(p["step.ms"] / step - 1) < 1e-6 and p.get("gpu.busy_ms"):
+            return min(saves / p["gpu.busy_ms"], 1.0)
+    return None
+
+
 def measurements(doc: TreatResult, source: str) -> list[Measured]:
     """The trials of one treat result that measured something the rules estimated. A leave-one-out in the final
     config (an ablation, or a change's own pairs in one process) is set beside the estimate moved to the final
@@ -73,10 +86,13 @@ def measurements(doc: TreatResult, source: str) -> list[Measured]:
     rungs = [rung for rung in doc.ladder if rung.rule]  # the last: the final config (not a rung without dropped ones)
     sizes = ((doc.start_config or {}).get("batch_size"), (doc.final_config or {}).get("batch_size"))
 
-    def in_final(rule: str, gain: dict | None, step_ms: float | None) -> float | None:
-        return final_config_x(
-            {"expected_gain": (gain or {}) | {"per": gains_now().get(rule, {}).get("per")}}, *sizes, step_ms
-        )
+    traced = [run for run in (doc.start, *doc.ladder) if run is not None]
+
+    def in_final(rule: str, gain: dict | None, final_profile: dict | None, step_ms: float | None) -> float | None:
+        g = (gain or {}) | {"per": gains_now().get(rule, {}).get("per")}
+        if g["per"] == "gpu" and g.get("share_of_gpu") is None:
+            g["share_of_gpu"] = _share_of_gpu(traced, g)
+        return final_config_x({"expected_gain": g}, *sizes, step_ms, busy_frac(final_profile))
 
     out = []
     for t in doc.trials:
@@ -89,7 +105,7 @@ def measurements(doc: TreatResult, source: str) -> list[Measured]:
         basis = ""
         if single and t.kind == "ablation" and t.expected_gain is not None and rungs:
             gain = msgspec.structs.asdict(t.expected_gain)
-            expected, basis = in_final(t.rule, gain, rungs[-1].step_ms), _basis(t.rule, gain)
+            expected, basis = in_final(t.rule, gain, rungs[-1].profile, rungs[-1].step_ms), _basis(t.rule, gain)
         expected = expected or t.expected_x
         if expected is None and single and t.expected_gain is not None:
             expected = t.expected_gain.throughput_x
@@ -99,7 +115,7 @@ def measurements(doc: TreatResult, source: str) -> list[Measured]:
     for rung in doc.ladder:  # a change's own pairs in one process (docs/treat.md, item 8): no trial records them
         for c in rung.changes or []:
             k, g = c.get("contribution") or {}, c.get("expected_gain") or {}
-            expected = in_final(c["rule"], g, rung.step_ms) if g.get("throughput_x") else None
+            expected = in_final(c["rule"], g, rung.profile, rung.step_ms) if g.get("throughput_x") else None
             if k.get("in_process") and k.get("ratio") and expected:
                 out.append(Measured(c["rule"], expected, k["ratio"], True, source, _basis(c["rule"], g)))
     return out

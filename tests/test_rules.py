@@ -516,3 +516,21 @@ def test_the_loaders_finding_says_which_part_of_its_wait_grows_with_the_batch():
     assert g["saves_ms_per_step"] == pytest.approx(facts["idle.data_loader.ms"])
     assert g["grows_ms_per_step"] == pytest.approx(facts["idle.data_loader.least_ms"])
     assert 8.0 < g["grows_ms_per_step"] < 10.0 < 25.0 < g["saves_ms_per_step"]
+
+
+def test_the_recompute_finding_keeps_its_share_of_the_gpus_work():
+    """fixtures/traces/ckpt_s2 (H100, batch 16, host-bound): the recompute is 13.7 ms, 4% of the traced step but 15%
+    of the GPU's busy time. The step share is its worth in this config; the GPU share (`gain.per: gpu`) is what
+    `treat` carries to a GPU-bound final config, where checkpointing back on measured x1.28-1.29."""
+    facts = measured("ckpt_s2")
+    g = fired_on(facts)["system-checkpoint-recompute"]["expected_gain"]
+    assert g["per"] == "gpu"
+    assert g["share_of_gpu"] == pytest.approx(facts["recompute.ms"] / facts["gpu.busy_ms"])
+    assert g["share_of_gpu"] == pytest.approx(facts["recompute.share"])
+    assert g["share_of_step"] < 0.05 < 0.10 < g["share_of_gpu"] < 0.20
+    # a rule whose saving is a cost of each step keeps no GPU share
+    assert all(
+        "share_of_gpu" not in f["expected_gain"]
+        for i, f in fired_on(facts).items()
+        if i != "system-checkpoint-recompute"
+    )

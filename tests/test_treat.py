@@ -1075,3 +1075,9 @@ def test_an_ablation_expects_a_per_sample_cost_at_the_final_batch_and_a_per_step
     grows = per_sample | {"grows_ms_per_step": 0.02}
     assert final_config_x({"expected_gain": grows}, 4, 16, 1.0) == pytest.approx(1 + 0.02 * 4)
     assert final_config_x({"expected_gain": grows | {"grows_ms_per_step": 0.0}}, 4, 16, 1.0) == pytest.approx(1.0)
+    # GPU work (`per: gpu`) stays its share of the GPU's time: over a final step the GPU is busy 97% of, the
+    # recompute's 15% of the GPU's work adds 0.15/0.85 of that; without the final busy share, the start's estimate
+    on_gpu = per_step | {"per": "gpu", "share_of_gpu": 0.15}
+    assert final_config_x({"expected_gain": on_gpu}, 4, 152, 470.0, 0.97) == pytest.approx(1 + 0.15 / 0.85 * 0.97)
+    assert final_config_x({"expected_gain": on_gpu}, 4, 152, 470.0, None) == pytest.approx(1 / 0.95)
+    assert final_config_x({"expected_gain": per_step}, 4, 152, 470.0, 0.97) == pytest.approx(1 / 0.95)

@@ -91,3 +91,34 @@ def test_a_loader_estimate_from_before_grows_ms_is_counted_apart():
     lines = tables.calibration_table(rows).splitlines()
     assert next(x for x in lines if x.startswith("| `system-data-loader` |")).endswith("| 1.00 |  |")
     assert next(x for x in lines if "before `gain.grows_ms`" in x).endswith("far off |")
+
+
+def test_a_gpu_share_is_read_again_from_the_traced_run_of_an_older_result():
+    """A result from before `per: gpu` kept the recompute's saving and its share of the traced step only: the table
+    reads its share of the GPU's work again from the run whose traced step the estimate read (its profile) and moves
+    it over the final config's GPU time (x1.02 of the start's step becomes x1.17 of a final step 97% busy)."""
+    gain = {"saves_ms_per_step": 9.0, "share_of_step": 9.0 / 400.0, "throughput_x": 400 / 391}
+    fields = dict(
+        created_at="x",
+        start_config={"batch_size": 4},
+        final_config={"batch_size": 152},
+        ladder=[
+            {"step": 0, "profile": {"step.ms": 300.0, "gpu.busy_ms": 20.0}},
+            {"step": 1, "rule": "system-checkpoint-recompute", "step_ms": 470.0, "profile": {"gpu.busy_frac": 0.97}},
+        ],
+        trials=[
+            {
+                "trial": 1,
+                "kind": "ablation",
+                "rule": "system-checkpoint-recompute",
+                "ratio": 1.28,
+                "expected_gain": gain,
+            }
+        ],
+    )
+    doc = _doc(**fields, start={"profile": {"step.ms": 400.0, "gpu.busy_ms": 60.0}})
+    (row,) = tables.measurements(doc, "here")
+    assert row.expected_x == pytest.approx(1 + 0.15 / 0.85 * 0.97) and row.basis == ""
+    # where no traced run is the estimate's, nothing is moved: the start config's estimate stays
+    (row,) = tables.measurements(_doc(**fields), "here")
+    assert row.expected_x == pytest.approx(400 / 391)

@@ -297,6 +297,8 @@ def _fire(
         speedup = step / (step - saves)
     equivalent = step * (1 - 1 / speedup) if speedup and step and speedup > 1 else saves
     share = (saves / step) if saves and step else None
+    busy = facts.get("gpu.busy_ms")
+    gpu_share = min(saves / busy, 1.0) if rule.gain_per == "gpu" and saves is not None and busy else None
     severity, basis = gain_severity(gain_ratio({"throughput_x": speedup, "share_of_step": share}), rule.severity)
     return {
         "id": rule.id,
@@ -320,6 +322,8 @@ def _fire(
             "per": rule.gain_per,
             # the part of saves_ms that each sample costs (gain.grows_ms), never more than saves_ms
             **({"grows_ms_per_step": min(grows, saves)} if grows is not None else {}),
+            # per: gpu, the share of the GPU's work it removes, which carries to a GPU-bound config
+            **({"share_of_gpu": gpu_share} if gpu_share is not None else {}),
         },
         "_order": equivalent or 0.0,
         "sources": rule.sources,

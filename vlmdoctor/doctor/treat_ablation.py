@@ -19,6 +19,7 @@ from vlmdoctor.doctor.treat_options import TreatOptions
 from vlmdoctor.doctor.treat_trials import (
     LIKELY,
     STOPPED_BY_BUDGET,
+    busy_frac,
     final_config_x,
     is_shown,
     outcome_of,
@@ -284,10 +285,11 @@ def _in_one_run(tr: Treatment, start: RunConfig, adopted: list[list[dict[str, An
     in_process_contributions([c for c, _ in arms], results, tr.opts)
 
 
-def _sizes(tr: Treatment, start: RunConfig, final_cfg: RunConfig) -> tuple[int, int, float | None]:
-    """The start and final batches and the final config's step (its rung is the ladder's last while it is
-    ablated), for `final_config_x`."""
-    return start.batch_size, final_cfg.batch_size, tr.out["ladder"][-1].get("step_ms")
+def _sizes(tr: Treatment, start: RunConfig, final_cfg: RunConfig) -> tuple[int, int, float | None, float | None]:
+    """The start and final batches, the final config's step and its GPU's busy share (its rung is the ladder's last
+    while it is ablated), for `final_config_x`."""
+    final = tr.out["ladder"][-1]
+    return start.batch_size, final_cfg.batch_size, final.get("step_ms"), busy_frac(final.get("profile"))
 
 
 def in_process_contributions(changes: list[dict[str, Any]], results: list[dict[str, Any]], opts: TreatOptions) -> None:

@@ -121,23 +121,44 @@ def composed_x(changes: list[dict[str, Any]]) -> float | None:
     return composed_ratio([c.get("expected_gain") for c in changes])
 
 
+def busy_frac(profile: dict[str, Any] | None) -> float | None:
+    """The share of a run's timed step the GPU was busy: its traced GPU time over the untraced median step where the
+    run measured both, else over the traced step."""
+    p = profile or {}
+    return p.get("measured.gpu.busy_frac") or p.get("gpu.busy_frac")
+
+
 def final_config_x(
-    change: dict[str, Any], start_batch: int | None, final_batch: int | None, final_step_ms: float | None
+    change: dict[str, Any],
+    start_batch: int | None,
+    final_batch: int | None,
+    final_step_ms: float | None,
+    final_busy_frac: float | None = None,
 ) -> float | None:
-    """The rules' expected ratio of the final config over the final config without `change` (its ablation): a cost
-    of each sample (`gain.per: sample`, rules/README.md) read at the start's batch is moved to the final batch, over
-    the final step; any other estimate stays the start config's (`composed_x`). Why: the loader's wait read at
-    qwen2-vl-2b's batch 4 expected x1.25 of the workers, and their ablation at batch 52 measured x3.14. What is
-    moved is the part each sample costs (`grows_ms_per_step`, the rule's `gain.grows_ms`) where the rule says it:
-    the loader's wait in the step that had least of it, not a stall of 10-80 ms that one step had (moved per
-    sample, such a stall expected x8.7-10.5 of the workers at llava-siglip2-0.5b's batch 128, which measured
-    x1.36-1.40)."""
+    """The rules' expected ratio of the final config over the final config without `change` (its ablation), as
+    the rule's `gain.per` says its saving moves (rules/README.md); any other estimate stays the start config's
+    (`composed_x`).
+
+    - `per: sample`: the cost read at the start's batch is moved to the final batch, over the final step. Why:
+      the loader's wait read at qwen2-vl-2b's batch 4 expected x1.25 of the workers, and their ablation at batch
+      52 measured x3.14. What is moved is the part each sample costs (`grows_ms_per_step`, the rule's
+      `gain.grows_ms`) where the rule says it: the loader's wait in the step that had least of it, not a stall of
+      10-80 ms that one step had (moved per sample, such a stall expected x8.7-10.5 of the workers at
+      llava-siglip2-0.5b's batch 128, which measured x1.36-1.40).
+    - `per: gpu`: GPU work that is the same share of the GPU's busy time in any config (`share_of_gpu`) adds
+      share / (1 - share) of the final config's GPU time. Why: gradient checkpointing's recompute was 2% of the
+      host-bound start step (x1.02 expected) and 14-16% of its GPU's work; turning it back on in the GPU-bound
+      final config measured x1.28-1.29 (llava-siglip2-0.5b, batch 152: seven ablations on H200s, one pair each),
+      where this says x1.16-1.18."""
     g = change.get("expected_gain") or {}
     saves = g.get("saves_ms_per_step")
     grows = g.get("grows_ms_per_step")
     grows = saves if grows is None else grows
     if g.get("per") == "sample" and saves and start_batch and final_batch and final_step_ms:
         return 1 + grows * final_batch / start_batch / final_step_ms
+    share = g.get("share_of_gpu")
+    if g.get("per") == "gpu" and share is not None and share < 1 and final_busy_frac:
+        return 1 + share / (1 - share) * min(final_busy_frac, 1.0)
     return composed_x([change])
 
 

@@ -10,8 +10,9 @@ from msgspec import Meta
 from vlmdoctor.documents.base import Doc, Layer, Severity
 
 #: how the time a fix saves grows with the micro-batch (a rule's `gain.per`, the first the default): a cost of each
-#: step, or of each sample
-GainPer = Literal["step", "sample"]
+#: step, of each sample, or GPU work that stays its share of the GPU's busy time in any config (gradient
+#: checkpointing's recompute: 2% of a host-bound start step, 15% of the GPU's work, x1.28 in a GPU-bound final one)
+GainPer = Literal["step", "sample", "gpu"]
 
 
 class ExpectedGain(Doc, kw_only=True):
@@ -26,7 +27,10 @@ class ExpectedGain(Doc, kw_only=True):
     per: (
         Annotated[
             GainPer,
-            Meta(description="the saved time is a cost of each step, or of each sample (it grows with the batch)"),
+            Meta(
+                description="the saved time is a cost of each step, of each sample (it grows with the batch), or "
+                "a share of the GPU's work (it stays that share)"
+            ),
         ]
         | None
     ) = None
@@ -34,6 +38,12 @@ class ExpectedGain(Doc, kw_only=True):
         float | None,
         Meta(description="the part of saves_ms_per_step that each sample costs (per: sample); default all of it"),
     ] = None
+    share_of_gpu: (
+        Annotated[
+            float, Meta(ge=0, le=1, description="that time over the GPU's busy time in the traced step (per: gpu)")
+        ]
+        | None
+    ) = None
 
 
 class Finding(Doc, kw_only=True):

@@ -111,7 +111,10 @@ class Trial(RunSummary, kw_only=True):
     expected_at: (
         Annotated[
             Literal["final"],
-            Meta(description="final: expected_x is moved to the final config (an ablation of a cost of each sample)"),
+            Meta(
+                description="final: expected_x is moved to the final config (an ablation of a cost of each sample, "
+                "or of a share of the GPU's work)"
+            ),
         ]
         | None
     ) = None
