@@ -103,7 +103,9 @@ def measurements(doc: TreatResult, source: str) -> list[Measured]:
         # a composition's changes are composed again: an older result kept their product as its expected_x
         expected = None if single else composed_x(changes_of.get(t.rule) or [])
         basis = ""
-        if single and t.kind == "ablation" and t.expected_gain is not None and rungs:
+        if single and t.kind == "ablation" and t.expected_at == "final_trace":
+            expected = t.expected_x  # read in that result's own final trace (`gain.undo_ms`): nothing to read again
+        elif single and t.kind == "ablation" and t.expected_gain is not None and rungs:
             gain = msgspec.structs.asdict(t.expected_gain)
             expected, basis = in_final(t.rule, gain, rungs[-1].profile, rungs[-1].step_ms), _basis(t.rule, gain)
         expected = expected or t.expected_x

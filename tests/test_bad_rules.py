@@ -80,6 +80,17 @@ LOAD_CASES = [
         "gain.grows_ms is the part of saves_ms that grows with the batch: it needs gain.per: sample",
     ),
     (
+        "undoing reads an unknown fact",
+        rule() + "gain: {saves_ms: gpu.busy_ms, undo_ms: part.llm.nothing_ms}\n",
+        "uses unknown fact(s) part.llm.nothing_ms",
+    ),
+    ("undoing is a number", rule() + "gain: {saves_ms: gpu.busy_ms, undo_ms: 5}\n", "undo_ms are expressions"),
+    (
+        "a growing part with an undefined constant",
+        rule() + "gain: {saves_ms: gpu.busy_ms, per: sample, grows_ms: gpu.busy_ms * NOWHERE}\n",
+        "undefined constant(s) NOWHERE",
+    ),
+    (
         "constants is a list",
         rule().replace("constants: {LIMIT: {value: 0.9, why: test}}", "constants: [1]"),
         "constants",

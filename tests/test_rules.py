@@ -518,6 +518,23 @@ def test_the_loaders_finding_says_which_part_of_its_wait_grows_with_the_batch():
     assert 8.0 < g["grows_ms_per_step"] < 10.0 < 25.0 < g["saves_ms_per_step"]
 
 
+def test_what_undoing_checkpointing_costs_is_read_in_a_trace_without_it():
+    """fixtures/traces/bf16_s2 and ckpt_s2 (H100, batch 16, bf16 weights) differ in checkpointing alone. With it on,
+    the GPU is busy longer by its recompute (13.6 ms against 13.7 ms of recompute kernels); read in the trace without
+    it, the rule's `gain.undo_ms` is the LLM's forward that checkpointing would run again, never less than that
+    recompute, and nothing where the trace lacks the LLM's forward."""
+    from vlmdoctor.doctor.rules import undo_ms
+
+    rule = next(r for r in RULES if r.id == "system-checkpoint-recompute")
+    off, on = measured("bf16_s2"), measured("ckpt_s2")
+    assert off["recompute.ms"] == 0 and on["recompute.ms"] > 10
+    assert on["gpu.busy_ms"] - off["gpu.busy_ms"] == pytest.approx(on["recompute.ms"], rel=0.05)
+    assert undo_ms(rule, off) == pytest.approx(off["part.llm.forward_ms"])
+    assert on["recompute.ms"] <= undo_ms(rule, off) < off["gpu.busy_ms"]
+    assert undo_ms(rule, {k: v for k, v in off.items() if k != "part.llm.forward_ms"}) is None
+    assert undo_ms(next(r for r in RULES if r.id == "system-data-loader"), off) is None  # it declares none
+
+
 def test_the_recompute_finding_keeps_its_share_of_the_gpus_work():
     """fixtures/traces/ckpt_s2 (H100, batch 16, host-bound): the recompute is 13.7 ms, 4% of the traced step but 15%
     of the GPU's busy time. The step share is its worth in this config; the GPU share (`gain.per: gpu`) is what

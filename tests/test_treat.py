@@ -1081,3 +1081,41 @@ def test_an_ablation_expects_a_per_sample_cost_at_the_final_batch_and_a_per_step
     assert final_config_x({"expected_gain": on_gpu}, 4, 152, 470.0, 0.97) == pytest.approx(1 + 0.15 / 0.85 * 0.97)
     assert final_config_x({"expected_gain": on_gpu}, 4, 152, 470.0, None) == pytest.approx(1 / 0.95)
     assert final_config_x({"expected_gain": per_step}, 4, 152, 470.0, 0.97) == pytest.approx(1 / 0.95)
+
+
+def test_an_ablation_whose_rule_says_what_undoing_costs_is_expected_from_the_final_trace(monkeypatch):
+    """One H200, llava-siglip2-0.5b at batch 152: checkpointing's recompute, carried from the start's share of the GPU's
+    work, said x1.16-1.18; turning it back on measured x1.27-1.30, the LLM's forward run again. The shipped rule says
+    what undoing its fix costs (`gain.undo_ms`: the LLM's forward), read in the final config's own trace; a rule that
+    says nothing keeps `final_config_x`."""
+    from vlmdoctor.documents import TreatResult, as_document
+
+    diagnosis = fake_diagnosis
+
+    def with_checkpointing(c):
+        findings, superseded = diagnosis(c)
+        if c.gradient_checkpointing:
+            gain = {"saves_ms_per_step": 2.0, "share_of_step": 0.01, "throughput_x": 1 / 0.99, "per": "gpu"}
+            findings.append(F("system-checkpoint-recompute", 5, {"gradient_checkpointing": False}, expected_gain=gain))
+        return findings, superseded
+
+    class Traced(FakeRunner):  # a diagnosed run's facts: its traced step and the LLM's forward in it
+        def __call__(self, c, diagnose, timeout, **kw):
+            report = super().__call__(c, diagnose, timeout, **kw)
+            if diagnose and report["status"] == "ok":
+                report["facts"] = {"step.ms": 400.0, "part.llm.forward_ms": 100.0 if c.batch_size >= 8 else 5.0}
+            return report
+
+    monkeypatch.setitem(globals(), "fake_diagnosis", with_checkpointing)
+    result = run_fake(Traced())
+    doc = as_document(result, TreatResult, "treat.json")  # `expected_at: final_trace` is declared
+    ablated = {t.rule: t for t in doc.trials if t.kind == "ablation"}
+    assert ablated["system-checkpoint-recompute"].expected_x == pytest.approx(1 + 100.0 / 400.0)
+    assert ablated["system-checkpoint-recompute"].expected_at == "final_trace"
+    assert ablated["fused-adamw"].expected_at is None  # its rule (a test's) says nothing of undoing
+    cal = {(r["kind"], r["rule"]): r for r in result["calibration"]}
+    assert cal[("ablation", "system-checkpoint-recompute")]["expected_x"] == pytest.approx(1.25)
+    # without the final trace's facts, the estimate as diagnosed (per: gpu, but no share of the GPU kept: x1/0.99)
+    plain = as_document(run_fake(FakeRunner()), TreatResult, "treat.json")
+    (t,) = [t for t in plain.trials if t.kind == "ablation" and t.rule == "system-checkpoint-recompute"]
+    assert t.expected_x == pytest.approx(1 / 0.99) and t.expected_at is None

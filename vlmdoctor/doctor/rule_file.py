@@ -35,6 +35,9 @@ KNOWN_FACTS = [f.pattern for f in catalog.FACTS] + [
 ]
 
 
+#: the keys of a rule's `gain` that are expressions over facts and constants (rules/README.md)
+GAIN_EXPRS = ("saves_ms", "speedup", "target_ms", "grows_ms", "undo_ms")
+
 #: the values of a rule's `gain.per` (documents/diagnosis.py `GainPer`), the first its default
 GAIN_PER = get_args(GainPer)
 
@@ -80,10 +83,7 @@ class Rule:
         exprs = [
             self.when,
             self.unless or "",
-            *alternatives(self.gain.get("saves_ms")),
-            *alternatives(self.gain.get("speedup")),
-            *alternatives(self.gain.get("target_ms")),
-            *alternatives(self.gain.get("grows_ms")),
+            *(e for k in GAIN_EXPRS for e in alternatives(self.gain.get(k))),
         ]
         exprs += [v for v in self.patch.values() if isinstance(v, str) and looks_like_expr(v)]
         exprs += [m.group(1) for e in self.evidence for m in PLACEHOLDER.finditer(e)]
@@ -100,12 +100,10 @@ def _check_gain(rule: Rule, path: Path) -> None:
             v is None or isinstance(v, str) or (isinstance(v, list) and bool(v) and all(isinstance(e, str) for e in v))
         )
 
-    if not isinstance(rule.gain, dict) or not all(
-        _gain_forms_ok(rule.gain.get(k)) for k in ("saves_ms", "speedup", "target_ms", "grows_ms")
-    ):
+    if not isinstance(rule.gain, dict) or not all(_gain_forms_ok(rule.gain.get(k)) for k in GAIN_EXPRS):
         raise RuleError(
-            f"{path}: rule {rule.id}: gain must be a mapping whose saves_ms, speedup, target_ms and grows_ms are "
-            "expressions in strings"
+            f"{path}: rule {rule.id}: gain must be a mapping whose saves_ms, speedup, target_ms, grows_ms and undo_ms "
+            "are expressions in strings"
         )
     if rule.gain_per not in GAIN_PER:
         raise RuleError(f"{path}: rule {rule.id}: gain.per must be one of {', '.join(GAIN_PER)}")
@@ -162,7 +160,7 @@ def rule_from(path: Path, data: Any) -> Rule:
     if rule.severity not in SEVERITIES:
         raise RuleError(f"{path}: severity must be one of {', '.join(SEVERITIES)}")
     _check_contradictions(rule, path)
-    gains = [e for k in ("saves_ms", "speedup", "target_ms") for e in alternatives(rule.gain.get(k))]
+    gains = [e for k in GAIN_EXPRS for e in alternatives(rule.gain.get(k))]
     for c in (rule.when, rule.unless, *gains):
         if c:
             parse(c, rule.where)

@@ -392,6 +392,15 @@ def target_ms(rule: Rule, facts: dict[str, Any]) -> float | None:
     return _gain(rule, source, {**facts, **{k: c["value"] for k, c in rule.constants.items()}})
 
 
+def undo_ms(rule: Rule, facts: dict[str, Any]) -> float | None:
+    """The milliseconds per step that undoing the rule's fix would cost a config that has the fix (`gain.undo_ms`,
+    read in that config's trace: treat's final ablation expects it); None where the rule declares none or the trace
+    lacks its facts."""
+    if not rule.gain.get("undo_ms"):
+        return None
+    return _gain(rule, "undo_ms", {**facts, **{k: c["value"] for k, c in rule.constants.items()}})
+
+
 def target_names(rule: Rule) -> frozenset[str]:
     """What `target_ms` reads: two rules that read one account or fact measure one cost together."""
     source = _target_source(rule)

@@ -131,7 +131,17 @@ def final_ablation(
     spreads += [ab["decisions"][f"without {c['rule']}"].get("ratios") or [] for c, _ in cands]
     pooled = pooled_log_sd(spreads)
     sizes = _sizes(tr, start, final_cfg)
-    trials = [_judge(tr, c, ab, pooled, final_config_x(c, *sizes)) for c, _ in cands]
+    undo = _undo_x(tr, cands, final_report)
+    trials = [
+        _judge(
+            tr,
+            c,
+            ab,
+            pooled,
+            *((undo[c["rule"]], "final_trace") if c["rule"] in undo else (final_config_x(c, *sizes),)),
+        )
+        for c, _ in cands
+    ]
     dropped = _dropped(tr.out["ladder"], adopted)
     tr.out["final_ablation"] = {
         "trials": trials,
@@ -285,6 +295,28 @@ def _in_one_run(tr: Treatment, start: RunConfig, adopted: list[list[dict[str, An
     in_process_contributions([c for c, _ in arms], results, tr.opts)
 
 
+def _undo_x(tr: Treatment, cands: list, final_report: dict[str, Any] | None) -> dict[str, float]:
+    """The expected ratio of each ablation whose rule says what undoing its change costs (`gain.undo_ms`), read in
+    the final config's own trace: (its traced step + that cost) / its traced step. Why: gradient checkpointing's
+    recompute was 14-16% of the start's GPU work and 22.5% of the final config's (llava-siglip2-0.5b, batch 152, one
+    H200): carried from the start (`per: gpu`) it said x1.16-1.18, and turning checkpointing on measured x1.27-1.30
+    in fresh processes, where the final trace's LLM forward, what it re-runs, says x1.27."""
+    facts = (final_report or {}).get("facts") or {}
+    step = facts.get("step.ms")
+    if not isinstance(step, (int, float)) or step <= 0:
+        return {}
+    from vlmdoctor.doctor.rules import load_rules, undo_ms  # deferred: the rule engine loads pandas
+
+    by_id = {r.id: r for r in load_rules(*tr.opts.rules_dirs)[0]}
+    out = {}
+    for c, _ in cands:
+        rule = by_id.get(c["rule"])
+        ms = undo_ms(rule, facts) if rule else None
+        if ms is not None and ms >= 0:
+            out[c["rule"]] = 1 + ms / step
+    return out
+
+
 def _sizes(tr: Treatment, start: RunConfig, final_cfg: RunConfig) -> tuple[int, int, float | None, float | None]:
     """The start and final batches, the final config's step and its GPU's busy share (its rung is the ladder's last
     while it is ablated), for `final_config_x`."""
@@ -361,9 +393,11 @@ def _judge(
     ab: dict[str, Any],
     pooled: tuple[float, int] | None,
     expected_x: float | None = None,
+    expected_at: str = "final",
 ) -> int:
     """One ablation arm's trial, and the change's contribution from it (`expected_x`: the rules' estimate of it in
-    the final config, `final_config_x`); returns the trial's number."""
+    the final config, `final_config_x`, or read in the final trace, `_undo_x`: `expected_at`); returns the trial's
+    number."""
     opts = tr.opts
     name = f"without {c['rule']}"
     dd, a = ab["decisions"][name], ab["arms"][name]
@@ -382,8 +416,8 @@ def _judge(
         o = "likely_gain"  # two pairs beyond 1.5x, but their interval does not exclude no gain: not shown
     o = "kept" if broke else o
     entry = record_trial(tr.out, "ablation", name, [c], o, dd | why, a)
-    if expected_x is not None and expected_x != entry["expected_x"]:
-        entry |= {"expected_x": expected_x, "expected_at": "final"}
+    if expected_x is not None and (expected_x != entry["expected_x"] or expected_at != "final"):
+        entry |= {"expected_x": expected_x, "expected_at": expected_at}
     prior = c["contribution"]
     if o == "undecided" and prior.get("ratio") is not None:  # its composition's own pairs say more
         prior["ablation"] = f"trial {entry['trial']}: undecided in {dd.get('pairs') or 0} pair(s)"

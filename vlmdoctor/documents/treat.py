@@ -110,10 +110,10 @@ class Trial(RunSummary, kw_only=True):
     ) = None
     expected_at: (
         Annotated[
-            Literal["final"],
+            Literal["final", "final_trace"],
             Meta(
                 description="final: expected_x is moved to the final config (an ablation of a cost of each sample, "
-                "or of a share of the GPU's work)"
+                "or of a share of the GPU's work); final_trace: read in the final config's own trace (gain.undo_ms)"
             ),
         ]
         | None
