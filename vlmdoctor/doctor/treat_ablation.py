@@ -131,17 +131,12 @@ def final_ablation(
     spreads += [ab["decisions"][f"without {c['rule']}"].get("ratios") or [] for c, _ in cands]
     pooled = pooled_log_sd(spreads)
     sizes = _sizes(tr, start, final_cfg)
-    undo = _undo_x(tr, cands, final_report)
-    trials = [
-        _judge(
-            tr,
-            c,
-            ab,
-            pooled,
-            *((undo[c["rule"]], "final_trace") if c["rule"] in undo else (final_config_x(c, *sizes),)),
-        )
+    undo = _undo_x(tr, cands, final_report)  # read in the final trace where the rule says how; else moved there
+    expected = {
+        c["rule"]: (undo[c["rule"]], "final_trace") if c["rule"] in undo else (final_config_x(c, *sizes), "final")
         for c, _ in cands
-    ]
+    }
+    trials = [_judge(tr, c, ab, pooled, *expected[c["rule"]]) for c, _ in cands]
     dropped = _dropped(tr.out["ladder"], adopted)
     tr.out["final_ablation"] = {
         "trials": trials,
