@@ -24,6 +24,7 @@ from pathlib import Path
 import msgspec
 
 from vlmdoctor import docgen
+from vlmdoctor.doctor.gain import share_of_gpu
 from vlmdoctor.doctor.rules import load_rules
 from vlmdoctor.doctor.treat import FAR_OFF
 from vlmdoctor.doctor.treat_trials import busy_frac, composed_x, final_config_x
@@ -73,8 +74,8 @@ def _share_of_gpu(traced: list, gain: dict) -> float | None:
     step = gain.get("step_ms") or (saves / share if saves and share else None)
     for run in traced:
         p = run.profile or {}
-        if step and p.get("step.ms") and abs(p["step.ms"] / step - 1) < 1e-6 and p.get("gpu.busy_ms"):
-            return min(saves / p["gpu.busy_ms"], 1.0)
+        if step and p.get("step.ms") and abs(p["step.ms"] / step - 1) < 1e-6:
+            return share_of_gpu(saves, p.get("gpu.busy_ms"))
     return None
 
 

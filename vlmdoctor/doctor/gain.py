@@ -26,6 +26,13 @@ def _number(v: Any) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
 
 
+def share_of_gpu(saves_ms: Any, gpu_busy_ms: Any) -> float | None:
+    """A saving as a share of the GPU's busy time in the same traced step (a rule's `gain.per: gpu`), never above 1;
+    None where either is missing or the GPU was not busy."""
+    saves, busy = _number(saves_ms), _number(gpu_busy_ms)
+    return min(saves / busy, 1.0) if saves is not None and busy else None
+
+
 def gain_ratio(gain: dict[str, Any] | None) -> float | None:
     """The expected throughput ratio of a finding (x1.25: a quarter more tokens/s), or None where not computable.
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmdoctor.doctor.evidence import CONTRADICTED, contradictions, evidence_lines, missing_hint
-from vlmdoctor.doctor.gain import gain_ratio, gain_severity
+from vlmdoctor.doctor.gain import gain_ratio, gain_severity, share_of_gpu
 from vlmdoctor.doctor.rule_expr import (
     EVAL_ERRORS,
     MissingFact,
@@ -297,8 +297,7 @@ def _fire(
         speedup = step / (step - saves)
     equivalent = step * (1 - 1 / speedup) if speedup and step and speedup > 1 else saves
     share = (saves / step) if saves and step else None
-    busy = facts.get("gpu.busy_ms")
-    gpu_share = min(saves / busy, 1.0) if rule.gain_per == "gpu" and saves is not None and busy else None
+    gpu_share = share_of_gpu(saves, facts.get("gpu.busy_ms")) if rule.gain_per == "gpu" else None
     severity, basis = gain_severity(gain_ratio({"throughput_x": speedup, "share_of_step": share}), rule.severity)
     return {
         "id": rule.id,
