@@ -110,6 +110,21 @@ def test_software_upgrades_are_compared_and_named(key, value):
     assert key in markdown(result)
 
 
+def test_warm_up_steps_added_until_the_steps_settled_are_not_a_config_change():
+    """Both sides asked for 3 warm-up steps; one window waited 2 more for its steps to settle (`config.warmup`
+    records the steps run). Seen on the CPU gate of a script: "config differs: warmup: 3 -> 5" on the same code."""
+    base = copy.deepcopy(fixture("bf16_s2"))
+    base["warmup"] = {"asked": 3, "steps": 3, "settle_steps": 0, "settled": True}
+    cur = copy.deepcopy(base)
+    cur["config"]["warmup"] = 5
+    cur["warmup"] = {"asked": 3, "steps": 5, "settle_steps": 2, "settled": True}
+    assert check_comparable(base, cur, allow_env_change=False) == []
+    cur["warmup"]["asked"] = 5  # asked for: a knob that differs, and said
+    assert check_comparable(base, cur, allow_env_change=False) == ["config differs: warmup: 3 -> 5"]
+    del base["warmup"], cur["warmup"]  # reports without the block: the config as written
+    assert check_comparable(base, cur, allow_env_change=False) == ["config differs: warmup: 3 -> 5"]
+
+
 def test_a_different_gpu_model_is_refused_unless_allowed():
     base = fixture("bf16_s2")
     cur = copy.deepcopy(base)

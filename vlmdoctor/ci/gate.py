@@ -105,6 +105,16 @@ NAMED_ENV_KEYS = ("driver", "torch", "transformers", "liger_kernel", "triton")
 CPU_HARDWARE_KEYS = ("cpu_model", "cpu_count")
 
 
+def _as_asked(r: RunReport) -> dict[str, Any]:
+    """A report's config as it was asked for. A window that waited for the time per token to settle ran more
+    warm-up steps than asked and records them in `config.warmup`: that is the measurement's doing, not a knob
+    that differs (same script, same flags: 3 asked, 5 run on one side)."""
+    cfg = dict(r.config or {})
+    if r.warmup is not None and r.warmup.asked is not None and "warmup" in cfg:
+        cfg["warmup"] = r.warmup.asked
+    return cfg
+
+
 def check_comparable(base: dict[str, Any], cur: dict[str, Any], allow_env_change: bool = False) -> list[str]:
     """Refuse comparisons that would blame the code for a different model or GPU.
 
@@ -161,7 +171,7 @@ def check_comparable(base: dict[str, Any], cur: dict[str, Any], allow_env_change
             "the CPU model is recorded on one side only (a report from an older vlmdoctor): "
             "the hardware could not be checked"
         )
-    kb, kc = b.config or {}, c.config or {}
+    kb, kc = _as_asked(b), _as_asked(c)
     knobs = sorted((set(kb) | set(kc)) - {*MODEL_KEYS, "stage"})
     notes += [f"config differs: {d}" for d in _differences(kb, kc, knobs)]
     return notes
