@@ -262,7 +262,7 @@ def _fire(
     not_applicable: list[dict[str, Any]],
 ) -> dict[str, Any] | None:
     """The finding of one rule, or None; errors in the rule's expressions propagate to the caller."""
-    env = {**facts, **{k: c["value"] for k, c in rule.constants.items()}}
+    env = _env(rule, facts)
     try:
         hit = bool(evaluate(parsed(rule.when), env))
     except MissingFact as m:
@@ -388,16 +388,14 @@ def target_ms(rule: Rule, facts: dict[str, Any]) -> float | None:
         ms = [facts.get(ACCOUNT_FACTS.get(a, "")) for a in rule.accounts]
         ms = [float(v) for v in ms if isinstance(v, (int, float)) and not isinstance(v, bool)]
         return sum(ms) if ms else None
-    return _gain(rule, source, {**facts, **{k: c["value"] for k, c in rule.constants.items()}})
+    return _gain(rule, source, _env(rule, facts))
 
 
 def undo_ms(rule: Rule, facts: dict[str, Any]) -> float | None:
     """The milliseconds per step that undoing the rule's fix would cost a config that has the fix (`gain.undo_ms`,
     read in that config's trace: treat's final ablation expects it); None where the rule declares none or the trace
     lacks its facts."""
-    if not rule.gain.get("undo_ms"):
-        return None
-    return _gain(rule, "undo_ms", {**facts, **{k: c["value"] for k, c in rule.constants.items()}})
+    return _gain(rule, "undo_ms", _env(rule, facts))
 
 
 def target_names(rule: Rule) -> frozenset[str]:
@@ -431,6 +429,11 @@ def _reads_facts_only(rule: Rule) -> bool:
     return bool(trees) and not any(
         isinstance(n, ast.Constant) or (isinstance(n, ast.Name) and n.id.isupper()) for t in trees for n in ast.walk(t)
     )
+
+
+def _env(rule: Rule, facts: dict[str, Any]) -> dict[str, Any]:
+    """What a rule's expressions read: the trace's facts and the rule's own constants."""
+    return {**facts, **{k: c["value"] for k, c in rule.constants.items()}}
 
 
 def _gain(rule: Rule, key: str, env: dict[str, Any]) -> float | None:
